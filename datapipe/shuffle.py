@@ -1,0 +1,50 @@
+"""A seeded shuffle buffer whose state can be rebuilt from a draw count alone.
+
+The buffer's choices depend only on its random generator and the number of items seen, never
+on the items. So resuming after ``d`` draws needs no saved samples: running the same buffer
+over item *positions* tells which positions sit in which slots, and the reader re-reads just those.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any, Iterable, Iterator
+
+
+class ShuffleBuffer:
+    """Reservoir-style shuffle: fill ``size`` slots, then each new item replaces a random slot's item."""
+
+    def __init__(self, size: int, rng: random.Random, slots: list | None = None):
+        self.size = size
+        self.rng = rng
+        self.slots = list(slots or [])
+        self.pulled = 0
+
+    def run(self, source: Iterable[Any]) -> Iterator[Any]:
+        slots, rng, size = self.slots, self.rng, self.size
+        for item in source:
+            self.pulled += 1
+            if len(slots) < size:
+                slots.append(item)
+                continue
+            j = rng.randrange(size)
+            out = slots[j]
+            slots[j] = item
+            yield out
+        while slots:
+            j = rng.randrange(len(slots))
+            slots[j], slots[-1] = slots[-1], slots[j]
+            yield slots.pop()
+
+
+def replay_positions(size: int, seed: int, length: int, draws: int) -> tuple[ShuffleBuffer, int]:
+    """The buffer after ``draws`` draws over positions ``0..length-1``, and the next position to pull.
+
+    The returned buffer's ``slots`` hold positions; its generator is in the same state as a live
+    buffer's after the same draws.
+    """
+    buffer = ShuffleBuffer(size, random.Random(seed))
+    consumed = sum(1 for _ in itertools.islice(buffer.run(range(length)), draws))
+    if consumed != draws:
+        raise ValueError(f"cannot resume after {draws} draws: this run has only {consumed} items")
+    return buffer, buffer.pulled

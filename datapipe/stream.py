@@ -1,0 +1,320 @@
+"""``ShardStream``: WebDataset samples from sharded tars on any storage, split over ranks and workers."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterator
+
+import torch.utils.data
+
+from datapipe.errors import DataError
+from datapipe.manifest import counts_from_manifests
+from datapipe.plan import WorkerPlan, epoch_seed, samples_per_rank, shard_order, worker_plan
+from datapipe.shuffle import ShuffleBuffer, replay_positions
+from datapipe.storage import open_shard
+from datapipe.tario import BlockReader, TarFormatError, count_samples, iter_samples
+from datapipe.urls import expand_urls, redact_url
+
+log = logging.getLogger("datapipe.stream")
+
+ON_ERROR = ("raise", "skip", "warn")
+
+
+class _Lost:
+    """A sample position that could not be read (kept so the shuffle buffer stays replayable)."""
+
+    __slots__ = ()
+
+
+LOST = _Lost()
+
+
+def default_rank_world() -> tuple[int, int]:
+    """torch.distributed if initialised, else the RANK / WORLD_SIZE variables, else 0 / 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """An iterable dataset of WebDataset samples (``__key__``, ``__url__``, one bytes value per extension).
+
+    Every sample is read exactly once per epoch over all ranks x DataLoader workers, and every rank
+    yields the same number of samples (``ceil(N / world_size)``: at most ``world_size - 1`` samples
+    repeat to even the ranks out). Order is deterministic for a given (seed, epoch, world_size,
+    num_workers). Sample counts come from ``manifest.json`` beside the shards; shards it does not
+    list are counted once by walking their headers (logged).
+
+    ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key; ``"skip"`` drops the bad
+    sample (or the unreadable rest of a shard) and counts it in ``stats()``; ``"warn"`` also logs.
+    """
+
+    def __init__(
+        self,
+        urls: str | list[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        shuffle_buffer: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: str = "raise",
+        storage_options: dict | None = None,
+        counts: dict[str, int] | list[int] | None = None,
+        retries: int = 5,
+        allow_pipe: bool = False,
+        cache_dir: str | None = None,
+        cache_limit: int | None = None,
+    ):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if shuffle_buffer < 0:
+            raise ValueError("shuffle_buffer must be >= 0 (0 disables the sample shuffle buffer)")
+        if (rank is None) != (world_size is None):
+            raise ValueError("give both rank and world_size, or neither")
+        if world_size is not None and not (world_size >= 1 and 0 <= rank < world_size):
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self.urls = expand_urls(urls, allow_pipe=allow_pipe)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.rank = rank
+        self.world_size = world_size
+        self.on_error = on_error
+        self.storage_options = storage_options or {}
+        self.retries = retries
+        self.allow_pipe = allow_pipe
+        self.cache_dir = cache_dir
+        self.cache_limit = cache_limit
+        self.epoch = 0
+        self._counts = self._given_counts(counts)
+        self._resume: dict | None = None
+        self._positions: dict[int, dict[str, Any]] = {}
+        self._num_workers = 0
+        self._stats = {"samples": 0, "skipped": 0, "errors": 0, "padded": 0, "retries": 0, "shards_opened": 0,
+                       "bytes_read": 0}
+        self._last_errors: list[str] = []
+
+    # ---- counts -------------------------------------------------------------------------------
+    def _given_counts(self, counts) -> list[int] | None:
+        if counts is None:
+            return None
+        if isinstance(counts, dict):
+            missing = [u for u in self.urls if u not in counts]
+            if missing:
+                raise ValueError(f"counts has no entry for {redact_url(missing[0])}")
+            return [int(counts[u]) for u in self.urls]
+        if len(counts) != len(self.urls):
+            raise ValueError(f"counts has {len(counts)} entries for {len(self.urls)} shards")
+        return [int(c) for c in counts]
+
+    @property
+    def counts(self) -> list[int]:
+        """Samples per shard (from the manifest, or counted once)."""
+        if self._counts is None:
+            known = counts_from_manifests(self.urls, storage_options=self.storage_options) \
+                if not any(u.startswith("pipe:") for u in self.urls) else {}
+            missing = [u for u in self.urls if u not in known]
+            if missing:
+                log.warning("no manifest lists %d of %d shards: counting their samples once (write shards with "
+                            "datapipe.ShardWriter or `datapipe index` to skip this)", len(missing), len(self.urls))
+                for url in missing:
+                    known[url] = self._count_shard(url)
+            self._counts = [known[u] for u in self.urls]
+        return self._counts
+
+    def _count_shard(self, url: str) -> int:
+        f, seekable = open_shard(url, storage_options=self.storage_options, retries=self.retries,
+                                 allow_pipe=self.allow_pipe)
+        try:
+            return count_samples(BlockReader(f, seekable=seekable))
+        except TarFormatError as e:
+            if self.on_error == "raise":
+                raise DataError(f"cannot count samples: {e}", url=redact_url(url)) from e
+            self._note_error(DataError(f"cannot count samples: {e}", url=redact_url(url)))
+            return 0
+        finally:
+            f.close()
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch."""
+        _, world = self._rank_world()
+        return samples_per_rank(sum(self.counts), world)
+
+    def __getstate__(self):
+        self.counts  # count once in the parent, not in every worker
+        return self.__dict__
+
+    # ---- epochs and state ---------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands: the epoch and each worker's draw count (see loaders.DataLoader)."""
+        rank, world = self._rank_world()
+        return {"epoch": self.epoch, "seed": self.seed, "world_size": world, "rank": rank,
+                "num_workers": self._num_workers,
+                "workers": {w: dict(p) for w, p in self._positions.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration yields exactly the rest of the saved epoch."""
+        for key in ("epoch", "num_workers", "workers"):
+            if key not in state:
+                raise ValueError(f"not a ShardStream state: no {key!r} entry")
+        self.epoch = int(state["epoch"])
+        self._resume = {"num_workers": int(state["num_workers"]), "world_size": state.get("world_size"),
+                        "first_worker": int(state.get("first_worker", 0)),
+                        "workers": {int(w): dict(p) for w, p in state["workers"].items()}}
+
+    def stats(self) -> dict[str, Any]:
+        """Counts of this process: samples yielded, skipped (bad or lost), errors, padded repeats, retries."""
+        return {**self._stats, "last_errors": list(self._last_errors)}
+
+    # ---- iteration ----------------------------------------------------------------------------
+    def _rank_world(self) -> tuple[int, int]:
+        if self.world_size is not None:
+            return self.rank, self.world_size
+        return default_rank_world()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = torch.utils.data.get_worker_info()
+        num_workers = info.num_workers if info is not None else 0
+        physical = info.id if info is not None else 0
+        rank, world = self._rank_world()
+        resume, self._resume = self._resume, None
+        logical, draws, done = physical, 0, False
+        if resume is not None:
+            if resume["num_workers"] != num_workers:
+                raise ValueError(f"state was saved with num_workers={resume['num_workers']}, "
+                                 f"now {num_workers}: resume with the same number of workers")
+            if resume["world_size"] is not None and resume["world_size"] != world:
+                raise ValueError(f"state was saved with world_size={resume['world_size']}, now {world}")
+            logical = (physical + resume["first_worker"]) % max(1, num_workers)
+            saved = resume["workers"].get(logical, {})
+            draws, done = int(saved.get("draws", 0)), bool(saved.get("done", False))
+        self._num_workers = num_workers
+        plan = worker_plan(self.counts, shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
+                                                    epoch=self.epoch),
+                           rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers))
+        position = {"draws": draws, "done": done}
+        self._positions = {logical: position}
+        if done:
+            return
+        self._stats["padded"] += plan.padded
+        yield from self._iterate(plan, epoch_seed(self.seed, self.epoch, rank, logical), position)
+        position["done"] = True
+
+    def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        draws = position["draws"]
+        if self.shuffle_buffer <= 1:
+            items = self._read_positions(plan, draws)
+        else:
+            buffer, pulled = replay_positions(self.shuffle_buffer, seed, len(plan), draws)
+            source = self._read_positions(plan, min(buffer.slots + [pulled]))
+            wanted = {p: i for i, p in enumerate(buffer.slots)}
+            slots = [None] * len(buffer.slots)
+            while wanted:
+                pos, item = next(source)
+                if pos in wanted:
+                    slots[wanted.pop(pos)] = (pos, item)
+            live = ShuffleBuffer(self.shuffle_buffer, buffer.rng, slots)
+            items = live.run(source)
+        for _, item in items:
+            position["draws"] += 1
+            if item is LOST:
+                continue
+            self._stats["samples"] += 1
+            yield item
+
+    def _read_positions(self, plan: WorkerPlan, first: int) -> Iterator[tuple[int, Any]]:
+        """``(position, sample or LOST)`` for the plan's positions from ``first`` on."""
+        pos = 0
+        for seg in plan.segments:
+            n = len(seg)
+            if pos + n <= first:
+                pos += n
+                continue
+            skip = max(0, first - pos)
+            for offset, item in enumerate(self._read_segment(seg.shard, seg.start + skip, seg.stop)):
+                yield pos + skip + offset, item
+            pos += n
+
+    def _read_segment(self, shard: int, start: int, stop: int) -> Iterator[Any]:
+        """Exactly ``stop - start`` items: samples, or LOST for those that could not be read."""
+        url = self.urls[shard]
+        expected = start
+        last_key = None
+        resync = self.on_error != "raise"
+        at_end = stop == self.counts[shard]
+        try:
+            f, seekable = open_shard(url, storage_options=self.storage_options, retries=self.retries,
+                                     allow_pipe=self.allow_pipe)
+        except DataError as e:
+            yield from self._lose(e, stop - start)
+            return
+        self._stats["shards_opened"] += 1
+        reader = BlockReader(f, seekable=seekable)
+        try:
+            for event in iter_samples(reader, url, start=start, stop=stop + 1 if at_end else stop, resync=resync):
+                if event.ordinal is None:
+                    self._note_error(DataError(f"damaged tar data skipped: {event.error}", url=redact_url(url),
+                                               key=last_key))
+                    continue
+                if event.ordinal >= stop:
+                    err = DataError(f"shard holds more than the {self.counts[shard]} samples its manifest lists",
+                                    url=redact_url(url), key=event.key)
+                    if not resync:
+                        raise err
+                    self._note_error(err)
+                    break
+                if event.ordinal > expected:
+                    gap = event.ordinal - expected
+                    yield from self._lose(DataError("samples missing before this one", url=redact_url(url),
+                                                    key=event.key), gap)
+                    expected = event.ordinal
+                last_key = event.key
+                expected += 1
+                if event.sample is None:
+                    err = DataError(f"bad sample: {event.error}", url=redact_url(url), key=event.key)
+                    if not resync:
+                        raise err
+                    yield from self._lose(err, 1)
+                    continue
+                yield event.sample
+        except TarFormatError as e:
+            err = DataError(f"unreadable tar data at byte {e.offset}: {e}", url=redact_url(url), key=e.key or last_key)
+            if not resync:
+                raise err from e
+            yield from self._lose(err, stop - expected)
+            expected = stop
+        except DataError as e:
+            if not resync:
+                raise
+            yield from self._lose(e, stop - expected)
+            expected = stop
+        finally:
+            self._stats["bytes_read"] += reader.offset
+            self._stats["retries"] += getattr(f, "retried", 0)
+            f.close()
+        if expected < stop:
+            err = DataError(f"shard ends after {expected} samples, {stop} expected (truncated, or the manifest is wrong)",
+                            url=redact_url(url), key=last_key)
+            if not resync:
+                raise err
+            yield from self._lose(err, stop - expected)
+
+    def _lose(self, err: DataError, n: int) -> Iterator[Any]:
+        if self.on_error == "raise":
+            raise err
+        self._note_error(err)
+        self._stats["skipped"] += n
+        for _ in range(n):
+            yield LOST
+
+    def _note_error(self, err: DataError) -> None:
+        self._stats["errors"] += 1
+        self._last_errors = (self._last_errors + [str(err)])[-10:]
+        if self.on_error == "warn":
+            log.warning("skipped: %s", err)
