@@ -40,13 +40,19 @@ def write_manifest(directory: str, manifest: dict[str, Any], *, storage_options:
     return url
 
 
-def read_manifest(directory: str, *, storage_options: dict | None = None) -> dict[str, Any] | None:
-    """The manifest of a shard directory, or None when it has none."""
+def read_manifest(directory: str, *, storage_options: dict | None = None, retries: int = 5) -> dict[str, Any] | None:
+    """The manifest of a shard directory, or None when it has none. Transient failures are retried."""
+    from datapipe.storage import retry_call
+
     url = manifest_url(directory)
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    try:
+
+    def load():
         with fs.open(path, "r") as f:
-            manifest = json.load(f)
+            return json.load(f)
+
+    try:
+        manifest = retry_call(load, url, retries=retries)
     except FileNotFoundError:
         return None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):

@@ -18,6 +18,23 @@ REMOTE_BLOCK = 8 << 20
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError, ValueError)
 
 
+def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_backoff: float = 5.0):
+    """Call ``fn()``, retrying transient failures with exponential backoff; permanent ones pass through."""
+    failures = 0
+    while True:
+        try:
+            return fn()
+        except _PERMANENT:
+            raise
+        except Exception as e:
+            failures += 1
+            if failures > retries:
+                raise DataError(f"giving up after {retries} retries: {type(e).__name__}: {e}", url=redact_url(url)) from e
+            delay = min(max_backoff, backoff * 2 ** (failures - 1))
+            log.warning("retrying %s in %.2fs after %s: %s", redact_url(url), delay, type(e).__name__, e)
+            time.sleep(delay)
+
+
 class RetryingFile:
     """A read-only remote file that survives transient failures.
 

@@ -220,7 +220,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if pos in wanted:
                     slots[wanted.pop(pos)] = (pos, item)
             live = ShuffleBuffer(self.shuffle_buffer, buffer.rng, slots)
-            items = live.run(source)
+            items = live.run(item for item in source if item[0] >= pulled)
         for _, item in items:
             position["draws"] += 1
             if item is LOST:

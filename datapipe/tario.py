@@ -19,10 +19,11 @@ _SKIP_META = re.compile(r"__[^/]*__($|/)")
 class TarFormatError(Exception):
     """A tar header or member that cannot be parsed. ``offset`` is the byte offset of the problem."""
 
-    def __init__(self, message: str, offset: int, key: str | None = None):
+    def __init__(self, message: str, offset: int, key: str | None = None, name: str | None = None):
         super().__init__(message)
         self.offset = offset
         self.key = key
+        self.name = name  # the member name the damaged header seems to hold, when it is legible
 
 
 def split_key(name: str) -> tuple[str | None, str | None]:
@@ -149,6 +150,18 @@ def _name(header: bytes) -> str:
     return name.decode("utf-8", "surrogateescape")
 
 
+def _legible_name(header: bytes) -> str | None:
+    """The name field of a damaged header, if it still looks like a sample member's name."""
+    raw = header[0:100].split(b"\0", 1)[0]
+    try:
+        name = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if not name or not name.isprintable():
+        return None
+    return name
+
+
 def _pax_records(data: bytes) -> dict[str, str]:
     records, pos = {}, 0
     while pos < len(data):
@@ -191,7 +204,7 @@ def iter_members(reader: BlockReader, *, want: Callable[[str], bool] = lambda na
         if header == _ZERO_BLOCK:
             return
         if not _checksum_ok(header):
-            err = TarFormatError("bad tar header checksum", header_offset)
+            err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
             if not resync:
                 raise err
             on_error(err)
@@ -284,16 +297,32 @@ def iter_samples(reader: BlockReader, url: str, *, start: int = 0, stop: int | N
     def in_range(i: int) -> bool:
         return i >= start and (stop is None or i < stop)
 
+    damage_next = False
     for member, data in iter_members(reader, want=want, resync=resync, on_error=errors.append):
         if errors:
             err = errors[-1]
             errors.clear()
+            extension_header = err.name is not None and "@PaxHeader" in err.name or err.name == "././@LongLink"
+            guess = split_key(err.name)[0] if err.name and not extension_header else None
+            if extension_header and current is not None:
+                # a damaged pax / long-name header belongs to the next member: the current sample is whole
+                yield SampleEvent(state["ordinal"], state["key"], current)
+                current, state["key"] = None, None
+            if guess is not None and guess != state["key"]:
+                # the damaged header starts a new sample: the one in progress is complete
+                if current is not None:
+                    yield SampleEvent(state["ordinal"], state["key"], current)
+                state["ordinal"] += 1
+                state["key"] = guess
+                current = {} if state["ordinal"] >= start else None
             if state["key"] is not None:
                 if in_range(state["ordinal"]):
                     yield SampleEvent(state["ordinal"], state["key"], None, err)
                 damaged_key = state["key"]
             else:
                 yield SampleEvent(None, None, None, err)
+            # without a legible name, the sample after the damage may have lost members too
+            damage_next = guess is None
             current, state["key"] = None, None
         name = member.name
         if is_meta(name):
@@ -310,6 +339,13 @@ def iter_samples(reader: BlockReader, url: str, *, start: int = 0, stop: int | N
             if stop is not None and state["ordinal"] >= stop:
                 return
             current = {"__key__": key, "__url__": url} if state["ordinal"] >= start else None
+            if damage_next:
+                damage_next = False
+                if in_range(state["ordinal"]):
+                    yield SampleEvent(state["ordinal"], key, None,
+                                      TarFormatError("sample follows unreadable tar data", member.offset, key))
+                current, damaged_key = None, key
+                continue
         if current is not None:
             if ext in current:
                 err = TarFormatError(f"duplicate file name {name!r} in sample", member.offset, key)

@@ -1,0 +1,42 @@
+import os
+
+import pytest
+import webdataset
+
+from datapipe import ShardWriter
+
+
+def make_samples(n, *, prefix="s", size=64, seed=0):
+    rnd = __import__("random").Random(seed)
+    return [
+        {"__key__": f"{prefix}{i:05d}", "bin": rnd.randbytes(rnd.randrange(1, size + 1)), "cls": str(i % 7).encode()}
+        for i in range(n)
+    ]
+
+
+def write_shards(directory, counts, *, manifest=True, gzip=False, prefix="s"):
+    """Shards of the given sample counts with the real webdataset writer (+ a datapipe manifest)."""
+    os.makedirs(directory, exist_ok=True)
+    ext = "tar.gz" if gzip else "tar"
+    urls, samples, i = [], [], 0
+    entries = []
+    for shard, n in enumerate(counts):
+        path = os.path.join(directory, f"shard-{shard:06d}.{ext}")
+        batch = make_samples(n, prefix=f"{prefix}{shard}-", seed=shard)
+        with webdataset.TarWriter(path, compress=gzip) as w:
+            for s in batch:
+                w.write(s)
+        urls.append(path)
+        samples += batch
+        entries.append({"name": os.path.basename(path), "count": n, "bytes": os.path.getsize(path), "sha256": ""})
+        i += n
+    if manifest:
+        from datapipe.manifest import make_manifest, write_manifest
+
+        write_manifest(str(directory), make_manifest(entries))
+    return urls, samples
+
+
+@pytest.fixture
+def shards(tmp_path):
+    return write_shards(tmp_path / "data", [10, 3, 0, 8, 5])

@@ -1,0 +1,299 @@
+import gzip
+import io
+import logging
+import os
+import tarfile
+
+import pytest
+import torch
+import webdataset
+
+from datapipe import DataError, ShardStream, ShardWriter
+from tests.datapipe.conftest import make_samples, write_shards
+from tests.resume import assert_resumes_identically
+from tests.servers import http_server
+
+
+def keys(stream):
+    return [s["__key__"] for s in stream]
+
+
+def strip(sample):
+    return {k: v for k, v in sample.items() if k not in ("__url__", "__local_path__")}
+
+
+def test_same_samples_as_webdataset(shards):
+    urls, _ = shards
+    ours = [strip(s) for s in ShardStream(urls)]
+    theirs = [strip(s) for s in webdataset.WebDataset(urls, shardshuffle=False)]
+    assert ours == theirs and len(ours) == 26
+
+
+def test_webdataset_key_rules_dots_and_multipart_extensions(tmp_path):
+    path = str(tmp_path / "x.tar")
+    with tarfile.open(path, "w") as tar:
+        for name, data in [("a.b/c.d/img01.seg.png", b"1"), ("a.b/c.d/img01.JPG", b"2"), ("__meta__", b"m"),
+                           ("a.b/c.d/img02.seg.png", b"3"), ("noext", b"x"), ("dir/", None)]:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    ours = [strip(s) for s in ShardStream(path, counts=[2])]
+    theirs = [strip(s) for s in webdataset.WebDataset(path, shardshuffle=False)]
+    assert ours == theirs
+    assert ours[0] == {"__key__": "a.b/c.d/img01", "seg.png": b"1", "jpg": b"2"}
+
+
+def test_long_names_pax_and_gnu(tmp_path):
+    path = str(tmp_path / "long.tar")
+    long_dir = "d" * 150
+    for fmt, name in [(tarfile.GNU_FORMAT, "gnu.tar"), (tarfile.PAX_FORMAT, "pax.tar")]:
+        p = str(tmp_path / name)
+        with tarfile.open(p, "w", format=fmt) as tar:
+            for i in range(3):
+                data = f"v{i}".encode()
+                info = tarfile.TarInfo(f"{long_dir}/sample{i}.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        got = [strip(s) for s in ShardStream(p)]
+        assert got == [{"__key__": f"{long_dir}/sample{i}", "txt": f"v{i}".encode()} for i in range(3)]
+
+
+def test_gzip_shards(tmp_path):
+    urls, samples = write_shards(tmp_path / "gz", [4, 6], gzip=True)
+    assert [strip(s) for s in ShardStream(urls)] == [strip(s) for s in samples]
+    stream = ShardStream(urls, rank=1, world_size=2, shuffle=True, shuffle_buffer=3)
+    assert len(list(stream)) == 5
+
+
+def test_counts_without_manifest_are_counted_and_logged(tmp_path, caplog):
+    urls, samples = write_shards(tmp_path / "nm", [3, 4], manifest=False)
+    with caplog.at_level(logging.WARNING, logger="datapipe.stream"):
+        stream = ShardStream(urls)
+        assert stream.counts == [3, 4]
+    assert "counting their samples once" in caplog.text
+    assert len(stream) == 7
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+def test_exactly_once_and_equal_counts(shards, world_size, num_workers):
+    urls, samples = shards
+    per_rank, seen = [], []
+    for rank in range(world_size):
+        stream = ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=5, rank=rank, world_size=world_size)
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=num_workers)
+        got = keys(loader)
+        per_rank.append(len(got))
+        seen += got
+        assert len(got) == len(stream)
+    assert len(set(per_rank)) == 1, per_rank
+    assert set(seen) == {s["__key__"] for s in samples}
+    assert len(seen) - len(samples) == per_rank[0] * world_size - len(samples) < world_size
+
+
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_fewer_samples_and_shards_than_ranks_times_workers(tmp_path, num_workers):
+    urls, samples = write_shards(tmp_path / "few", [2, 1])
+    seen, lengths = [], set()
+    for rank in range(4):
+        loader = torch.utils.data.DataLoader(ShardStream(urls, rank=rank, world_size=4), batch_size=None,
+                                             num_workers=num_workers)
+        got = keys(loader)
+        lengths.add(len(got))
+        seen += got
+    assert lengths == {1} and set(seen) == {s["__key__"] for s in samples}
+
+
+def test_equal_batches_per_rank_with_uneven_shards(tmp_path):
+    urls, _ = write_shards(tmp_path / "uneven", [50, 1, 7, 23])
+    batches = set()
+    for rank in range(3):
+        stream = ShardStream(urls, rank=rank, world_size=3)
+        loader = torch.utils.data.DataLoader(stream, batch_size=4, num_workers=2,
+                                             collate_fn=lambda b: [s["__key__"] for s in b])
+        batches.add(sum(1 for _ in loader))
+    assert len(batches) == 1
+
+
+def test_deterministic_and_epoch_dependent(shards):
+    urls, _ = shards
+    a = ShardStream(urls, shuffle=True, shuffle_buffer=6, seed=1)
+    b = ShardStream(urls, shuffle=True, shuffle_buffer=6, seed=1)
+    assert keys(a) == keys(b)
+    first = keys(a)
+    a.set_epoch(1)
+    assert keys(a) != first and sorted(keys(a)) == sorted(first)
+    assert keys(ShardStream(urls, shuffle=True, shuffle_buffer=6, seed=2)) != first
+    assert keys(ShardStream(urls)) == sorted(first)
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 1, 4, 100])
+def test_resume_at_every_step(shards, shuffle_buffer):
+    urls, _ = shards
+
+    def make():
+        s = ShardStream(urls, shuffle=True, shuffle_buffer=shuffle_buffer, seed=7, rank=1, world_size=2)
+        s.set_epoch(3)
+        return s
+
+    full = assert_resumes_identically(make)
+    assert len(full) == 13
+
+
+def test_resume_refuses_other_world_size(shards):
+    urls, _ = shards
+    s = ShardStream(urls, rank=0, world_size=2)
+    next(iter(s))
+    state = s.state_dict()
+    other = ShardStream(urls, rank=0, world_size=3)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size"):
+        next(iter(other))
+
+
+def test_http_shards_through_a_real_server(tmp_path):
+    urls, samples = write_shards(tmp_path / "web", [5, 4, 6])
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+        got = [strip(s) for s in ShardStream(remote, shuffle=False)]
+        assert got == [strip(s) for s in samples]
+        assert faults.requests > 0
+        spec = base + "/shard-{000000..000002}.tar"
+        assert sorted(keys(ShardStream(spec, shuffle=True, shuffle_buffer=5))) == sorted(s["__key__"] for s in samples)
+
+
+def test_http_transient_faults_are_retried_without_duplicates(tmp_path):
+    urls, samples = write_shards(tmp_path / "flaky", [5, 4])
+    with http_server(str(tmp_path / "flaky")) as (base, faults):
+        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+        stream = ShardStream(remote, retries=5)
+        assert stream.counts == [5, 4]  # the manifest is read before the faults start
+        faults.errors_5xx = 2
+        faults.truncations = 1
+        faults.resets = 1
+        assert [strip(s) for s in stream] == [strip(s) for s in samples]
+        assert stream.stats()["retries"] >= 1
+
+
+def test_unreachable_url(tmp_path):
+    stream = ShardStream("http://127.0.0.1:9/missing-{0..1}.tar", counts=[2, 2], retries=1)
+    with pytest.raises(DataError, match="127.0.0.1"):
+        list(stream)
+    skipping = ShardStream("http://127.0.0.1:9/missing-{0..1}.tar", counts=[2, 2], retries=1, on_error="skip")
+    assert list(skipping) == []
+    assert skipping.stats()["skipped"] == 4
+
+
+def test_pipe_refused_unless_allowed(shards):
+    urls, _ = shards
+    with pytest.raises(ValueError, match="pipe"):
+        ShardStream(f"pipe:cat {urls[0]}")
+    allowed = ShardStream(f"pipe:cat {urls[0]}", allow_pipe=True, counts=[10])
+    assert len(list(allowed)) == 10
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def _corrupt(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _member_offsets(path):
+    with tarfile.open(path) as tar:
+        return [(m.name, m.offset_data - 512) for m in tar.getmembers()]  # the member's own header
+
+
+def test_bad_header_raise_skip_warn(tmp_path, caplog):
+    urls, samples = write_shards(tmp_path / "bad", [6, 4])
+    members = _member_offsets(urls[0])
+    name, offset = members[4]  # first member of sample 2
+    _corrupt(urls[0], offset + 108, b"\xff\xfe garbage")  # uid/gid fields: the checksum fails
+    with pytest.raises(DataError) as info:
+        list(ShardStream(urls))
+    assert "shard-000000.tar" in str(info.value)
+    skip = ShardStream(urls, on_error="skip")
+    got = keys(skip)
+    expected = [s["__key__"] for s in samples]
+    bad_key = name.split(".")[0]
+    assert got == [k for k in expected if k != bad_key]
+    assert skip.stats()["skipped"] == 1
+    with caplog.at_level(logging.WARNING, logger="datapipe.stream"):
+        warn = ShardStream(urls, on_error="warn")
+        assert keys(warn) == got
+    assert "skipped" in caplog.text and bad_key in caplog.text
+
+
+def test_illegible_header_drops_its_neighbours_and_counts_them(tmp_path):
+    urls, samples = write_shards(tmp_path / "bad", [6])
+    name, offset = _member_offsets(urls[0])[5]  # second member of sample 2, name destroyed
+    _corrupt(urls[0], offset, b"\xff" * 60)
+    skip = ShardStream(urls, on_error="skip")
+    got = keys(skip)
+    expected = [s["__key__"] for s in samples]
+    assert set(got) <= set(expected) and name.split(".")[0] not in got
+    assert len(got) + skip.stats()["skipped"] == len(expected)
+    assert got[-2:] == expected[-2:]
+
+
+def test_damaged_pax_header_loses_one_sample(tmp_path):
+    urls, samples = write_shards(tmp_path / "pax", [6])
+    with tarfile.open(urls[0]) as tar:
+        member = tar.getmembers()[4]
+    assert member.offset_data - member.offset > 512, "expected webdataset's writer to emit pax headers"
+    _corrupt(urls[0], member.offset + 108, b"\xff" * 8)
+    skip = ShardStream(urls, on_error="skip")
+    got = keys(skip)
+    expected = [s["__key__"] for s in samples]
+    assert got == [k for k in expected if k != member.name.split(".")[0]]
+    assert skip.stats()["skipped"] == 1
+
+
+def test_truncated_shard(tmp_path):
+    urls, samples = write_shards(tmp_path / "trunc", [6, 4])
+    size = os.path.getsize(urls[0])
+    members = _member_offsets(urls[0])
+    with open(urls[0], "r+b") as f:
+        f.truncate(members[7][1] + 512 + 3)  # inside the data of sample 3's second member
+    with pytest.raises(DataError, match="shard-000000"):
+        list(ShardStream(urls))
+    skip = ShardStream(urls, on_error="skip")
+    got = keys(skip)
+    assert got == [s["__key__"] for s in samples[:3] + samples[6:]]
+    assert skip.stats()["skipped"] == 3
+    assert size > os.path.getsize(urls[0])
+
+
+def test_shard_disappears_mid_epoch(tmp_path):
+    urls, samples = write_shards(tmp_path / "gone", [3, 3])
+    stream = ShardStream(urls, on_error="skip")
+    it = iter(stream)
+    first = [next(it)["__key__"] for _ in range(3)]
+    os.remove(urls[1])
+    rest = [s["__key__"] for s in it]
+    assert first == [s["__key__"] for s in samples[:3]] and rest == []
+    assert stream.stats()["skipped"] == 3
+    with pytest.raises(DataError, match="shard-000001"):
+        list(ShardStream(urls, counts=[3, 3]))
+
+
+def test_manifest_count_mismatch_is_reported(tmp_path):
+    urls, samples = write_shards(tmp_path / "mm", [4])
+    with pytest.raises(DataError, match="manifest"):
+        list(ShardStream(urls, counts=[3]))
+    stream = ShardStream(urls, counts=[5], on_error="skip")
+    assert len(list(stream)) == 4 and stream.stats()["skipped"] == 1
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="on_error"):
+        ShardStream("x.tar", on_error="ignore")
+    with pytest.raises(ValueError, match="rank"):
+        ShardStream("x.tar", rank=2, world_size=2)
+    with pytest.raises(ValueError):
+        ShardStream("")
