@@ -12,7 +12,7 @@ from datapipe.manifest import counts_from_manifests
 from datapipe.plan import WorkerPlan, epoch_seed, samples_per_rank, shard_order, worker_plan
 from datapipe.shuffle import ShuffleBuffer, replay_positions
 from datapipe.storage import open_shard
-from datapipe.tario import BlockReader, TarFormatError, count_samples, iter_samples
+from datapipe.tario import TarFormatError, count_samples, iter_samples, reader_for
 from datapipe.urls import expand_urls, redact_url
 
 log = logging.getLogger("datapipe.stream")
@@ -47,6 +47,9 @@ class ShardStream(torch.utils.data.IterableDataset):
     num_workers). Sample counts come from ``manifest.json`` beside the shards; shards it does not
     list are counted once by walking their headers (logged).
 
+    ``zero_copy=True`` hands out values of local uncompressed shards as memoryviews into the
+    memory-mapped file instead of bytes (no copy; ``np.frombuffer`` and DALI take them as they are).
+
     ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key; ``"skip"`` drops the bad
     sample (or the unreadable rest of a shard) and counts it in ``stats()``; ``"warn"`` also logs.
     """
@@ -67,6 +70,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         allow_pipe: bool = False,
         cache_dir: str | None = None,
         cache_limit: int | None = None,
+        zero_copy: bool = False,
     ):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -88,6 +92,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.allow_pipe = allow_pipe
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
+        self.zero_copy = zero_copy
         self.epoch = 0
         self._counts = self._given_counts(counts)
         self._resume: dict | None = None
@@ -129,7 +134,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         f, seekable = open_shard(url, storage_options=self.storage_options, retries=self.retries,
                                  allow_pipe=self.allow_pipe)
         try:
-            return count_samples(BlockReader(f, seekable=seekable))
+            return count_samples(reader_for(f, seekable=seekable))
         except TarFormatError as e:
             if self.on_error == "raise":
                 raise DataError(f"cannot count samples: {e}", url=redact_url(url)) from e
@@ -255,9 +260,10 @@ class ShardStream(torch.utils.data.IterableDataset):
             yield from self._lose(e, stop - start)
             return
         self._stats["shards_opened"] += 1
-        reader = BlockReader(f, seekable=seekable)
+        reader = reader_for(f, seekable=seekable)
         try:
-            for event in iter_samples(reader, url, start=start, stop=stop + 1 if at_end else stop, resync=resync):
+            for event in iter_samples(reader, url, start=start, stop=stop + 1 if at_end else stop, resync=resync,
+                                      zero_copy=self.zero_copy):
                 if event.ordinal is None:
                     self._note_error(DataError(f"damaged tar data skipped: {event.error}", url=redact_url(url),
                                                key=last_key))
@@ -297,6 +303,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         finally:
             self._stats["bytes_read"] += reader.offset
             self._stats["retries"] += getattr(f, "retried", 0)
+            if hasattr(reader, "close"):
+                reader.close()
             f.close()
         if expected < stop:
             err = DataError(f"shard ends after {expected} samples, {stop} expected (truncated, or the manifest is wrong)",

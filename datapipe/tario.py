@@ -6,7 +6,11 @@ sample ordinal by seeking past the data of the samples before it.
 """
 from __future__ import annotations
 
+import io
+import mmap
+import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -72,8 +76,23 @@ class BlockReader:
         self.pos = 0
         return have >= n
 
+    def peek(self, n: int) -> bytes | None:
+        """The next ``n`` bytes without consuming them, or None near the end."""
+        if not self._fill(n):
+            return None
+        return self.buf[self.pos:self.pos + n]
+
     def read(self, n: int) -> bytes | None:
         """Exactly ``n`` bytes, or None if the stream ends first (a truncated stream)."""
+        have = len(self.buf) - self.pos
+        if n - have > self.block_size // 4:
+            # a large member: read its remainder straight into the result, skipping the block buffer
+            head = self.buf[self.pos:] if have else b""
+            rest = _read_exactly(self.f, n - have)
+            self.buf, self.pos = b"", 0
+            data = head + rest if head else rest
+            self.offset += len(data)
+            return data if len(data) == n else None
         if not self._fill(n):
             return None
         start = self.pos
@@ -82,6 +101,10 @@ class BlockReader:
         if start == 0 and n == len(self.buf):
             return self.buf
         return self.buf[start:start + n]
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        self.offset += n
 
     def skip(self, n: int) -> bool:
         """Advance ``n`` bytes without returning them; False if the stream ends first."""
@@ -112,16 +135,87 @@ class BlockReader:
         return True
 
 
+def _read_exactly(f, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) == n or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        chunk = f.read(n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+class MmapReader:
+    """The reader interface over a memory-mapped local file: slices copy once, skips are free."""
+
+    def __init__(self, f):
+        self.f = f
+        size = os.fstat(f.fileno()).st_size
+        self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        if size:
+            self.mm.madvise(mmap.MADV_SEQUENTIAL)
+        self.size = size
+        self.offset = 0
+        self.seekable = True
+
+    def peek(self, n: int) -> bytes | None:
+        return self.mm[self.offset:self.offset + n] if self.offset + n <= self.size else None
+
+    def read(self, n: int) -> bytes | None:
+        end = self.offset + n
+        if end > self.size:
+            self.offset = self.size
+            return None
+        data = self.mm[self.offset:end]
+        self.offset = end
+        return data
+
+    def read_view(self, n: int) -> memoryview | None:
+        """Like ``read`` but a zero-copy view into the mapping (it stays mapped while views live)."""
+        end = self.offset + n
+        if end > self.size:
+            self.offset = self.size
+            return None
+        self._views = True
+        view = memoryview(self.mm)[self.offset:end]
+        self.offset = end
+        return view
+
+    def skip(self, n: int) -> bool:
+        self.offset += n
+        if self.offset > self.size:
+            self.offset = self.size
+            return False
+        return True
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    def close(self) -> None:
+        if self.size and not getattr(self, "_views", False):
+            self.mm.close()  # with views handed out, the mapping closes when the last one goes
+
+
 def _file_size(f) -> int | None:
     size = getattr(f, "size", None)
     if isinstance(size, int):
         return size
     try:
-        import os
-
         return os.fstat(f.fileno()).st_size
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def reader_for(f, *, seekable: bool | None = None):
+    """The fastest reader for ``f``: memory-mapped for a plain local file, else block reads."""
+    if isinstance(f, io.FileIO):
+        return MmapReader(f)
+    return BlockReader(f, seekable=seekable)
 
 
 def _octal(field: bytes) -> int:
@@ -133,12 +227,18 @@ def _octal(field: bytes) -> int:
 
 
 def _checksum_ok(header: bytes) -> bool:
+    """The tar header checksum (byte sum with the checksum field as spaces), via C-speed adler32.
+
+    adler32's low half is ``1 + byte sum`` modulo 65521; the byte sum of a header is below
+    2 x 65521, so comparing modulo 65521 is exact but for one impossible-in-practice alias.
+    """
     try:
         stored = _octal(header[148:156])
     except ValueError:
         return False
-    unsigned = sum(header) - sum(header[148:156]) + 256
-    return stored == unsigned
+    byte_sum = ((zlib.adler32(header) & 0xFFFF) - 1) % 65521
+    unsigned = (byte_sum - sum(header[148:156]) + 256) % 65521
+    return stored % 65521 == unsigned
 
 
 def _name(header: bytes) -> str:
@@ -177,47 +277,48 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return records
 
 
-@dataclass
-class Member:
-    """A regular file in a tar: its name, data offset and size."""
-
-    name: str
-    offset: int
-    size: int
+_REGULAR = (b"0", b"\0", b"7")
 
 
-def iter_members(reader: BlockReader, *, want: Callable[[str], bool] = lambda name: True,
-                 resync: bool = False, on_error: Callable[[TarFormatError], None] | None = None
-                 ) -> Iterator[tuple[Member, bytes | None]]:
-    """Yield ``(member, data)`` for regular files; ``data`` is None where ``want(name)`` is False.
+def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatError], None] | None = None
+                ) -> tuple[str, int, int] | None:
+    """Parse headers up to the next regular file; returns ``(name, size, header_offset)`` or None at the end.
 
-    A bad header raises ``TarFormatError`` unless ``resync`` is set, in which case ``on_error``
-    is told and the reader scans forward for the next valid header.
+    The reader is left at the member's data; the caller must consume ``padded(size)`` bytes.
+    Extension headers (GNU long names, pax ``path`` / ``size``) are applied; other entry types
+    are skipped. A bad header raises ``TarFormatError`` unless ``resync`` is set, in which case
+    ``on_error`` is told and the reader scans forward for the next valid header.
     """
     long_name = None
-    pax: dict[str, str] = {}
+    pax = None
     while True:
         header_offset = reader.offset
         header = reader.read(BLOCK)
-        if header is None:
-            return  # end of stream without end-of-archive blocks: tolerated, like tarfile
-        if header == _ZERO_BLOCK:
-            return
+        if header is None or header == _ZERO_BLOCK:
+            return None  # end of archive (a missing end-of-archive block is tolerated, like tarfile)
         if not _checksum_ok(header):
             err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
             if not resync:
                 raise err
             on_error(err)
-            long_name, pax = None, {}
+            long_name = pax = None
             if not _resync(reader):
-                return
+                return None
             continue
         try:
             size = _octal(header[124:136])
         except ValueError as e:
             raise TarFormatError(f"bad size field in tar header: {e}", header_offset) from e
         typeflag = header[156:157]
-        padded = (size + BLOCK - 1) // BLOCK * BLOCK
+        if typeflag in _REGULAR:
+            if pax is not None:
+                name = pax.get("path") or long_name or _name(header)
+                if "size" in pax:
+                    size = int(pax["size"])
+            else:
+                name = long_name or _name(header)
+            return name, size, header_offset
+        padded = (size + BLOCK - 1) & ~(BLOCK - 1)
         if typeflag in (b"L", b"x", b"K", b"g"):
             if size > 1 << 24:
                 raise TarFormatError(f"tar extension header of {size} bytes is too large", header_offset)
@@ -225,40 +326,28 @@ def iter_members(reader: BlockReader, *, want: Callable[[str], bool] = lambda na
             if data is None:
                 raise TarFormatError("tar stream ends inside an extension header", header_offset)
             if typeflag == b"L":
-                long_name = data[:size].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                long_name = bytes(data[:size]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif typeflag == b"x":
-                pax = _pax_records(data[:size])
+                pax = _pax_records(bytes(data[:size]))
             continue
-        name = pax.get("path") or long_name or _name(header)
-        if "size" in pax:
-            size = int(pax["size"])
-            padded = (size + BLOCK - 1) // BLOCK * BLOCK
-        long_name, pax = None, {}
-        member = Member(name, reader.offset, size)
-        if typeflag not in (b"0", b"\0", b"7") or not want(name):
-            if not reader.skip(padded):
-                raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
-            if typeflag in (b"0", b"\0", b"7"):
-                yield member, None
-            continue
-        data = reader.read(size)
-        if data is None:
-            raise TarFormatError(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset)
-        if padded != size and not reader.skip(padded - size):
-            raise TarFormatError(f"tar stream ends inside the padding of member {name!r}", header_offset)
-        yield member, data
+        long_name = pax = None
+        if not reader.skip(padded):
+            raise TarFormatError("tar stream ends inside a non-file entry", header_offset)
 
 
-def _resync(reader: BlockReader) -> bool:
+def padded(size: int) -> int:
+    return (size + BLOCK - 1) & ~(BLOCK - 1)
+
+
+def _resync(reader) -> bool:
     """Scan forward block by block for a header with a valid checksum; leave the reader before it."""
     while True:
-        if not reader._fill(BLOCK):
+        block = reader.peek(BLOCK)
+        if block is None:
             return False
-        block = reader.buf[reader.pos:reader.pos + BLOCK]
         if block != _ZERO_BLOCK and _checksum_ok(block):
             return True
-        reader.pos += BLOCK
-        reader.offset += BLOCK
+        reader.advance(BLOCK)
 
 
 @dataclass
@@ -275,101 +364,118 @@ class SampleEvent:
     error: Exception | None = None
 
 
-def iter_samples(reader: BlockReader, url: str, *, start: int = 0, stop: int | None = None,
-                 resync: bool = False) -> Iterator[SampleEvent]:
+def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
+                 resync: bool = False, zero_copy: bool = False) -> Iterator[SampleEvent]:
     """Group tar members into webdataset samples, for sample ordinals ``start <= i < stop``.
 
     Samples before ``start`` are walked by their headers only (their data is skipped). With
     ``resync`` a damaged region yields an event with ``sample=None`` for the sample it hit and
     parsing goes on at the next valid header; without it, ``TarFormatError`` propagates.
+    ``zero_copy`` makes values memoryviews into the mapped file, where the reader allows it.
     """
-    state = {"ordinal": -1, "key": None}
-    errors: list[TarFormatError] = []
-    current: dict | None = None
+    ordinal = -1
+    key_now = None        # key of the sample being assembled (None after damage)
+    current = None        # its dict, or None when it lies before ``start``
     damaged_key = None
-
-    def want(name: str) -> bool:
-        key, _ = split_key(name)
-        if key is None or is_meta(name):
-            return False
-        return state["ordinal"] + (key != state["key"]) >= start
+    damage_next = False
+    errors: list[TarFormatError] = []
+    read_data = reader.read_view if zero_copy and hasattr(reader, "read_view") else reader.read
+    key_ext = _KEY_EXT.match
 
     def in_range(i: int) -> bool:
         return i >= start and (stop is None or i < stop)
 
-    damage_next = False
-    for member, data in iter_members(reader, want=want, resync=resync, on_error=errors.append):
+    while True:
+        m = next_member(reader, resync=resync, on_error=errors.append)
         if errors:
             err = errors[-1]
             errors.clear()
-            extension_header = err.name is not None and "@PaxHeader" in err.name or err.name == "././@LongLink"
+            extension_header = err.name is not None and ("@PaxHeader" in err.name or err.name == "././@LongLink")
             guess = split_key(err.name)[0] if err.name and not extension_header else None
             if extension_header and current is not None:
                 # a damaged pax / long-name header belongs to the next member: the current sample is whole
-                yield SampleEvent(state["ordinal"], state["key"], current)
-                current, state["key"] = None, None
-            if guess is not None and guess != state["key"]:
+                yield SampleEvent(ordinal, key_now, current)
+                current, key_now = None, None
+            if guess is not None and guess != key_now:
                 # the damaged header starts a new sample: the one in progress is complete
                 if current is not None:
-                    yield SampleEvent(state["ordinal"], state["key"], current)
-                state["ordinal"] += 1
-                state["key"] = guess
-                current = {} if state["ordinal"] >= start else None
-            if state["key"] is not None:
-                if in_range(state["ordinal"]):
-                    yield SampleEvent(state["ordinal"], state["key"], None, err)
-                damaged_key = state["key"]
+                    yield SampleEvent(ordinal, key_now, current)
+                ordinal += 1
+                key_now = guess
+            if key_now is not None:
+                if in_range(ordinal):
+                    yield SampleEvent(ordinal, key_now, None, err)
+                damaged_key = key_now
             else:
                 yield SampleEvent(None, None, None, err)
             # without a legible name, the sample after the damage may have lost members too
             damage_next = guess is None
-            current, state["key"] = None, None
-        name = member.name
-        if is_meta(name):
+            current, key_now = None, None
+        if m is None:
+            break
+        name, size, header_offset = m
+        match = key_ext(name)
+        if match is None or (name[:2] == "__" and is_meta(name)):
+            if not reader.skip(padded(size)):
+                raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
             continue
-        key, ext = split_key(name)
-        if key is None or key == damaged_key:
-            continue
-        if key != state["key"]:
+        key = match.group(1)
+        if key != key_now:
+            if key == damaged_key:
+                if not reader.skip(padded(size)):
+                    raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+                continue
             if current is not None:
-                yield SampleEvent(state["ordinal"], state["key"], current)
-            state["ordinal"] += 1
-            state["key"] = key
+                yield SampleEvent(ordinal, key_now, current)
+            ordinal += 1
+            key_now = key
             damaged_key = None
-            if stop is not None and state["ordinal"] >= stop:
+            if stop is not None and ordinal >= stop:
                 return
-            current = {"__key__": key, "__url__": url} if state["ordinal"] >= start else None
+            current = {"__key__": key, "__url__": url} if ordinal >= start else None
             if damage_next:
                 damage_next = False
-                if in_range(state["ordinal"]):
-                    yield SampleEvent(state["ordinal"], key, None,
-                                      TarFormatError("sample follows unreadable tar data", member.offset, key))
-                current, damaged_key = None, key
+                if in_range(ordinal):
+                    yield SampleEvent(ordinal, key, None,
+                                      TarFormatError("sample follows unreadable tar data", header_offset, key))
+                current, damaged_key, key_now = None, key, None
+                if not reader.skip(padded(size)):
+                    raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
                 continue
-        if current is not None:
-            if ext in current:
-                err = TarFormatError(f"duplicate file name {name!r} in sample", member.offset, key)
-                yield SampleEvent(state["ordinal"], key, None, err)
-                current, damaged_key, state["key"] = None, key, None
-                continue
-            current[ext] = data
-    if errors:
-        if state["key"] is not None and in_range(state["ordinal"]):
-            yield SampleEvent(state["ordinal"], state["key"], None, errors[-1])
-        else:
-            yield SampleEvent(None, None, None, errors[-1])
-    elif current is not None:
-        yield SampleEvent(state["ordinal"], state["key"], current)
+        if current is None:
+            if not reader.skip(padded(size)):
+                raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset, key)
+            continue
+        ext = match.group(2).lower()
+        data = read_data(size)
+        if data is None:
+            raise TarFormatError(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+        pad = padded(size) - size
+        if pad and not reader.skip(pad):
+            raise TarFormatError(f"tar stream ends inside the padding of member {name!r}", header_offset, key)
+        if ext in current:
+            yield SampleEvent(ordinal, key, None,
+                              TarFormatError(f"duplicate file name {name!r} in sample", header_offset, key))
+            current, damaged_key, key_now = None, key, None
+            continue
+        current[ext] = data
+    if current is not None:
+        yield SampleEvent(ordinal, key_now, current)
 
 
-def count_samples(reader: BlockReader) -> int:
+def count_samples(reader) -> int:
     """The number of samples in a shard, walking headers only (no data is read)."""
     n, last = 0, None
-    for member, _ in iter_members(reader, want=lambda name: False):
-        if is_meta(member.name):
+    while True:
+        m = next_member(reader)
+        if m is None:
+            return n
+        name, size, header_offset = m
+        if not reader.skip(padded(size)):
+            raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+        if is_meta(name):
             continue
-        key, _ = split_key(member.name)
+        key, _ = split_key(name)
         if key is not None and key != last:
             n += 1
             last = key
-    return n

@@ -112,7 +112,7 @@ class ShardWriter:
         self._tmp = f"{self._final}.tmp-{uuid.uuid4().hex[:8]}"
         self._file = self.fs.open(self._path(self._tmp), "wb")
         self._hasher = _HashingFile(self._file)
-        self._writer = webdataset.TarWriter(self._hasher, compress=self.compress, mtime=0.0)
+        self._writer = webdataset.TarWriter(self._hasher, compress=self.compress, mtime=0)  # int: no pax header per member
         self._count = 0
 
     def _finish_shard(self) -> None:
