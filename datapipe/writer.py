@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import tarfile
 import uuid
 from typing import Any
 
@@ -28,6 +29,11 @@ class _HashingFile:
 
     def flush(self) -> None:
         self._f.flush()
+
+
+def _tar_size(member_bytes: int) -> int:
+    """A tar's size on disk: members, two end-of-archive blocks, rounded up to tarfile's record size."""
+    return -(-(member_bytes + 1024) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 
 class ShardWriter:
@@ -96,13 +102,15 @@ class ShardWriter:
             raise ValueError("ShardWriter is closed")
         if "__key__" not in sample:
             raise ValueError("a sample needs a '__key__' entry")
-        size = sum(len(v) + 1024 for k, v in sample.items() if not k.startswith("_") and hasattr(v, "__len__"))
+        size = sum(512 + (len(v) + 511) // 512 * 512 for k, v in sample.items()
+                   if not k.startswith("_") and hasattr(v, "__len__"))
         if self._writer is not None and (
-            self._count >= self.max_count or (self._count > 0 and self._hasher.nbytes + size > self.max_bytes)
+            self._count >= self.max_count or (self._count > 0 and _tar_size(self._estimate + size) > self.max_bytes)
         ):
             self._finish_shard()
         if self._writer is None:
             self._start_shard()
+        self._estimate += size
         self._writer.write(sample)
         self._count += 1
         self.total += 1
@@ -114,6 +122,7 @@ class ShardWriter:
         self._hasher = _HashingFile(self._file)
         self._writer = webdataset.TarWriter(self._hasher, compress=self.compress, mtime=0)  # int: no pax header per member
         self._count = 0
+        self._estimate = 0
 
     def _finish_shard(self) -> None:
         self._writer.close()

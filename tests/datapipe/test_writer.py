@@ -1,0 +1,63 @@
+import hashlib
+import json
+import os
+
+import pytest
+import webdataset
+
+from datapipe import ShardStream, ShardWriter
+
+
+def samples(n, size=100):
+    return [{"__key__": f"k{i:04d}", "bin": bytes([i % 256]) * (size + i), "cls": str(i)} for i in range(n)]
+
+
+def test_limits_manifest_and_checksums(tmp_path):
+    with ShardWriter(str(tmp_path / "s-%03d.tar"), max_count=4) as w:
+        for s in samples(10):
+            w.write(s)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [s["count"] for s in manifest["shards"]] == [4, 4, 2] and manifest["num_samples"] == 10
+    for entry in manifest["shards"]:
+        data = (tmp_path / entry["name"]).read_bytes()
+        assert entry["bytes"] == len(data)
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
+def test_max_bytes(tmp_path):
+    with ShardWriter(str(tmp_path / "s-%03d.tar"), max_bytes=20_000, max_count=1000) as w:
+        for s in samples(30, size=2000):
+            w.write(s)
+    sizes = [os.path.getsize(tmp_path / n) for n in sorted(os.listdir(tmp_path)) if n.endswith(".tar")]
+    assert len(sizes) > 1 and all(s <= 20_000 + 10_240 for s in sizes)
+
+
+def test_readable_by_webdataset_and_shardstream(tmp_path):
+    written = samples(7)
+    with ShardWriter(str(tmp_path / "s-%03d.tar"), max_count=3) as w:
+        for s in written:
+            w.write(s)
+    spec = str(tmp_path / "s-{000..002}.tar")
+    theirs = list(webdataset.WebDataset(spec, shardshuffle=False))
+    ours = list(ShardStream(spec))
+    assert [s["__key__"] for s in theirs] == [s["__key__"] for s in ours] == [s["__key__"] for s in written]
+    assert all(a["bin"] == b["bin"] and a["cls"] == b"%d" % i for i, (a, b) in enumerate(zip(ours, written)))
+
+
+def test_error_inside_the_block_leaves_no_partial_shard(tmp_path):
+    with pytest.raises(RuntimeError):
+        with ShardWriter(str(tmp_path / "s-%03d.tar"), max_count=3) as w:
+            for s in samples(5):
+                w.write(s)
+            raise RuntimeError("job died")
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["s-000.tar"], names  # the finished shard only; no temp file, no partial shard
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="placeholder"):
+        ShardWriter(str(tmp_path / "s.tar"))
+    with ShardWriter(str(tmp_path / "s-%03d.tar")) as w:
+        with pytest.raises(ValueError, match="__key__"):
+            w.write({"bin": b"x"})
