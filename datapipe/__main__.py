@@ -1,0 +1,5 @@
+import sys
+
+from datapipe.cli import main
+
+sys.exit(main())

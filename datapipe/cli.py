@@ -1,0 +1,51 @@
+"""The ``datapipe`` command line: ``shard``, ``index``, ``inspect``, ``bench``, ``doctor``, ``demo``.
+
+Each subcommand lives in its own module, which provides ``configure_parser(parser)`` and
+``run_command(args) -> int`` (the exit status). Logs go to stderr; results to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import import_module
+
+COMMANDS = {
+    "shard": ("datapipe.preprocess", "convert image folders, JSONL/Parquet text or tars into WebDataset shards"),
+    "index": ("datapipe.dali_index", "write DALI index files (wds2idx format) for shards"),
+    "inspect": ("datapipe.inspect", "summarise shards or a shard directory; exit 1 on corrupt shards"),
+    "bench": ("datapipe.bench", "measure storage and loader throughput"),
+    "doctor": ("datapipe.doctor", "run a training script and report where its step time goes"),
+    "demo": ("datapipe.demo", "make a small real dataset and stream it through the loaders"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="datapipe", description="Keeps GPUs fed: shards, loaders, benchmarks.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only == name:
+            import_module(module).configure_parser(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(import_module(COMMANDS[args.command][0]).run_command(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
