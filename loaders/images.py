@@ -1,0 +1,515 @@
+"""``ImageLoader``: WebDataset image shards -> DALI decode + augment -> ``(images, labels)`` on the device.
+
+Samples come from :class:`datapipe.ShardStream` (any storage, rank/epoch shuffling, resume,
+``on_error``), read and checked in a background thread, and enter DALI through
+``fn.external_source`` as zero-copy uint8 arrays. ``device="cuda"`` decodes with nvImageCodec
+(``mixed``, hardware JPEG decoder where present) and augments on the GPU; ``device="cpu"`` runs
+the same graph with CPU operators. ``reader="dali"`` uses DALI's own ``fn.readers.webdataset`` on
+local shards instead (faster reading, fewer guarantees: see :class:`ImageLoader`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import queue
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from datapipe.errors import DataError
+
+log = logging.getLogger("loaders.images")
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
+_ON_ERROR = ("raise", "skip", "warn")
+# signatures of the formats DALI decodes (JPEG, PNG, BMP, TIFF, WebP, PNM, JPEG 2000)
+_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*", b"\x00\x00\x00\x0cjP  ",
+          b"\xff\x4f\xff\x51", b"P1", b"P2", b"P3", b"P4", b"P5", b"P6")
+
+
+def looks_like_image(data: bytes) -> bool:
+    """A cheap check of the file signature (catches empty, text and garbage entries before DALI sees them)."""
+    if len(data) < 16:
+        return False
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return True
+    return data.startswith(_MAGIC)
+
+
+def parse_label(data: bytes) -> int:
+    """webdataset's ``cls`` convention: an ASCII integer."""
+    return int(data.decode("ascii").strip())
+
+
+@dataclass
+class RawBatch:
+    """Encoded images of one batch plus what the loader needs to finish it."""
+
+    arrays: list[np.ndarray] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    state: dict | None = None  # ShardStream state after this batch's last sample
+
+
+def iter_raw_batches(
+    samples: Iterator[dict],
+    *,
+    batch_size: int,
+    drop_last: bool,
+    image_exts: Sequence[str],
+    label_key: str,
+    label_decoder: Callable[[bytes], int],
+    on_error: str,
+    stats: dict,
+    state_fn: Callable[[], dict] | None = None,
+) -> Iterator[RawBatch]:
+    """Group samples into batches of encoded images + int labels; bad samples raise or are skipped per ``on_error``."""
+    batch = RawBatch()
+    for sample in samples:
+        key, url = sample.get("__key__"), sample.get("__url__")
+        try:
+            data = next((sample[e] for e in image_exts if e in sample), None)
+            if data is None:
+                raise DataError(f"sample has no image entry ({'/'.join(image_exts)}); it has {sorted(sample)}",
+                                url=url, key=key)
+            if not looks_like_image(data):
+                raise DataError("image entry is not an image (unknown or missing file signature)", url=url, key=key)
+            if label_key not in sample:
+                raise DataError(f"sample has no {label_key!r} entry", url=url, key=key)
+            try:
+                label = int(label_decoder(sample[label_key]))
+            except Exception as e:
+                raise DataError(f"cannot decode label {label_key!r}: {e}", url=url, key=key) from e
+        except DataError as e:
+            _handle_bad(e, on_error, stats)
+            continue
+        batch.arrays.append(np.frombuffer(data, dtype=np.uint8))
+        batch.labels.append(label)
+        batch.keys.append(key)
+        batch.urls.append(url)
+        if len(batch.arrays) == batch_size:
+            batch.state = state_fn() if state_fn else None
+            yield batch
+            batch = RawBatch()
+    if batch.arrays and not drop_last:
+        batch.state = state_fn() if state_fn else None
+        yield batch
+
+
+def _handle_bad(err: DataError, on_error: str, stats: dict) -> None:
+    if on_error == "raise":
+        raise err
+    stats["skipped"] += 1
+    stats["last_errors"] = (stats["last_errors"] + [str(err)])[-10:]
+    if on_error == "warn":
+        log.warning("skipped: %s", err)
+
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def threaded(iterable, *, depth: int) -> Iterator:
+    """Run ``iterable`` in a background thread, ``depth`` items ahead; its exceptions re-raise here."""
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work():
+        try:
+            for item in iterable:
+                if not put(item):
+                    return
+            put(_END)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            put(_Failure(e))
+
+    thread = threading.Thread(target=work, name="ImageLoader-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failure):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def _dali_seed(seed: int, epoch: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch, rank, 0xDA11]).generate_state(1)[0] % (2**31 - 1))
+
+
+class ImageLoader:
+    """Batches ``(images, labels)`` of decoded, augmented images from WebDataset shards, on ``device``.
+
+    ``train=True``: random-resized-crop (``random_area``, ``random_aspect_ratio``) fused into
+    decoding, resize to ``image_size``, random horizontal flip, normalise. ``train=False``: resize
+    the shorter side to ``resize_size`` (default ``image_size``), center crop ``image_size``,
+    normalise, shard order. Images are ``dtype`` (float32, float16, bfloat16 or uint8 = raw
+    pixels, not normalised) in ``layout`` ``"NCHW"`` or ``"NHWC"``; labels int64 from
+    ``label_key`` (ASCII int, or ``label_decoder(bytes)``).
+
+    Errors: samples without an image, with a wrong signature or an undecodable label, and images
+    DALI fails to decode are raised as :class:`DataError` (``on_error="raise"``) or dropped and
+    counted in ``stats()`` (``"skip"``; ``"warn"`` also logs). A batch that lost images to a decode
+    error comes out smaller.
+
+    ``reader="stream"`` (default via ``"auto"``) reads with ShardStream: every guarantee of it
+    holds, including exact resume (``state_dict``). ``reader="dali"`` reads local shards with DALI's
+    ``fn.readers.webdataset`` and index files (``index_dir``, made there when missing): no
+    ``on_error="skip"`` for decode errors, DALI's buffer shuffle, contiguous per-rank partitions
+    (``ceil(N / world_size)`` samples each, wrapping around), resume only at epoch boundaries.
+    """
+
+    def __init__(
+        self,
+        urls: str | list[str],
+        *,
+        batch_size: int,
+        image_size: int = 224,
+        train: bool = True,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.float32,
+        layout: str = "NCHW",
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        seed: int = 0,
+        shuffle: bool | None = None,
+        shuffle_buffer: int = 2000,
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: str = "raise",
+        label_key: str = "cls",
+        label_decoder: Callable[[bytes], int] | None = None,
+        image_key: str = "jpg;jpeg;png",
+        num_threads: int | None = None,
+        prefetch_queue_depth: int = 2,
+        hw_decoder_load: float = 0.75,
+        drop_last: bool | None = None,
+        reader: str = "auto",
+        random_area: Sequence[float] = (0.08, 1.0),
+        random_aspect_ratio: Sequence[float] = (3 / 4, 4 / 3),
+        resize_size: int | None = None,
+        index_dir: str | None = None,
+        stream_options: dict | None = None,
+    ):
+        device = torch.device(device)
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if image_size < 1 or (resize_size is not None and resize_size < image_size):
+            raise ValueError("image_size must be >= 1 and resize_size (if given) >= image_size")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError("mean and std need 3 values (RGB, in 0..1 units), std > 0")
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+        if reader not in ("auto", "stream", "dali"):
+            raise ValueError(f"reader must be 'auto', 'stream' or 'dali', got {reader!r}")
+        if not 0.0 <= hw_decoder_load <= 1.0:
+            raise ValueError(f"hw_decoder_load must be in [0, 1], got {hw_decoder_load}")
+        if prefetch_queue_depth < 1:
+            raise ValueError(f"prefetch_queue_depth must be >= 1, got {prefetch_queue_depth}")
+        self.batch_size = int(batch_size)
+        self.image_size = int(image_size)
+        self.train = bool(train)
+        self.device = device
+        self.dtype = dtype
+        self.layout = layout
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        self.seed = int(seed)
+        self.shuffle = self.train if shuffle is None else bool(shuffle)
+        self.shuffle_buffer = int(shuffle_buffer) if self.shuffle else 0
+        self.on_error = on_error
+        self.label_key = label_key
+        self.label_decoder = label_decoder or parse_label
+        self.image_exts = tuple(e for e in image_key.split(";") if e)
+        self.num_threads = int(num_threads or max(1, min(8, os.cpu_count() or 1)))
+        self.prefetch_queue_depth = int(prefetch_queue_depth)
+        self.hw_decoder_load = float(hw_decoder_load)
+        self.drop_last = self.train if drop_last is None else bool(drop_last)
+        self.random_area = tuple(random_area)
+        self.random_aspect_ratio = tuple(random_aspect_ratio)
+        self.resize_size = resize_size
+        self.index_dir = index_dir
+        self.epoch = 0
+        self._stats = {"batches": 0, "samples": 0, "skipped": 0, "decode_errors": 0, "last_errors": []}
+        self._delivered: dict | None = None
+        self._resumed = False
+        self._probe = None
+
+        from datapipe.stream import ShardStream
+
+        self.stream = ShardStream(urls, shuffle=self.shuffle, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
+                                  rank=rank, world_size=world_size, on_error=on_error, **(stream_options or {}))
+        self.reader = self._choose_reader(reader)
+
+    # ---- configuration ------------------------------------------------------------------------
+    def _choose_reader(self, reader: str) -> str:
+        from datapipe.urls import is_local
+
+        dali_ok = all(is_local(u) for u in self.stream.urls) and self.on_error == "raise"
+        if reader == "dali" and not dali_ok:
+            raise ValueError("reader='dali' needs local shards and on_error='raise'; use reader='stream'")
+        if reader == "auto":
+            return "stream"
+        return reader
+
+    def _rank_world(self) -> tuple[int, int]:
+        return self.stream._rank_world()
+
+    def _pipeline(self, *, source=None, reader=None, batch_size=None, depth=None, seed=None):
+        from loaders.dali_pipeline import build_image_pipeline
+
+        rank, _ = self._rank_world()
+        return build_image_pipeline(
+            batch_size=batch_size or self.batch_size, image_size=self.image_size, train=self.train,
+            device=self.device.type, device_id=self.device.index or 0 if self.device.type == "cuda" else None,
+            dtype=_DTYPES[self.dtype], layout=self.layout,
+            mean=[m * 255 for m in self.mean], std=[s * 255 for s in self.std],
+            seed=_dali_seed(self.seed, self.epoch, rank) if seed is None else seed,
+            num_threads=self.num_threads, prefetch_queue_depth=depth or self.prefetch_queue_depth,
+            hw_decoder_load=self.hw_decoder_load, random_area=self.random_area,
+            random_aspect_ratio=self.random_aspect_ratio, resize_size=self.resize_size,
+            source=source, reader=reader,
+        )
+
+    # ---- epochs, length, state ----------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch (shuffle order and augmentation seed) of the next iteration."""
+        self.epoch = int(epoch)
+        self.stream.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (exact unless samples are skipped)."""
+        n = len(self.stream)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the last batch handed out (read-ahead is not counted)."""
+        stream = self._delivered if self._delivered is not None else self.stream.state_dict()
+        return {"epoch": self.epoch, "reader": self.reader, "stream": stream, "batches": self._stats["batches"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration yields exactly the batches the saved run had not yet handed out."""
+        if "stream" not in state or "epoch" not in state:
+            raise ValueError("not an ImageLoader state: needs 'epoch' and 'stream' entries")
+        if self.reader == "dali" and any(w.get("draws") for w in state["stream"].get("workers", {}).values()):
+            raise ValueError("reader='dali' resumes only at epoch boundaries; use reader='stream' for mid-epoch resume")
+        self.stream.load_state_dict(state["stream"])
+        self.epoch = int(state["epoch"])
+        self._delivered = state["stream"]
+        self._resumed = True
+
+    def stats(self) -> dict[str, Any]:
+        """Batches and samples handed out, samples skipped (here and in the stream), decode errors."""
+        stream = self.stream.stats()
+        out = {k: v for k, v in self._stats.items() if k != "last_errors"}
+        out["skipped"] = self._stats["skipped"] + stream.get("skipped", 0)
+        out["last_errors"] = (stream.get("last_errors", []) + self._stats["last_errors"])[-10:]
+        out["stream"] = stream
+        return out
+
+    # ---- iteration ----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        resumed = self._delivered if self._resumed else None
+        if not self._resumed:
+            self.stream.set_epoch(self.epoch)
+        self._resumed = False
+        self._delivered = None
+        if self.reader == "dali":
+            return self._iter_dali_reader(resumed)
+        return self._iter_stream()
+
+    def _iter_stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        raw_batches = threaded(
+            iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
+                             image_exts=self.image_exts, label_key=self.label_key,
+                             label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
+                             state_fn=self.stream.state_dict),
+            depth=self.prefetch_queue_depth + 1,
+        )
+        fifo: deque[RawBatch] = deque()
+        failure: list[BaseException] = []
+
+        def source():
+            try:
+                raw = next(raw_batches)
+            except StopIteration:
+                raise
+            except BaseException as e:  # re-raised after the batches already in DALI are out
+                failure.append(e)
+                raise StopIteration from None
+            fifo.append(raw)
+            return raw.arrays
+
+        pipe = self._pipeline(source=source)
+        pipe.build()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            while True:
+                try:
+                    outputs = pipe.run(stream) if stream is not None else pipe.run()
+                except StopIteration:
+                    break
+                except RuntimeError as e:
+                    if failure or not fifo:
+                        raise
+                    raw = fifo.popleft()
+                    images, raw = self._recover(raw, e)
+                    if images is None:
+                        continue
+                else:
+                    raw = fifo.popleft()
+                    images = self._to_torch(outputs[0], stream)
+                yield self._finish(images, raw)
+            if failure:
+                raise failure[0]
+        finally:
+            raw_batches.close()
+            del pipe
+
+    def _finish(self, images: torch.Tensor, raw: RawBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.tensor(raw.labels, dtype=torch.int64)
+        if self.device.type == "cuda":
+            labels = labels.pin_memory().to(self.device, non_blocking=True)
+        if self.dtype == torch.bfloat16:
+            images = images.to(torch.bfloat16)
+        self._stats["batches"] += 1
+        self._stats["samples"] += len(raw.labels)
+        if raw.state is not None:
+            self._delivered = raw.state
+        return images, labels
+
+    def _to_torch(self, tensor_list, stream) -> torch.Tensor:
+        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+        t = tensor_list.as_tensor()
+        out = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.device)
+        feed_ndarray(t, out, cuda_stream=stream)
+        return out
+
+    def _recover(self, raw: RawBatch, error: BaseException):
+        """A batch DALI could not decode: decode its images one by one, find the bad ones, apply on_error."""
+        if self._probe is None:
+            self._probe = self._pipeline(batch_size=1, depth=1, seed=_dali_seed(self.seed, self.epoch, 7))
+            self._probe.build()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        good, keep = [], RawBatch(state=raw.state)
+        for arr, label, key, url in zip(raw.arrays, raw.labels, raw.keys, raw.urls):
+            try:
+                (out,) = self._probe.run(stream, jpegs=[arr]) if stream is not None else self._probe.run(jpegs=[arr])
+            except RuntimeError as e:
+                self._stats["decode_errors"] += 1
+                msg = str(e).strip().splitlines()
+                detail = next((m for m in msg if "rror" in m and "pipeline" not in m), msg[-1] if msg else "")
+                _handle_bad(DataError(f"cannot decode image: {detail.strip()[:200]}", url=url, key=key),
+                            self.on_error, self._stats)
+                continue
+            good.append(self._to_torch(out, stream))
+            keep.arrays.append(arr)
+            keep.labels.append(label)
+            keep.keys.append(key)
+            keep.urls.append(url)
+        if len(good) == len(raw.arrays):
+            raise error  # not a per-image problem
+        if raw.state is not None:
+            self._delivered = raw.state
+        if not good:
+            return None, keep
+        return torch.cat(good), keep
+
+    # ---- DALI's own reader --------------------------------------------------------------------
+    def _index_paths(self, paths: list[str]) -> list[str]:
+        from datapipe.dali_index import default_index_path, write_dali_index
+
+        out = []
+        for path in paths:
+            beside = default_index_path(path)
+            if os.path.exists(beside) and os.path.getmtime(beside) >= os.path.getmtime(path):
+                out.append(beside)
+                continue
+            directory = self.index_dir or os.path.join(tempfile.gettempdir(), "datapipe-dali-index")
+            st = os.stat(path)
+            tag = hashlib.sha1(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+            target = os.path.join(directory, f"{os.path.basename(path)}.{tag}.idx")
+            if not os.path.exists(target):
+                os.makedirs(directory, exist_ok=True)
+                write_dali_index(path, target)
+            out.append(target)
+        return out
+
+    def _iter_dali_reader(self, resumed: dict | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from datapipe.urls import local_path
+
+        paths = [local_path(u) for u in self.stream.urls]
+        counts = self.stream.counts
+        nonempty = [i for i, c in enumerate(counts) if c > 0]
+        paths = [paths[i] for i in nonempty]
+        rank, world = self._rank_world()
+        per_rank = -(-sum(counts) // world)
+        steps = per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+        if resumed and resumed.get("workers") and all(w.get("done") for w in resumed["workers"].values()):
+            self._delivered = resumed
+            return
+        reader = dict(
+            paths=paths, index_paths=self._index_paths(paths),
+            ext=[";".join(self.image_exts), self.label_key],
+            missing_component_behavior="error", random_shuffle=self.shuffle,
+            initial_fill=max(1, self.shuffle_buffer), shard_id=rank, num_shards=world, stick_to_shard=True,
+            pad_last_batch=False, read_ahead=False,
+        )
+        pipe = self._pipeline(reader=reader)
+        pipe.build()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        left = per_rank
+        try:
+            for _ in range(steps):
+                images_tl, labels_tl = pipe.run(stream) if stream is not None else pipe.run()
+                n = min(self.batch_size, left)
+                left -= n
+                images = self._to_torch(images_tl, stream)[:n]
+                labels = []
+                for i in range(n):
+                    data = np.asarray(labels_tl.at(i)).tobytes()
+                    try:
+                        labels.append(int(self.label_decoder(data)))
+                    except Exception as e:
+                        raise DataError(f"cannot decode label {self.label_key!r}: {e}", key=f"#{i}") from e
+                raw = RawBatch(labels=labels)
+                yield self._finish(images, raw)
+        finally:
+            del pipe
+        self._delivered = {**self.stream.state_dict(), "workers": {0: {"draws": per_rank, "done": True}}}

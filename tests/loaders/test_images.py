@@ -1,0 +1,233 @@
+import io
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+import webdataset
+from PIL import Image
+
+pytest.importorskip("nvidia.dali")
+
+from datapipe.errors import DataError  # noqa: E402
+from datapipe.synthetic import iter_image_samples, make_image_dataset  # noqa: E402
+from loaders.images import IMAGENET_MEAN, IMAGENET_STD, ImageLoader  # noqa: E402
+
+S = 32  # output size: small keeps the CPU pipeline fast
+N = 40
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("images")
+    info = make_image_dataset(str(out), num_images=N, num_classes=10, seed=5, shard_max_count=12,
+                              size=(96, 72), progress=False)
+    return info["shards"]
+
+
+def loader(urls, **kwargs):
+    args = dict(batch_size=8, image_size=S, device="cpu", num_threads=2, train=False)
+    args.update(kwargs)
+    return ImageLoader(urls, **args)
+
+
+def by_key(**kwargs):
+    """Labels are the sample keys: every sample identifiable."""
+    return dict(label_key="__key__", label_decoder=int, **kwargs)
+
+
+def collect(it):
+    xs, ys = [], []
+    for x, y in it:
+        xs.append(x)
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def reference_eval(jpg: bytes, size: int) -> np.ndarray:
+    """torchvision-style eval transform in PIL: resize shorter side (bilinear, antialiased), center crop, normalise."""
+    im = Image.open(io.BytesIO(jpg)).convert("RGB")
+    w, h = im.size
+    scale = size / min(w, h)
+    im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.Resampling.BILINEAR)
+    w, h = im.size
+    left, top = (w - size) // 2, (h - size) // 2
+    a = np.asarray(im.crop((left, top, left + size, top + size)), dtype=np.float32) / 255
+    return ((a - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)).transpose(2, 0, 1)
+
+
+def test_eval_shapes_labels_and_order(shards):
+    dl = loader(shards)
+    batches = list(dl)
+    assert len(batches) == len(dl) == 5
+    x, y = collect(batches)
+    assert x.shape == (N, 3, S, S) and x.dtype == torch.float32
+    assert y.dtype == torch.int64
+    expected = [int(s["cls"]) for s in webdataset.WebDataset(shards, shardshuffle=False)]
+    assert y.tolist() == expected  # eval: shard order
+    assert dl.stats()["samples"] == N and dl.stats()["skipped"] == 0
+
+
+def test_eval_matches_a_pil_reference(shards):
+    x, _ = collect(loader(shards, batch_size=16))
+    samples = list(webdataset.WebDataset(shards, shardshuffle=False))
+    ref = np.stack([reference_eval(s["jpg"], S) for s in samples])
+    diff = np.abs(x.numpy() - ref)
+    assert diff.mean() < 0.03, diff.mean()  # normalised units: 1/255 is ~0.017 (resize rounding differs)
+    assert np.median(diff) < 0.02
+    # a wrong mean/std or a channel swap is far outside this tolerance
+    assert np.abs(x.numpy()[:, ::-1] - ref).mean() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.uint8])
+def test_dtypes_and_layout(shards, dtype):
+    ref, _ = collect(loader(shards[:1]))
+    x, _ = collect(loader(shards[:1], dtype=dtype, layout="NHWC"))
+    assert x.dtype == dtype and x.shape == (12, S, S, 3)
+    got = x.permute(0, 3, 1, 2).float()
+    if dtype == torch.uint8:  # raw pixels
+        mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+        std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+        got = (got - mean) / std
+        assert (got - ref).abs().max() < 0.05
+    else:
+        assert (got - ref).abs().max() < 0.05
+
+
+def test_train_is_deterministic_for_a_seed_and_augments(shards):
+    a = collect(loader(shards, train=True, seed=1))
+    b = collect(loader(shards, train=True, seed=1))
+    c = collect(loader(shards, train=True, seed=2))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[1], c[1])  # another shuffle
+    assert a[0].shape == (N // 8 * 8, 3, S, S)  # drop_last defaults to train
+    assert len(loader(shards, train=True)) == N // 8
+    eval_x, _ = collect(loader(shards))
+    assert not torch.allclose(torch.sort(a[0].flatten())[0], torch.sort(eval_x.flatten())[0])
+
+
+def test_train_epochs_cover_every_sample_and_differ(shards):
+    dl = loader(shards, train=True, drop_last=False, **by_key())
+    _, e0 = collect(dl)
+    dl.set_epoch(1)
+    _, e1 = collect(dl)
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(N))
+    assert e0.tolist() != e1.tolist()
+
+
+def test_resume_yields_exactly_the_rest(shards):
+    full = loader(shards, shuffle=True, **by_key())
+    full.set_epoch(3)
+    xs, ys = collect(full)
+    first = loader(shards, shuffle=True, **by_key())
+    first.set_epoch(3)
+    it = iter(first)
+    head = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    it.close()
+    rest = loader(shards, shuffle=True, **by_key())
+    rest.load_state_dict(state)
+    tail = list(rest)
+    rx, ry = collect(head + tail)
+    assert ry.tolist() == ys.tolist()
+    assert torch.equal(rx, xs)
+    assert rest.epoch == 3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_are_disjoint_and_complete(shards, world):
+    seen = []
+    for rank in range(world):
+        dl = loader(shards, train=True, drop_last=False, rank=rank, world_size=world, **by_key())
+        _, y = collect(dl)
+        assert len(y) == -(-N // world)  # every rank the same number of samples
+        seen.append(set(y.tolist()))
+    assert set().union(*seen) == set(range(N))
+    if N % world == 0:
+        assert sum(len(s) for s in seen) == N
+
+
+def _corrupt_shards(tmp_path):
+    """12 good samples, a garbage image, a truncated JPEG, a sample without image, a bad label."""
+    good = list(iter_image_samples(12, seed=9, num_classes=10, size=(96, 72)))
+    bad = [
+        {"__key__": "bad-garbage", "jpg": b"not an image at all, just text" * 5, "cls": b"1"},
+        {"__key__": "bad-truncated", "jpg": good[0]["jpg"][: len(good[0]["jpg"]) // 2], "cls": b"2"},
+        {"__key__": "bad-noimage", "txt": b"hello", "cls": b"3"},
+        {"__key__": "bad-label", "jpg": good[1]["jpg"], "cls": b"three"},
+    ]
+    samples = good[:3] + bad[:2] + good[3:9] + bad[2:] + good[9:]
+    path = str(tmp_path / "shard-000000.tar")
+    with webdataset.TarWriter(path) as w:
+        for s in samples:
+            w.write(s)
+    return [path], [int(s["cls"]) for s in good]
+
+
+def test_corrupt_images_raise(tmp_path):
+    urls, _ = _corrupt_shards(tmp_path)
+    with pytest.raises(DataError) as e:
+        list(loader(urls, batch_size=4))
+    assert e.value.key == "bad-garbage" and "shard-000000.tar" in str(e.value)
+
+
+def test_truncated_jpeg_raises_with_its_key(tmp_path):
+    """A JPEG with a valid header but cut short passes the signature check and fails in DALI."""
+    good = list(iter_image_samples(6, seed=9, num_classes=10, size=(96, 72)))
+    good[3] = {**good[3], "__key__": "bad-truncated", "jpg": good[3]["jpg"][: len(good[3]["jpg"]) // 2]}
+    tar = str(tmp_path / "truncated.tar")
+    with webdataset.TarWriter(tar) as w:
+        for s in good:
+            w.write(s)
+    with pytest.raises(DataError) as e:
+        list(loader([tar], batch_size=4))
+    assert e.value.key == "bad-truncated" and "decode" in str(e.value) and "truncated.tar" in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["skip", "warn"])
+def test_corrupt_images_skip_and_warn(tmp_path, caplog, mode):
+    urls, labels = _corrupt_shards(tmp_path)
+    dl = loader(urls, batch_size=4, on_error=mode)
+    with caplog.at_level(logging.WARNING):
+        x, y = collect(dl)
+    assert y.tolist() == labels  # every good sample, in order, none of the bad ones
+    assert x.shape == (12, 3, S, S) and torch.isfinite(x).all()
+    stats = dl.stats()
+    assert stats["skipped"] == 4 and stats["decode_errors"] == 1 and stats["samples"] == 12
+    assert any("bad-truncated" in m for m in stats["last_errors"])
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "skipped" in r.getMessage()]
+    assert (len(warned) >= 4) == (mode == "warn")
+
+
+def test_dali_reader_gives_the_same_batches(shards):
+    stream_x, stream_y = collect(loader(shards, reader="stream"))
+    dl = loader(shards, reader="dali", index_dir=os.path.join(os.path.dirname(shards[0]), "ix"))
+    x, y = collect(dl)
+    assert y.tolist() == stream_y.tolist()
+    assert torch.equal(x, stream_x)
+    assert len(os.listdir(os.path.join(os.path.dirname(shards[0]), "ix"))) == len(shards)
+
+
+def test_bad_arguments(shards):
+    with pytest.raises(ValueError):
+        loader(shards, layout="CHW")
+    with pytest.raises(ValueError):
+        loader(shards, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        loader(shards, on_error="ignore")
+    with pytest.raises(ValueError):
+        loader(["s3://bucket/shard-000000.tar"], reader="dali")
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_agrees_with_cpu(shards):
+    cpu_x, cpu_y = collect(loader(shards))
+    gpu = loader(shards, device="cuda")
+    gpu_x, gpu_y = collect(gpu)
+    assert gpu_x.is_cuda and gpu_y.is_cuda
+    assert gpu_y.cpu().tolist() == cpu_y.tolist()
+    diff = (gpu_x.cpu() - cpu_x).abs()
+    assert diff.mean() < 0.05, diff.mean()  # GPU JPEG decoding differs slightly (IDCT, chroma upsampling)
+    tx, ty = collect(loader(shards, device="cuda", train=True, dtype=torch.bfloat16))
+    assert tx.dtype == torch.bfloat16 and tx.shape == (N // 8 * 8, 3, S, S) and tx.is_cuda
