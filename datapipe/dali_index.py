@@ -134,26 +134,12 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
     return 1 if failed else 0
 
 
-def add_index_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``index SHARDS... [--index-dir DIR] [--skip-existing]`` to an argparse subparsers object."""
-    p = subparsers.add_parser("index", help="write DALI index files (wds2idx format) for tar shards",
-                              description="Write DALI index files (v1.2, as DALI's wds2idx.py) for WebDataset shards.")
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """``datapipe index SHARDS... [--index-dir DIR] [--skip-existing]`` (see datapipe.cli)."""
     p.add_argument("shards", nargs="+", metavar="SHARDS", help="shard paths or URLs; brace ranges allowed")
     p.add_argument("--index-dir", default=None, help="write index files here instead of next to the shards")
     p.add_argument("--skip-existing", action="store_true", help="keep index files that already exist")
-    p.set_defaults(func=run_index)
-    return p
 
 
-def run_index(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
     return index_command(args.shards, index_dir=args.index_dir, skip_existing=args.skip_existing)
-
-
-def main_index(argv: Sequence[str] | None = None) -> int:
-    """``datapipe index`` as a stand-alone entry point (logs to stderr); returns the exit code."""
-    parser = argparse.ArgumentParser(prog="datapipe")
-    add_index_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["index", *(sys.argv[1:] if argv is None else argv)])
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
-    return args.func(args)

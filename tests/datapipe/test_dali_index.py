@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import webdataset
 
-from datapipe.dali_index import default_index_path, index_command, main_index, write_dali_index
+from datapipe.cli import main as cli_main
+from datapipe.dali_index import default_index_path, index_command, write_dali_index
 from datapipe.errors import DataError
 
 pytest.importorskip("nvidia.dali")
@@ -114,7 +115,7 @@ def test_index_command_and_cli(tmp_path, caplog):
     for i in range(3):
         _write_tar(tmp_path / f"shard-{i:06d}.tar", _samples(4, seed=i))
     pattern = str(tmp_path / "shard-{000000..000002}.tar")
-    assert main_index([pattern, "--index-dir", str(tmp_path / "ix")]) == 0
+    assert cli_main(["index", pattern, "--index-dir", str(tmp_path / "ix")]) == 0
     assert sorted(os.listdir(tmp_path / "ix")) == [f"shard-{i:06d}.idx" for i in range(3)]
     before = os.path.getmtime(tmp_path / "ix" / "shard-000000.idx")
     assert index_command([pattern], index_dir=str(tmp_path / "ix"), skip_existing=True) == 0
