@@ -1,0 +1,234 @@
+"""Device prefetch: host-to-device bandwidth and data-wait in a training loop.
+
+(a) Bandwidth for 64/128/256 MB batches, all in the same run: pageable ``x.to(cuda)``, the pinned
+    ceiling (``pinned.to(cuda, non_blocking=True)`` + sync), and DevicePrefetcher fed pageable
+    tensors (staged through its pinned pool) and pinned tensors (copied directly).
+(b) A training loop whose step is a bf16 matmul chain of known GPU time (~20 ms, ending with a
+    host sync as ``loss.item()`` does), fed by ``torch.utils.data.DataLoader(pin_memory=True)`` +
+    ``.to(cuda, non_blocking=True)`` vs ``loaders.DataLoader(device="cuda")`` with the same workers,
+    from a dataset whose per-batch CPU cost is known: one case the host keeps up with, one it
+    cannot. Reports data-wait fraction and throughput.
+
+    python bench/prefetch.py --device cuda          # the H200 run, writes bench/results/prefetch.json
+    python bench/prefetch.py --quick                # CPU smoke check
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from bench.common import table, write_result  # noqa: E402
+from datapipe import DevicePrefetcher  # noqa: E402
+from loaders import DataLoader  # noqa: E402
+
+MB = 1 << 20
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- (a) bandwidth --------------------
+
+def bandwidth(device: torch.device, size_mb: int, iters: int) -> list[dict]:
+    n = size_mb * MB
+    pageable = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    rows = []
+
+    def record(method, seconds):
+        rows.append({"size_mb": size_mb, "method": method, "iters": iters,
+                     "gb_per_s": round(n * iters / seconds / 1e9, 2)})
+
+    def timed(fn):
+        fn()  # warm-up (allocations, pool)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    if device.type == "cuda":
+        pinned = pageable.pin_memory()
+        dst = torch.empty(n, dtype=torch.uint8, device=device)
+
+        def plain(src, non_blocking):
+            def run():
+                for _ in range(iters):
+                    dst.copy_(src, non_blocking=non_blocking)
+            return run
+
+        def as_to(src):
+            def run():
+                for _ in range(iters):
+                    src.to(device, non_blocking=True)
+            return run
+
+        record("pageable .to()", timed(plain(pageable, False)))
+        record("pinned ceiling", timed(as_to(pinned)))
+    else:
+        record("clone (cpu)", timed(lambda: [pageable.clone() for _ in range(iters)]))
+
+    def prefetch(src):
+        pf = DevicePrefetcher([src] * iters, device=device, depth=2)
+
+        def run():
+            for _ in pf:
+                pass
+        return run, pf
+
+    run, pf = prefetch(pageable)
+    record("DevicePrefetcher (pageable src)", timed(run))
+    pool = pf.pool_stats()
+    pf.close()
+    rows[-1]["pool_buffers"] = pool["buffers"]
+    if device.type == "cuda":
+        run, pf = prefetch(pinned)
+        record("DevicePrefetcher (pinned src)", timed(run))
+        pf.close()
+    ceiling = next((r["gb_per_s"] for r in rows if r["method"] == "pinned ceiling"), None)
+    for r in rows:
+        r["vs_pinned"] = round(r["gb_per_s"] / ceiling, 3) if ceiling else None
+    return rows
+
+
+# ---------------------------------------------------------------- (b) training loop ----------------
+
+class CostlyImages(Dataset):
+    """Synthetic uint8 images; each sample burns ``sample_cost_s`` of CPU (known per-batch cost)."""
+
+    def __init__(self, n: int, shape: tuple, sample_cost_s: float):
+        self.n, self.shape, self.cost = n, shape, sample_cost_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        end = time.perf_counter() + self.cost
+        g = torch.Generator().manual_seed(i)
+        x = torch.randint(0, 255, self.shape, dtype=torch.uint8, generator=g)
+        while time.perf_counter() < end:
+            pass
+        return x, i % 1000
+
+
+class Step:
+    """A GPU step of known duration: a chain of matmuls (bf16 on CUDA) that also reads the batch."""
+
+    def __init__(self, device: torch.device, target_s: float, dim: int):
+        self.device = device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.w = (torch.randn(dim, dim, device=device) / dim ** 0.5).to(dtype)
+        self.k = 1
+        t = self._time(3)
+        self.k = max(1, round(target_s / max(t, 1e-6)))
+        self.seconds = self._time(3)
+
+    def _time(self, reps):
+        x = self.w
+        self(torch.zeros(1, device=self.device))
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self(torch.zeros(1, device=self.device))
+        _sync(self.device)
+        del x
+        return (time.perf_counter() - t0) / reps
+
+    def __call__(self, batch):
+        x = self.w
+        for _ in range(self.k):
+            x = x @ self.w
+        loss = x.float().mean() + batch.float().mean() * 0
+        return loss.item()  # a host sync, as logging the loss does
+
+
+def train(loader_iter, step: Step, device: torch.device, steps: int, warmup: int, move: bool) -> dict:
+    wait = 0.0
+    done = 0
+    it = iter(loader_iter)
+    t_start = None
+    for i in range(warmup + steps):
+        if i == warmup:
+            t_start, wait = time.perf_counter(), 0.0
+        t0 = time.perf_counter()
+        x, _ = next(it)
+        if move:
+            x = x.to(device, non_blocking=True)
+        wait += time.perf_counter() - t0
+        step(x)
+        done += 1
+    wall = time.perf_counter() - t_start
+    return {"steps_per_s": round(steps / wall, 2), "wait_fraction": round(wait / wall, 3), "wall_s": round(wall, 3)}
+
+
+def training(device: torch.device, *, workers: int, batch: int, shape: tuple, step_s: float, dim: int,
+             steps: int, warmup: int) -> list[dict]:
+    step = Step(device, step_s, dim)
+    rows = []
+    n = (steps + warmup + 2) * batch
+    for case, factor in (("host keeps up", 0.5), ("host cannot keep up", 2.0)):
+        batch_cost = factor * workers * step.seconds  # CPU seconds per batch
+        ds = CostlyImages(n, shape, batch_cost / batch)
+        common = dict(batch_size=batch, num_workers=workers, shuffle=True)
+        extra = {"persistent_workers": False, "prefetch_factor": 2} if workers else {}
+        torch_loader = torch.utils.data.DataLoader(
+            ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
+        r = train(torch_loader, step, device, steps, warmup, move=True)
+        rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
+        ours = DataLoader(ds, device=device, **common, **extra)
+        r = train(ours, step, device, steps, warmup, move=False)
+        ours.close()
+        rows.append({"case": case, "loader": "loaders.DataLoader(device)", **r})
+        ideal = min(1 / step.seconds, workers / batch_cost if workers else 1 / (batch_cost + step.seconds))
+        for row in rows[-2:]:
+            row.update(step_ms=round(step.seconds * 1e3, 2), batch_cpu_ms=round(batch_cost * 1e3, 1),
+                       workers=workers, ideal_steps_per_s=round(ideal, 2),
+                       samples_per_s=round(row["steps_per_s"] * batch, 1))
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--iters", type=int, default=20, help="copies per bandwidth measurement")
+    ap.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--image", type=int, nargs=3, default=[3, 224, 224])
+    ap.add_argument("--step-ms", type=float, default=20.0)
+    ap.add_argument("--dim", type=int, default=8192, help="matmul size of the GPU step")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke check")
+    ap.add_argument("--out", default=None, help="directory for prefetch.json (default bench/results)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes_mb, args.iters, args.batch, args.image = [4, 8], 3, 8, [3, 32, 32]
+        args.steps, args.warmup, args.dim, args.step_ms = 12, 2, 256, 5.0
+        args.workers = min(args.workers, 1)
+    device = torch.device(args.device)
+    bw = [r for size in args.sizes_mb for r in bandwidth(device, size, args.iters)]
+    tr = training(device, workers=args.workers, batch=args.batch, shape=tuple(args.image),
+                  step_s=args.step_ms / 1e3, dim=args.dim, steps=args.steps, warmup=args.warmup)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "cpu_count": os.cpu_count(), "args": vars(args), "bandwidth": bw, "training": tr,
+              "target": "DevicePrefetcher >= 0.85 x pinned ceiling"}
+    path = write_result("prefetch", result, args.out)
+    print(table(bw, ["size_mb", "method", "gb_per_s", "vs_pinned"]))
+    print()
+    print(table(tr, ["case", "loader", "workers", "step_ms", "batch_cpu_ms", "steps_per_s",
+                     "ideal_steps_per_s", "wait_fraction", "samples_per_s"]))
+    print(f"\nwrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,500 @@
+"""loaders.DataLoader: torch parity, exact resume (map-style and worker-state protocol), stats,
+autotune bounds, clean failure without orphaned workers or threads."""
+import logging
+import multiprocessing
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from datapipe import autotune
+from loaders import DataLoader
+
+N = 22
+
+
+class Squares(Dataset):
+    """Map-style; remembers which indices it loaded (in the main process)."""
+
+    def __init__(self, n=N, fail_at=None):
+        self.n = n
+        self.fail_at = fail_at
+        self.loaded = []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise RuntimeError(f"cannot read sample {i}")
+        self.loaded.append(i)
+        return {"x": torch.tensor([i, i * i]), "i": i, "name": f"s{i}"}
+
+
+class Counting(IterableDataset):
+    """Plain iterable dataset split over workers (no state protocol)."""
+
+    def __init__(self, n=N):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, k = (info.num_workers, info.id) if info else (1, 0)
+        for i in range(k, self.n, w):
+            yield torch.tensor([i, -i])
+
+
+class ToyStream(IterableDataset):
+    """Stateful stream implementing the worker-state protocol.
+
+    Logical worker ``l`` of ``W`` reads shards ``l, l + W, ...`` (unequal lengths), physical worker
+    ``p`` plays logical worker ``(p + first_worker) % W``. Position = (shard, offset, done).
+    """
+
+    def __init__(self, shards):
+        self.shards = shards
+        self.epoch = 0
+        self._resume = None
+        self._w, self._l, self._pos = 1, 0, {"shard": 0, "offset": 0, "done": False}
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def load_state_dict(self, state):
+        self._resume = {**state, "workers": {int(k): dict(v) for k, v in state["workers"].items()}}
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "num_workers": self._w, "workers": {self._l: dict(self._pos)}}
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, p = (info.num_workers, info.id) if info else (1, 0)
+        resume = self._resume if self._resume and self._resume["epoch"] == self.epoch else None
+        if resume is not None and resume["num_workers"] != w:
+            raise ValueError(f"state saved with num_workers={resume['num_workers']}, running with {w}")
+        first = resume["first_worker"] if resume else 0
+        self._w, self._l = w, (p + first) % w
+        start = (resume or {"workers": {}})["workers"].get(self._l, {"shard": 0, "offset": 0, "done": False})
+        self._pos = dict(start)
+        if start["done"]:
+            return
+        mine = self.shards[self._l::w]
+        s, o = start["shard"], start["offset"]
+        while s < len(mine):
+            while o < len(mine[s]):
+                x = mine[s][o]
+                o += 1
+                self._pos = {"shard": s, "offset": o, "done": False}
+                yield torch.tensor(x + 1000 * self.epoch)
+            s, o = s + 1, 0
+        self._pos = {"shard": s, "offset": 0, "done": True}
+
+
+SHARDS = [list(range(0, 9)), [10, 11], list(range(20, 24)), [30], list(range(40, 43)), list(range(50, 56))]
+
+
+def _plain(batch):
+    """Comparable form of a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return ("T", str(batch.dtype), batch.tolist())
+    if isinstance(batch, dict):
+        return {k: _plain(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_plain(v) for v in batch)
+    return batch
+
+
+def _run(loader, limit=None):
+    out = []
+    for b in loader:
+        out.append(_plain(b))
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def _children_gone(timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return multiprocessing.active_children() == []
+
+
+def _threads_gone(timeout=10.0):
+    deadline = time.monotonic() + timeout
+    alive = lambda: [t for t in threading.enumerate() if t.name == "datapipe-prefetch" and t.is_alive()]  # noqa: E731
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return alive() == []
+
+
+# ---------------------------------------------------------------- torch parity --------------------
+
+def _pair(dataset, *, seed=0, **kw):
+    ours = DataLoader(dataset, seed=seed, **kw)
+    theirs = torch.utils.data.DataLoader(dataset, generator=torch.Generator().manual_seed(seed), **kw)
+    return _run(ours), _run(theirs)
+
+
+class Fixed(torch.utils.data.Sampler):
+    def __init__(self, order):
+        self.order = order
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self):
+        return len(self.order)
+
+
+def _dict_collate(samples):
+    return {"sum": torch.stack([s["x"] for s in samples]).sum(0), "names": [s["name"] for s in samples]}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("case", ["shuffle", "shuffle_drop_last", "sampler", "collate", "batch_sampler",
+                                  "no_batching", "iterable", "weighted"])
+def test_same_batches_as_torch(case, workers):
+    ds = Squares()
+    kw = {"num_workers": workers, "batch_size": 4}
+    if case == "shuffle":
+        kw.update(shuffle=True)
+    elif case == "shuffle_drop_last":
+        kw.update(shuffle=True, drop_last=True, batch_size=5)
+    elif case == "sampler":
+        kw.update(sampler=Fixed([5, 3, 1, 20, 0, 7, 7]))
+    elif case == "collate":
+        kw.update(shuffle=True, collate_fn=_dict_collate)
+    elif case == "batch_sampler":
+        kw.pop("batch_size")
+        kw.update(batch_sampler=[[1, 2], [9], [4, 5, 6]])
+    elif case == "no_batching":
+        kw.update(batch_size=None, shuffle=True)
+    elif case == "iterable":
+        ds = Counting()
+    elif case == "weighted":
+        # a sampler with its own seeded generator: same order when both start from the same state
+        kw.update(sampler=torch.utils.data.WeightedRandomSampler(
+            [1.0] * N, 10, generator=torch.Generator().manual_seed(5)))
+        ours = _run(DataLoader(ds, **kw))
+        kw["sampler"].generator.manual_seed(5)
+        assert ours == _run(torch.utils.data.DataLoader(ds, **kw))
+        return
+    ours, theirs = _pair(ds, seed=11, **kw)
+    assert len(ours) > 0 and ours == theirs
+
+
+def test_protocol_dataset_batches_equal_torch():
+    for workers in (0, 2):
+        ours = _run(DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=workers))
+        theirs = _run(torch.utils.data.DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=workers))
+        assert ours == theirs and len(ours) > 3
+
+
+def test_seed_plus_epoch_and_set_epoch():
+    ds = Squares()
+    dl = DataLoader(ds, batch_size=4, shuffle=True, seed=3)
+    e0, e1 = _run(dl), _run(dl)  # a finished pass advances the epoch
+    ref = lambda s: _run(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True,  # noqa: E731
+                                                     generator=torch.Generator().manual_seed(s)))
+    assert e0 == ref(3) and e1 == ref(4) and e0 != e1
+    dl.set_epoch(0)
+    assert _run(dl) == e0
+    assert len(dl) == len(e0)
+
+
+def test_user_generator_is_used():
+    ds = Squares()
+    ours = _run(DataLoader(ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(9)))
+    theirs = _run(torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True,
+                                              generator=torch.Generator().manual_seed(9)))
+    assert ours == theirs
+
+
+def test_device_cpu_prefetch_same_batches():
+    ds = Squares()
+    ours = _run(DataLoader(ds, batch_size=4, shuffle=True, device="cpu", prefetch_depth=3))
+    assert ours == _run(DataLoader(ds, batch_size=4, shuffle=True))
+    assert _threads_gone()
+
+
+# ---------------------------------------------------------------- resume: map-style ----------------
+
+@pytest.mark.parametrize("workers,device", [(0, None), (2, None), (0, "cpu")])
+def test_map_style_resume_exact_without_loading_skipped(workers, device):
+    kw = dict(batch_size=4, shuffle=True, num_workers=workers, seed=5, device=device)
+    full = _run(DataLoader(Squares(), **kw))
+    n = len(full)
+    for stop in (0, 1, 3, n - 1, n):
+        first = DataLoader(Squares(), **kw)
+        head = _run(first, limit=stop) if stop else []
+        state = first.state_dict()
+        first.close()
+        assert state["epoch"] == 0 and state["batches"] == stop
+        ds = Squares()
+        second = DataLoader(ds, **kw)
+        second.load_state_dict(state)
+        rest = _run(second)
+        assert head + rest == full, stop
+        if workers == 0:  # skipped batches were never loaded
+            assert sorted(ds.loaded) == sorted(i for b in rest for i in b["i"][2])
+    assert _children_gone()
+
+
+def test_map_style_resume_with_user_generator():
+    kw = dict(batch_size=3, shuffle=True)
+
+    def fresh(seed=1):
+        return DataLoader(Squares(), generator=torch.Generator().manual_seed(seed), **kw)
+
+    ref = fresh()
+    _run(ref)
+    second_pass = _run(ref)  # the generator advanced during the first pass
+    a = fresh()
+    _run(a)
+    head = _run(a, limit=2)
+    state = a.state_dict()
+    assert state["generator_state"] is not None
+    b = fresh(seed=123)  # its own generator is replaced by the saved state
+    b.load_state_dict(state)
+    assert head + _run(b) == second_pass
+
+
+def test_resume_of_finished_epoch_moves_on():
+    dl = DataLoader(Squares(), batch_size=5, shuffle=True)
+    _run(dl)
+    state = dl.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == 0
+    nxt = DataLoader(Squares(), batch_size=5, shuffle=True)
+    nxt.load_state_dict(state)
+    assert _run(nxt) == _run(DataLoader(Squares(), batch_size=5, shuffle=True, seed=1))
+
+
+def test_iterable_without_protocol_replays():
+    kw = dict(batch_size=3, num_workers=2)
+    full = _run(DataLoader(Counting(), **kw))
+    a = DataLoader(Counting(), **kw)
+    head = _run(a, limit=4)
+    b = DataLoader(Counting(), **kw)
+    b.load_state_dict(a.state_dict())
+    a.close()
+    assert head + _run(b) == full
+    with pytest.raises(ValueError, match="num_workers"):
+        DataLoader(Counting(), batch_size=3, num_workers=1).load_state_dict(a.state_dict())
+
+
+# ---------------------------------------------------------------- resume: worker-state protocol -----
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_protocol_resume_exact_at_every_stop(workers):
+    kw = dict(batch_size=2, num_workers=workers)
+    full = _run(DataLoader(ToyStream(SHARDS), **kw))
+    assert len(full) >= 8
+    for stop in range(0, len(full) + 1):
+        a = DataLoader(ToyStream(SHARDS), **kw)
+        head = _run(a, limit=stop) if stop else []
+        state = a.state_dict()
+        a.close()
+        b = DataLoader(ToyStream(SHARDS), **kw)
+        b.load_state_dict(state)
+        assert head + _run(b) == full, (workers, stop, state)
+    assert _children_gone()
+
+
+def test_protocol_resume_twice_and_next_epoch():
+    kw = dict(batch_size=2, num_workers=2)
+    ref = DataLoader(ToyStream(SHARDS), **kw)
+    full0, full1 = _run(ref), _run(ref)
+    a = DataLoader(ToyStream(SHARDS), **kw)
+    got = _run(a, limit=1)
+    b = DataLoader(ToyStream(SHARDS), **kw)
+    b.load_state_dict(a.state_dict())
+    a.close()
+    got += _run(b, limit=3)  # resumed run stopped again (first_worker composes)
+    c = DataLoader(ToyStream(SHARDS), **kw)
+    c.load_state_dict(b.state_dict())
+    b.close()
+    got += _run(c)
+    assert got == full0
+    assert _run(c) == full1  # the following epoch starts fresh
+    assert full0 != full1
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_protocol_state_shape_and_worker_count_check():
+    a = DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=2)
+    _run(a, limit=3)
+    state = a.state_dict()
+    a.close()
+    ds = state["dataset"]
+    assert set(ds) == {"epoch", "num_workers", "workers", "first_worker"}
+    assert ds["num_workers"] == 2 and ds["first_worker"] == 1 and set(ds["workers"]) == {0, 1}
+    with pytest.raises(ValueError, match="num_workers"):
+        DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="state_dict"):
+        DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({"epoch": 0})
+
+
+def test_protocol_resume_through_cpu_prefetch():
+    kw = dict(batch_size=2, num_workers=2, device="cpu", prefetch_depth=3)
+    full = _run(DataLoader(ToyStream(SHARDS), **kw))
+    a = DataLoader(ToyStream(SHARDS), **kw)
+    head = _run(a, limit=5)  # the prefetcher ran ahead; the state must not count those batches
+    state = a.state_dict()
+    a.close()
+    assert state["batches"] == 5
+    b = DataLoader(ToyStream(SHARDS), **kw)
+    b.load_state_dict(state)
+    assert head + _run(b) == full
+    b.close()
+    assert _threads_gone() and _children_gone()
+
+
+# ---------------------------------------------------------------- stats and autotune ----------------
+
+def test_stats_counts():
+    dl = DataLoader(Squares(), batch_size=4, device="cpu")
+    assert dl.stats()["batches"] == 0
+    n = len(_run(dl))
+    s = dl.stats()
+    assert s["batches"] == n and s["samples"] == N
+    assert s["elapsed_s"] > 0 and 0.0 <= s["wait_fraction"] <= 1.0 and s["wait_s"] <= s["elapsed_s"]
+    assert s["samples_per_s"] == pytest.approx(N / s["elapsed_s"])
+    assert {"autotune", "num_workers", "prefetch_depth", "batches_per_s"} <= set(s)
+
+
+@pytest.mark.parametrize("produce,consume,avail,cap", [
+    (0.1, 0.001, 64 << 30, None), (0.001, 0.1, 64 << 30, None), (0.05, 0.01, 1 << 20, None),
+    (1.0, None, None, 3), (0.0, 0.0, 0, 1)])
+def test_choose_num_workers_within_bounds(produce, consume, avail, cap):
+    d = autotune.choose_num_workers(produce_s=produce, consume_s=consume, batch_bytes=10 << 20,
+                                    available_bytes=avail, max_workers=cap)
+    lo, hi = d["bounds"]
+    assert lo == 1 and lo <= d["value"] <= hi
+    assert hi <= (cap or max(1, autotune.cpu_budget() - 1))
+    if avail == 1 << 20:
+        assert d["value"] == 1  # memory bound
+    assert d["reason"]
+
+
+def test_choose_workers_follows_the_ratio():
+    d = autotune.choose_num_workers(produce_s=0.04, consume_s=0.01, batch_bytes=0, max_workers=64,
+                                    available_bytes=1 << 40)
+    assert d["value"] == 5  # ceil(1.25 * 4)
+
+
+def test_adapt_grows_within_bounds_never_shrinks():
+    keep = autotune.adapt(num_workers=2, workers_hi=8, depth=2, depth_hi=8, batches=100, elapsed_s=10, wait_s=0.1)
+    assert keep["num_workers"] == 2 and keep["prefetch_depth"] == 2
+    grow = autotune.adapt(num_workers=2, workers_hi=8, depth=2, depth_hi=8, batches=100, elapsed_s=10, wait_s=8)
+    assert 2 < grow["num_workers"] <= 8 and 2 < grow["prefetch_depth"] <= 8
+    capped = autotune.adapt(num_workers=4, workers_hi=4, depth=8, depth_hi=8, batches=10, elapsed_s=1, wait_s=0.9)
+    assert capped["num_workers"] == 4 and capped["prefetch_depth"] == 8
+
+
+def test_choose_depth_bounds():
+    d = autotune.choose_depth(batch_bytes=1 << 30, available_bytes=4 << 30)
+    assert d["value"] == 1 and d["bounds"] == [1, 1]
+    d = autotune.choose_depth(batch_bytes=1 << 10, available_bytes=4 << 30)
+    assert d["value"] == 2 and d["bounds"][1] == 8
+
+
+def test_auto_loader_same_order_and_logged(caplog):
+    kw = dict(batch_size=2, shuffle=True, seed=4)
+    ref = _run(DataLoader(Squares(), **kw))
+    with caplog.at_level(logging.INFO, logger="datapipe.autotune"):
+        dl = DataLoader(Squares(), num_workers="auto", prefetch_depth="auto", device="cpu", max_workers=2, **kw)
+        assert _run(dl) == ref  # probe batches from the main process, then workers, same order
+        _run(dl)
+    s = dl.stats()
+    choice = s["autotune"]["num_workers"]
+    assert 1 <= choice["value"] <= 2 and 1 <= s["num_workers"] <= 2
+    assert any("num_workers=" in r.getMessage() for r in caplog.records if r.name == "datapipe.autotune")
+    dl.close()
+    assert _children_gone() and _threads_gone()
+
+
+def test_auto_iterable_within_bounds():
+    dl = DataLoader(ToyStream(SHARDS), batch_size=2, num_workers="auto", max_workers=2)
+    assert _run(dl) == _run(DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=dl.stats()["num_workers"]))
+    assert 1 <= dl.stats()["num_workers"] <= 2
+
+
+# ---------------------------------------------------------------- bad input -------------------------
+
+def _bad_collate(samples):
+    if any(s["i"] == 9 for s in samples):
+        raise ValueError("collate cannot handle sample 9")
+    return torch.utils.data.default_collate(samples)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers,device", [(0, None), (2, None), (2, "cpu")])
+def test_collate_error_reaches_consumer(workers, device):
+    dl = DataLoader(Squares(), batch_size=2, num_workers=workers, collate_fn=_bad_collate, device=device)
+    with pytest.raises(ValueError, match="sample 9"):
+        _run(dl)
+    assert _children_gone() and _threads_gone()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers,device", [(0, None), (2, None), (2, "cpu")])
+def test_dataset_error_in_worker_reaches_consumer(workers, device):
+    dl = DataLoader(Squares(fail_at=13), batch_size=2, num_workers=workers, device=device, shuffle=True)
+    with pytest.raises(RuntimeError, match="cannot read sample 13"):
+        _run(dl)
+    assert _children_gone() and _threads_gone()
+
+
+@pytest.mark.timeout(60)
+def test_break_and_close_leave_nothing_running():
+    dl = DataLoader(Squares(), batch_size=2, num_workers=2, device="cpu", persistent_workers=True)
+    _run(dl, limit=2)
+    it = iter(dl)  # a new pass abandons the old one
+    next(it)
+    dl.close()
+    assert _children_gone() and _threads_gone()
+    with DataLoader(Counting(), batch_size=2, num_workers=2, device="cpu") as dl2:
+        _run(dl2, limit=1)
+    assert _children_gone() and _threads_gone()
+
+
+def test_non_tensor_leaves_pass_through():
+    out = list(DataLoader(Squares(), batch_size=3, device="cpu"))
+    assert out[0]["name"] == ["s0", "s1", "s2"] and out[0]["i"].tolist() == [0, 1, 2]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="cuda"):
+        DataLoader(Squares(), device="cuda:99")
+    with pytest.raises(ValueError, match="num_workers"):
+        DataLoader(Squares(), num_workers=-1)
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        DataLoader(Squares(), prefetch_depth=0)
+    with pytest.raises(ValueError, match="shuffle"):  # torch's own validation
+        DataLoader(Squares(), sampler=Fixed([0]), shuffle=True)
+
+
+# ---------------------------------------------------------------- GPU -------------------------------
+
+@pytest.mark.gpu
+def test_gpu_loader_batches_and_resume():
+    kw = dict(batch_size=4, shuffle=True, num_workers=2)
+    ref = _run(DataLoader(Squares(), **kw))
+    dl = DataLoader(Squares(), device="cuda", **kw)
+    got = []
+    for b in dl:
+        assert b["x"].is_cuda
+        got.append(_plain(b))
+        if len(got) == 2:
+            break
+    state = dl.state_dict()
+    dl.close()
+    dl2 = DataLoader(Squares(), device="cuda", **kw)
+    dl2.load_state_dict(state)
+    assert got + _run(dl2) == ref
+    assert dl2.stats()["pinned_pool"]["buffers"] > 0
+    dl2.close()
