@@ -164,12 +164,13 @@ class ShardStream(torch.utils.data.IterableDataset):
                 "workers": {w: dict(p) for w, p in self._positions.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration yields exactly the rest of the saved epoch."""
+        """Resume: the next iteration of the saved epoch yields exactly its rest (other epochs start afresh)."""
         for key in ("epoch", "num_workers", "workers"):
             if key not in state:
                 raise ValueError(f"not a ShardStream state: no {key!r} entry")
         self.epoch = int(state["epoch"])
-        self._resume = {"num_workers": int(state["num_workers"]), "world_size": state.get("world_size"),
+        self._resume = {"epoch": self.epoch, "num_workers": int(state["num_workers"]),
+                        "world_size": state.get("world_size"),
                         "first_worker": int(state.get("first_worker", 0)),
                         "workers": {int(w): dict(p) for w, p in state["workers"].items()}}
 
@@ -188,10 +189,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0
         rank, world = self._rank_world()
-        resume, self._resume = self._resume, None
+        resume = self._resume if self._resume is not None and self._resume["epoch"] == self.epoch else None
+        if info is None:
+            self._resume = None  # used up here; DataLoader workers use their own copies
         logical, draws, done = physical, 0, False
         if resume is not None:
-            if resume["num_workers"] != num_workers:
+            if max(1, resume["num_workers"]) != max(1, num_workers):  # 0 and 1 worker split alike
                 raise ValueError(f"state was saved with num_workers={resume['num_workers']}, "
                                  f"now {num_workers}: resume with the same number of workers")
             if resume["world_size"] is not None and resume["world_size"] != world:
