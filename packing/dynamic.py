@@ -174,8 +174,17 @@ class TokenBudgetBatcher:
         s["padding_fraction"] = s["padding_tokens"] / total if total else 0.0
         return s
 
-    def state_dict(self) -> dict:
-        st = self._state
+    def snapshot(self) -> _State:
+        """A cheap copy of the current state (no token copies) for ``state_dict(snapshot)`` later."""
+        st, snap = self._state, _State()
+        snap.consumed, snap.round = st.consumed, st.round
+        snap.ready = [list(batch) for batch in st.ready]
+        snap.stats = dict(st.stats)
+        return snap
+
+    def state_dict(self, snapshot: _State | None = None) -> dict:
+        """The resume point after the last batch yielded, or at ``snapshot``."""
+        st = self._state if snapshot is None else snapshot
         seqs = [s for batch in st.ready for s in batch]
         return {
             "max_tokens": self.max_tokens,

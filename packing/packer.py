@@ -204,9 +204,22 @@ class Packer:
         s["padding_fraction"] = s["padding_tokens"] / capacity if capacity else 0.0
         return s
 
-    def state_dict(self) -> dict:
-        """The resume point after the last batch yielded (see the module doc)."""
-        st = self._state
+    def snapshot(self) -> _State:
+        """A cheap copy of the current state (no token copies) for ``state_dict(snapshot)`` later.
+
+        A loader that prefetches takes one per batch, then turns the one of the last batch it
+        handed out into a state dict only when a checkpoint is asked for.
+        """
+        st, snap = self._state, _State()
+        snap.consumed, snap.seen = st.consumed, st.seen
+        snap.buffer = list(st.buffer)
+        snap.ready = deque(st.ready)
+        snap.stats = dict(st.stats)
+        return snap
+
+    def state_dict(self, snapshot: _State | None = None) -> dict:
+        """The resume point after the last batch yielded, or at ``snapshot`` (see the module doc)."""
+        st = self._state if snapshot is None else snapshot
         buf = [p[0] for p in st.buffer]
         ready = [p for row in st.ready for p in row]
         return {

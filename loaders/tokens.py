@@ -1,0 +1,197 @@
+"""``TokenLoader``: tokenised documents from shards -> packed (or token-budget) batches on the device."""
+from __future__ import annotations
+
+import io
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from datapipe.errors import DataError
+from datapipe.prefetch import DevicePrefetcher
+from datapipe.stream import ShardStream
+
+log = logging.getLogger("datapipe.tokens")
+
+BATCHING = ("packed", "dynamic")
+
+
+def decode_npy(data) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+class TokenLoader:
+    """Packed LLM batches from WebDataset shards of tokenised documents.
+
+    Each sample holds one document: token ids as ``.npy`` (default ``token_key="npy"``), raw ints
+    (``token_key="ids"`` with ``token_dtype``), or text (``text_key``) with a ``tokenizer`` callable
+    (``str -> list[int]``). Documents stream through ``ShardStream`` (splitting, shuffling, resume,
+    ``on_error``) into ``packing.Packer`` (``batching="packed"``: the packed-batch format of
+    ``packing.batch``) or ``packing.TokenBudgetBatcher`` (``batching="dynamic"``: padded batches
+    of at most ``max_tokens``), and reach ``device`` through ``DevicePrefetcher``.
+
+    When torch.distributed is initialised, ranks agree each step (a one-int all-reduce on a gloo
+    group) to stop together when the first runs out, so every rank yields the same number of
+    batches; the few batches a rank drops at the end of the epoch are counted in ``stats()``.
+    ``state_dict()`` is exact for the batches handed out, not the ones prefetched.
+    """
+
+    def __init__(self, urls: str | list[str], *, seq_len: int, batch_size: int, device=None,
+                 batching: str = "packed", max_tokens: int | None = None, pad_to_multiple_of: int = 8,
+                 token_key: str = "npy", token_dtype: str = "int32", text_key: str = "txt",
+                 tokenizer: Callable[[str], Any] | None = None, shuffle: bool = True, seed: int = 0,
+                 shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
+                 on_error: str = "raise", buffer_size: int = 2048, overflow: str = "split",
+                 eos_id: int | None = None, bos_id: int | None = None, pad_id: int = 0, algorithm: str = "bfd",
+                 prefetch_depth: int = 2, sync_ranks: bool = True, stream_options: dict | None = None):
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError("seq_len and batch_size must be >= 1")
+        self.stream = ShardStream(urls, shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer, rank=rank,
+                                  world_size=world_size, on_error=on_error, **(stream_options or {}))
+        self.seq_len = int(seq_len)
+        self.batch_size = int(batch_size)
+        self.device = device
+        self.batching = batching
+        self.token_key = token_key
+        self.token_dtype = np.dtype(token_dtype)
+        self.text_key = text_key
+        self.tokenizer = tokenizer
+        self.on_error = on_error
+        self.prefetch_depth = prefetch_depth
+        self.sync_ranks = sync_ranks
+        if batching == "packed":
+            from packing import Packer
+
+            self.batcher = Packer(seq_len, buffer_size=buffer_size, overflow=overflow, eos_id=eos_id, bos_id=bos_id,
+                                  pad_id=pad_id, algorithm=algorithm)
+        else:
+            from packing import TokenBudgetBatcher
+
+            self.batcher = TokenBudgetBatcher(max_tokens or seq_len * batch_size, buffer_size=buffer_size,
+                                              max_batch_size=batch_size, pad_to_multiple_of=pad_to_multiple_of,
+                                              seed=seed, pad_id=pad_id)
+        self._delivered: dict[str, Any] | None = None  # snapshot after the last batch handed out
+        self._resume: dict[str, Any] | None = None
+        self._stats = {"batches": 0, "tokens": 0, "bad_documents": 0, "dropped_tail_batches": 0,
+                       "wait_s": 0.0, "elapsed_s": 0.0}
+        self._group = None
+
+    # ---- documents --------------------------------------------------------------------------
+    def _document(self, sample: dict) -> np.ndarray | None:
+        try:
+            if self.token_key in sample:
+                data = sample[self.token_key]
+                ids = decode_npy(data) if self.token_key == "npy" else np.frombuffer(data, dtype=self.token_dtype)
+            elif self.tokenizer is not None and self.text_key in sample:
+                ids = np.asarray(self.tokenizer(bytes(sample[self.text_key]).decode("utf-8")), dtype=np.int64)
+            else:
+                raise KeyError(f"no {self.token_key!r} entry" + (f" and no {self.text_key!r} text" if self.tokenizer
+                                                                 else " (give tokenizer= to read text)"))
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise ValueError(f"token ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+            return ids
+        except Exception as e:
+            err = DataError(f"bad document: {type(e).__name__}: {e}", url=sample.get("__url__"), key=sample.get("__key__"))
+            if self.on_error == "raise":
+                raise err from e
+            self._stats["bad_documents"] += 1
+            if self.on_error == "warn":
+                log.warning("skipped: %s", err)
+            return None
+
+    def _documents(self) -> Iterator[np.ndarray]:
+        for sample in self.stream:
+            ids = self._document(sample)
+            if ids is not None:
+                yield ids
+
+    # ---- batches ----------------------------------------------------------------------------
+    def _produce(self) -> Iterator[tuple[dict, dict]]:
+        """Batches as torch tensors (host), each with the snapshot of the state right after it."""
+        from packing.batch import to_torch
+
+        batches = (self.batcher.batches(self._documents(), self.batch_size) if self.batching == "packed"
+                   else self.batcher.batches(self._documents()))
+        for batch in batches:
+            snapshot = {"stream": self.stream.state_dict(), "batcher": self.batcher.snapshot()}
+            yield to_torch(batch), snapshot
+
+    def __iter__(self) -> Iterator[dict]:
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self.stream.load_state_dict(resume["stream"])
+            self.batcher.load_state_dict(resume["batcher"], skip_consumed=False)
+            self._stats["batches"] = int(resume.get("batches", 0))
+        else:
+            self._stats["batches"] = 0
+        group = self._sync_group()
+        prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
+        it = iter(prefetcher)
+        start = time.perf_counter()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    item = None
+                self._stats["wait_s"] += time.perf_counter() - t0
+                if group is not None:
+                    flag = torch.tensor([0 if item is None else 1], dtype=torch.int32)
+                    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+                    if item is not None and int(flag) == 0:
+                        self._stats["dropped_tail_batches"] += 1 + sum(1 for _ in it)
+                        item = None
+                if item is None:
+                    break
+                batch, snapshot = item
+                self._delivered = {"snapshot": snapshot, "batches": self._stats["batches"] + 1}
+                self._stats["batches"] += 1
+                self._stats["tokens"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else \
+                    int((batch["document_ids"] >= 0).sum())
+                self._stats["elapsed_s"] = time.perf_counter() - start
+                yield batch
+        finally:
+            prefetcher.close()
+
+    def _sync_group(self):
+        if not self.sync_ranks:
+            return None
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    # ---- state ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.stream.set_epoch(epoch)
+        self._delivered = None
+
+    def state_dict(self) -> dict:
+        """The position after the last batch handed out (the prefetched ones are replayed on resume)."""
+        if self._delivered is None:
+            return {"stream": self.stream.state_dict(), "batcher": self.batcher.state_dict(), "batches": 0}
+        snap = self._delivered["snapshot"]
+        return {"stream": snap["stream"], "batcher": self.batcher.state_dict(snap["batcher"]),
+                "batches": self._delivered["batches"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("stream", "batcher"):
+            if key not in state:
+                raise ValueError(f"not a TokenLoader state: no {key!r} entry")
+        self._resume = state
+
+    def stats(self) -> dict:
+        """Batches, tokens (real), tokens/s, consumer wait, plus the batcher's own counters (efficiency...)."""
+        s = dict(self._stats)
+        s["tokens_per_s"] = s["tokens"] / s["elapsed_s"] if s["elapsed_s"] else 0.0
+        s["wait_fraction"] = s["wait_s"] / s["elapsed_s"] if s["elapsed_s"] else 0.0
+        s.update(self.batcher.stats())
+        s["stream"] = self.stream.stats()
+        return s

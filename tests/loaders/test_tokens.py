@@ -1,0 +1,134 @@
+import io
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from datapipe import DataError, ShardWriter
+from loaders import TokenLoader
+from tests.resume import assert_resumes_identically
+
+
+def write_token_shards(directory, lengths, *, per_shard=25, text=False, bad=()):
+    """Documents whose token values are globally unique: doc i holds i * 100000 + (0..n-1)."""
+    with ShardWriter(os.path.join(directory, "tok-%04d.tar"), max_count=per_shard) as w:
+        for i, n in enumerate(lengths):
+            ids = (np.arange(n) + i * 100_000).astype(np.int32)
+            if i in bad:
+                w.write({"__key__": f"d{i:05d}", "npy": b"not an npy file"})
+            elif text:
+                w.write({"__key__": f"d{i:05d}", "txt": " ".join(map(str, ids.tolist()))})
+            else:
+                buf = io.BytesIO()
+                np.save(buf, ids)
+                w.write({"__key__": f"d{i:05d}", "npy": buf.getvalue()})
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".tar"))
+
+
+def lengths(n, seed=0, high=300):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(3.5, 1.0, n).astype(int), 1, high).tolist()
+
+
+def real_tokens(batch):
+    if "document_ids" in batch:
+        return batch["input_ids"][batch["document_ids"] >= 0]
+    return batch["input_ids"][batch["attention_mask"] == 1]
+
+
+def test_every_token_exactly_once_in_packed_rows(tmp_path):
+    lens = lengths(120)
+    urls = write_token_shards(tmp_path, lens)
+    loader = TokenLoader(urls, seq_len=128, batch_size=4, buffer_size=64)
+    batches = list(loader)
+    got = torch.cat([real_tokens(b) for b in batches]).sort().values
+    expected = torch.tensor(sorted(i * 100_000 + j for i, n in enumerate(lens) for j in range(n)))
+    assert torch.equal(got, expected.to(got.dtype))
+    assert all(b["input_ids"].shape[1] == 128 for b in batches)
+    stats = loader.stats()
+    assert stats["efficiency"] > 0.9 and stats["tokens"] == sum(lens)
+    # no document that fits a row is split: its tokens sit contiguously in one row
+    for b in batches:
+        for row_ids, row_docs in zip(b["input_ids"], b["document_ids"]):
+            for d in row_docs.unique():
+                if d < 0:
+                    continue
+                toks = row_ids[row_docs == d]
+                assert torch.equal(toks - toks[0], torch.arange(len(toks), dtype=toks.dtype))
+
+
+def test_positions_restart_and_labels_mask_boundaries(tmp_path):
+    urls = write_token_shards(tmp_path, [5, 7, 3])
+    (batch,) = list(TokenLoader(urls, seq_len=16, batch_size=2, shuffle=False))
+    pos, docs, labels = batch["position_ids"][0], batch["document_ids"][0], batch["labels"][0]
+    starts = (pos == 0) & (docs >= 0)
+    assert int(starts.sum()) == 3
+    assert (labels[starts] == -100).all() and (labels[docs < 0] == -100).all()
+
+
+@pytest.mark.parametrize("batching", ["packed", "dynamic"])
+def test_resume_at_every_step(tmp_path, batching):
+    urls = write_token_shards(tmp_path, lengths(60, seed=1, high=100))
+
+    def make():
+        return TokenLoader(urls, seq_len=100, batch_size=3, buffer_size=16, batching=batching, seed=4,
+                           shuffle_buffer=8, max_tokens=400)
+
+    same = lambda a, b: a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))
+                                                      for k in a)
+    full = assert_resumes_identically(make, same=same)
+    assert len(full) > 3
+
+
+def test_dynamic_batches_respect_the_budget(tmp_path):
+    urls = write_token_shards(tmp_path, lengths(80, seed=2, high=200))
+    for batch in TokenLoader(urls, seq_len=200, batch_size=16, batching="dynamic", max_tokens=512,
+                             pad_to_multiple_of=8):
+        b, l = batch["input_ids"].shape
+        assert b * l <= 512 and l % 8 == 0
+
+
+def test_text_with_a_tokenizer(tmp_path):
+    urls = write_token_shards(tmp_path, [4, 6], text=True)
+    tokenizer = lambda text: [int(t) for t in text.split()]
+    (batch,) = list(TokenLoader(urls, seq_len=10, batch_size=1, tokenizer=tokenizer, shuffle=False))
+    assert sorted(real_tokens(batch).tolist()) == [0, 1, 2, 3, 100000, 100001, 100002, 100003, 100004, 100005]
+    with pytest.raises(DataError, match="tokenizer"):
+        list(TokenLoader(urls, seq_len=10, batch_size=1))
+
+
+def test_bad_documents_raise_or_are_counted(tmp_path):
+    urls = write_token_shards(tmp_path, [5, 5, 5, 5], bad={2})
+    with pytest.raises(DataError, match="d00002"):
+        list(TokenLoader(urls, seq_len=16, batch_size=2))
+    loader = TokenLoader(urls, seq_len=16, batch_size=2, on_error="skip")
+    assert sum(len(real_tokens(b)) for b in loader) == 15
+    assert loader.stats()["bad_documents"] == 1
+
+
+def _ddp_worker(rank, world, port, urls, out):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    loader = TokenLoader(urls, seq_len=64, batch_size=2, buffer_size=8)
+    count = 0
+    for batch in loader:
+        t = torch.ones(1)
+        torch.distributed.all_reduce(t)  # a training step's collective: hangs if ranks disagree
+        count += 1
+    torch.save({"batches": count, "dropped": loader.stats()["dropped_tail_batches"]}, os.path.join(out, f"{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_yield_equal_batch_counts_under_ddp(tmp_path):
+    # skewed lengths: the two ranks' documents pack into different numbers of rows
+    lens = [60] * 20 + [3] * 20
+    urls = write_token_shards(tmp_path / "d", lens, per_shard=20) if os.makedirs(tmp_path / "d") is None else None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(_ddp_worker, args=(2, port, urls, str(tmp_path)), nprocs=2, join=True,
+                                          start_method="spawn")
+    results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert results[0]["batches"] == results[1]["batches"] > 0
+    assert sum(r["dropped"] for r in results) > 0  # the longer rank really had more
