@@ -154,7 +154,36 @@ def cpu_part(args) -> dict:
     enc = synthetic_documents(lognormal_lengths(20_000 if args.quick else 100_000, mu=4.6,
                                                 sigma=0.8, seed=3, cap=512))
     res["batching"] = batching_comparison(enc, 512, 512 * 64)
+    res["token_loader"] = token_loader_throughput(stream[: 5_000 if args.quick else 40_000], args.seq_lens[0])
     return res
+
+
+def token_loader_throughput(docs: list, seq_len: int) -> dict:
+    """loaders.TokenLoader end to end on one process (read shards, decode npy, pack, tensors): tokens/s."""
+    import io
+    import tempfile
+
+    from datapipe import ShardWriter
+    from loaders import TokenLoader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with ShardWriter(os.path.join(tmp, "tok-%05d.tar"), max_count=2000) as writer:
+            for i, doc in enumerate(docs):
+                buf = io.BytesIO()
+                np.save(buf, np.asarray(doc, dtype=np.int32))
+                writer.write({"__key__": f"{i:08d}", "npy": buf.getvalue()})
+        urls = sorted(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".tar"))
+        best = None
+        for _ in range(2):
+            loader = TokenLoader(urls, seq_len=seq_len, batch_size=8, buffer_size=2048, shuffle=True)
+            t0 = time.perf_counter()
+            tokens = sum(int((b["document_ids"] >= 0).sum()) for b in loader)
+            dt = time.perf_counter() - t0
+            if best is None or dt < best[1]:
+                best = (tokens, dt, loader.stats())
+    tokens, dt, stats = best
+    return {"documents": len(docs), "seq_len": seq_len, "tokens": tokens, "seconds": dt,
+            "tokens_per_s": tokens / dt, "efficiency": stats["efficiency"], "target_tokens_per_s": 5e6}
 
 
 # ---------------------------------------------------------------------------------- GPU part
@@ -386,6 +415,10 @@ def print_table(res: dict) -> None:
             for o in (r["online"] if isinstance(r["online"], list) else [r["online"]]):
                 print(f"{src:9s} L={cap:5s} buffer={o['buffer_size']:5d}  efficiency={o['efficiency']:.4f}"
                       f"  {o['docs_per_s']:,.0f} docs/s  {o['tokens_per_s'] / 1e6:,.1f} M tokens/s")
+    t = res["cpu"].get("token_loader")
+    if t:
+        print(f"\n== loaders.TokenLoader (one process) ==\nL={t['seq_len']}  {t['tokens_per_s'] / 1e6:,.1f} M tokens/s"
+              f"  efficiency={t['efficiency']:.4f}  (target >= 5 M tokens/s)")
     print("\n== batching (encoder-style, max_len 512) ==")
     for name, o in res["cpu"]["batching"].items():
         if isinstance(o, dict):

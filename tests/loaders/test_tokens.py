@@ -132,3 +132,15 @@ def test_ranks_yield_equal_batch_counts_under_ddp(tmp_path):
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     assert results[0]["batches"] == results[1]["batches"] > 0
     assert sum(r["dropped"] for r in results) > 0  # the longer rank really had more
+
+
+@pytest.mark.gpu
+def test_batches_on_the_gpu_equal_the_cpu_ones(tmp_path):
+    urls = write_token_shards(tmp_path, lengths(50, seed=5))
+    cpu = list(TokenLoader(urls, seq_len=128, batch_size=4))
+    gpu = list(TokenLoader(urls, seq_len=128, batch_size=4, device="cuda"))
+    assert len(cpu) == len(gpu)
+    for a, b in zip(cpu, gpu):
+        assert b["input_ids"].is_cuda and b["cu_seqlens"].is_cuda
+        assert all(torch.equal(a[k].cpu() if torch.is_tensor(a[k]) else torch.as_tensor(a[k]),
+                               b[k].cpu() if torch.is_tensor(b[k]) else torch.as_tensor(b[k])) for k in a)
