@@ -231,7 +231,8 @@ def train(batches, *, steps: int, warmup: int, device: str, image_size: int) -> 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sync(device)  # the step is done: time in next() is time the GPU had nothing to do
+        if device == "cuda":  # the step is done: time in next() is time the training stream had nothing to do
+            torch.cuda.current_stream().synchronize()  # (not a device sync: the loader's own GPU work runs on)
         n += x.shape[0]
     seconds = time.perf_counter() - start
     return {"images_per_s": round(n / seconds, 1), "data_wait_fraction": round(wait / seconds, 3),

@@ -230,7 +230,9 @@ class DataLoader:
         self._generator = self._user_generator if self._user_generator is not None else torch.Generator()
         self._kwargs = dict(torch_kwargs)
         if self.device is not None and self.device.type == "cuda":
-            self._kwargs["pin_memory"] = False  # the prefetcher's pinned pool stages the copies
+            # torch's pin-memory thread pins (from its caching host allocator, like torch's own
+            # loader); the prefetcher then copies the pinned tensors on its side stream
+            self._kwargs["pin_memory"] = True
         check_workers = 1 if num_workers == "auto" else num_workers
         # torch validates the arguments and resolves sampler / batch sampler / collate for us.
         self._plain = torch.utils.data.DataLoader(
@@ -298,12 +300,17 @@ class DataLoader:
         return iter(self._torch_loader(workers))
 
     # ---- the epoch stream (runs in the prefetch thread when device is set) --------------------
-    def _epoch_stream(self, p: _Progress, gen_state):
+    def _epoch_stream(self, p: _Progress, gen_state, first=None):
+        """The epoch's batches. ``first``: the torch iterator, made in the main thread (see __iter__)."""
         torch_it, workers, completed = None, p.num_workers, False
         try:
             if not self._iterable:
                 skip = p.batches
-                if self._auto_workers is None:
+                if first is not None:
+                    torch_it = first
+                    for batch in torch_it:
+                        yield batch, None
+                elif self._auto_workers is None:
                     torch_it = self._iter_torch(0, skip, gen_state)
                     times = []
                     for _ in range(max(4, self._depth + 3) if self.device is not None else 4):
@@ -319,11 +326,12 @@ class DataLoader:
                     torch_it = None
                     self._decide_workers(times, p)
                     workers = p.num_workers = self._auto_workers
-                torch_it = self._iter_torch(workers, skip, gen_state)
-                for batch in torch_it:
-                    yield batch, None
+                if first is None:
+                    torch_it = self._iter_torch(workers, skip, gen_state)
+                    for batch in torch_it:
+                        yield batch, None
             else:
-                torch_it = self._iter_torch(workers, 0, gen_state)
+                torch_it = first if first is not None else self._iter_torch(workers, 0, gen_state)
                 if not self._protocol:
                     for _ in range(p.batches):  # replay: no way to skip without producing
                         if next(torch_it, None) is None:
@@ -382,7 +390,12 @@ class DataLoader:
             self._drop_torch_loader(workers)  # persistent workers hold a stale dataset copy
             self.dataset.load_state_dict(ds)
         self._progress = p
-        stream = self._epoch_stream(p, gen_state)
+        first = None
+        if self.device is not None and self.device.type == "cuda" and (self._iterable or self._auto_workers is not None):
+            # fork the workers here, in the main thread: forking from the prefetch thread of a process
+            # that uses CUDA leaves workers that can abort on CUDA objects they inherit
+            first = self._iter_torch(p.num_workers, 0 if self._iterable else p.batches, gen_state)
+        stream = self._epoch_stream(p, gen_state, first)
         if self.device is not None:
             if self._prefetcher is None:
                 self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)

@@ -41,9 +41,10 @@ def looks_like_image(data: bytes) -> bool:
     """A cheap check of the file signature (catches empty, text and garbage entries before DALI sees them)."""
     if len(data) < 16:
         return False
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+    head = bytes(data[:16])  # data may be a zero-copy memoryview
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return True
-    return data.startswith(_MAGIC)
+    return head.startswith(_MAGIC)
 
 
 def parse_label(data: bytes) -> int:
@@ -88,7 +89,8 @@ def iter_raw_batches(
             if label_key not in sample:
                 raise DataError(f"sample has no {label_key!r} entry", url=url, key=key)
             try:
-                label = int(label_decoder(sample[label_key]))
+                value = sample[label_key]
+                label = int(label_decoder(bytes(value) if isinstance(value, memoryview) else value))
             except Exception as e:
                 raise DataError(f"cannot decode label {label_key!r}: {e}", url=url, key=key) from e
         except DataError as e:
@@ -273,7 +275,8 @@ class ImageLoader:
         from datapipe.stream import ShardStream
 
         self.stream = ShardStream(urls, shuffle=self.shuffle, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
-                                  rank=rank, world_size=world_size, on_error=on_error, **(stream_options or {}))
+                                  rank=rank, world_size=world_size, on_error=on_error,
+                                  **{"zero_copy": True, **(stream_options or {})})  # DALI reads the mapped bytes
         self.reader = self._choose_reader(reader)
 
     # ---- configuration ------------------------------------------------------------------------
