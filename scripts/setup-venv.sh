@@ -2,9 +2,9 @@
 # tests and the demo need. torch is pinned to 2.13.0 (a CPU build where one is available locally).
 python3 -m venv .venv
 source .venv/bin/activate
-if ! python -c "import torch, webdataset, nvidia.dali, pytest, s3fs, moto" >/dev/null 2>&1 \
+if ! python -c "import torch, webdataset, nvidia.dali, pytest, s3fs, moto, ray, tokenizers" >/dev/null 2>&1 \
    || ! python -c "import datapipe" >/dev/null 2>&1; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[test,dali,s3]"
+  python -m pip install -q -e ".[test,dali,s3,ray]"
 fi

@@ -1,0 +1,582 @@
+"""``datapipe shard SRC OUT``: convert image folders, path lists, JSONL/Parquet text or tars into shards.
+
+How a job runs (the same for ``engine="local"`` and ``engine="ray"``):
+
+1. The input is listed and cut into partitions (:mod:`datapipe.sources`); partitioning depends on
+   the input and the options only, so any engine and any number of workers give the same shards.
+2. Every partition is read, transformed (image check / resize / re-encode, tokenization) and
+   written by its worker into its own part shards ``OUT/.datapipe-job/parts/part-<p>-<n>.tar``
+   (each written atomically by :class:`datapipe.ShardWriter`). Then the worker writes its *done
+   marker* ``OUT/.datapipe-job/done/p<p>.json`` (shard entries, skipped items), atomically.
+3. Commit: the small last shards of partitions (under half the limits) are merged, in order, into
+   full shards; the plan of renames is written to ``commit.json``; parts are renamed to the dense
+   final names ``shard-000000.tar ...``; then ``manifest.json``, ``classes.json`` (image classes)
+   and ``report.json`` are written and the journal's bulk is removed.
+
+Resuming: a re-run with the same arguments finds ``.datapipe-job/config.json`` with the same
+fingerprint, skips partitions with done markers, deletes the leftovers of the others, and replays
+the (idempotent) commit. Final names only ever appear by renaming complete files.
+"""
+from __future__ import annotations
+
+import argparse
+import glob as globlib
+import io
+import json
+import logging
+import os
+import posixpath
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import fsspec
+
+from datapipe.errors import DataError
+from datapipe.manifest import make_manifest, write_manifest
+from datapipe.sources import KINDS, iter_partition, open_source
+
+log = logging.getLogger("datapipe.preprocess")
+
+JOB_DIR = ".datapipe-job"
+ENGINES = ("local", "ray")
+JOURNAL_VERSION = 1
+
+
+class UsageError(ValueError):
+    """A mistake in how the job was asked for (exit status 2)."""
+
+
+# ---- transforms -----------------------------------------------------------------------------
+
+
+def _image_entry(sample: dict) -> str | None:
+    from datapipe.sources import IMAGE_EXTENSIONS
+
+    return next((k for k in sample if k in IMAGE_EXTENSIONS.values()), None)
+
+
+def transform_image(sample: dict, *, resize: int | None, quality: int | None, check: bool) -> dict:
+    """Check (PIL ``verify``), shrink to a shorter side of ``resize`` and re-encode as JPEG ``quality``."""
+    ext = _image_entry(sample)
+    if ext is None or not (resize or quality or check):
+        return sample
+    from PIL import Image, ImageOps
+
+    data = sample[ext]
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.verify()
+        if not (resize or quality):
+            return sample
+        with Image.open(io.BytesIO(data)) as im:
+            im = ImageOps.exif_transpose(im).convert("RGB")
+            if resize and min(im.size) > resize:
+                w, h = im.size
+                scale = resize / min(w, h)
+                im = im.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.BICUBIC,
+                               reducing_gap=3.0)
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=quality or 90)
+    except Exception as e:  # PIL raises many types for damaged files
+        raise ValueError(f"cannot decode image: {type(e).__name__}: {e}") from e
+    out = {k: v for k, v in sample.items() if k != ext}
+    out["jpg"] = buf.getvalue()
+    return out
+
+
+class _Transform:
+    """What a job does to each raw sample; built inside the worker (tokenizers are loaded there)."""
+
+    def __init__(self, job: dict):
+        self.job = job
+        self.tokenizer = None
+        if job["tokenizer"]:
+            from datapipe.tokenize import load_tokenizer
+
+            self.tokenizer = load_tokenizer(job["tokenizer"])
+
+    def __call__(self, sample: dict) -> dict:
+        job = self.job
+        if "txt" in sample and isinstance(sample["txt"], str):
+            text = sample["txt"]
+            out = {"__key__": sample["__key__"], "txt": text.encode("utf-8")}
+            if self.tokenizer is not None:
+                from datapipe.tokenize import npy_bytes
+
+                out["npy"] = npy_bytes(self.tokenizer.encode(text))
+            return out
+        return transform_image(sample, resize=job["resize"], quality=job["quality"], check=job["check_images"])
+
+
+# ---- one partition (runs on a worker) ---------------------------------------------------------
+
+
+def _url(directory: str, *names: str) -> str:
+    return posixpath.join(directory.rstrip("/"), *names)
+
+
+def _fs(url: str, options: dict):
+    return fsspec.core.url_to_fs(url, **options)
+
+
+def _write_json(url: str, obj: Any, options: dict) -> None:
+    """Write JSON atomically (temporary name, then rename)."""
+    fs, path = _fs(url, options)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with fs.open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    fs.mv(tmp, path)
+
+
+def _read_json(url: str, options: dict) -> Any | None:
+    fs, path = _fs(url, options)
+    try:
+        with fs.open(path, "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _sample_bytes(sample: dict) -> int:
+    return sum(len(v) for k, v in sample.items() if not k.startswith("__") and hasattr(v, "__len__"))
+
+
+def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Read, transform and write one partition; write and return its done marker.
+
+    Under ``job["strict"]`` the first unreadable item raises :class:`DataError` naming it;
+    otherwise such items are skipped and listed in the marker.
+    """
+    from datapipe.writer import ShardWriter
+
+    opts = job["storage_options"]
+    index = part["index"]
+    transform = _Transform(job)
+    skipped, samples, nbytes = [], 0, 0
+    pending_n, pending_b, last = 0, 0, time.monotonic()
+    pattern = _url(job["job_dir"], "parts", f"part-{index:06d}-%06d.tar")
+    with ShardWriter(pattern, max_bytes=job["max_bytes"], max_count=job["max_count"], index=job["index"],
+                     manifest=False, storage_options=opts) as writer:
+        for rec in iter_partition(part):
+            sample, error = rec.sample, rec.error
+            if sample is not None:
+                try:
+                    sample = transform(sample)
+                except ValueError as e:
+                    sample, error = None, str(e)
+            if sample is None:
+                if job["strict"]:
+                    raise DataError(f"unreadable input {rec.name}: {error}", key=rec.name)
+                skipped.append({"item": rec.name, "error": error})
+                continue
+            writer.write(sample)
+            samples += 1
+            size = _sample_bytes(sample)
+            nbytes += size
+            pending_n, pending_b = pending_n + 1, pending_b + size
+            if progress is not None and time.monotonic() - last > 0.2:
+                progress(pending_n, pending_b)
+                pending_n, pending_b, last = 0, 0, time.monotonic()
+    if progress is not None and pending_n:
+        progress(pending_n, pending_b)
+    marker = {"partition": index, "shards": writer.shards, "samples": samples, "bytes": nbytes, "skipped": skipped}
+    _write_json(_url(job["job_dir"], "done", f"p{index:06d}.json"), marker, opts)
+    return marker
+
+
+# ---- the local engine -----------------------------------------------------------------------
+
+_progress_queue = None  # set in pool workers by _init_worker only
+
+
+def _init_worker(queue) -> None:
+    global _progress_queue
+    _progress_queue = queue
+
+
+def _pool_run(job: dict, part: dict) -> dict:
+    queue = _progress_queue
+    report = (lambda n, b: queue.put((n, b))) if queue is not None else None
+    return run_partition(job, part, report)
+
+
+def run_local(job: dict, parts: list[dict], *, workers: int, progress: Callable[[int, int], None]) -> Iterator[dict]:
+    """Run partitions in a process pool (in this process when ``workers == 1``); yield done markers."""
+    if workers <= 1 or len(parts) <= 1:
+        for part in parts:
+            yield run_partition(job, part, progress)
+        return
+    import multiprocessing as mp
+    import queue as queuelib
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    q = ctx.Queue()
+
+    def drain():
+        while True:
+            try:
+                progress(*q.get_nowait())
+            except queuelib.Empty:
+                return
+
+    todo = list(parts)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(q,)) as pool:
+        running = set()
+        try:
+            while todo or running:
+                while todo and len(running) < 2 * workers:  # bounded: a few partitions in flight
+                    running.add(pool.submit(_pool_run, job, todo.pop(0)))
+                done, running = wait(running, timeout=0.2, return_when=FIRST_COMPLETED)
+                drain()
+                for fut in done:
+                    yield fut.result()  # re-raises a worker's exception here
+        except BaseException:
+            for fut in running:
+                fut.cancel()
+            raise
+        finally:
+            drain()
+
+
+# ---- job directory, journal, commit --------------------------------------------------------
+
+
+def _final_glob(pattern: str) -> str:
+    import re
+
+    return re.sub(r"%0?\d*d", "*", pattern)
+
+
+def _existing_outputs(out: str, pattern: str, opts: dict) -> list[str]:
+    fs, path = _fs(out, opts)
+    if not fs.exists(path):
+        return []
+    found = fs.glob(posixpath.join(path, _final_glob(pattern)))
+    if fs.exists(posixpath.join(path, "manifest.json")):
+        found.append(posixpath.join(path, "manifest.json"))
+    return sorted(found)
+
+
+def _remove_outputs(out: str, pattern: str, opts: dict) -> None:
+    fs, path = _fs(out, opts)
+    for p in _existing_outputs(out, pattern, opts):
+        fs.rm(p)
+        idx = p[: -len(".tar")] + ".idx" if p.endswith(".tar") else None
+        if idx and fs.exists(idx):
+            fs.rm(idx)
+    for name in ("report.json", "classes.json"):
+        if fs.exists(posixpath.join(path, name)):
+            fs.rm(posixpath.join(path, name))
+    if fs.exists(posixpath.join(path, JOB_DIR)):
+        fs.rm(posixpath.join(path, JOB_DIR), recursive=True)
+
+
+def _clean_partition(job: dict, index: int) -> None:
+    """Delete what a killed run left of partition ``index`` (part shards, temporary files, indexes)."""
+    fs, path = _fs(_url(job["job_dir"], "parts"), job["storage_options"])
+    if fs.exists(path):
+        for p in fs.glob(posixpath.join(path, f"part-{index:06d}-*")):
+            fs.rm(p)
+
+
+def _move(fs, src: str, dst: str) -> None:
+    if fs.exists(src):
+        fs.mv(src, dst)
+
+
+def _idx(path: str) -> str:
+    return path[: -len(".tar")] + ".idx" if path.endswith(".tar") else path + ".idx"
+
+
+def _merge_tails(job: dict, tails: list[dict]) -> list[dict]:
+    """Concatenate small part shards, in order, into full shards under ``merged/``; returns their entries."""
+    from datapipe.storage import open_shard
+    from datapipe.tario import iter_samples, reader_for
+    from datapipe.writer import ShardWriter
+
+    opts = job["storage_options"]
+    done = _read_json(_url(job["job_dir"], "merged.json"), opts)
+    if done is not None:
+        return done
+    fs, mpath = _fs(_url(job["job_dir"], "merged"), opts)
+    if fs.exists(mpath):
+        fs.rm(mpath, recursive=True)
+    with ShardWriter(_url(job["job_dir"], "merged", "merged-%06d.tar"), max_bytes=job["max_bytes"],
+                     max_count=job["max_count"], index=job["index"], manifest=False, storage_options=opts) as w:
+        for entry in tails:
+            url = _url(job["job_dir"], "parts", entry["name"])
+            f, seekable = open_shard(url, storage_options=opts)
+            try:
+                for event in iter_samples(reader_for(f, seekable=seekable), url):
+                    w.write({k: bytes(v) if isinstance(v, memoryview) else v
+                             for k, v in event.sample.items() if k != "__url__"})
+            finally:
+                f.close()
+    merged = [dict(s, dir="merged") for s in w.shards]
+    _write_json(_url(job["job_dir"], "merged.json"), merged, opts)
+    return merged
+
+
+def commit(job: dict, markers: list[dict]) -> dict:
+    """Merge small tails, rename parts to dense final names, write the manifest; idempotent."""
+    opts = job["storage_options"]
+    fs, out_path = _fs(job["out"], opts)
+    plan = _read_json(_url(job["job_dir"], "commit.json"), opts)
+    if plan is None:
+        keep, tails = [], []
+        for m in markers:
+            for i, s in enumerate(m["shards"]):
+                small = s["count"] < job["max_count"] / 2 and s["bytes"] < job["max_bytes"] / 2
+                (tails if i == len(m["shards"]) - 1 and small else keep).append((m["partition"], i, dict(s, dir="parts")))
+        if len(tails) >= 2:
+            ordered = [s for _, _, s in keep] + _merge_tails(job, [s for _, _, s in tails])
+        else:
+            ordered = [s for _, _, s in sorted(keep + tails, key=lambda t: t[:2])]
+        plan = [dict(s, src=_url(s.pop("dir"), s["name"]), name=job["pattern"] % i) for i, s in enumerate(ordered)]
+        _write_json(_url(job["job_dir"], "commit.json"), plan, opts)
+    jpath = _fs(job["job_dir"], opts)[1]
+    for entry in plan:
+        src, dst = posixpath.join(jpath, entry["src"]), posixpath.join(out_path, entry["name"])
+        _move(fs, src, dst)
+        if job["index"]:
+            _move(fs, _idx(src), _idx(dst))
+    shards = [{k: e[k] for k in ("name", "count", "bytes", "sha256")} for e in plan]
+    extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}}
+    if job["classes"]:
+        extra["classes"] = job["classes"]
+        _write_json(_url(job["out"], "classes.json"), job["classes"], opts)
+    manifest = make_manifest(shards, **extra)
+    write_manifest(job["out"], manifest, storage_options=opts)
+    return manifest
+
+
+# ---- the job ---------------------------------------------------------------------------------
+
+
+def shard(
+    src: str,
+    out: str,
+    *,
+    kind: str = "auto",
+    max_bytes: int = 1 << 30,
+    max_count: int = 100_000,
+    pattern: str = "shard-%06d.tar",
+    shuffle: bool = False,
+    seed: int = 0,
+    resize: int | None = None,
+    quality: int | None = None,
+    check_images: bool = False,
+    text_field: str | None = None,
+    key_field: str | None = None,
+    tokenizer: str | None = None,
+    index: bool = False,
+    workers: int | None = None,
+    engine: str = "local",
+    strict: bool = False,
+    overwrite: bool = False,
+    partition_size: int | None = None,
+    partition_bytes: int = 32 << 20,
+    progress: bool = True,
+    storage_options: dict | None = None,
+) -> dict:
+    """Convert ``src`` into WebDataset shards in the folder ``out``; returns the job report (also ``OUT/report.json``).
+
+    Raises :class:`UsageError` for bad options or an ``out`` that already holds shards (without
+    ``overwrite``), ``ValueError`` for input that cannot be listed, and :class:`DataError` for an
+    unreadable item under ``strict``. See the module docstring for the engine and resume design.
+    """
+    t0 = time.perf_counter()
+    opts = dict(storage_options or {})
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    _check_options(kind=kind, max_bytes=max_bytes, max_count=max_count, pattern=pattern, resize=resize,
+                   quality=quality, workers=workers, engine=engine, partition_size=partition_size,
+                   partition_bytes=partition_bytes, tokenizer=tokenizer)
+    out = out.rstrip("/") or "/"
+    source = open_source(src, kind=kind, text_field=text_field, key_field=key_field, partition_size=partition_size,
+                         partition_bytes=partition_bytes, max_bytes=max_bytes, max_count=max_count, shuffle=shuffle,
+                         seed=seed, storage_options=opts)
+    if strict and source.skipped:
+        bad = source.skipped[0]
+        raise DataError(f"unreadable input {bad['item']}: {bad['error']}", key=bad["item"])
+    job = {
+        "version": JOURNAL_VERSION, "src": src, "out": out, "kind": source.kind, "fingerprint": source.fingerprint,
+        "pattern": pattern, "max_bytes": int(max_bytes), "max_count": int(max_count), "shuffle": shuffle,
+        "seed": seed, "resize": resize, "quality": quality, "check_images": check_images, "tokenizer": tokenizer,
+        "index": index, "partitions": len(source.partitions), "classes": source.classes,
+    }
+    config = dict(job)
+    job.update(job_dir=_url(out, JOB_DIR), storage_options=opts, strict=strict)
+    previous = _read_json(_url(job["job_dir"], "config.json"), opts)
+    resuming = previous is not None and previous.get("config") == config
+    if resuming and previous.get("complete"):
+        report = _read_json(_url(out, "report.json"), opts)
+        if report is not None:
+            log.info("%s already holds the output of this job; nothing to do", out)
+            return dict(report, status="already complete")
+        resuming = False
+    if not resuming:
+        existing = _existing_outputs(out, pattern, opts)
+        if existing and not overwrite:
+            raise UsageError(f"{out} already holds shards or a manifest ({posixpath.basename(existing[0])}, ...): "
+                             "pass --overwrite to replace them, or choose another OUT")
+        _remove_outputs(out, pattern, opts)
+        fs, path = _fs(out, opts)
+        fs.makedirs(posixpath.join(path, JOB_DIR, "done"), exist_ok=True)
+        _write_json(_url(job["job_dir"], "config.json"), {"config": config, "complete": False}, opts)
+
+    markers: dict[int, dict] = {}
+    for p in source.partitions:
+        m = _read_json(_url(job["job_dir"], "done", f"p{p['index']:06d}.json"), opts)
+        if m is not None:
+            markers[p["index"]] = m
+    todo = [p for p in source.partitions if p["index"] not in markers]
+    for p in todo:
+        _clean_partition(job, p["index"])
+    resumed = len(markers)
+    if resumed:
+        log.info("resuming: %d of %d partitions already done", resumed, len(source.partitions))
+
+    from tqdm import tqdm
+
+    done_samples = sum(m["samples"] for m in markers.values())
+    bar = tqdm(total=source.num_items, initial=done_samples, unit="sample", desc="shard", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+    moved = {"bytes": 0, "t": time.perf_counter()}
+
+    def advance(n: int, b: int) -> None:
+        moved["bytes"] += b
+        bar.update(n)
+        elapsed = max(1e-9, time.perf_counter() - moved["t"])
+        bar.set_postfix_str(f"{moved['bytes'] / 1e6 / elapsed:.1f} MB/s", refresh=False)
+
+    try:
+        if engine == "ray":
+            from datapipe.ray_engine import run_ray
+
+            runner = run_ray(job, todo, workers=workers, progress=advance)
+        else:
+            runner = run_local(job, todo, workers=workers, progress=advance)
+        for marker in runner:
+            markers[marker["partition"]] = marker
+    except DataError as e:
+        _write_json(_url(out, "report.json"), {"status": "failed", "error": str(e), "src": src, "out": out}, opts)
+        raise
+    finally:
+        bar.close()
+
+    ordered = [markers[p["index"]] for p in sorted(source.partitions, key=lambda p: p["index"])]
+    manifest = commit(job, ordered)
+    seconds = time.perf_counter() - t0
+    skipped = source.skipped + [s for m in ordered for s in m["skipped"]]
+    written = sum(m["bytes"] for m in ordered)
+    report = {
+        "status": "ok", "src": src, "out": out, "kind": source.kind, "engine": engine, "workers": workers,
+        "samples": manifest["num_samples"], "shards": len(manifest["shards"]), "bytes": manifest["num_bytes"],
+        "value_bytes": written, "partitions": len(source.partitions), "resumed_partitions": resumed,
+        "num_skipped": len(skipped), "skipped": skipped, "classes": len(source.classes or []),
+        "seconds": round(seconds, 3), "samples_per_s": round(manifest["num_samples"] / seconds, 1),
+        "mb_per_s": round(manifest["num_bytes"] / 1e6 / seconds, 2),
+    }
+    _write_json(_url(out, "report.json"), report, opts)
+    _write_json(_url(job["job_dir"], "config.json"), {"config": config, "complete": True}, opts)
+    fs, path = _fs(job["job_dir"], opts)
+    for sub in ("parts", "done", "merged", "merged.json", "commit.json"):
+        if fs.exists(posixpath.join(path, sub)):
+            fs.rm(posixpath.join(path, sub), recursive=True)
+    if skipped:
+        log.warning("skipped %d unreadable items (listed in %s)", len(skipped), _url(out, "report.json"))
+    return report
+
+
+def _check_options(*, kind, max_bytes, max_count, pattern, resize, quality, workers, engine, partition_size,
+                   partition_bytes, tokenizer) -> None:
+    if kind not in KINDS:
+        raise UsageError(f"--input-kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if engine not in ENGINES:
+        raise UsageError(f"--engine must be 'local' or 'ray', got {engine!r}")
+    if max_bytes <= 0 or max_count <= 0:
+        raise UsageError("--max-bytes and --max-count must be positive")
+    if "/" in pattern or not pattern.endswith(".tar"):
+        raise UsageError(f"--pattern {pattern!r} must be a file name ending in .tar, e.g. 'shard-%06d.tar'")
+    try:
+        pattern % 0
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--pattern {pattern!r} needs one integer placeholder such as %06d") from e
+    if pattern % 0 == pattern % 1:
+        raise UsageError(f"--pattern {pattern!r} needs one integer placeholder such as %06d")
+    if resize is not None and resize < 1:
+        raise UsageError("--resize must be a positive shorter-side length in pixels")
+    if quality is not None and not 1 <= quality <= 100:
+        raise UsageError("--quality must be between 1 and 100")
+    if workers < 1:
+        raise UsageError("--workers must be >= 1")
+    if partition_size is not None and partition_size < 1:
+        raise UsageError("--partition-size must be >= 1")
+    if partition_bytes < 1:
+        raise UsageError("--partition-bytes must be >= 1")
+    if tokenizer is not None and tokenizer != "byte" and not tokenizer.endswith(".json"):
+        raise UsageError(f"--tokenizer must be 'byte' or a tokenizer.json path, got {tokenizer!r}")
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1000000, 512M, 1G)") from None
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="image folder (class sub-folders), .csv/.jsonl list of path,label, "
+                                    "JSONL/Parquet text (file or folder), or tar shards (file, folder or brace spec)")
+    parser.add_argument("out", help="output folder (local path or fsspec URL)")
+    parser.add_argument("--input-kind", default="auto", choices=KINDS, help="what SRC is (default: guess)")
+    parser.add_argument("--max-bytes", type=_size, default=1 << 30, help="shard size limit (default 1G)")
+    parser.add_argument("--max-count", type=int, default=100_000, help="samples per shard limit (default 100000)")
+    parser.add_argument("--pattern", default="shard-%06d.tar", help="shard file names (default shard-%%06d.tar)")
+    parser.add_argument("--shuffle", action="store_true", help="shuffle samples (seeded, deterministic)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    parser.add_argument("--resize", type=int, metavar="SHORT_SIDE", help="shrink images to this shorter side")
+    parser.add_argument("--quality", type=int, metavar="Q", help="re-encode images as JPEG of this quality")
+    parser.add_argument("--check-images", action="store_true", help="decode-check images (PIL verify)")
+    parser.add_argument("--text-field", help="text field of JSONL/Parquet records (default 'text')")
+    parser.add_argument("--key-field", help="record field to use as sample key (default: file and offset)")
+    parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json: also store token ids as .npy int32")
+    parser.add_argument("--index", action="store_true", help="write DALI index files (.idx) beside the shards")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
+    parser.add_argument("--engine", default="local", choices=ENGINES, help="local process pool or Ray Data")
+    parser.add_argument("--partition-size", type=int, help="items per partition (default: about 2 shards)")
+    parser.add_argument("--partition-bytes", type=_size, default=32 << 20, help="JSONL bytes per partition")
+    parser.add_argument("--strict", action="store_true", help="fail on the first unreadable input item")
+    parser.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        report = shard(args.src, args.out, kind=args.input_kind, max_bytes=args.max_bytes, max_count=args.max_count,
+                       pattern=args.pattern, shuffle=args.shuffle, seed=args.seed, resize=args.resize,
+                       quality=args.quality, check_images=args.check_images, text_field=args.text_field,
+                       key_field=args.key_field, tokenizer=args.tokenizer, index=args.index, workers=args.workers,
+                       engine=args.engine, strict=args.strict, overwrite=args.overwrite,
+                       partition_size=args.partition_size, partition_bytes=args.partition_bytes,
+                       progress=not args.no_progress)
+    except UsageError as e:
+        print(f"datapipe shard: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, DataError, OSError) as e:
+        print(f"datapipe shard: failed: {e}", file=sys.stderr)
+        return 1
+    print(f"{report['out']}: {report['samples']} samples in {report['shards']} shards, "
+          f"{report['bytes'] / 1e6:.1f} MB, {report['num_skipped']} skipped "
+          f"({report['samples_per_s']} samples/s, {report['mb_per_s']} MB/s)")
+    return 0
