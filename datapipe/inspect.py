@@ -87,7 +87,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    report = inspect_shards(args.target, preview=args.preview)
+    try:
+        report = inspect_shards(args.target, preview=args.preview)
+    except (OSError, ValueError, DataError) as e:
+        print(f"datapipe inspect: cannot read {redact_url(args.target)}: {e}", file=sys.stderr)
+        return 1
     if args.json:
         json.dump(report, sys.stdout, indent=1, default=str)
         print()

@@ -146,6 +146,10 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the shard in progress (its temporary file is removed); finished shards stay."""
         if self._writer is not None:
+            tar = self._writer.tarstream  # keep tarfile from writing its end blocks into the closed file later
+            tar.closed = True
+            if hasattr(tar.fileobj, "closed"):
+                tar.fileobj.closed = True
             try:
                 self._file.close()
                 self.fs.rm(self._path(self._tmp))
