@@ -26,6 +26,7 @@ Resume (``state_dict()`` / ``load_state_dict()``):
 from __future__ import annotations
 
 import math
+import gc
 import statistics
 import time
 from typing import Any
@@ -294,6 +295,10 @@ class DataLoader:
             tl._iterator = None
 
     def _iter_torch(self, workers: int, skip: int, gen_state):
+        if workers and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # free cyclic garbage holding CUDA objects now: a forked worker that collected it
+            # would call into CUDA, which aborts a forked child
+            gc.collect()
         if self._skipper is not None:
             self._skipper.skip = skip
         self._generator.set_state(gen_state)

@@ -121,6 +121,33 @@ def _handle_bad(err: DataError, on_error: str, stats: dict) -> None:
 _END = object()
 
 
+class _Feed:
+    """The external source of the stream reader's pipeline: the current epoch's raw batches.
+
+    A DataError raised while reading is kept and re-raised once the batches already inside DALI
+    are out; DALI itself just sees the end of the epoch.
+    """
+
+    def __init__(self):
+        self.start(iter(()))
+
+    def start(self, raw_batches) -> None:
+        self.raw = raw_batches
+        self.fifo: deque[RawBatch] = deque()
+        self.failure: list[BaseException] = []
+
+    def __call__(self):
+        try:
+            raw = next(self.raw)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            self.failure.append(e)
+            raise StopIteration from None
+        self.fifo.append(raw)
+        return raw.arrays
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -271,6 +298,8 @@ class ImageLoader:
         self._delivered: dict | None = None
         self._resumed = False
         self._probe = None
+        self._stream_pipe = None  # the DALI pipeline of reader="stream", reused across epochs
+        self._feed = _Feed()
 
         from datapipe.stream import ShardStream
 
@@ -364,22 +393,17 @@ class ImageLoader:
                              state_fn=self.stream.state_dict),
             depth=self.prefetch_queue_depth + 1,
         )
-        fifo: deque[RawBatch] = deque()
-        failure: list[BaseException] = []
-
-        def source():
-            try:
-                raw = next(raw_batches)
-            except StopIteration:
-                raise
-            except BaseException as e:  # re-raised after the batches already in DALI are out
-                failure.append(e)
-                raise StopIteration from None
-            fifo.append(raw)
-            return raw.arrays
-
-        pipe = self._pipeline(source=source)
-        pipe.build()
+        feed = self._feed
+        feed.start(raw_batches)
+        # one DALI pipeline serves every epoch (building one costs seconds); an epoch left unfinished
+        # leaves batches in flight in it, so the next epoch builds a fresh one
+        if self._stream_pipe is None:
+            self._stream_pipe = self._pipeline(source=feed)
+            self._stream_pipe.build()
+        else:
+            self._stream_pipe.reset()
+        pipe = self._stream_pipe
+        finished = False
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
             while True:
@@ -388,21 +412,23 @@ class ImageLoader:
                 except StopIteration:
                     break
                 except RuntimeError as e:
-                    if failure or not fifo:
+                    if feed.failure or not feed.fifo:
                         raise
-                    raw = fifo.popleft()
+                    raw = feed.fifo.popleft()
                     images, raw = self._recover(raw, e)
                     if images is None:
                         continue
                 else:
-                    raw = fifo.popleft()
+                    raw = feed.fifo.popleft()
                     images = self._to_torch(outputs[0], stream)
                 yield self._finish(images, raw)
-            if failure:
-                raise failure[0]
+            finished = True
+            if feed.failure:
+                raise feed.failure[0]
         finally:
             raw_batches.close()
-            del pipe
+            if not finished or feed.failure:
+                self._stream_pipe = None
 
     def _finish(self, images: torch.Tensor, raw: RawBatch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = torch.tensor(raw.labels, dtype=torch.int64)
