@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import gzip
+import io
 import logging
-import shlex
 import subprocess
 import time
+import traceback
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import fsspec
 
 from datapipe.errors import DataError
-from datapipe.urls import is_local, local_path, redact_url
+from datapipe.urls import _SECRET_QUERY_KEYS, is_local, local_path, redact_url, url_scheme
 
 log = logging.getLogger("datapipe.storage")
 
@@ -18,7 +20,97 @@ REMOTE_BLOCK = 8 << 20
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError, ValueError)
 
 
-def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_backoff: float = 5.0):
+DEFAULT_TIMEOUT = 60.0
+_SECRET_OPTION = ("key", "secret", "token", "password", "passwd", "auth", "credential", "signature", "session")
+
+
+def with_timeouts(url: str, storage_options: dict | None, timeout: float | None) -> dict:
+    """``storage_options`` plus client timeouts for ``url``'s protocol, unless the caller set their own.
+
+    HTTP(S): an ``aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)`` as
+    ``client_kwargs["timeout"]``; S3: botocore's ``connect_timeout`` / ``read_timeout`` in
+    ``config_kwargs``. A stalled server then raises a (retried) timeout instead of hanging.
+    """
+    options = dict(storage_options or {})
+    if timeout is None:
+        return options
+    scheme = url_scheme(url)
+    if scheme in ("http", "https"):
+        client_kwargs = dict(options.get("client_kwargs") or {})
+        if "timeout" not in client_kwargs:
+            import aiohttp
+
+            client_kwargs["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+            options["client_kwargs"] = client_kwargs
+    elif scheme in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        options["config_kwargs"] = config
+    return options
+
+
+def secrets_of(url: str, storage_options: dict | None = None) -> list[str]:
+    """Credential strings of a URL (password, secret query values) and of storage options (keys, tokens)."""
+    found: list[str] = []
+    try:
+        parts = urlsplit(url) if "://" in url else None
+    except ValueError:
+        parts = None
+    if parts is not None:
+        if parts.password:
+            found.append(parts.password)
+        for k, v in parse_qsl(parts.query, keep_blank_values=False):
+            if _SECRET_QUERY_KEYS.match(k):
+                found.append(v)
+
+    def walk(obj, name=""):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, str(k).lower())
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, name)
+        elif isinstance(obj, str) and any(word in name for word in _SECRET_OPTION):
+            found.append(obj)
+        elif hasattr(obj, "password") and isinstance(getattr(obj, "password", None), str):  # aiohttp.BasicAuth
+            found.append(obj.password)
+
+    walk(storage_options or {})
+    out = set()
+    for secret in found:
+        if secret:
+            out.update({secret, quote(secret, safe=""), unquote(secret)})
+    return sorted((s for s in out if s), key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """``text`` with every credential string replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+class StorageError(Exception):
+    """A storage failure whose message had credentials in it: the same text, scrubbed."""
+
+
+def describe(e: BaseException, secrets: list[str]) -> tuple[str, BaseException]:
+    """``"Type: message"`` of ``e`` without credentials, and the exception to chain from.
+
+    When credentials appear anywhere in ``e``'s traceback text, a scrubbed ``StorageError``
+    replaces it as the cause, so that printing the error chain cannot show them.
+    """
+    text = scrub(f"{type(e).__name__}: {e}", secrets)
+    if secrets:
+        full = "".join(traceback.format_exception(e))
+        if scrub(full, secrets) != full:
+            return text, StorageError(scrub(full, secrets))
+    return text, e
+
+
+def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_backoff: float = 5.0,
+               storage_options: dict | None = None):
     """Call ``fn()``, retrying transient failures with exponential backoff; permanent ones pass through."""
     failures = 0
     while True:
@@ -28,10 +120,11 @@ def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_back
             raise
         except Exception as e:
             failures += 1
+            text, cause = describe(e, secrets_of(url, storage_options))
             if failures > retries:
-                raise DataError(f"giving up after {retries} retries: {type(e).__name__}: {e}", url=redact_url(url)) from e
+                raise DataError(f"giving up after {retries} retries: {text}", url=redact_url(url)) from cause
             delay = min(max_backoff, backoff * 2 ** (failures - 1))
-            log.warning("retrying %s in %.2fs after %s: %s", redact_url(url), delay, type(e).__name__, e)
+            log.warning("retrying %s in %.2fs after %s", redact_url(url), delay, text)
             time.sleep(delay)
 
 
@@ -53,6 +146,7 @@ class RetryingFile:
         self.block_size = block_size
         self.pos = 0
         self.retried = 0
+        self._secrets = secrets_of(url, self.storage_options)
         self._fs, self._path = fsspec.core.url_to_fs(url, **self.storage_options)
         self._f = None
         self.size: int | None = None
@@ -77,27 +171,22 @@ class RetryingFile:
         failures = 0
         while True:
             try:
+                if failures:
+                    self._open()  # reopen at ``pos`` after a failure
                 return fn(*args)
             except _PERMANENT as e:
-                raise DataError(f"cannot read shard: {type(e).__name__}: {e}", url=redact_url(self.url)) from e
+                text, cause = describe(e, self._secrets)
+                raise DataError(f"cannot read shard: {text}", url=redact_url(self.url)) from cause
             except Exception as e:  # transient: network errors, 5xx, timeouts, truncated bodies
                 failures += 1
                 self.retried += 1
+                text, cause = describe(e, self._secrets)
                 if failures > self.retries:
-                    raise DataError(
-                        f"cannot read shard after {self.retries} retries at byte {self.pos}: {type(e).__name__}: {e}",
-                        url=redact_url(self.url),
-                    ) from e
+                    raise DataError(f"cannot read shard after {self.retries} retries at byte {self.pos}: {text}",
+                                    url=redact_url(self.url)) from cause
                 delay = min(self.max_backoff, self.backoff * 2 ** (failures - 1))
-                log.warning("retrying %s at byte %d in %.2fs after %s: %s", redact_url(self.url), self.pos,
-                            delay, type(e).__name__, e)
+                log.warning("retrying %s at byte %d in %.2fs after %s", redact_url(self.url), self.pos, delay, text)
                 time.sleep(delay)
-                try:
-                    self._open()
-                except _PERMANENT:
-                    raise
-                except Exception:
-                    continue
 
     def _read_once(self, n: int) -> bytes:
         if self._f is None:
@@ -134,8 +223,11 @@ class RetryingFile:
             pos += self.size
         self.pos = pos
         if self._f is not None:
-            self._call(self._f.seek, pos)
+            self._call(self._seek_once)
         return pos
+
+    def _seek_once(self) -> None:
+        self._f.seek(self.pos)
 
     def close(self) -> None:
         if self._f is not None:
@@ -172,7 +264,8 @@ def is_gzip(url: str) -> bool:
     return url.endswith((".gz", ".tgz"))
 
 
-def open_shard(url: str, *, storage_options: dict | None = None, retries: int = 5, allow_pipe: bool = False):
+def open_shard(url: str, *, storage_options: dict | None = None, retries: int = 5, allow_pipe: bool = False,
+               backoff: float = 0.2):
     """Open a shard for sequential reading; returns ``(file, seekable)``. Raises ``DataError``."""
     if url.startswith("pipe:"):
         if not allow_pipe:
@@ -185,9 +278,48 @@ def open_shard(url: str, *, storage_options: dict | None = None, retries: int = 
             raise DataError(f"cannot open shard: {type(e).__name__}: {e.strerror or e}", url=redact_url(url)) from e
         seekable = True
     else:
-        raw, seekable = RetryingFile(url, storage_options=storage_options, retries=retries), True
-    if is_gzip(url):
-        gz = gzip.GzipFile(fileobj=raw, mode="rb")
-        gz.myfileobj = raw  # closed together with the gzip reader
+        raw, seekable = RetryingFile(url, storage_options=storage_options, retries=retries, backoff=backoff), True
+    return decompress(url, raw, seekable=seekable)
+
+
+def decompress(url: str, raw, *, seekable: bool):
+    """``(file, seekable)``: ``raw`` itself, or a gzip reader over it for ``.gz`` / ``.tgz`` URLs."""
+    if is_gzip(url.split("?", 1)[0]):
+        ahead = ReadAhead(raw, block=(1 << 20) if isinstance(raw, io.FileIO) else REMOTE_BLOCK)
+        gz = gzip.GzipFile(fileobj=ahead, mode="rb")
+        gz.myfileobj = ahead  # closed together with the gzip reader
         return gz, False
     return raw, seekable
+
+
+class ReadAhead:
+    """Sequential reads served from large blocks of ``raw``: gzip asks for a few KB at a time, which
+    would otherwise be one remote request each."""
+
+    def __init__(self, raw, *, block: int):
+        self.raw = raw
+        self.block = block
+        self.buf = b""
+        self.pos = 0
+
+    @property
+    def retried(self) -> int:
+        return getattr(self.raw, "retried", 0)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            rest, self.buf, self.pos = self.buf[self.pos:], b"", 0
+            return rest + self.raw.read()
+        if self.pos >= len(self.buf):
+            if n >= self.block:
+                return self.raw.read(n)
+            self.buf, self.pos = self.raw.read(self.block), 0
+        data = self.buf[self.pos:self.pos + n]
+        self.pos += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.raw.close()

@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 from typing import Any, Iterator
 
 import torch.utils.data
 
+from datapipe.cache import ShardCache
 from datapipe.errors import DataError
-from datapipe.manifest import counts_from_manifests
+from datapipe.manifest import read_manifest
 from datapipe.plan import WorkerPlan, epoch_seed, samples_per_rank, shard_order, worker_plan
 from datapipe.shuffle import ShuffleBuffer, replay_positions
-from datapipe.storage import open_shard
+from datapipe.storage import DEFAULT_TIMEOUT, RetryingFile, decompress, open_shard, with_timeouts
 from datapipe.tario import TarFormatError, count_samples, iter_samples, reader_for
-from datapipe.urls import expand_urls, redact_url
+from datapipe.urls import expand_urls, is_local, redact_url
 
 log = logging.getLogger("datapipe.stream")
 
@@ -52,6 +54,13 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key; ``"skip"`` drops the bad
     sample (or the unreadable rest of a shard) and counts it in ``stats()``; ``"warn"`` also logs.
+
+    Remote reads retry transient failures ``retries`` times in a row with exponential backoff from
+    ``backoff`` seconds, resuming at the byte they had reached (no sample twice); every remote wait
+    has a ``timeout`` (seconds; set as the HTTP / S3 client's connect and read timeouts unless
+    ``storage_options`` sets its own). ``cache_dir``: keep remote shards in this local directory
+    (shared by the processes of a node) and read them from there in later epochs; ``cache_limit``
+    bounds its size in bytes (least recently used shards are evicted; see ``datapipe.cache``).
     """
 
     def __init__(
@@ -71,6 +80,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         cache_dir: str | None = None,
         cache_limit: int | None = None,
         zero_copy: bool = False,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        backoff: float = 0.2,
     ):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -80,6 +91,12 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise ValueError("give both rank and world_size, or neither")
         if world_size is not None and not (world_size >= 1 and 0 <= rank < world_size):
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds (or None for the clients' own), got {timeout}")
+        if retries < 0 or backoff < 0:
+            raise ValueError("retries and backoff must be >= 0")
+        if cache_limit is not None and cache_dir is None:
+            raise ValueError("cache_limit needs cache_dir: give the local directory to cache remote shards in")
         self.urls = expand_urls(urls, allow_pipe=allow_pipe)
         self.shuffle = shuffle
         self.seed = seed
@@ -93,13 +110,17 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
         self.zero_copy = zero_copy
+        self.timeout = timeout
+        self.backoff = backoff
+        self._cache = ShardCache(cache_dir, limit=cache_limit) if cache_dir is not None else None
         self.epoch = 0
+        self._manifest: dict[str, dict] | None = None
         self._counts = self._given_counts(counts)
         self._resume: dict | None = None
         self._positions: dict[int, dict[str, Any]] = {}
         self._num_workers = 0
         self._stats = {"samples": 0, "skipped": 0, "errors": 0, "padded": 0, "retries": 0, "shards_opened": 0,
-                       "bytes_read": 0}
+                       "bytes_read": 0, "cache_hits": 0}
         self._last_errors: list[str] = []
 
     # ---- counts -------------------------------------------------------------------------------
@@ -115,12 +136,38 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise ValueError(f"counts has {len(counts)} entries for {len(self.urls)} shards")
         return [int(c) for c in counts]
 
+    def _options(self, url: str) -> dict:
+        return with_timeouts(url, self.storage_options, self.timeout)
+
+    def _manifest_entries(self) -> dict[str, dict]:
+        """The manifest entry (count, sha256, ...) of each URL that a manifest beside it lists."""
+        if self._manifest is None:
+            entries: dict[str, dict] = {}
+            by_dir: dict[str, list[str]] = {}
+            for url in self.urls:
+                if not url.startswith("pipe:"):
+                    by_dir.setdefault(posixpath.dirname(url), []).append(url)
+            for directory, dir_urls in by_dir.items():
+                manifest = read_manifest(directory, storage_options=self._options(dir_urls[0]), retries=self.retries)
+                if manifest is None:
+                    continue
+                known = {s["name"]: s for s in manifest["shards"]}
+                for url in dir_urls:
+                    entry = known.get(posixpath.basename(url))
+                    if entry is not None:
+                        entries[url] = entry
+            self._manifest = entries
+        return self._manifest
+
+    def _checksum(self, url: str) -> str | None:
+        entry = self._manifest_entries().get(url) if self._cache is not None else None
+        return (entry or {}).get("sha256") or None
+
     @property
     def counts(self) -> list[int]:
         """Samples per shard (from the manifest, or counted once)."""
         if self._counts is None:
-            known = counts_from_manifests(self.urls, storage_options=self.storage_options) \
-                if not any(u.startswith("pipe:") for u in self.urls) else {}
+            known = {u: int(e["count"]) for u, e in self._manifest_entries().items()}
             missing = [u for u in self.urls if u not in known]
             if missing:
                 log.warning("no manifest lists %d of %d shards: counting their samples once (write shards with "
@@ -131,10 +178,18 @@ class ShardStream(torch.utils.data.IterableDataset):
         return self._counts
 
     def _count_shard(self, url: str) -> int:
-        f, seekable = open_shard(url, storage_options=self.storage_options, retries=self.retries,
-                                 allow_pipe=self.allow_pipe)
         try:
-            return count_samples(reader_for(f, seekable=seekable))
+            f, seekable, tee = self._open(url)
+        except DataError as e:
+            if self.on_error == "raise":
+                raise
+            self._note_error(e)
+            return 0
+        try:
+            n = count_samples(reader_for(f, seekable=seekable))
+            if tee is not None:
+                tee.finish()
+            return n
         except TarFormatError as e:
             if self.on_error == "raise":
                 raise DataError(f"cannot count samples: {e}", url=redact_url(url)) from e
@@ -150,7 +205,13 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __getstate__(self):
         self.counts  # count once in the parent, not in every worker
-        return self.__dict__
+        state = dict(self.__dict__)
+        if self._cache is not None:
+            self._manifest_entries()
+            state["_manifest"] = self._manifest
+        if self.world_size is None:  # workers see the parent's rank / world size, however they start
+            state["rank"], state["world_size"] = self._rank_world()
+        return state
 
     # ---- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -257,8 +318,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         resync = self.on_error != "raise"
         at_end = stop == self.counts[shard]
         try:
-            f, seekable = open_shard(url, storage_options=self.storage_options, retries=self.retries,
-                                     allow_pipe=self.allow_pipe)
+            f, seekable, tee = self._open(url)
         except DataError as e:
             yield from self._lose(e, stop - start)
             return
@@ -292,6 +352,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                     yield from self._lose(err, 1)
                     continue
                 yield event.sample
+            if tee is not None:
+                tee.finish()
         except TarFormatError as e:
             err = DataError(f"unreadable tar data at byte {e.offset}: {e}", url=redact_url(url), key=e.key or last_key)
             if not resync:
@@ -305,7 +367,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             expected = stop
         finally:
             self._stats["bytes_read"] += reader.offset
-            self._stats["retries"] += getattr(f, "retried", 0)
+            self._stats["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
             if hasattr(reader, "close"):
                 reader.close()
             f.close()
@@ -315,6 +377,20 @@ class ShardStream(torch.utils.data.IterableDataset):
             if not resync:
                 raise err
             yield from self._lose(err, stop - expected)
+
+    def _open(self, url: str):
+        """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""
+        if self._cache is None or is_local(url) or url.startswith("pipe:"):
+            f, seekable = open_shard(url, storage_options=self._options(url), retries=self.retries,
+                                     allow_pipe=self.allow_pipe, backoff=self.backoff)
+            return f, seekable, None
+        options = self._options(url)
+        raw, hit = self._cache.open(url, lambda: RetryingFile(url, storage_options=options, retries=self.retries,
+                                                              backoff=self.backoff),
+                                    sha256=self._checksum(url))
+        self._stats["cache_hits"] += hit
+        f, seekable = decompress(url, raw, seekable=raw.seekable())
+        return f, seekable, (raw if hasattr(raw, "finish") else None)
 
     def _lose(self, err: DataError, n: int) -> Iterator[Any]:
         if self.on_error == "raise":

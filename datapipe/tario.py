@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 BLOCK = 512
+MAX_READ = 32 << 20  # largest single read request: a bogus huge size must not allocate its size up front
 _ZERO_BLOCK = bytes(BLOCK)
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _SKIP_META = re.compile(r"__[^/]*__($|/)")
@@ -57,6 +58,7 @@ class BlockReader:
             except (AttributeError, OSError, ValueError):
                 seekable = False
         self.seekable = seekable
+        self.size = _file_size(f) if seekable else None  # total bytes, when known (members must fit in it)
 
     def _fill(self, n: int) -> bool:
         """Make at least ``n`` bytes available at ``pos``; False at end of stream."""
@@ -136,13 +138,14 @@ class BlockReader:
 
 
 def _read_exactly(f, n: int) -> bytes:
-    data = f.read(n)
+    """Up to ``n`` bytes (fewer at the end), in requests of at most ``MAX_READ`` bytes each."""
+    data = f.read(min(n, MAX_READ))
     if len(data) == n or not data:
         return data
     parts = [data]
     got = len(data)
     while got < n:
-        chunk = f.read(n - got)
+        chunk = f.read(min(n - got, MAX_READ))
         if not chunk:
             break
         parts.append(chunk)
@@ -223,7 +226,16 @@ def _octal(field: bytes) -> int:
         value = int.from_bytes(field[1:], "big")
         return value
     text = field.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
+    if not text:
+        return 0
+    value = int(text, 8)
+    if value < 0 or not text.isdigit():  # int() also takes signs and underscores
+        raise ValueError(f"invalid octal number {text!r}")
+    return value
+
+
+def _bad_number(text: str) -> int:
+    raise ValueError(f"invalid number {text[:20]!r}")
 
 
 def _checksum_ok(header: bytes) -> bool:
@@ -263,12 +275,16 @@ def _legible_name(header: bytes) -> str | None:
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
+    """``key=value`` records of a pax header; ValueError if they are malformed."""
     records, pos = {}, 0
     while pos < len(data):
         space = data.find(b" ", pos)
         if space < 0:
             break
-        length = int(data[pos:space])
+        field = data[pos:space]
+        if not field.isdigit():
+            raise ValueError(f"bad pax record length {field[:20]!r}")
+        length = int(field)
         if length <= 0:
             break
         key, _, value = data[space + 1:pos + length - 1].partition(b"=")
@@ -286,53 +302,61 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
 
     The reader is left at the member's data; the caller must consume ``padded(size)`` bytes.
     Extension headers (GNU long names, pax ``path`` / ``size``) are applied; other entry types
-    are skipped. A bad header raises ``TarFormatError`` unless ``resync`` is set, in which case
-    ``on_error`` is told and the reader scans forward for the next valid header.
+    are skipped. A bad header (checksum, size field, pax records, a size past the end of a file
+    of known size) raises ``TarFormatError`` unless ``resync`` is set, in which case ``on_error``
+    is told and the reader scans forward for the next valid header.
     """
     long_name = None
     pax = None
+    limit = getattr(reader, "size", None)
     while True:
         header_offset = reader.offset
         header = reader.read(BLOCK)
         if header is None or header == _ZERO_BLOCK:
             return None  # end of archive (a missing end-of-archive block is tolerated, like tarfile)
+        err = None
         if not _checksum_ok(header):
             err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
-            if not resync:
-                raise err
-            on_error(err)
-            long_name = pax = None
-            if not _resync(reader):
-                return None
-            continue
-        try:
-            size = _octal(header[124:136])
-        except ValueError as e:
-            raise TarFormatError(f"bad size field in tar header: {e}", header_offset) from e
-        typeflag = header[156:157]
-        if typeflag in _REGULAR:
-            if pax is not None:
-                name = pax.get("path") or long_name or _name(header)
-                if "size" in pax:
-                    size = int(pax["size"])
-            else:
-                name = long_name or _name(header)
-            return name, size, header_offset
-        padded = (size + BLOCK - 1) & ~(BLOCK - 1)
-        if typeflag in (b"L", b"x", b"K", b"g"):
-            if size > 1 << 24:
-                raise TarFormatError(f"tar extension header of {size} bytes is too large", header_offset)
-            data = reader.read(padded)
-            if data is None:
-                raise TarFormatError("tar stream ends inside an extension header", header_offset)
-            if typeflag == b"L":
-                long_name = bytes(data[:size]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            elif typeflag == b"x":
-                pax = _pax_records(bytes(data[:size]))
-            continue
+        else:
+            try:
+                size = _octal(header[124:136])
+                typeflag = header[156:157]
+                if typeflag in _REGULAR:
+                    if pax is not None:
+                        name = pax.get("path") or long_name or _name(header)
+                        if "size" in pax:
+                            size = int(pax["size"]) if pax["size"].isdigit() else _bad_number(pax["size"])
+                    else:
+                        name = long_name or _name(header)
+                    if limit is not None and header_offset + BLOCK + size > limit:
+                        err = TarFormatError(f"tar member of {size} bytes runs past the end of the file "
+                                             f"({limit} bytes)", header_offset, name=_legible_name(header))
+                    else:
+                        return name, size, header_offset
+                elif typeflag in (b"L", b"x", b"K", b"g"):
+                    if size > 1 << 24:
+                        raise ValueError(f"tar extension header of {size} bytes is too large")
+                    data = reader.read(padded(size))
+                    if data is None:
+                        raise TarFormatError("tar stream ends inside an extension header", header_offset)
+                    if typeflag == b"L":
+                        long_name = bytes(data[:size]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                    elif typeflag == b"x":
+                        pax = _pax_records(bytes(data[:size]))
+                    continue
+                else:
+                    long_name = pax = None
+                    if not reader.skip(padded(size)):
+                        raise TarFormatError("tar stream ends inside a non-file entry", header_offset)
+                    continue
+            except ValueError as e:
+                err = TarFormatError(f"bad tar header: {e}", header_offset, name=_legible_name(header))
+        if not resync:
+            raise err
+        on_error(err)
         long_name = pax = None
-        if not reader.skip(padded):
-            raise TarFormatError("tar stream ends inside a non-file entry", header_offset)
+        if not _resync(reader):
+            return None
 
 
 def padded(size: int) -> int:
@@ -378,6 +402,8 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
     current = None        # its dict, or None when it lies before ``start``
     damaged_key = None
     damage_next = False
+    members = 0           # members of the sample in progress, plus the one being looked at
+    multi = None          # whether samples of this shard have several members (None: not known yet)
     errors: list[TarFormatError] = []
     read_data = reader.read_view if zero_copy and hasattr(reader, "read_view") else reader.read
     key_ext = _KEY_EXT.match
@@ -392,10 +418,19 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
             errors.clear()
             extension_header = err.name is not None and ("@PaxHeader" in err.name or err.name == "././@LongLink")
             guess = split_key(err.name)[0] if err.name and not extension_header else None
-            if extension_header and current is not None:
-                # a damaged pax / long-name header belongs to the next member: the current sample is whole
-                yield SampleEvent(ordinal, key_now, current)
-                current, key_now = None, None
+            next_match = key_ext(m[0]) if m is not None else None
+            next_key = next_match.group(1) if next_match is not None else None
+            if extension_header:
+                if key_now is not None and next_key == key_now:
+                    guess = key_now  # it belonged to the next member of the sample in progress
+                elif current is not None:
+                    # a damaged pax / long-name header belongs to the next member: the current sample is whole
+                    yield SampleEvent(ordinal, key_now, current)
+                    current, key_now = None, None
+            elif guess is not None and guess != key_now and guess != next_key and multi is not False:
+                # a legible name that matches neither neighbour, in a shard of multi-member samples:
+                # the name itself is what got damaged
+                guess = None
             if guess is not None and guess != key_now:
                 # the damaged header starts a new sample: the one in progress is complete
                 if current is not None:
@@ -420,7 +455,14 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                 raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
             continue
         key = match.group(1)
+        members += 1
         if key != key_now:
+            if key_now is not None:
+                if members > 2:
+                    multi = True
+                elif multi is None:
+                    multi = False
+            members = 1
             if key == damaged_key:
                 if not reader.skip(padded(size)):
                     raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)

@@ -1,11 +1,14 @@
-"""Servers on 127.0.0.1 for tests: a range-capable HTTP file server that can inject faults."""
+"""Servers on 127.0.0.1 for tests: a range-capable HTTP file server that can inject faults, and a
+fault-injecting HTTP proxy (put in front of e.g. moto's S3 server)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 
 class Faults:
@@ -17,7 +20,12 @@ class Faults:
         self.resets = 0          # close the connection mid-body on the next N requests
         self.truncations = 0     # send a short body (with the full Content-Length) on the next N requests
         self.stall_s = 0.0       # sleep this long before answering (every request)
+        self.hangs = 0           # the next N data requests hang hang_s before sending anything
+        self.body_hangs = 0      # the next N data requests send half the body, then hang hang_s
+        self.hang_s = 30.0
+        self.corruptions = 0     # the next N data requests get a body with one byte flipped (right length)
         self.requests = 0
+        self.paths: list[str] = []  # path of every request, in order
 
     def take(self, name: str) -> bool:
         with self.lock:
@@ -48,8 +56,13 @@ def _handler(root: str, faults: Faults):
         def _serve(self, body: bool):
             with faults.lock:
                 faults.requests += 1
+                faults.paths.append(f"{self.command} {self.path}")
             if faults.stall_s:
                 time.sleep(faults.stall_s)
+            if body and faults.take("hangs"):
+                time.sleep(faults.hang_s)
+                self.close_connection = True
+                return
             path = self._target()
             if path is None:
                 self.send_response(404)
@@ -81,6 +94,8 @@ def _handler(root: str, faults: Faults):
             with open(path, "rb") as f:
                 f.seek(start)
                 data = f.read(length)
+            if data and faults.take("corruptions"):
+                data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
             if faults.take("resets"):
                 self.wfile.write(data[: len(data) // 2])
                 self.wfile.flush()
@@ -90,6 +105,12 @@ def _handler(root: str, faults: Faults):
             if faults.take("truncations"):
                 self.wfile.write(data[: len(data) // 3])
                 self.wfile.flush()
+                self.close_connection = True
+                return
+            if faults.take("body_hangs"):
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                time.sleep(faults.hang_s)
                 self.close_connection = True
                 return
             self.wfile.write(data)
@@ -111,3 +132,107 @@ def http_server(root: str):
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def _proxy_handler(upstream: str, faults: Faults, is_data):
+    target = urlsplit(upstream)
+
+    class Proxy(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _forward(self):
+            with faults.lock:
+                faults.requests += 1
+                faults.paths.append(f"{self.command} {self.path}")
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            data_request = self.command == "GET" and is_data(self.path)
+            if data_request and faults.take("hangs"):
+                time.sleep(faults.hang_s)
+                self.close_connection = True
+                return
+            if data_request and faults.take("errors_5xx"):
+                payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>ServiceUnavailable</Code>"
+                           b"<Message>injected</Message></Error>")
+                self.send_response(503)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                return
+            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+            try:
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                payload = resp.read()
+                self.send_response(resp.status, resp.reason)
+                skip = ("connection", "keep-alive", "transfer-encoding", "server", "date")
+                if self.command != "HEAD":  # a HEAD answer keeps the upstream length of the body it does not send
+                    skip += ("content-length",)
+                for k, v in resp.getheaders():
+                    if k.lower() not in skip:
+                        self.send_header(k, v)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+            finally:
+                conn.close()
+            if self.command == "HEAD":
+                return
+            if data_request and payload and faults.take("resets"):
+                self.wfile.write(payload[: len(payload) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+            if data_request and payload and faults.take("truncations"):
+                self.wfile.write(payload[: len(payload) // 3])
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            if data_request and payload and faults.take("body_hangs"):
+                self.wfile.write(payload[: len(payload) // 2])
+                self.wfile.flush()
+                time.sleep(faults.hang_s)
+                self.close_connection = True
+                return
+            self.wfile.write(payload)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+    return Proxy
+
+
+@contextlib.contextmanager
+def fault_proxy(upstream: str, *, is_data=lambda path: True):
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``) that injects ``Faults``
+    into GET requests for which ``is_data(path)`` holds; yields ``(base_url, faults)``."""
+    faults = Faults()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(upstream, faults, is_data))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", faults
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (a free port); yields its ``http://127.0.0.1:port`` endpoint."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()

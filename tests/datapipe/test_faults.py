@@ -1,0 +1,146 @@
+"""Remote reads under injected faults, against real servers on 127.0.0.1: an HTTP file server and
+moto's S3 server behind a fault-injecting proxy. Every sample exactly once, or a DataError soon."""
+import logging
+import os
+import traceback
+
+import pytest
+import torch
+
+from datapipe import DataError, ShardStream
+from tests.datapipe.conftest import write_shards
+from tests.servers import fault_proxy, http_server, s3_server
+
+FAULTS = ["errors_5xx", "resets", "truncations", "hangs", "body_hangs"]
+FAST = {"timeout": 1.0, "retries": 3, "backoff": 0.02}
+
+
+def strip(sample):
+    return {k: v for k, v in sample.items() if k != "__url__"}
+
+
+def full_text(err):
+    return "".join(traceback.format_exception(err))
+
+
+# ---- HTTP ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def web(tmp_path):
+    urls, samples = write_shards(tmp_path / "web", [5, 4, 6])
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        faults.hang_s = 5.0
+        yield [f"{base}/{os.path.basename(u)}" for u in urls], samples, faults
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_http_fault_is_retried_and_every_sample_comes_once(web, fault):
+    remote, samples, faults = web
+    stream = ShardStream(remote, **FAST)
+    stream.counts
+    setattr(faults, fault, 2)
+    assert [strip(s) for s in stream] == [strip(s) for s in samples]
+    assert getattr(faults, fault) == 0, "the fault was injected"
+    assert stream.stats()["retries"] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_http_faults_with_dataloader_workers_and_shuffle(web):
+    remote, samples, faults = web
+    stream = ShardStream(remote, shuffle=True, shuffle_buffer=4, seed=2, timeout=1.0, retries=8, backoff=0.02)
+    stream.counts
+    faults.errors_5xx, faults.resets, faults.truncations, faults.body_hangs = 2, 2, 2, 1  # up to 7 in a row
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
+    keys = [s["__key__"] for s in loader]
+    assert sorted(keys) == sorted(s["__key__"] for s in samples)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fault", ["errors_5xx", "hangs", "resets"])
+def test_http_persistent_fault_is_a_data_error_soon(web, fault):
+    remote, samples, faults = web
+    stream = ShardStream(remote, timeout=0.3, retries=2, backoff=0.02)
+    stream.counts
+    setattr(faults, fault, 10**6)
+    with pytest.raises(DataError, match="shard-000000"):
+        list(stream)
+    skip = ShardStream(remote, timeout=0.3, retries=1, backoff=0.02, on_error="skip", counts=[5, 4, 6])
+    assert list(skip) == [] and skip.stats()["skipped"] == 15
+
+
+@pytest.mark.timeout(30)
+def test_http_credentials_never_shown(web, caplog):
+    remote, samples, faults = web
+    password, token = "pa55-w0rd-XYZ", "t0k3n-QWERTY"
+    secret_urls = [u.replace("http://", f"http://alice:{password}@") + f"?token={token}&part=1" for u in remote]
+    stream = ShardStream(secret_urls, counts=[5, 4, 6], **FAST)
+    with caplog.at_level(logging.DEBUG, logger="datapipe"):
+        faults.errors_5xx, faults.resets = 1, 1
+        assert [strip(s) for s in stream] == [strip(s) for s in samples]  # credentials do not stop it working
+        faults.errors_5xx = 10**6
+        with pytest.raises(DataError) as info:
+            list(stream)
+    text = full_text(info.value) + repr(info.value) + caplog.text + "".join(stream.stats()["last_errors"])
+    assert "retrying" in caplog.text and "alice:***@" in text and "token=***" in text
+    assert password not in text and token not in text
+
+
+# ---- S3 (moto) ----------------------------------------------------------------------------------
+
+KEY, SECRET = "AKIAEXAMPLEKEY123456", "s3cr3t/EXAMPLE+key0987654321"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+
+    root = tmp_path_factory.mktemp("s3src")
+    urls, samples = write_shards(root, [5, 4, 6])
+    with s3_server() as endpoint:
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+                              region_name="us-east-1")
+        client.create_bucket(Bucket="bucket")
+        for name in os.listdir(root):
+            client.upload_file(str(root / name), "bucket", f"data/{name}")
+        with fault_proxy(endpoint, is_data=lambda path: ".tar" in path) as (base, faults):
+            options = {"key": KEY, "secret": SECRET,
+                       "client_kwargs": {"endpoint_url": base, "region_name": "us-east-1"},
+                       "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}
+            yield "s3://bucket/data/shard-{000000..000002}.tar", samples, faults, options
+
+
+def _reset(faults):
+    for name in FAULTS:
+        setattr(faults, name, 0)
+    faults.hang_s = 5.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_s3_fault_is_retried_and_every_sample_comes_once(s3, fault):
+    spec, samples, faults, options = s3
+    _reset(faults)
+    stream = ShardStream(spec, storage_options=options, **FAST)
+    assert stream.counts == [5, 4, 6]
+    before = faults.requests
+    setattr(faults, fault, 2)
+    assert [strip(s) for s in stream] == [strip(s) for s in samples]
+    assert getattr(faults, fault) == 0 and faults.requests > before
+
+
+@pytest.mark.timeout(60)
+def test_s3_persistent_fault_is_a_data_error_and_secrets_stay_hidden(s3, caplog):
+    spec, samples, faults, options = s3
+    _reset(faults)
+    stream = ShardStream(spec, storage_options=options, counts=[5, 4, 6], timeout=1.0, retries=1, backoff=0.02)
+    faults.errors_5xx = 10**6
+    try:
+        with caplog.at_level(logging.DEBUG, logger="datapipe"), pytest.raises(DataError, match="shard-000000") as info:
+            list(stream)
+    finally:
+        faults.errors_5xx = 0
+    text = full_text(info.value) + caplog.text
+    assert SECRET not in text and KEY not in text
