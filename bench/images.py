@@ -166,12 +166,12 @@ def dali_handwritten(urls, args):
 
 
 # ---- (d): ImageLoader ---------------------------------------------------------------------------
-def image_loader(urls, args, reader="stream"):
+def image_loader(urls, args, reader="stream", read_workers=0):
     from loaders import ImageLoader
 
     return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
                        device=args.device, num_threads=args.dali_threads, hw_decoder_load=args.hw_decoder_load,
-                       reader=reader, index_dir=None)
+                       reader=reader, index_dir=None, read_workers=read_workers)
 
 
 def endless(make):
@@ -254,7 +254,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60, help="timed batches per loader")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--train-steps", type=int, default=150)
-    p.add_argument("--only", default="a,b,c,d,d_dali,train", help="comma list of parts to run")
+    p.add_argument("--read-workers", type=int, default=4, help="reader processes of the d_workers variant")
+    p.add_argument("--only", default="a,b,c,d,d_dali,d_workers,train", help="comma list of parts to run")
     p.add_argument("--train-loaders", default="a,d", help="loaders that feed the training test")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no training part)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
@@ -277,6 +278,8 @@ def main(argv=None) -> int:
         "c": ("hand-written DALI (readers.webdataset)", lambda: dali_handwritten(urls, args)),
         "d": ("loaders.ImageLoader (reader=stream)", lambda: endless(lambda: image_loader(urls, args))),
         "d_dali": ("loaders.ImageLoader (reader=dali)", lambda: endless(lambda: image_loader(urls, args, "dali"))),
+        "d_workers": (f"loaders.ImageLoader (reader=stream, read_workers={args.read_workers})",
+                      lambda: endless(lambda: image_loader(urls, args, read_workers=args.read_workers))),
     }
     for key, (name, make) in candidates.items():
         if key not in parts:

@@ -61,6 +61,7 @@ class RawBatch:
     keys: list[str] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
     state: dict | None = None  # ShardStream state after this batch's last sample
+    owner: Any = None  # what the arrays are views of (read_workers > 0), kept alive with them
 
 
 def iter_raw_batches(
@@ -119,6 +120,48 @@ def _handle_bad(err: DataError, on_error: str, stats: dict) -> None:
 
 
 _END = object()
+
+
+def _keep(item):
+    return item
+
+
+class _EncodedBatches(torch.utils.data.IterableDataset):
+    """ShardStream samples grouped into raw batches packed as tensors, for reader worker processes.
+
+    Follows ShardStream's worker-state protocol (loaders.DataLoader resumes it exactly).
+    """
+
+    def __init__(self, stream, **batching):
+        self.stream = stream
+        self.batching = batching
+
+    def set_epoch(self, epoch: int) -> None:
+        self.stream.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+    def __iter__(self):
+        stats = {"skipped": 0, "last_errors": []}
+        reported = 0
+        for raw in iter_raw_batches(iter(self.stream), stats=stats, **self.batching):
+            stats["skipped"] += self.stream.stats()["skipped"] - stats.get("stream_skipped", 0)
+            stats["stream_skipped"] = self.stream.stats()["skipped"]
+            sizes = [len(a) for a in raw.arrays]
+            offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=offsets[1:])
+            data = torch.empty(int(offsets[-1]), dtype=torch.uint8)
+            view = data.numpy()
+            for a, start, end in zip(raw.arrays, offsets[:-1], offsets[1:]):
+                view[start:end] = a
+            errors = stats["last_errors"][-(stats["skipped"] - reported):] if stats["skipped"] > reported else []
+            yield {"data": data, "offsets": torch.from_numpy(offsets), "labels": torch.tensor(raw.labels),
+                   "keys": raw.keys, "urls": raw.urls, "skipped": stats["skipped"] - reported, "errors": errors}
+            reported = stats["skipped"]
 
 
 class _Feed:
@@ -239,6 +282,7 @@ class ImageLoader:
         label_decoder: Callable[[bytes], int] | None = None,
         image_key: str = "jpg;jpeg;png",
         num_threads: int | None = None,
+        read_workers: int = 0,
         prefetch_queue_depth: int = 2,
         hw_decoder_load: float = 0.75,
         drop_last: bool | None = None,
@@ -286,6 +330,11 @@ class ImageLoader:
         self.label_decoder = label_decoder or parse_label
         self.image_exts = tuple(e for e in image_key.split(";") if e)
         self.num_threads = int(num_threads or max(1, min(8, os.cpu_count() or 1)))
+        if read_workers < 0:
+            raise ValueError(f"read_workers must be >= 0, got {read_workers}")
+        self.read_workers = int(read_workers)
+        self._reader_loader = None  # the worker processes' loader (read_workers > 0)
+        self._reader_resume: dict | None = None
         self.prefetch_queue_depth = int(prefetch_queue_depth)
         self.hw_decoder_load = float(hw_decoder_load)
         self.drop_last = self.train if drop_last is None else bool(drop_last)
@@ -351,6 +400,10 @@ class ImageLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch handed out (read-ahead is not counted)."""
+        if self.read_workers and self.reader == "stream":
+            loader = self._delivered if self._delivered is not None else None
+            return {"epoch": self.epoch, "reader": self.reader, "stream": None, "loader": loader,
+                    "batches": self._stats["batches"]}
         stream = self._delivered if self._delivered is not None else self.stream.state_dict()
         return {"epoch": self.epoch, "reader": self.reader, "stream": stream, "batches": self._stats["batches"]}
 
@@ -358,6 +411,14 @@ class ImageLoader:
         """Resume: the next iteration yields exactly the batches the saved run had not yet handed out."""
         if "stream" not in state or "epoch" not in state:
             raise ValueError("not an ImageLoader state: needs 'epoch' and 'stream' entries")
+        if ("loader" in state) != bool(self.read_workers and self.reader == "stream"):
+            raise ValueError("this state was saved with a different read_workers setting (0 vs > 0)")
+        if "loader" in state:
+            self.epoch = int(state["epoch"])
+            self._reader_resume = state["loader"]
+            self._delivered = state["loader"]
+            self._resumed = True
+            return
         if self.reader == "dali" and any(w.get("draws") for w in state["stream"].get("workers", {}).values()):
             raise ValueError("reader='dali' resumes only at epoch boundaries; use reader='stream' for mid-epoch resume")
         self.stream.load_state_dict(state["stream"])
@@ -386,13 +447,16 @@ class ImageLoader:
         return self._iter_stream()
 
     def _iter_stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        raw_batches = threaded(
-            iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
-                             image_exts=self.image_exts, label_key=self.label_key,
-                             label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
-                             state_fn=self.stream.state_dict),
-            depth=self.prefetch_queue_depth + 1,
-        )
+        if self.read_workers:
+            raw_batches = self._worker_raw_batches()
+        else:
+            raw_batches = threaded(
+                iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
+                                 image_exts=self.image_exts, label_key=self.label_key,
+                                 label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
+                                 state_fn=self.stream.state_dict),
+                depth=self.prefetch_queue_depth + 1,
+            )
         feed = self._feed
         feed.start(raw_batches)
         # one DALI pipeline serves every epoch (building one costs seconds); an epoch left unfinished
@@ -429,6 +493,43 @@ class ImageLoader:
             raw_batches.close()
             if not finished or feed.failure:
                 self._stream_pipe = None
+
+    def _worker_raw_batches(self) -> Iterator[RawBatch]:
+        """Raw batches read in ``read_workers`` processes (no GIL shared with the training loop).
+
+        Each worker reads its part of the shards and sends a batch as one uint8 tensor of the
+        encoded images plus offsets (shared memory, no pickled bytes); the arrays DALI gets are
+        views into it. Runs in the thread that iterates, so the workers fork from it.
+        """
+        from loaders.dataloader import DataLoader
+
+        if self._reader_loader is None:
+            dataset = _EncodedBatches(self.stream, batch_size=self.batch_size, drop_last=self.drop_last,
+                                      image_exts=self.image_exts, label_key=self.label_key,
+                                      label_decoder=self.label_decoder, on_error=self.on_error)
+            self._reader_loader = DataLoader(dataset, batch_size=None, num_workers=self.read_workers,
+                                             collate_fn=_keep, prefetch_factor=max(2, self.prefetch_queue_depth))
+        loader = self._reader_loader
+        if self._reader_resume is not None:
+            loader.load_state_dict(self._reader_resume)
+            self._reader_resume = None
+        else:
+            loader.set_epoch(self.epoch)
+        it = iter(loader)
+        try:
+            for packed in it:
+                self._stats["skipped"] += packed["skipped"]
+                if packed["errors"]:
+                    self._stats["last_errors"] = (self._stats["last_errors"] + packed["errors"])[-10:]
+                data = packed["data"].numpy()
+                bounds = packed["offsets"].tolist()
+                raw = RawBatch(arrays=[data[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                               labels=packed["labels"].tolist(), keys=packed["keys"], urls=packed["urls"],
+                               state=loader.state_dict())
+                raw.owner = packed["data"]
+                yield raw
+        finally:
+            it.close()
 
     def _finish(self, images: torch.Tensor, raw: RawBatch) -> tuple[torch.Tensor, torch.Tensor]:
         labels = torch.tensor(raw.labels, dtype=torch.int64)

@@ -496,5 +496,6 @@ def test_gpu_loader_batches_and_resume():
     dl2 = DataLoader(Squares(), device="cuda", **kw)
     dl2.load_state_dict(state)
     assert got + _run(dl2) == ref
-    assert dl2.stats()["pinned_pool"]["buffers"] > 0
+    # torch's pin-memory thread pins the batches, so the prefetcher stages no copies of its own
+    assert dl2.stats()["pinned_pool"]["allocations"] == 0
     dl2.close()

@@ -231,3 +231,38 @@ def test_gpu_pipeline_agrees_with_cpu(shards):
     assert diff.mean() < 0.05, diff.mean()  # GPU JPEG decoding differs slightly (IDCT, chroma upsampling)
     tx, ty = collect(loader(shards, device="cuda", train=True, dtype=torch.bfloat16))
     assert tx.dtype == torch.bfloat16 and tx.shape == (N // 8 * 8, 3, S, S) and tx.is_cuda
+
+
+def test_reader_workers_cover_every_sample_once_per_epoch(shards):
+    dl = loader(shards, train=True, read_workers=2, drop_last=False, **by_key())
+    _, e0 = collect(dl)
+    dl.set_epoch(1)
+    _, e1 = collect(dl)
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(N))
+    assert e0.tolist() != e1.tolist()
+
+
+def test_reader_workers_resume_exactly(shards):
+    full = loader(shards, shuffle=True, read_workers=2, **by_key())
+    full.set_epoch(2)
+    xs, ys = collect(full)
+    first = loader(shards, shuffle=True, read_workers=2, **by_key())
+    first.set_epoch(2)
+    it = iter(first)
+    head = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    it.close()
+    rest = loader(shards, shuffle=True, read_workers=2, **by_key())
+    rest.load_state_dict(state)
+    rx, ry = collect(head + list(rest))
+    assert ry.tolist() == ys.tolist() and torch.equal(rx, xs)
+    with pytest.raises(ValueError, match="read_workers"):
+        loader(shards, shuffle=True, **by_key()).load_state_dict(state)
+
+
+def test_reader_workers_skip_and_count_corrupt_images(tmp_path):
+    urls, labels = _corrupt_shards(tmp_path)
+    dl = loader(urls, batch_size=4, on_error="skip", read_workers=2)
+    _, y = collect(dl)
+    assert sorted(y.tolist()) == sorted(labels)
+    assert dl.stats()["skipped"] == 4
