@@ -1,7 +1,8 @@
 """The ``datapipe`` command line: ``shard``, ``index``, ``inspect``, ``bench``, ``doctor``, ``demo``.
 
 Each subcommand lives in its own module, which provides ``configure_parser(parser)`` and
-``run_command(args) -> int`` (the exit status). Logs go to stderr; results to stdout.
+``run_command(args) -> int`` (the exit status). Logs go to stderr; results to stdout. Commands that
+drive the loaders live in the ``loaders`` package (``datapipe`` never imports it statically).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ COMMANDS = {
     "inspect": ("datapipe.inspect", "summarise shards or a shard directory; exit 1 on corrupt shards"),
     "bench": ("datapipe.bench", "measure storage and loader throughput"),
     "doctor": ("datapipe.doctor", "run a training script and report where its step time goes"),
-    "demo": ("datapipe.demo", "make a small real dataset and stream it through the loaders"),
+    "demo": ("loaders.demo", "make a small real dataset and stream it through the loaders"),
 }
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-log = logging.getLogger("datapipe.demo")
+log = logging.getLogger("datapipe.demo")  # the CLI lives in datapipe; the demo needs the loaders
 
 
 def _timed(name: str, iterable, count) -> dict:
