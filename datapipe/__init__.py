@@ -19,7 +19,7 @@ _EXPORTS = {
     "mix": "datapipe.mixing",
     "make_image_dataset": "datapipe.synthetic",
     "write_dali_index": "datapipe.dali_index",
-    "doctor": "datapipe.doctor",
+    "doctor": "datapipe.starvation",
 }
 
 __all__ = sorted(_EXPORTS)

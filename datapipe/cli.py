@@ -15,8 +15,8 @@ COMMANDS = {
     "shard": ("datapipe.preprocess", "convert image folders, JSONL/Parquet text or tars into WebDataset shards"),
     "index": ("datapipe.dali_index", "write DALI index files (wds2idx format) for shards"),
     "inspect": ("datapipe.inspect", "summarise shards or a shard directory; exit 1 on corrupt shards"),
-    "bench": ("datapipe.bench", "measure storage and loader throughput"),
-    "doctor": ("datapipe.doctor", "run a training script and report where its step time goes"),
+    "bench": ("loaders.bench_cli", "measure storage and loader throughput"),
+    "doctor": ("loaders.doctor_cli", "run a training script and report where its step time goes"),
     "demo": ("loaders.demo", "make a small real dataset and stream it through the loaders"),
 }
 
