@@ -320,8 +320,11 @@ def _merge_tails(job: dict, tails: list[dict]) -> list[dict]:
     return merged
 
 
-def commit(job: dict, markers: list[dict]) -> dict:
-    """Merge small tails, rename parts to dense final names, write the manifest; idempotent."""
+def commit(job: dict, markers: list[dict], *, skipped: int = 0) -> dict:
+    """Merge small tails, rename parts to dense final names, write the manifest; idempotent.
+
+    ``skipped``: input items left out as unreadable (the manifest records the count; report.json lists them).
+    """
     opts = job["storage_options"]
     fs, out_path = _fs(job["out"], opts)
     plan = _read_json(_url(job["job_dir"], "commit.json"), opts)
@@ -344,7 +347,7 @@ def commit(job: dict, markers: list[dict]) -> dict:
         if job["index"]:
             _move(fs, _idx(src), _idx(dst))
     shards = [{k: e[k] for k in ("name", "count", "bytes", "sha256")} for e in plan]
-    extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}}
+    extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}, "num_skipped": skipped}
     if job["classes"]:
         extra["classes"] = job["classes"]
         _write_json(_url(job["out"], "classes.json"), job["classes"], opts)
@@ -468,9 +471,9 @@ def shard(
         bar.close()
 
     ordered = [markers[p["index"]] for p in sorted(source.partitions, key=lambda p: p["index"])]
-    manifest = commit(job, ordered)
-    seconds = time.perf_counter() - t0
     skipped = source.skipped + [s for m in ordered for s in m["skipped"]]
+    manifest = commit(job, ordered, skipped=len(skipped))
+    seconds = time.perf_counter() - t0
     written = sum(m["bytes"] for m in ordered)
     report = {
         "status": "ok", "src": src, "out": out, "kind": source.kind, "engine": engine, "workers": workers,

@@ -121,6 +121,7 @@ def test_bad_images_skipped_or_strict(tmp_path):
     assert run_cli(root, out, "--check-images", "--workers", "1") == 0
     report = json.load(open(out / "report.json"))
     assert report["samples"] == 6 and report["num_skipped"] == 2
+    assert json.load(open(out / "manifest.json"))["num_skipped"] == 2
     skipped = " ".join(s["item"] for s in report["skipped"])
     assert "broken.jpg" in skipped and "empty_class" in skipped
     os.rmdir(root / "empty_class")
@@ -289,7 +290,7 @@ def test_sigkill_and_rerun_matches_uninterrupted(tmp_path):
     proc = subprocess.Popen(cmd + [args[0], str(out)] + args[1:], cwd=REPO, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if done_dir.exists() and len(os.listdir(done_dir)) >= 3:
+        if done_dir.exists() and len([n for n in os.listdir(done_dir) if n.endswith(".json")]) >= 3:  # not .tmp-*
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
