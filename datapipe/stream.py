@@ -277,8 +277,14 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
         draws = position["draws"]
-        if self.shuffle_buffer <= 1:
-            items = self._read_positions(plan, draws)
+        stats = self._stats
+        if self.shuffle_buffer <= 1:  # no buffer: read straight through (the hot path, kept lean)
+            for item in self._read_items(plan, draws):
+                position["draws"] += 1
+                if item is not LOST:
+                    stats["samples"] += 1
+                    yield item
+            return
         else:
             buffer, pulled = replay_positions(self.shuffle_buffer, seed, len(plan), draws)
             source = self._read_positions(plan, min(buffer.slots + [pulled]))
@@ -296,6 +302,15 @@ class ShardStream(torch.utils.data.IterableDataset):
                 continue
             self._stats["samples"] += 1
             yield item
+
+    def _read_items(self, plan: WorkerPlan, first: int) -> Iterator[Any]:
+        """The plan's samples (or LOST) from position ``first`` on."""
+        pos = 0
+        for seg in plan.segments:
+            n = len(seg)
+            if pos + n > first:
+                yield from self._read_segment(seg.shard, seg.start + max(0, first - pos), seg.stop)
+            pos += n
 
     def _read_positions(self, plan: WorkerPlan, first: int) -> Iterator[tuple[int, Any]]:
         """``(position, sample or LOST)`` for the plan's positions from ``first`` on."""

@@ -222,6 +222,12 @@ def reader_for(f, *, seekable: bool | None = None):
 
 
 def _octal(field: bytes) -> int:
+    try:  # the common case: octal digits, then NUL / space padding (the header checksum guards the rest)
+        value = int(field.rstrip(b"\0 "), 8)
+        if value >= 0:
+            return value
+    except ValueError:
+        pass
     if field and field[0] & 0x80:  # GNU base-256
         value = int.from_bytes(field[1:], "big")
         return value
