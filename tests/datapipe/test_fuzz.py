@@ -71,7 +71,7 @@ def _read_all(data: bytes, tmp: str, *, gz: bool):
     return got
 
 
-def _check(mutated: bytes, first_bad: int, *, spared=(), gz_spared=None):
+def check_delivery(mutated: bytes, first_bad: int, *, spared=(), gz_spared=None):
     """Samples wholly before ``first_bad`` (bar the one just before, which may have lost a member) and
     the ``spared`` indices must come out unchanged, on the mmap path and the streaming (gzip) path."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +90,7 @@ def _check(mutated: bytes, first_bad: int, *, spared=(), gz_spared=None):
 @FUZZ
 @given(st.integers(0, len(DATA) - 1))
 def test_truncated_at_any_offset(offset):
-    _check(DATA[:offset], offset)
+    check_delivery(DATA[:offset], offset)
 
 
 @FUZZ
@@ -99,7 +99,7 @@ def test_flipped_bytes_anywhere(flips):
     data = bytearray(DATA)
     for off, x in flips:
         data[off] ^= x
-    _check(bytes(data), min(off for off, _ in flips))
+    check_delivery(bytes(data), min(off for off, _ in flips))
 
 
 @FUZZ
@@ -113,7 +113,7 @@ def test_damaged_header_spares_the_samples_after(header, flips):
         data[offset + off] ^= x
     block = bytes(data[offset:offset + BLOCK])
     spared = [i for i in range(N) if abs(i - k) >= 2] if not _checksum_ok(block) else []
-    _check(bytes(data), offset + min(off for off, _ in flips), spared=spared)
+    check_delivery(bytes(data), offset + min(off for off, _ in flips), spared=spared)
 
 
 @FUZZ
@@ -125,7 +125,7 @@ def test_bogus_size_fields(header, size_field):
     block[124:136] = size_field
     _fix_checksum(block)
     data[offset:offset + BLOCK] = block
-    _check(bytes(data), offset)
+    check_delivery(bytes(data), offset)
 
 
 @FUZZ
@@ -142,7 +142,7 @@ def test_huge_declared_sizes_are_not_allocated(header, size, base256):
     data[offset:offset + BLOCK] = block
     tracemalloc.start()
     try:
-        _check(bytes(data), offset, spared=[i for i in range(N) if abs(i - k) >= 2], gz_spared=[])
+        check_delivery(bytes(data), offset, spared=[i for i in range(N) if abs(i - k) >= 2], gz_spared=[])
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -158,7 +158,7 @@ def test_non_utf8_member_names(header, name):
     block[0:100] = name.ljust(100, b"\0")
     _fix_checksum(block)
     data[offset:offset + BLOCK] = block
-    _check(bytes(data), offset)
+    check_delivery(bytes(data), offset)
 
 
 def test_huge_size_in_a_stream_reads_only_what_is_there():
