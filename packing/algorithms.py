@@ -244,6 +244,23 @@ def _bfd(lens: np.ndarray, cap: int):
     return order, steps.item_bins(), nbins
 
 
+def _fill_run(first: int, c: int, per_bin: int, room: int, length: int, pieces: list, reps: list):
+    """Put ``c`` items of ``length`` into bins ``first, first+1, ...`` that each have ``room`` left,
+    ``per_bin`` to a bin: full bins then one partial. Records the placements in ``pieces`` / ``reps``
+    and returns the new (start, count, level) runs and how many bins were used."""
+    full, k = divmod(c, per_bin)
+    new = []
+    if full:
+        new.append((first, full, room - per_bin * length))
+        pieces.append(np.arange(first, first + full))
+        reps.append(np.full(full, per_bin))
+    if k:
+        new.append((first + full, 1, room - k * length))
+        pieces.append(np.array([first + full]))
+        reps.append(np.array([k]))
+    return new, full + (k > 0)
+
+
 def _ffd(lens: np.ndarray, cap: int):
     """First fit over runs of consecutive bins that share their remaining room ("blocks")."""
     order, distinct, counts = _decreasing(lens, cap)
@@ -273,17 +290,7 @@ def _ffd(lens: np.ndarray, cap: int):
             if c and nfull < cand.size:  # split that block: full bins, one partial, the rest
                 p = int(cand[nfull])
                 s0, n0, l0, q0 = int(start[p]), int(count[p]), int(level[p]), int(q[nfull])
-                full, k = divmod(c, q0)
-                new = []
-                if full:
-                    new.append((s0, full, l0 - q0 * length))
-                    pieces.append(np.arange(s0, s0 + full))
-                    reps.append(np.full(full, q0))
-                if k:
-                    new.append((s0 + full, 1, l0 - k * length))
-                    pieces.append(np.array([s0 + full]))
-                    reps.append(np.array([k]))
-                used = full + (k > 0)
+                new, used = _fill_run(s0, c, q0, l0, length, pieces, reps)
                 if used < n0:
                     new.append((s0 + used, n0 - used, l0))
                 add = np.array(new, dtype=np.int64).reshape(-1, 3)
@@ -292,18 +299,8 @@ def _ffd(lens: np.ndarray, cap: int):
                 level = np.concatenate([level[:p], add[:, 2], level[p + 1:]])
                 c = 0
         if c:
-            q0 = cap // length
-            full, k = divmod(c, q0)
-            new = []
-            if full:
-                new.append((nbins, full, cap - q0 * length))
-                pieces.append(np.arange(nbins, nbins + full))
-                reps.append(np.full(full, q0))
-            if k:
-                new.append((nbins + full, 1, cap - k * length))
-                pieces.append(np.array([nbins + full]))
-                reps.append(np.array([k]))
-            nbins += full + (k > 0)
+            new, used = _fill_run(nbins, c, cap // length, cap, length, pieces, reps)
+            nbins += used
             add = np.array(new, dtype=np.int64).reshape(-1, 3)
             start = np.concatenate([start, add[:, 0]])
             count = np.concatenate([count, add[:, 1]])
