@@ -257,7 +257,14 @@ class ImageLoader:
     holds, including exact resume (``state_dict``). ``reader="dali"`` reads local shards with DALI's
     ``fn.readers.webdataset`` and index files (``index_dir``, made there when missing): no
     ``on_error="skip"`` for decode errors, DALI's buffer shuffle, contiguous per-rank partitions
-    (``ceil(N / world_size)`` samples each, wrapping around), resume only at epoch boundaries.
+    (``ceil(N / world_size)`` samples each; the last batch of a short rank repeats a sample), resume
+    only at epoch boundaries (a mid-epoch ``state_dict`` restarts that epoch). It measured fastest
+    on the H200 (20.0k vs 19.0k images/s; DALI's reader also overlaps better with training).
+    Both readers keep one DALI pipeline for all epochs (building one takes seconds).
+
+    ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
+    hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
+    partial last batch.
     """
 
     def __init__(
@@ -347,6 +354,7 @@ class ImageLoader:
         self._delivered: dict | None = None
         self._resumed = False
         self._probe = None
+        self._dali_pipe = None  # the DALI pipeline of reader="dali", reused across epochs
         self._stream_pipe = None  # the DALI pipeline of reader="stream", reused across epochs
         self._feed = _Feed()
 
@@ -619,10 +627,16 @@ class ImageLoader:
             ext=[";".join(self.image_exts), self.label_key],
             missing_component_behavior="error", random_shuffle=self.shuffle,
             initial_fill=max(1, self.shuffle_buffer), shard_id=rank, num_shards=world, stick_to_shard=True,
-            pad_last_batch=False, read_ahead=False,
+            pad_last_batch=True, read_ahead=False,
         )
-        pipe = self._pipeline(reader=reader)
-        pipe.build()
+        # pad_last_batch: every rank's DALI epoch is ceil(per_rank / batch) batches (the last one padded
+        # by repeating a sample), so epochs stay aligned with ours and one pipeline serves them all
+        dali_steps = math.ceil(per_rank / self.batch_size)
+        if self._dali_pipe is None:
+            self._dali_pipe = self._pipeline(reader=reader)
+            self._dali_pipe.build()
+        pipe = self._dali_pipe
+        finished = False
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         left = per_rank
         try:
@@ -640,6 +654,10 @@ class ImageLoader:
                         raise DataError(f"cannot decode label {self.label_key!r}: {e}", key=f"#{i}") from e
                 raw = RawBatch(labels=labels)
                 yield self._finish(images, raw)
+            for _ in range(dali_steps - steps):  # drop_last: the partial batch DALI still holds
+                pipe.run(stream) if stream is not None else pipe.run()
+            finished = True
         finally:
-            del pipe
+            if not finished:  # batches of this epoch are still in flight: start the next one afresh
+                self._dali_pipe = None
         self._delivered = {**self.stream.state_dict(), "workers": {0: {"draws": per_rank, "done": True}}}
