@@ -126,16 +126,6 @@ def _keep(item):
     return item
 
 
-def _reader_context():
-    """Reader workers start from a fork server: forking this process, whose DALI threads may be busy,
-    could leave a child holding a lock one of them had taken (so ``label_decoder`` must pickle)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "datapipe.stream", "loaders.images"])
-    return ctx
-
-
 class _EncodedBatches(torch.utils.data.IterableDataset):
     """ShardStream samples grouped into raw batches packed as tensors, for reader worker processes.
 
@@ -273,8 +263,8 @@ class ImageLoader:
     Both readers keep one DALI pipeline for all epochs (building one takes seconds).
 
     ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
-    hands DALI views of shared-memory batches (workers start from a fork server, so a custom
-    ``label_decoder`` must be picklable); with ``drop_last`` each worker drops its own partial last batch.
+    hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
+    partial last batch.
     """
 
     def __init__(
@@ -526,8 +516,7 @@ class ImageLoader:
                                       image_exts=self.image_exts, label_key=self.label_key,
                                       label_decoder=self.label_decoder, on_error=self.on_error)
             self._reader_loader = DataLoader(dataset, batch_size=None, num_workers=self.read_workers,
-                                             collate_fn=_keep, prefetch_factor=max(2, self.prefetch_queue_depth),
-                                             multiprocessing_context=_reader_context())
+                                             collate_fn=_keep, prefetch_factor=max(2, self.prefetch_queue_depth))
         loader = self._reader_loader
         if self._reader_resume is not None:
             loader.load_state_dict(self._reader_resume)
