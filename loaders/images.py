@@ -126,6 +126,26 @@ def _keep(item):
     return item
 
 
+class _started:
+    """``gen``, with its first item already fetched (so whatever it starts, it starts now)."""
+
+    def __init__(self, gen: Iterator):
+        self.gen = gen
+        self.first = [next(gen, _END)]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.first.pop() if self.first else next(self.gen)
+        if item is _END:
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self.gen.close()
+
+
 class _EncodedBatches(torch.utils.data.IterableDataset):
     """ShardStream samples grouped into raw batches packed as tensors, for reader worker processes.
 
@@ -456,7 +476,7 @@ class ImageLoader:
 
     def _iter_stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.read_workers:
-            raw_batches = self._worker_raw_batches()
+            raw_batches = _started(self._worker_raw_batches())  # the workers fork before DALI has work
         else:
             raw_batches = threaded(
                 iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
