@@ -1,0 +1,34 @@
+import subprocess
+import sys
+
+import pytest
+
+from datapipe.cli import COMMANDS, main
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_help_and_unknown_commands():
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "usage: datapipe " + command in capsys.readouterr().out
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "datapipe", "inspect", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "missing" in out.stderr
