@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from packing.batch import IGNORE_INDEX
+from packing.packer import skip_consumed
 
 TOO_LONG = ("error", "truncate")
 _STAT_KEYS = ("sequences_in", "tokens_in", "tokens_truncated", "batches_out", "rows_out",
@@ -60,11 +61,7 @@ def budget_batches(sequences: Iterable, state: _State, *, max_tokens: int, buffe
                    max_batch_size: int | None, multiple: int, seed: int, too_long: str,
                    skip: int) -> Iterator[list[np.ndarray]]:
     """Yields batches as lists of token arrays; ``state`` is current whenever one is yielded."""
-    it = iter(sequences)
-    for i in range(skip):
-        if next(it, None) is None:
-            raise ValueError(f"the sequence source ended after {i} sequences, but the loaded "
-                             f"state consumed {skip}; restart the same source from the beginning")
+    it = skip_consumed(sequences, skip, "sequences")
     max_len = max_tokens // multiple * multiple
     stats = state.stats
     exhausted = False

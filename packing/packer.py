@@ -59,15 +59,21 @@ def _as_document(doc, index: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def skip_consumed(source: Iterable, skip: int, what: str) -> Iterator:
+    """An iterator over ``source`` past its first ``skip`` items (those a loaded state already consumed)."""
+    it = iter(source)
+    for i in range(skip):
+        if next(it, None) is None:
+            raise ValueError(f"the {what[:-1]} source ended after {i} {what}, but the loaded "
+                             f"state consumed {skip}; restart the same source from the beginning")
+    return it
+
+
 def pack_rows(documents: Iterable, state: _State, *, seq_len: int, buffer_size: int,
               overflow: str, bos_id: int | None, eos_id: int | None, algorithm: str,
               skip: int) -> Iterator[list[np.ndarray]]:
     """Yields rows (lists of token arrays); ``state`` is up to date whenever a row is yielded."""
-    it = iter(documents)
-    for i in range(skip):
-        if next(it, None) is None:
-            raise ValueError(f"the document source ended after {i} documents, but the loaded "
-                             f"state consumed {skip}; restart the same source from the beginning")
+    it = skip_consumed(documents, skip, "documents")
     stats = state.stats
     exhausted = False
     while True:

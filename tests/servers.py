@@ -119,19 +119,26 @@ def _handler(root: str, faults: Faults):
 
 
 @contextlib.contextmanager
-def http_server(root: str):
-    """Serve ``root`` on 127.0.0.1 (a free port); yields ``(base_url, faults)``."""
-    faults = Faults()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(os.path.realpath(root), faults))
+def _serving(handler):
+    """Run ``handler`` on 127.0.0.1 (a free port) in a thread; yields the base URL; stops it after."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", faults
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def http_server(root: str):
+    """Serve ``root`` on 127.0.0.1 (a free port); yields ``(base_url, faults)``."""
+    faults = Faults()
+    with _serving(_handler(os.path.realpath(root), faults)) as base:
+        yield base, faults
 
 
 def _proxy_handler(upstream: str, faults: Faults, is_data):
@@ -212,16 +219,8 @@ def fault_proxy(upstream: str, *, is_data=lambda path: True):
     """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``) that injects ``Faults``
     into GET requests for which ``is_data(path)`` holds; yields ``(base_url, faults)``."""
     faults = Faults()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(upstream, faults, is_data))
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", faults
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with _serving(_proxy_handler(upstream, faults, is_data)) as base:
+        yield base, faults
 
 
 @contextlib.contextmanager
