@@ -166,17 +166,21 @@ def dali_handwritten(urls, args):
 
 
 # ---- (d): ImageLoader ---------------------------------------------------------------------------
-def image_loader(urls, args, reader="stream", read_workers=0):
+def image_loader(urls, args, reader="stream", read_workers=0, depth=2):
     from loaders import ImageLoader
 
     return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
                        device=args.device, num_threads=args.dali_threads, hw_decoder_load=args.hw_decoder_load,
-                       reader=reader, index_dir=None, read_workers=read_workers)
+                       reader=reader, index_dir=None, read_workers=read_workers, prefetch_queue_depth=depth)
+
+
+LAST_LOADER: list = []  # the loader behind the last endless() (its stats() split the time in next())
 
 
 def endless(make):
     """Epoch after epoch of a loader (set_epoch when it has one)."""
     loader = make()
+    LAST_LOADER[:] = [loader]
     epoch = 0
     while True:
         if hasattr(loader, "set_epoch"):
@@ -216,15 +220,16 @@ def train(batches, *, steps: int, warmup: int, device: str, image_size: int) -> 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     it = iter(batches)
-    wait = 0.0
+    waits: list[float] = []
     n = 0
     for step in range(warmup + steps):
         if step == warmup:
             sync(device)
-            wait, n, start = 0.0, 0, time.perf_counter()
+            waits, n, start = [], 0, time.perf_counter()
+            before = loader_seconds()
         t0 = time.perf_counter()
         x, y = next(it)
-        wait += time.perf_counter() - t0
+        waits.append(time.perf_counter() - t0)
         x = x.to(memory_format=torch.channels_last)
         with torch.autocast(device_type=device, dtype=torch.bfloat16):
             loss = loss_fn(model(x), y)
@@ -235,8 +240,20 @@ def train(batches, *, steps: int, warmup: int, device: str, image_size: int) -> 
             torch.cuda.current_stream().synchronize()  # (not a device sync: the loader's own GPU work runs on)
         n += x.shape[0]
     seconds = time.perf_counter() - start
-    return {"images_per_s": round(n / seconds, 1), "data_wait_fraction": round(wait / seconds, 3),
-            "seconds": round(seconds, 2)}
+    ms = np.array(waits) * 1e3
+    after = loader_seconds()
+    split = {k: round((after[k] - before.get(k, 0.0)) / steps * 1e3, 2) for k in after}
+    return {"images_per_s": round(n / seconds, 1), "data_wait_fraction": round(float(ms.sum()) / 1e3 / seconds, 3),
+            "seconds": round(seconds, 2), "step_ms": round(seconds / steps * 1e3, 2),
+            "wait_ms": {"p50": round(float(np.percentile(ms, 50)), 2), "p90": round(float(np.percentile(ms, 90)), 2),
+                        "max": round(float(ms.max()), 2)},
+            "loader_ms_per_step": split}
+
+
+def loader_seconds() -> dict:
+    """ImageLoader's split of its time in next() (read / dali / copy), when the loader is one."""
+    loader = LAST_LOADER[0] if LAST_LOADER else None
+    return dict(loader.stats().get("seconds", {})) if hasattr(loader, "stats") else {}
 
 
 def main(argv=None) -> int:
@@ -255,8 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--read-workers", type=int, default=4, help="reader processes of the d_workers variant")
-    p.add_argument("--only", default="a,b,c,d,d_dali,d_workers,train", help="comma list of parts to run")
-    p.add_argument("--train-loaders", default="a,d", help="loaders that feed the training test")
+    p.add_argument("--only", default="a,b,c,d,d_dali,d_deep,train", help="comma list of parts to run")
+    p.add_argument("--train-loaders", default="a,c,d,d_dali,d_deep", help="loaders that feed the training test")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no training part)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
@@ -278,6 +295,8 @@ def main(argv=None) -> int:
         "c": ("hand-written DALI (readers.webdataset)", lambda: dali_handwritten(urls, args)),
         "d": ("loaders.ImageLoader (reader=stream)", lambda: endless(lambda: image_loader(urls, args))),
         "d_dali": ("loaders.ImageLoader (reader=dali)", lambda: endless(lambda: image_loader(urls, args, "dali"))),
+        "d_deep": ("loaders.ImageLoader (reader=stream, prefetch_queue_depth=4)",
+                   lambda: endless(lambda: image_loader(urls, args, depth=4))),
         "d_workers": (f"loaders.ImageLoader (reader=stream, read_workers={args.read_workers})",
                       lambda: endless(lambda: image_loader(urls, args, read_workers=args.read_workers))),
     }
@@ -285,6 +304,7 @@ def main(argv=None) -> int:
         if key not in parts:
             continue
         print(f"[{key}] {name} ...", file=sys.stderr)
+        LAST_LOADER.clear()
         batches = make()
         r = throughput(batches, steps=args.steps, warmup=args.warmup, device=args.device)
         batches.close()
@@ -296,21 +316,24 @@ def main(argv=None) -> int:
         for key in args.train_loaders.split(","):
             name, make = candidates[key]
             print(f"[train/{key}] ResNet-50 fed by {name} ...", file=sys.stderr)
+            LAST_LOADER.clear()
             batches = make()
             r = train(batches, steps=args.train_steps, warmup=args.warmup, device=args.device,
                       image_size=args.image_size)
             batches.close()
             results["training"][key] = {"name": name, **r}
-            print(f"    {r['images_per_s']} images/s, data wait {r['data_wait_fraction']:.0%}", file=sys.stderr)
+            print(f"    {r['images_per_s']} images/s, data wait {r['data_wait_fraction']:.1%} "
+                  f"(per step {r['wait_ms']}, loader {r['loader_ms_per_step']})", file=sys.stderr)
 
     path = write_result("images", results, args.out)
     rows = [{"loader": f"({k}) {v['name']}", "images/s": v["images_per_s"]} for k, v in results["loaders"].items()]
     print(table(rows, ["loader", "images/s"]))
     if results["training"]:
         rows = [{"fed by": f"({k}) {v['name']}", "images/s": v["images_per_s"],
-                 "data wait": f"{v['data_wait_fraction']:.0%}"} for k, v in results["training"].items()]
+                 "data wait": f"{v['data_wait_fraction']:.1%}", "wait p50/p90 ms": "{p50}/{p90}".format(**v["wait_ms"])}
+                for k, v in results["training"].items()]
         print()
-        print(table(rows, ["fed by", "images/s", "data wait"]))
+        print(table(rows, ["fed by", "images/s", "data wait", "wait p50/p90 ms"]))
     print(f"\nwrote {path}")
     return 0
 

@@ -44,6 +44,8 @@ def build_image_pipeline(
     resize_size: int | None = None,
     source: Callable | None = None,
     reader: dict | None = None,
+    enable_checkpointing: bool = False,
+    checkpoint: str | None = None,
 ):
     """Build (not run) a DALI pipeline whose outputs are ``(images,)`` or, with ``reader``, ``(images, labels)``.
 
@@ -67,6 +69,8 @@ def build_image_pipeline(
         prefetch_queue_depth=prefetch_queue_depth,
         exec_async=True,
         exec_pipelined=True,
+        enable_checkpointing=enable_checkpointing or checkpoint is not None,
+        **({"checkpoint": checkpoint} if checkpoint is not None else {}),
     )
     decoder_args = {}
     if gpu:
