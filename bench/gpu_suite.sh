@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One run on the GPU machine (device tool): install the staged wheels (../shared/device/stage-gpu-wheels.sh),
-# run the gpu-marked tests, then every benchmark; results and logs go to $OUT.
+# Runs on the GPU machine (device tool), after the staged DALI wheels were copied to /root/stage
+# (../shared/device/stage-gpu-wheels.sh). Each argument is a part; results and logs go to $OUT.
+#   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
+#   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
+# Other parts: prefetch packing read.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-suite}
+DATA=${DATA:-/tmp/datapipe-bench-images}
 mkdir -p "$OUT"
 bash /root/stage/install.sh || exit 1
 export PYTHONPATH=/root/site:$PWD
@@ -12,15 +16,48 @@ step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
 step environment
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
 python -c "import torch, torchvision, nvidia.dali as d, webdataset; print('torch', torch.__version__, 'dali', d.__version__, 'cpus', __import__('os').cpu_count())" 2>&1 | tee -a "$log"
-step gpu tests
-timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/datapipe/test_prefetch.py tests/loaders/test_dataloader.py \
-  tests/loaders/test_images.py tests/loaders/test_tokens.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 | tee -a "$log"
-step images benchmark
-timeout 300 python bench/images.py --out "$OUT" ${IMAGES_ARGS:-} 2>&1 | tail -40 | tee -a "$log"
-step prefetch benchmark
-timeout 150 python bench/prefetch.py --device cuda --out "$OUT" 2>&1 | tail -25 | tee -a "$log"
-step packing benchmark
-timeout 200 python bench/packing.py --device cuda --out "$OUT/packing.json" ${PACKING_ARGS:-} 2>&1 | tail -40 | tee -a "$log"
-step read throughput
-timeout 120 python bench/read_throughput.py --out "$OUT" 2>&1 | tail -8 | tee -a "$log"
+for part in "$@"; do
+  case $part in
+  tests)
+    step gpu tests
+    timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/datapipe/test_prefetch.py tests/loaders/test_dataloader.py \
+      tests/loaders/test_images.py tests/loaders/test_tokens.py tests/loaders/test_background.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -25 | tee -a "$log" ;;
+  images)
+    step images benchmark
+    timeout 420 python bench/images.py --data "$DATA" --out "$OUT" ${IMAGES_ARGS:-} 2>&1 | tail -60 | tee -a "$log" ;;
+  loader)
+    step bench loader: images
+    timeout 240 python -m datapipe bench loader "$DATA" --device cuda --batch-size 256 --steps 30 --warmup 5 \
+      --no-progress --json "$OUT/loader.json" 2>&1 | tail -30 | tee -a "$log"
+    step bench loader: tokens
+    timeout 120 python -c "from bench.scaling import ensure_tokens; ensure_tokens('/tmp/datapipe-scaling-tokens', 20000, 0)" 2>&1 | tail -3
+    timeout 120 python -m datapipe bench loader /tmp/datapipe-scaling-tokens --device cuda --steps 100 --warmup 5 \
+      --no-progress --json "$OUT/loader_tokens.json" 2>&1 | tail -20 | tee -a "$log" ;;
+  doctor)
+    step doctor
+    timeout 240 python -m datapipe doctor --json "$OUT/doctor.json" --probe-capacity -- bench/doctor_train.py "$DATA" 60 \
+      2>&1 | tail -30 | tee -a "$log" ;;
+  scaling)
+    step scaling, 1 GPU
+    timeout 240 torchrun --nproc_per_node=1 bench/scaling.py --images-dir "$DATA" --out "$OUT/scaling.json" ${SCALING_ARGS:-} \
+      2>&1 | tail -12 | tee -a "$log" ;;
+  scaling2)
+    step scaling, 1 and 2 GPUs
+    for n in 1 2; do
+      timeout 280 torchrun --nproc_per_node=$n bench/scaling.py --images-dir "$DATA" --out "$OUT/scaling.json" ${SCALING_ARGS:-} \
+        2>&1 | tail -12 | tee -a "$log"
+    done ;;
+  prefetch)
+    step prefetch benchmark
+    timeout 150 python bench/prefetch.py --device cuda --out "$OUT" 2>&1 | tail -25 | tee -a "$log" ;;
+  packing)
+    step packing benchmark
+    timeout 200 python bench/packing.py --device cuda --out "$OUT/packing.json" ${PACKING_ARGS:-} 2>&1 | tail -40 | tee -a "$log" ;;
+  read)
+    step read throughput
+    timeout 120 python bench/read_throughput.py --out "$OUT" 2>&1 | tail -8 | tee -a "$log" ;;
+  *) echo "unknown part: $part" | tee -a "$log"; exit 2 ;;
+  esac
+done
 step done

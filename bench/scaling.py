@@ -60,7 +60,8 @@ def ensure_tokens(directory: str, docs: int, rank: int) -> list[str]:
                 buf = io.BytesIO()
                 np.save(buf, rng.integers(0, 32000, n, dtype=np.int32))
                 writer.write({"__key__": f"{i:08d}", "npy": buf.getvalue()})
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return [os.path.join(directory, s["name"]) for s in read_manifest(directory)["shards"]]
 
 
@@ -98,9 +99,9 @@ def image_part(args, rank: int, world: int, device: torch.device) -> dict:
 
     urls = ensure_images(args.images_dir, args.images, rank)
     cuda = device.type == "cuda"
-    threads = max(1, (os.cpu_count() or 1) // world - 1)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world - 1)
     loader = ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
-                         device=device, num_threads=threads, read_workers=args.read_workers)
+                         device=device, num_threads=threads, read_workers=args.read_workers, reader=args.reader)
     try:
         import torchvision
 
@@ -127,6 +128,8 @@ def image_part(args, rank: int, world: int, device: torch.device) -> dict:
         torch.backends.cudnn.benchmark = True
     r = timed_training(loader, step, steps=args.steps, warmup=args.warmup, device=device, count=lambda b: len(b[1]))
     r["dali_threads"] = threads
+    r["reader"] = loader.reader
+    r["loader_seconds"] = loader.stats()["seconds"]
     return r
 
 
@@ -194,6 +197,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--read-workers", type=int, default=0)
+    p.add_argument("--reader", default="auto", choices=["auto", "stream", "dali"], help="ImageLoader reader")
+    p.add_argument("--threads", type=int, default=0, help="DALI threads per rank (default: cores / ranks - 1)")
     p.add_argument("--model", default="resnet50", choices=["resnet50", "small"])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--token-batch", type=int, default=8)

@@ -5,7 +5,8 @@ Samples come from :class:`datapipe.ShardStream` (any storage, rank/epoch shuffli
 ``fn.external_source`` as zero-copy uint8 arrays. ``device="cuda"`` decodes with nvImageCodec
 (``mixed``, hardware JPEG decoder where present) and augments on the GPU; ``device="cpu"`` runs
 the same graph with CPU operators. ``reader="dali"`` uses DALI's own ``fn.readers.webdataset`` on
-local shards instead (faster reading, fewer guarantees: see :class:`ImageLoader`).
+local shards instead (faster reading, fewer guarantees: see :class:`ImageLoader`). A producer
+thread drives DALI ahead of the training loop (:mod:`loaders.background`).
 """
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import hashlib
 import logging
 import math
 import os
-import queue
 import tempfile
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from datapipe.errors import DataError
+from loaders.background import on_side_stream, started, threaded
 
 log = logging.getLogger("loaders.images")
 
@@ -121,31 +121,8 @@ def _handle_bad(err: DataError, on_error: str, stats: dict) -> None:
         log.warning("skipped: %s", err)
 
 
-_END = object()
-
-
 def _keep(item):
     return item
-
-
-class _started:
-    """``gen``, with its first item already fetched (so whatever it starts, it starts now)."""
-
-    def __init__(self, gen: Iterator):
-        self.gen = gen
-        self.first = [next(gen, _END)]
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item = self.first.pop() if self.first else next(self.gen)
-        if item is _END:
-            raise StopIteration
-        return item
-
-    def close(self) -> None:
-        self.gen.close()
 
 
 class _EncodedBatches(torch.utils.data.IterableDataset):
@@ -217,49 +194,6 @@ class _Feed:
         return raw.arrays
 
 
-class _Failure:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-def threaded(iterable, *, depth: int) -> Iterator:
-    """Run ``iterable`` in a background thread, ``depth`` items ahead; its exceptions re-raise here."""
-    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work():
-        try:
-            for item in iterable:
-                if not put(item):
-                    return
-            put(_END)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            put(_Failure(e))
-
-    thread = threading.Thread(target=work, name="ImageLoader-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _END:
-                return
-            if isinstance(item, _Failure):
-                raise item.exc
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-
-
 def _dali_seed(seed: int, epoch: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, rank, 0xDA11]).generate_state(1)[0] % (2**31 - 1))
 
@@ -285,9 +219,12 @@ class ImageLoader:
     ``on_error="skip"`` for decode errors, DALI's buffer shuffle, contiguous per-rank partitions
     (``ceil(N / world_size)`` samples each; the last batch of a short rank repeats a sample); exact
     resume there too, from a DALI pipeline checkpoint (readers' positions and random states).
-    Both readers keep one DALI pipeline for all epochs (building one takes seconds).
-    ``stats()["seconds"]`` splits the loader's time in ``next()``: ``read`` (waiting for the
-    stream reader), ``dali`` (waiting for DALI's output) and ``copy`` (into torch tensors).
+    Both readers keep one DALI pipeline for all epochs (building one takes seconds), driven by a
+    producer thread ``prefetch_queue_depth`` finished batches ahead: on CUDA it copies DALI's
+    outputs into torch tensors on a side stream and hands them over with an event, so the
+    training thread's ``next()`` only takes a batch off a queue. ``stats()["seconds"]``: ``wait``
+    (the consumer's time in ``next()``) and the producer's ``read`` (waiting for the stream
+    reader), ``dali`` (waiting for DALI's outputs), ``copy`` (into torch tensors).
 
     ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
     hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
@@ -378,12 +315,13 @@ class ImageLoader:
         self.index_dir = index_dir
         self.epoch = 0
         self._stats = {"batches": 0, "samples": 0, "skipped": 0, "decode_errors": 0, "last_errors": []}
-        self._seconds = {"read": 0.0, "dali": 0.0, "copy": 0.0}
+        self._seconds = {"wait": 0.0, "read": 0.0, "dali": 0.0, "copy": 0.0}
         self._delivered: dict | None = None
         self._resumed = False
         self._probe = None
         self._dali_pipe = None  # the DALI pipeline of reader="dali", reused across epochs
-        self._dali_batch = 0  # batches of this epoch handed out by the DALI reader
+        self._dali_batch = 0  # batches of this epoch made by the DALI reader
+        self._dali_handed: dict | None = None  # DALI reader state after the last batch handed out
         self._dali_resume: dict | None = None  # {"checkpoint", "batch"} to restore on the next iteration
         self._stream_pipe = None  # the DALI pipeline of reader="stream", reused across epochs
         self._feed = _Feed(self._seconds)
@@ -464,7 +402,7 @@ class ImageLoader:
             raise ValueError(f"this state was saved with reader={state.get('reader')!r}, this loader has "
                              f"reader={self.reader!r}")
         if self.reader == "dali":
-            self._dali_resume = state["dali"]
+            self._dali_resume = self._dali_handed = state["dali"]
             self._dali_pipe = None
         self.stream.load_state_dict(state["stream"])
         self.epoch = int(state["epoch"])
@@ -487,21 +425,49 @@ class ImageLoader:
             self.stream.set_epoch(self.epoch)
         self._resumed = False
         self._delivered = None
-        if self.reader == "dali":
-            return self._iter_dali_reader()
-        return self._iter_stream()
+        produce = self._iter_dali_reader() if self.reader == "dali" else self._iter_stream(self._raw_batches())
+        return self._handout(produce)
 
-    def _iter_stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _handout(self, produce) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches made ahead in a producer thread (DALI driven, outputs copied on a side stream).
+
+        The training thread's ``next()`` only takes a finished batch off a queue; counters and the
+        resume position advance here, when a batch is handed out, not when it is made.
+        """
+        seconds = self._seconds
+        items = on_side_stream(produce, device=self.device, depth=self.prefetch_queue_depth)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    (images, labels), state = next(items)
+                except StopIteration:
+                    return
+                finally:
+                    seconds["wait"] += time.perf_counter() - t0
+                self._stats["batches"] += 1
+                self._stats["samples"] += len(labels)
+                if state.get("stream") is not None:
+                    self._delivered = state["stream"]
+                if state.get("dali") is not None:
+                    self._dali_handed = state["dali"]
+                yield images, labels
+        finally:
+            items.close()
+
+    def _raw_batches(self) -> Iterator[RawBatch]:
         if self.read_workers:
-            raw_batches = _started(self._worker_raw_batches())  # the workers fork before DALI has work
-        else:
-            raw_batches = threaded(
-                iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
-                                 image_exts=self.image_exts, label_key=self.label_key,
-                                 label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
-                                 state_fn=self.stream.state_dict),
-                depth=self.prefetch_queue_depth + 1,
-            )
+            return started(self._worker_raw_batches())  # the workers fork now, from this thread
+        return threaded(
+            iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
+                             image_exts=self.image_exts, label_key=self.label_key,
+                             label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
+                             state_fn=self.stream.state_dict),
+            depth=self.prefetch_queue_depth + 1, name="ImageLoader-reader",
+        )
+
+    def _iter_stream(self, raw_batches) -> Iterator:
+        """(Producer thread) raw batches -> DALI -> ``((images, labels), {"stream": state})``."""
         feed = self._feed
         feed.start(raw_batches)
         # one DALI pipeline serves every epoch (building one costs seconds); an epoch left unfinished
@@ -535,13 +501,13 @@ class ImageLoader:
                     raw = feed.fifo.popleft()
                     images = self._to_torch(outputs[0], stream)
                     seconds["copy"] += time.perf_counter() - t1
-                yield self._finish(images, raw)
+                yield self._prepare(images, raw.labels), {"stream": raw.state}
             finished = True
             if feed.failure:
                 raise feed.failure[0]
         finally:
             raw_batches.close()
-            if not finished or feed.failure:
+            if (not finished or feed.failure) and self._stream_pipe is pipe:
                 self._stream_pipe = None
 
     def _worker_raw_batches(self) -> Iterator[RawBatch]:
@@ -581,17 +547,14 @@ class ImageLoader:
         finally:
             it.close()
 
-    def _finish(self, images: torch.Tensor, raw: RawBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = torch.tensor(raw.labels, dtype=torch.int64)
+    def _prepare(self, images: torch.Tensor, labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Producer thread) labels to the device, bfloat16 cast: enqueued on the producer's stream."""
+        out = torch.tensor(labels, dtype=torch.int64)
         if self.device.type == "cuda":
-            labels = labels.pin_memory().to(self.device, non_blocking=True)
+            out = out.pin_memory().to(self.device, non_blocking=True)
         if self.dtype == torch.bfloat16:
             images = images.to(torch.bfloat16)
-        self._stats["batches"] += 1
-        self._stats["samples"] += len(raw.labels)
-        if raw.state is not None:
-            self._delivered = raw.state
-        return images, labels
+        return images, out
 
     def _to_torch(self, tensor_list, stream) -> torch.Tensor:
         from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
@@ -653,16 +616,18 @@ class ImageLoader:
 
     def _dali_state(self) -> dict | None:
         """Where the DALI reader stands: a pipeline checkpoint plus the batches of this epoch handed out."""
-        if self._dali_resume is not None:  # loaded and not yet iterated
-            return self._dali_resume
-        if self._dali_pipe is None:
-            return None
-        checkpoint = self._dali_pipe.checkpoint()  # the state after the last outputs() handed to us
+        return self._dali_handed
+
+    @staticmethod
+    def _checkpoint(pipe, batch: int) -> dict:
+        """(Producer thread) the DALI pipeline's state after its last ``outputs()`` (~0.2 ms)."""
+        checkpoint = pipe.checkpoint()
         if isinstance(checkpoint, str):
             checkpoint = checkpoint.encode("latin-1")
-        return {"checkpoint": base64.b64encode(checkpoint).decode("ascii"), "batch": self._dali_batch}
+        return {"checkpoint": base64.b64encode(checkpoint).decode("ascii"), "batch": batch}
 
-    def _iter_dali_reader(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _iter_dali_reader(self) -> Iterator:
+        """(Producer thread) DALI's webdataset reader -> ``((images, labels), {"dali": checkpoint, ...})``."""
         from datapipe.urls import local_path
 
         paths = [local_path(u) for u in self.stream.urls]
@@ -715,8 +680,10 @@ class ImageLoader:
             seconds["dali"] += t1 - t0
             seconds["copy"] += time.perf_counter() - t1
             self._dali_batch += 1
+            state = {}
             if self._dali_batch == steps:  # drop_last: the partial batch DALI still holds
                 for _ in range(dali_steps - steps):
                     pipe.run(stream) if stream is not None else pipe.run()
-            yield self._finish(images, RawBatch(labels=labels))
-        self._delivered = {**self.stream.state_dict(), "workers": {0: {"draws": per_rank, "done": True}}}
+                state["stream"] = {**self.stream.state_dict(), "workers": {0: {"draws": per_rank, "done": True}}}
+            state["dali"] = self._checkpoint(pipe, self._dali_batch)
+            yield self._prepare(images, labels), state

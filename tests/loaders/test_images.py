@@ -68,7 +68,7 @@ def test_eval_shapes_labels_and_order(shards):
     assert y.tolist() == expected  # eval: shard order
     assert dl.stats()["samples"] == N and dl.stats()["skipped"] == 0
     seconds = dl.stats()["seconds"]  # where next() spent its time
-    assert set(seconds) == {"read", "dali", "copy"} and min(seconds.values()) >= 0 and seconds["dali"] > 0
+    assert set(seconds) == {"wait", "read", "dali", "copy"} and min(seconds.values()) >= 0 and seconds["dali"] > 0
 
 
 def test_eval_matches_a_pil_reference(shards):
