@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -310,9 +311,14 @@ def main(argv=None) -> int:
             continue
         print(f"[{key}] {name} ...", file=sys.stderr)
         LAST_LOADER.clear()
-        batches = make()
-        r = throughput(batches, steps=args.steps, warmup=args.warmup, device=args.device)
-        batches.close()
+        try:
+            batches = make()
+            r = throughput(batches, steps=args.steps, warmup=args.warmup, device=args.device)
+            batches.close()
+        except Exception as e:  # one broken candidate must not cost the others' numbers
+            traceback.print_exc()
+            results["loaders"][key] = {"name": name, "error": repr(e)[:500], "images_per_s": 0.0}
+            continue
         results["loaders"][key] = {"name": name, **r}
         print(f"    {r['images_per_s']} images/s", file=sys.stderr)
 
@@ -322,10 +328,15 @@ def main(argv=None) -> int:
             name, make = candidates[key]
             print(f"[train/{key}] ResNet-50 fed by {name} ...", file=sys.stderr)
             LAST_LOADER.clear()
-            batches = make()
-            r = train(batches, steps=args.train_steps, warmup=args.warmup, device=args.device,
-                      image_size=args.image_size)
-            batches.close()
+            try:
+                batches = make()
+                r = train(batches, steps=args.train_steps, warmup=args.warmup, device=args.device,
+                          image_size=args.image_size)
+                batches.close()
+            except Exception as e:
+                traceback.print_exc()
+                results["training"][key] = {"name": name, "error": repr(e)[:500]}
+                continue
             results["training"][key] = {"name": name, **r}
             print(f"    {r['images_per_s']} images/s, data wait {r['data_wait_fraction']:.1%} "
                   f"(per step {r['wait_ms']}, loader {r['loader_ms_per_step']})", file=sys.stderr)
@@ -336,7 +347,7 @@ def main(argv=None) -> int:
     if results["training"]:
         rows = [{"fed by": f"({k}) {v['name']}", "images/s": v["images_per_s"],
                  "data wait": f"{v['data_wait_fraction']:.1%}", "wait p50/p90 ms": "{p50}/{p90}".format(**v["wait_ms"])}
-                for k, v in results["training"].items()]
+                for k, v in results["training"].items() if "error" not in v]
         print()
         print(table(rows, ["fed by", "images/s", "data wait", "wait p50/p90 ms"]))
     print(f"\nwrote {path}")
