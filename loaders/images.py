@@ -121,6 +121,34 @@ def _handle_bad(err: DataError, on_error: str, stats: dict) -> None:
         log.warning("skipped: %s", err)
 
 
+def pin_batch(raw: RawBatch, pin: bool = True) -> RawBatch:
+    """The batch's encoded images copied into one pinned host buffer (DMA-able by the decoder).
+
+    The buffer comes from torch's caching host allocator and lives as long as the batch
+    (``owner``), which the loader keeps until DALI has returned that batch's output.
+    """
+    sizes = [len(a) for a in raw.arrays]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    view = buffer.numpy()
+    offset, arrays = 0, []
+    for a, n in zip(raw.arrays, sizes):
+        view[offset:offset + n] = a
+        arrays.append(view[offset:offset + n])
+        offset += n
+    raw.arrays, raw.owner = arrays, buffer
+    return raw
+
+
+def _reader_error(error: RuntimeError, paths: list[str], batch: int) -> DataError:
+    """DALI's reader failed (an image it cannot decode, a broken shard): a DataError that says what is known."""
+    lines = [m.strip() for m in str(error).splitlines() if m.strip()]
+    detail = next((m for m in lines if any(w in m for w in ("failure", "rror:", "Invalid", "detected"))),
+                  lines[-1] if lines else "")
+    shards = paths[0] if len(paths) == 1 else f"{len(paths)} shards ({paths[0]} ...)"
+    return DataError(f"DALI's reader failed in batch {batch} of the epoch: {detail[:200]} (reading {shards}; "
+                     "reader='stream' names the sample and on_error='skip' skips it)")
+
+
 def _keep(item):
     return item
 
@@ -226,7 +254,8 @@ class ImageLoader:
     (the consumer's time in ``next()``) and the producer's ``read`` (waiting for the stream
     reader), ``dali`` (waiting for DALI's outputs), ``copy`` (into torch tensors).
 
-    ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
+    ``pinned_feed=True`` (stream reader, CUDA) copies each batch's encoded images into pinned host
+    memory before DALI gets them. ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
     hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
     partial last batch.
     """
@@ -254,6 +283,7 @@ class ImageLoader:
         image_key: str = "jpg;jpeg;png",
         num_threads: int | None = None,
         read_workers: int = 0,
+        pinned_feed: bool = False,
         prefetch_queue_depth: int = 2,
         hw_decoder_load: float = 0.75,
         drop_last: bool | None = None,
@@ -304,6 +334,7 @@ class ImageLoader:
         if read_workers < 0:
             raise ValueError(f"read_workers must be >= 0, got {read_workers}")
         self.read_workers = int(read_workers)
+        self.pinned_feed = bool(pinned_feed) and device.type == "cuda"
         self._reader_loader = None  # the worker processes' loader (read_workers > 0)
         self._reader_resume: dict | None = None
         self.prefetch_queue_depth = int(prefetch_queue_depth)
@@ -326,6 +357,7 @@ class ImageLoader:
         self._stream_pipe = None  # the DALI pipeline of reader="stream", reused across epochs
         self._feed = _Feed(self._seconds)
 
+        self._stream_options = dict(stream_options or {})
         from datapipe.stream import ShardStream
 
         self.stream = ShardStream(urls, shuffle=self.shuffle, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
@@ -458,13 +490,13 @@ class ImageLoader:
     def _raw_batches(self) -> Iterator[RawBatch]:
         if self.read_workers:
             return started(self._worker_raw_batches())  # the workers fork now, from this thread
-        return threaded(
-            iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
-                             image_exts=self.image_exts, label_key=self.label_key,
-                             label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
-                             state_fn=self.stream.state_dict),
-            depth=self.prefetch_queue_depth + 1, name="ImageLoader-reader",
-        )
+        raw = iter_raw_batches(iter(self.stream), batch_size=self.batch_size, drop_last=self.drop_last,
+                               image_exts=self.image_exts, label_key=self.label_key,
+                               label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
+                               state_fn=self.stream.state_dict)
+        if self.pinned_feed:
+            raw = map(pin_batch, raw)
+        return threaded(raw, depth=self.prefetch_queue_depth + 1, name="ImageLoader-reader")
 
     def _iter_stream(self, raw_batches) -> Iterator:
         """(Producer thread) raw batches -> DALI -> ``((images, labels), {"stream": state})``."""
@@ -499,7 +531,7 @@ class ImageLoader:
                     t1 = time.perf_counter()
                     seconds["dali"] += t1 - t0 - (seconds["read"] - read0)  # the feed's wait is "read"
                     raw = feed.fifo.popleft()
-                    images = self._to_torch(outputs[0], stream)
+                    images = self._to_torch(outputs[0], stream, zero_copy=pipe.exec_dynamic)
                     seconds["copy"] += time.perf_counter() - t1
                 yield self._prepare(images, raw.labels), {"stream": raw.state}
             finished = True
@@ -556,10 +588,21 @@ class ImageLoader:
             images = images.to(torch.bfloat16)
         return images, out
 
-    def _to_torch(self, tensor_list, stream) -> torch.Tensor:
+    def _to_torch(self, tensor_list, stream, *, zero_copy: bool = True) -> torch.Tensor:
+        """A DALI output as a torch tensor: shared through DLPack (no copy), or copied.
+
+        DALI's default (dynamic) executor allocates every output anew and keeps it alive while
+        referenced, so the tensor can share its memory (DALI's own PyTorch iterator does the
+        same); the legacy executors recycle output buffers, which must be copied out.
+        """
         from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
         t = tensor_list.as_tensor()
+        if zero_copy:
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    return torch.from_dlpack(t)  # ordered after DALI's work on the current stream
+            return torch.from_dlpack(t)
         out = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.device)
         feed_ndarray(t, out, cuda_stream=stream)
         return out
@@ -581,7 +624,7 @@ class ImageLoader:
                 _handle_bad(DataError(f"cannot decode image: {detail.strip()[:200]}", url=url, key=key),
                             self.on_error, self._stats)
                 continue
-            good.append(self._to_torch(out, stream))
+            good.append(self._to_torch(out, stream, zero_copy=self._probe.exec_dynamic))
             keep.arrays.append(arr)
             keep.labels.append(label)
             keep.keys.append(key)
@@ -656,8 +699,12 @@ class ImageLoader:
         elif self._dali_pipe is not None and self._dali_batch not in (0, steps):
             self._dali_pipe = None  # the last epoch was left unfinished: its batches are still in flight
         if self._dali_pipe is None:
-            self._dali_pipe = self._pipeline(reader=reader, checkpoint=checkpoint)
-            self._dali_pipe.build()
+            pipe = self._pipeline(reader=reader, checkpoint=checkpoint)
+            try:
+                pipe.build()
+            except RuntimeError as e:  # e.g. a sample without an image (DALI checks the index)
+                raise _reader_error(e, paths, first) from e
+            self._dali_pipe = pipe
         pipe = self._dali_pipe
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         seconds = self._seconds
@@ -665,11 +712,15 @@ class ImageLoader:
         left = per_rank - first * self.batch_size
         for _ in range(first, steps):
             t0 = time.perf_counter()
-            images_tl, labels_tl = pipe.run(stream) if stream is not None else pipe.run()
+            try:
+                images_tl, labels_tl = pipe.run(stream) if stream is not None else pipe.run()
+            except RuntimeError as e:
+                self._dali_pipe = None  # a failed pipeline is not valid any more
+                raise _reader_error(e, paths, self._dali_batch) from e
             t1 = time.perf_counter()
             n = min(self.batch_size, left)
             left -= n
-            images = self._to_torch(images_tl, stream)[:n]
+            images = self._to_torch(images_tl, stream, zero_copy=pipe.exec_dynamic)[:n]
             labels = []
             for i in range(n):
                 data = np.asarray(labels_tl.at(i)).tobytes()

@@ -174,6 +174,22 @@ def test_corrupt_images_raise(tmp_path):
     assert e.value.key == "bad-garbage" and "shard-000000.tar" in str(e.value)
 
 
+def test_dali_reader_turns_a_decode_failure_into_a_data_error(tmp_path):
+    urls, _ = _corrupt_shards(tmp_path)
+    with pytest.raises(DataError, match="DALI's reader failed") as e:
+        list(loader(urls, batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
+    assert "shard-000000.tar" in str(e.value)
+
+
+def test_pinned_feed_batch_keeps_every_image_byte(shards):
+    from loaders.images import RawBatch, pin_batch
+
+    arrays = [np.frombuffer(bytes([i]) * (10 + i), dtype=np.uint8) for i in range(5)]
+    raw = pin_batch(RawBatch(arrays=list(arrays), labels=list(range(5))), pin=False)
+    assert [a.tobytes() for a in raw.arrays] == [a.tobytes() for a in arrays]
+    assert all(np.shares_memory(a, raw.owner.numpy()) for a in raw.arrays)  # views of one buffer
+
+
 def test_truncated_jpeg_raises_with_its_key(tmp_path):
     """A JPEG with a valid header but cut short passes the signature check and fails in DALI."""
     good = list(iter_image_samples(6, seed=9, num_classes=10, size=(96, 72)))
@@ -185,6 +201,9 @@ def test_truncated_jpeg_raises_with_its_key(tmp_path):
     with pytest.raises(DataError) as e:
         list(loader([tar], batch_size=4))
     assert e.value.key == "bad-truncated" and "decode" in str(e.value) and "truncated.tar" in str(e.value)
+    with pytest.raises(DataError, match="DALI's reader failed in batch 0") as e:  # found while decoding
+        list(loader([tar], batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
+    assert "truncated.tar" in str(e.value)
 
 
 @pytest.mark.parametrize("mode", ["skip", "warn"])
