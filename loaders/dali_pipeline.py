@@ -45,6 +45,7 @@ def build_image_pipeline(
     source: Callable | None = None,
     reader: dict | None = None,
     enable_checkpointing: bool = False,
+    pad_labels: bool = False,
     checkpoint: str | None = None,
 ):
     """Build (not run) a DALI pipeline whose outputs are ``(images,)`` or, with ``reader``, ``(images, labels)``.
@@ -53,7 +54,8 @@ def build_image_pipeline(
     external source named ``"jpegs"`` to be fed with ``pipe.feed_input`` / ``pipe.run(jpegs=...)``.
     ``reader`` holds ``fn.readers.webdataset`` arguments (``paths``, ``index_paths``, ``ext``,
     ``random_shuffle``, ``initial_fill``, ``shard_id``, ``num_shards``, ...); its second output
-    (the raw label bytes) is returned as the pipeline's second output.
+    (the raw label bytes; zero-padded to the batch's longest with ``pad_labels``) is returned as
+    the pipeline's second output.
     """
     from nvidia.dali import fn, types
     from nvidia.dali.pipeline import Pipeline
@@ -117,6 +119,8 @@ def build_image_pipeline(
             **norm,
         )
         if labels is not None:
+            if pad_labels:  # one dense (batch, longest) uint8 array instead of a ragged batch
+                labels = fn.pad(labels, fill_value=0)
             pipe.set_outputs(images, labels)
         else:
             pipe.set_outputs(images)

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from collections import deque
@@ -52,6 +53,22 @@ def looks_like_image(data: bytes) -> bool:
 def parse_label(data: bytes) -> int:
     """webdataset's ``cls`` convention: an ASCII integer."""
     return int(data.decode("ascii").strip())
+
+
+def parse_ascii_ints(rows: np.ndarray) -> list[int] | None:
+    """Rows of zero-padded ASCII digits (``b"123\\0\\0"``) as ints; None when a row is anything else."""
+    if rows.ndim != 2 or rows.shape[1] == 0 or rows.shape[1] > 18:
+        return None
+    digits = (rows >= 48) & (rows <= 57)
+    lengths = digits.sum(axis=1)
+    # every row: one or more digits first, then only padding (no sign, spaces or newline: the slow path)
+    if not (lengths > 0).all() or not (digits == (np.arange(rows.shape[1]) < lengths[:, None])).all():
+        return None
+    if (rows[~digits] != 0).any():
+        return None
+    power = lengths[:, None] - 1 - np.arange(rows.shape[1])
+    values = np.where(digits, (rows.astype(np.int64) - 48) * 10 ** np.clip(power, 0, None), 0).sum(axis=1)
+    return values.tolist()
 
 
 @dataclass
@@ -140,8 +157,18 @@ def pin_batch(raw: RawBatch, pin: bool = True) -> RawBatch:
 
 
 def _reader_error(error: RuntimeError, paths: list[str], batch: int) -> DataError:
-    """DALI's reader failed (an image it cannot decode, a broken shard): a DataError that says what is known."""
+    """DALI's reader failed (an image it cannot decode, a broken shard): a DataError with what DALI said.
+
+    DALI names the sample when its decoder fails ("Failed to decode sample #3 : shard.tar:OFFSET:KEY.jpg"):
+    then the error carries that shard and key.
+    """
     lines = [m.strip() for m in str(error).splitlines() if m.strip()]
+    for line in lines:
+        m = re.search(r"Failed to decode sample #\d+ : (.+):\d+:([^/:]+)$", line)
+        if m:
+            key = m.group(2).split(".", 1)[0]
+            return DataError(f"cannot decode image (DALI's reader, batch {batch} of the epoch): {line[:200]}",
+                             url=m.group(1), key=key)
     detail = next((m for m in lines if any(w in m for w in ("failure", "rror:", "Invalid", "detected"))),
                   lines[-1] if lines else "")
     shards = paths[0] if len(paths) == 1 else f"{len(paths)} shards ({paths[0]} ...)"
@@ -372,8 +399,10 @@ class ImageLoader:
         dali_ok = all(is_local(u) for u in self.stream.urls) and self.on_error == "raise"
         if reader == "dali" and not dali_ok:
             raise ValueError("reader='dali' needs local shards and on_error='raise'; use reader='stream'")
-        if reader == "auto":
-            return "stream"
+        if reader == "auto":  # DALI's reader: faster and less GIL work than feeding DALI from Python (README)
+            plain = not (self.label_key.startswith("__") or self.read_workers or self.pinned_feed
+                         or self._stream_options)
+            return "dali" if dali_ok and plain else "stream"
         return reader
 
     def _rank_world(self) -> tuple[int, int]:
@@ -393,6 +422,7 @@ class ImageLoader:
             hw_decoder_load=self.hw_decoder_load, random_area=self.random_area,
             random_aspect_ratio=self.random_aspect_ratio, resize_size=self.resize_size,
             source=source, reader=reader, enable_checkpointing=reader is not None, checkpoint=checkpoint,
+            pad_labels=self.label_decoder is parse_label,
         )
 
     # ---- epochs, length, state ----------------------------------------------------------------
@@ -657,6 +687,23 @@ class ImageLoader:
             out.append(target)
         return out
 
+    def _reader_labels(self, labels_tl, n: int) -> list[int]:
+        """The first ``n`` labels of a DALI reader batch (ASCII ints parsed in one numpy pass)."""
+        if self.label_decoder is parse_label:
+            values = parse_ascii_ints(np.asarray(labels_tl.as_tensor())[:n])
+            if values is not None:
+                return values
+        labels = []
+        for i in range(n):
+            data = np.asarray(labels_tl.at(i)).tobytes()
+            if self.label_decoder is parse_label:
+                data = data.rstrip(b"\0")  # the zero padding of pad_labels
+            try:
+                labels.append(int(self.label_decoder(data)))
+            except Exception as e:
+                raise DataError(f"cannot decode label {self.label_key!r}: {e}", key=f"#{i}") from e
+        return labels
+
     def _dali_state(self) -> dict | None:
         """Where the DALI reader stands: a pipeline checkpoint plus the batches of this epoch handed out."""
         return self._dali_handed
@@ -721,13 +768,7 @@ class ImageLoader:
             n = min(self.batch_size, left)
             left -= n
             images = self._to_torch(images_tl, stream, zero_copy=pipe.exec_dynamic)[:n]
-            labels = []
-            for i in range(n):
-                data = np.asarray(labels_tl.at(i)).tobytes()
-                try:
-                    labels.append(int(self.label_decoder(data)))
-                except Exception as e:
-                    raise DataError(f"cannot decode label {self.label_key!r}: {e}", key=f"#{i}") from e
+            labels = self._reader_labels(labels_tl, n)
             seconds["dali"] += t1 - t0
             seconds["copy"] += time.perf_counter() - t1
             self._dali_batch += 1
