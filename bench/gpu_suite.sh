@@ -45,8 +45,10 @@ for part in "$@"; do
   scaling2)
     step scaling, 1 and 2 GPUs
     for n in 1 2; do
-      timeout 280 torchrun --nproc_per_node=$n bench/scaling.py --images-dir "$DATA" --out "$OUT/scaling.json" ${SCALING_ARGS:-} \
-        2>&1 | tail -12 | tee -a "$log"
+      NCCL_DEBUG=INFO timeout 280 torchrun --nproc_per_node=$n bench/scaling.py --images-dir "$DATA" \
+        --out "$OUT/scaling.json" ${SCALING_ARGS:-} > "$OUT/scaling_${n}gpu.log" 2>&1
+      echo "torchrun exit status $?" >> "$OUT/scaling_${n}gpu.log"
+      grep -v "NCCL INFO" "$OUT/scaling_${n}gpu.log" | tail -8 | tee -a "$log"
     done ;;
   prefetch)
     step prefetch benchmark

@@ -167,7 +167,7 @@ def dali_handwritten(urls, args):
 
 
 # ---- (d): ImageLoader ---------------------------------------------------------------------------
-def image_loader(urls, args, reader="stream", read_workers=0, depth=2, hw_decoder_load=None, pinned_feed=False):
+def image_loader(urls, args, reader="auto", read_workers=0, depth=2, hw_decoder_load=None, pinned_feed=False):
     from loaders import ImageLoader
 
     hw = args.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
@@ -275,8 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--read-workers", type=int, default=4, help="reader processes of the d_workers variant")
-    p.add_argument("--only", default="a,b,c,d,d_dali,d_deep,d_dali_deep,d_hw,train", help="comma list of parts to run")
-    p.add_argument("--train-loaders", default="a,c,d,d_dali,d_deep,d_dali_deep,d_hw", help="loaders that feed the training test")
+    p.add_argument("--only", default="a,b,c,d,d_stream,train", help="comma list of parts to run")
+    p.add_argument("--train-loaders", default="a,c,d,d_stream", help="loaders that feed the training test")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no training part)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
@@ -296,18 +296,20 @@ def main(argv=None) -> int:
                                                                        args.device)),
         "b": ("webdataset.WebLoader + PIL", lambda: to_device(endless(lambda: web_loader(urls, args)), args.device)),
         "c": ("hand-written DALI (readers.webdataset)", lambda: dali_handwritten(urls, args)),
-        "d": ("loaders.ImageLoader (reader=stream)", lambda: endless(lambda: image_loader(urls, args))),
+        "d": ("loaders.ImageLoader (defaults: reader=auto -> DALI's reader)",
+              lambda: endless(lambda: image_loader(urls, args))),
+        "d_stream": ("loaders.ImageLoader (reader=stream)", lambda: endless(lambda: image_loader(urls, args, "stream"))),
         "d_dali": ("loaders.ImageLoader (reader=dali)", lambda: endless(lambda: image_loader(urls, args, "dali"))),
         "d_deep": ("loaders.ImageLoader (reader=stream, prefetch_queue_depth=4)",
-                   lambda: endless(lambda: image_loader(urls, args, depth=4))),
+                   lambda: endless(lambda: image_loader(urls, args, "stream", depth=4))),
         "d_dali_deep": ("loaders.ImageLoader (reader=dali, prefetch_queue_depth=4)",
                         lambda: endless(lambda: image_loader(urls, args, "dali", depth=4))),
         "d_pinned": ("loaders.ImageLoader (reader=stream, pinned_feed=True)",
-                     lambda: endless(lambda: image_loader(urls, args, pinned_feed=True))),
+                     lambda: endless(lambda: image_loader(urls, args, "stream", pinned_feed=True))),
         "d_hw": ("loaders.ImageLoader (reader=stream, hw_decoder_load=1.0)",
-                 lambda: endless(lambda: image_loader(urls, args, hw_decoder_load=1.0))),
+                 lambda: endless(lambda: image_loader(urls, args, "stream", hw_decoder_load=1.0))),
         "d_workers": (f"loaders.ImageLoader (reader=stream, read_workers={args.read_workers})",
-                      lambda: endless(lambda: image_loader(urls, args, read_workers=args.read_workers))),
+                      lambda: endless(lambda: image_loader(urls, args, "stream", read_workers=args.read_workers))),
     }
     for key, (name, make) in candidates.items():
         if key not in parts:

@@ -193,6 +193,7 @@ class _Timed:
         self._doctor = doctor
         self._it = it
         self._entry = entry
+        self._first = True  # the first batch of an iteration carries its start-up (workers, pipeline build)
 
     def __iter__(self):
         return self
@@ -209,6 +210,7 @@ class _Timed:
             d._exhausted()
             raise
         self._entry["batches"] += 1
+        self._entry["_first"], self._first = self._first, False
         d._ready(batch, self._entry)
         return batch
 
@@ -281,9 +283,11 @@ class Doctor:
             entry = {"type": f"{type(loader).__module__}.{type(loader).__qualname__}",
                      "num_workers": workers if isinstance(workers, int) else None,
                      "pin_memory": getattr(loader, "pin_memory", None), "batches": 0,
-                     "reiterable": it is not loader, "wait_s": 0.0, "compute_s": 0.0}
+                     "reiterable": it is not loader, "wait_s": 0.0, "compute_s": 0.0, "startup_wait_s": 0.0,
+                     "iterations": 0}
             self._loaders.append(entry)
             self._loader_objs.append(loader)
+        entry["iterations"] += 1
         return _Timed(self, it, entry)
 
     def _wait_start(self) -> None:
@@ -318,6 +322,8 @@ class Doctor:
         if self._entry is not None:
             self._entry["wait_s"] += self._pending_wait
             self._entry["compute_s"] += now - self._ready_at
+            if self._entry.pop("_first", False):
+                self._entry["startup_wait_s"] += self._pending_wait
         self._ready_at = None
         self._last_end = now
 
@@ -422,9 +428,14 @@ class Doctor:
 
     @staticmethod
     def _loader_summary(e: dict) -> dict:
+        """Per loader; ``steady_wait_fraction`` leaves out each iteration's first batch (its start-up)."""
+        e = {k: v for k, v in e.items() if not k.startswith("_")}
         busy = e["wait_s"] + e["compute_s"]
+        steady = busy - e["startup_wait_s"]
         return {**e, "wait_s": round(e["wait_s"], 4), "compute_s": round(e["compute_s"], 4),
-                "wait_fraction": round(e["wait_s"] / busy, 4) if busy > 0 else 0.0}
+                "startup_wait_s": round(e["startup_wait_s"], 4),
+                "wait_fraction": round(e["wait_s"] / busy, 4) if busy > 0 else 0.0,
+                "steady_wait_fraction": round((e["wait_s"] - e["startup_wait_s"]) / steady, 4) if steady > 0 else 0.0}
 
     def _timeline(self, points: int = 200) -> dict:
         steps = self._steps
@@ -489,6 +500,10 @@ def format_report(rep: dict) -> str:
         lines.append(f"  {label:<10} {rep[name + '_s']:9.3f} s  {rep[name + '_fraction']:6.1%}")
     if rep["steps"]:
         lines.append(f"  per step (p50): wait {rep['wait_ms']['p50']:.2f} ms, compute {rep['compute_ms']['p50']:.2f} ms")
+    if len(rep["loaders"]) > 1 or any(e["startup_wait_s"] for e in rep["loaders"]):
+        for e in rep["loaders"]:
+            lines.append(f"  {e['type'].rsplit('.', 1)[-1]:<12} {e['batches']:5d} batches  wait {e['wait_fraction']:6.1%}"
+                         f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
     r = rep["rates"]
     if r.get("capacity_batches_per_s"):
         lines.append(f"  input capacity {r['capacity_batches_per_s']:.1f} batches/s alone vs model consumption "

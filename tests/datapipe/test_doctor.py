@@ -45,6 +45,24 @@ def test_wait_fraction_of_known_sleeps(tmp_path):
     assert (tmp_path / "d.png").stat().st_size > 1000  # plot next to the JSON
 
 
+def test_start_up_wait_is_reported_apart_from_the_steady_state():
+    """A loader that takes 300 ms to deliver its first batch (a pipeline build), then 5 ms per batch."""
+    def slow_start(n):
+        time.sleep(0.3)
+        for i in range(n):
+            time.sleep(0.005)
+            yield i
+
+    d = Doctor(print_report=False)
+    for _ in d.wrap(slow_start(10)):
+        time.sleep(0.02)
+    rep = d.finish()
+    (e,) = rep["loaders"]
+    assert 0.3 <= e["startup_wait_s"] < 0.5 and e["iterations"] == 1
+    assert e["wait_fraction"] > 0.5  # over everything, start-up dominates
+    assert 0.1 < e["steady_wait_fraction"] < 0.35  # after it: ~5 ms of ~25 ms per step
+
+
 def test_manual_api_and_other_time():
     d = Doctor(print_report=False)
     with d:
