@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -21,33 +21,38 @@ class _Failure:
         self.exc = exc
 
 
-def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0) -> Iterator:
+def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0,
+             handoff: Callable[[Any], None] | None = None) -> Iterator:
     """Run ``iterable`` in a background thread, ``depth`` items ahead; its exceptions re-raise here.
 
-    Closing the returned generator stops the thread and closes ``iterable`` in that thread (its
-    ``finally`` blocks run where it ran), waiting at most ``join_s`` seconds.
+    The producer may only start its next item once a slot is free, and a slot is freed after
+    ``handoff(item)`` ran in the consumer's thread: the producer's Python work then overlaps the
+    consumer's own work rather than the handoff (whose CUDA calls release the GIL, and a producer
+    woken right then would hold the consumer up). Closing the returned generator stops the thread
+    and closes ``iterable`` in that thread, waiting at most ``join_s`` seconds.
     """
-    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    slots = threading.Semaphore(max(1, depth))
     stop = threading.Event()
 
-    def put(item) -> bool:
+    def take_slot() -> bool:
         while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
+            if slots.acquire(timeout=0.1):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def work():
         it = iter(iterable)
         try:
-            for item in it:
-                if not put(item):
+            while take_slot():
+                try:
+                    item = next(it)
+                except StopIteration:
+                    q.put(_END)
                     return
-            put(_END)
+                q.put(item)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            put(_Failure(e))
+            q.put(_Failure(e))
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -62,6 +67,9 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
                 return
             if isinstance(item, _Failure):
                 raise item.exc
+            if handoff is not None:
+                handoff(item)
+            slots.release()
             yield item
     finally:
         stop.set()
@@ -95,15 +103,18 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
             if close is not None:
                 close()
 
-    items = threaded(on_stream(), depth=depth, name="datapipe-device-producer")
+    def handoff(item) -> None:  # in the consumer's thread, before the producer may go on
+        tensors, _, event = item
+        if event is not None:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(event)
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(stream)
+
+    items = threaded(on_stream(), depth=depth, name="datapipe-device-producer", handoff=handoff)
     try:
-        for tensors, meta, event in items:
-            if event is not None:
-                stream = torch.cuda.current_stream(device)
-                stream.wait_event(event)
-                for t in tensors:
-                    if t.is_cuda:
-                        t.record_stream(stream)
+        for tensors, meta, _ in items:
             yield tensors, meta
     finally:
         items.close()

@@ -89,3 +89,20 @@ def test_side_stream_work_is_finished_before_the_consumer_reads_it():
 
     for (x,), i in on_side_stream(produce(), device=device, depth=2):
         assert x.sum().item() == (i + 1) * (1 << 20)  # consumer stream waits on the producer's event
+
+
+def test_the_producer_waits_for_the_handoff_before_making_more():
+    made, handed = [], []
+
+    def gen():
+        for i in range(6):
+            made.append(i)
+            yield i
+
+    def handoff(item):
+        handed.append(item)
+        threading.Event().wait(0.05)
+        assert len(made) <= len(handed) + 1  # depth 1: at most the next item is made before a handoff ends
+
+    assert list(threaded(gen(), depth=1, handoff=handoff)) == list(range(6))
+    assert handed == list(range(6))
