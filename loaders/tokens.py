@@ -22,6 +22,13 @@ def decode_npy(data) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+def _real_tokens(batch: dict) -> int:
+    """Non-padding tokens of a host-side (numpy) batch."""
+    if "attention_mask" in batch:
+        return int(np.asarray(batch["attention_mask"]).sum())
+    return int((np.asarray(batch["document_ids"]) >= 0).sum())
+
+
 class TokenLoader:
     """Packed LLM batches from WebDataset shards of tokenised documents.
 
@@ -33,7 +40,7 @@ class TokenLoader:
     of at most ``max_tokens``), and reach ``device`` through ``DevicePrefetcher``.
 
     When torch.distributed is initialised, ranks agree each step (a one-int all-reduce on a gloo
-    group) to stop together when the first runs out, so every rank yields the same number of
+    group, started a step ahead so that it overlaps training) to stop together when the first runs out, so every rank yields the same number of
     batches; the few batches a rank drops at the end of the epoch are counted in ``stats()``.
     ``state_dict()`` is exact for the batches handed out, not the ones prefetched.
     """
@@ -117,7 +124,8 @@ class TokenLoader:
         batches = (self.batcher.batches(self._documents(), self.batch_size) if self.batching == "packed"
                    else self.batcher.batches(self._documents()))
         for batch in batches:
-            snapshot = {"stream": self.stream.state_dict(), "batcher": self.batcher.snapshot()}
+            snapshot = {"stream": self.stream.state_dict(), "batcher": self.batcher.snapshot(),
+                        "tokens": _real_tokens(batch)}  # counted on the host: no device sync later
             yield to_torch(batch), snapshot
 
     def __iter__(self) -> Iterator[dict]:
@@ -132,29 +140,43 @@ class TokenLoader:
         prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
         it = iter(prefetcher)
         start = time.perf_counter()
+
+        def fetch():
+            t0 = time.perf_counter()
+            item = next(it, None)
+            self._stats["wait_s"] += time.perf_counter() - t0
+            return item
+
+        def agree(item):  # started now, waited for one step later: its latency hides behind that step
+            flag = torch.tensor([0 if item is None else 1], dtype=torch.int32)
+            return flag, torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group,
+                                                      async_op=True)
+
         try:
+            item = fetch()
+            pending = agree(item) if group is not None else None
             while True:
-                t0 = time.perf_counter()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    item = None
-                self._stats["wait_s"] += time.perf_counter() - t0
-                if group is not None:
-                    flag = torch.tensor([0 if item is None else 1], dtype=torch.int32)
-                    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-                    if item is not None and int(flag) == 0:
+                if pending is not None:
+                    t0 = time.perf_counter()
+                    flag, work = pending
+                    work.wait()
+                    self._stats["wait_s"] += time.perf_counter() - t0
+                    if item is not None and int(flag) == 0:  # another rank ran out: stop together
                         self._stats["dropped_tail_batches"] += 1 + sum(1 for _ in it)
                         item = None
                 if item is None:
                     break
                 batch, snapshot = item
+                if group is not None:  # the next batch, and the ranks' agreement on it, while this one trains
+                    item = fetch()
+                    pending = agree(item)
                 self._delivered = {"snapshot": snapshot, "batches": self._stats["batches"] + 1}
                 self._stats["batches"] += 1
-                self._stats["tokens"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else \
-                    int((batch["document_ids"] >= 0).sum())
+                self._stats["tokens"] += snapshot["tokens"]
                 self._stats["elapsed_s"] = time.perf_counter() - start
                 yield batch
+                if group is None:
+                    item = fetch()
         finally:
             prefetcher.close()
 
