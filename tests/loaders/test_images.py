@@ -181,15 +181,6 @@ def test_dali_reader_turns_a_decode_failure_into_a_data_error(tmp_path):
     assert "shard-000000.tar" in str(e.value)
 
 
-def test_pinned_feed_batch_keeps_every_image_byte(shards):
-    from loaders.images import RawBatch, pin_batch
-
-    arrays = [np.frombuffer(bytes([i]) * (10 + i), dtype=np.uint8) for i in range(5)]
-    raw = pin_batch(RawBatch(arrays=list(arrays), labels=list(range(5))), pin=False)
-    assert [a.tobytes() for a in raw.arrays] == [a.tobytes() for a in arrays]
-    assert all(np.shares_memory(a, raw.owner.numpy()) for a in raw.arrays)  # views of one buffer
-
-
 def test_truncated_jpeg_raises_with_its_key(tmp_path):
     """A JPEG with a valid header but cut short passes the signature check and fails in DALI."""
     good = list(iter_image_samples(6, seed=9, num_classes=10, size=(96, 72)))
@@ -329,15 +320,6 @@ def test_dali_reader_resumes_exactly_mid_epoch_and_across_epochs(shards):
     assert first.tolist() != second.tolist()  # reshuffled per epoch, augmentations too
     with pytest.raises(ValueError, match="reader"):
         loader(shards, reader="stream").load_state_dict(make().state_dict())
-
-
-def test_parse_ascii_ints_fast_path_and_its_refusals():
-    from loaders.images import parse_ascii_ints
-
-    rows = np.array([[b"1"[0], b"2"[0], b"3"[0]], [b"7"[0], 0, 0], [b"0"[0], 0, 0]], dtype=np.uint8)
-    assert parse_ascii_ints(rows) == [123, 7, 0]
-    for bad in ([b"1"[0], 10, 0], [0, b"1"[0], 0], [b"-"[0], b"1"[0], 0], [0, 0, 0]):  # newline, gap, sign, empty
-        assert parse_ascii_ints(np.array([bad], dtype=np.uint8)) is None
 
 
 def test_dali_reader_labels_with_newlines_take_the_slow_path(tmp_path):

@@ -1,0 +1,180 @@
+"""Encoded images in batches, before DALI: signature check, labels, batching, pinning, worker packing.
+
+The stream reader of :class:`loaders.ImageLoader` turns ShardStream samples into :class:`RawBatch`
+es here (in a thread, or in worker processes through :class:`EncodedBatches`); DALI decodes them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from datapipe.errors import DataError
+
+log = logging.getLogger("loaders.images")
+
+# signatures of the formats DALI decodes (JPEG, PNG, BMP, TIFF, WebP, PNM, JPEG 2000)
+_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*", b"\x00\x00\x00\x0cjP  ",
+          b"\xff\x4f\xff\x51", b"P1", b"P2", b"P3", b"P4", b"P5", b"P6")
+
+
+def looks_like_image(data: bytes) -> bool:
+    """A cheap check of the file signature (catches empty, text and garbage entries before DALI sees them)."""
+    if len(data) < 16:
+        return False
+    head = bytes(data[:16])  # data may be a zero-copy memoryview
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return True
+    return head.startswith(_MAGIC)
+
+
+def parse_label(data: bytes) -> int:
+    """webdataset's ``cls`` convention: an ASCII integer."""
+    return int(data.decode("ascii").strip())
+
+
+def parse_ascii_ints(rows: np.ndarray) -> list[int] | None:
+    """Rows of zero-padded ASCII digits (``b"123\\0\\0"``) as ints; None when a row is anything else."""
+    if rows.ndim != 2 or rows.shape[1] == 0 or rows.shape[1] > 18:
+        return None
+    digits = (rows >= 48) & (rows <= 57)
+    lengths = digits.sum(axis=1)
+    # every row: one or more digits first, then only padding (no sign, spaces or newline: the slow path)
+    if not (lengths > 0).all() or not (digits == (np.arange(rows.shape[1]) < lengths[:, None])).all():
+        return None
+    if (rows[~digits] != 0).any():
+        return None
+    power = lengths[:, None] - 1 - np.arange(rows.shape[1])
+    values = np.where(digits, (rows.astype(np.int64) - 48) * 10 ** np.clip(power, 0, None), 0).sum(axis=1)
+    return values.tolist()
+
+
+@dataclass
+class RawBatch:
+    """Encoded images of one batch plus what the loader needs to finish it."""
+
+    arrays: list[np.ndarray] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+    state: dict | None = None  # ShardStream state after this batch's last sample
+    owner: Any = None  # what the arrays are views of (read_workers > 0), kept alive with them
+
+
+def iter_raw_batches(
+    samples: Iterator[dict],
+    *,
+    batch_size: int,
+    drop_last: bool,
+    image_exts: Sequence[str],
+    label_key: str,
+    label_decoder: Callable[[bytes], int],
+    on_error: str,
+    stats: dict,
+    state_fn: Callable[[], dict] | None = None,
+) -> Iterator[RawBatch]:
+    """Group samples into batches of encoded images + int labels; bad samples raise or are skipped per ``on_error``."""
+    batch = RawBatch()
+    for sample in samples:
+        key, url = sample.get("__key__"), sample.get("__url__")
+        try:
+            data = next((sample[e] for e in image_exts if e in sample), None)
+            if data is None:
+                raise DataError(f"sample has no image entry ({'/'.join(image_exts)}); it has {sorted(sample)}",
+                                url=url, key=key)
+            if not looks_like_image(data):
+                raise DataError("image entry is not an image (unknown or missing file signature)", url=url, key=key)
+            if label_key not in sample:
+                raise DataError(f"sample has no {label_key!r} entry", url=url, key=key)
+            try:
+                value = sample[label_key]
+                label = int(label_decoder(bytes(value) if isinstance(value, memoryview) else value))
+            except Exception as e:
+                raise DataError(f"cannot decode label {label_key!r}: {e}", url=url, key=key) from e
+        except DataError as e:
+            handle_bad(e, on_error, stats)
+            continue
+        batch.arrays.append(np.frombuffer(data, dtype=np.uint8))
+        batch.labels.append(label)
+        batch.keys.append(key)
+        batch.urls.append(url)
+        if len(batch.arrays) == batch_size:
+            batch.state = state_fn() if state_fn else None
+            yield batch
+            batch = RawBatch()
+    if batch.arrays and not drop_last:
+        batch.state = state_fn() if state_fn else None
+        yield batch
+
+
+def handle_bad(err: DataError, on_error: str, stats: dict) -> None:
+    if on_error == "raise":
+        raise err
+    stats["skipped"] += 1
+    stats["last_errors"] = (stats["last_errors"] + [str(err)])[-10:]
+    if on_error == "warn":
+        log.warning("skipped: %s", err)
+
+
+def pin_batch(raw: RawBatch, pin: bool = True) -> RawBatch:
+    """The batch's encoded images copied into one pinned host buffer (DMA-able by the decoder).
+
+    The buffer comes from torch's caching host allocator and lives as long as the batch
+    (``owner``), which the loader keeps until DALI has returned that batch's output.
+    """
+    sizes = [len(a) for a in raw.arrays]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    view = buffer.numpy()
+    offset, arrays = 0, []
+    for a, n in zip(raw.arrays, sizes):
+        view[offset:offset + n] = a
+        arrays.append(view[offset:offset + n])
+        offset += n
+    raw.arrays, raw.owner = arrays, buffer
+    return raw
+
+
+def keep(item):
+    """collate_fn of the reader workers' loader: batches are made in the workers."""
+    return item
+
+
+class EncodedBatches(torch.utils.data.IterableDataset):
+    """ShardStream samples grouped into raw batches packed as tensors, for reader worker processes.
+
+    Follows ShardStream's worker-state protocol (loaders.DataLoader resumes it exactly).
+    """
+
+    def __init__(self, stream, **batching):
+        self.stream = stream
+        self.batching = batching
+
+    def set_epoch(self, epoch: int) -> None:
+        self.stream.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+    def __iter__(self):
+        stats = {"skipped": 0, "last_errors": []}
+        reported = 0
+        for raw in iter_raw_batches(iter(self.stream), stats=stats, **self.batching):
+            stats["skipped"] += self.stream.stats()["skipped"] - stats.get("stream_skipped", 0)
+            stats["stream_skipped"] = self.stream.stats()["skipped"]
+            sizes = [len(a) for a in raw.arrays]
+            offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=offsets[1:])
+            data = torch.empty(int(offsets[-1]), dtype=torch.uint8)
+            view = data.numpy()
+            for a, start, end in zip(raw.arrays, offsets[:-1], offsets[1:]):
+                view[start:end] = a
+            errors = stats["last_errors"][-(stats["skipped"] - reported):] if stats["skipped"] > reported else []
+            yield {"data": data, "offsets": torch.from_numpy(offsets), "labels": torch.tensor(raw.labels),
+                   "keys": raw.keys, "urls": raw.urls, "skipped": stats["skipped"] - reported, "errors": errors}
+            reported = stats["skipped"]
