@@ -20,6 +20,27 @@ REMOTE_BLOCK = 8 << 20
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError, ValueError)
 
 
+def is_permanent(e: BaseException) -> bool:
+    """A failure retrying cannot fix (missing file, no permission, bad argument).
+
+    fsspec's HTTP filesystem reports any failed metadata request as FileNotFoundError, a 503 or a
+    reset included: such an error caused by a server error (5xx, 429) or a connection problem is
+    transient.
+    """
+    if not isinstance(e, _PERMANENT):
+        return False
+    cause, seen = e.__cause__ or e.__context__, 0
+    while cause is not None and seen < 10:
+        status = getattr(cause, "status", None)
+        if isinstance(status, int) and (status >= 500 or status == 429):
+            return False
+        if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__ in (
+                "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError"):
+            return False
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return True
+
+
 DEFAULT_TIMEOUT = 60.0
 _SECRET_OPTION = ("key", "secret", "token", "password", "passwd", "auth", "credential", "signature", "session")
 
@@ -116,9 +137,9 @@ def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_back
     while True:
         try:
             return fn()
-        except _PERMANENT:
-            raise
         except Exception as e:
+            if is_permanent(e):
+                raise
             failures += 1
             text, cause = describe(e, secrets_of(url, storage_options))
             if failures > retries:
@@ -174,10 +195,10 @@ class RetryingFile:
                 if failures:
                     self._open()  # reopen at ``pos`` after a failure
                 return fn(*args)
-            except _PERMANENT as e:
-                text, cause = describe(e, self._secrets)
-                raise DataError(f"cannot read shard: {text}", url=redact_url(self.url)) from cause
             except Exception as e:  # transient: network errors, 5xx, timeouts, truncated bodies
+                if is_permanent(e):
+                    text, cause = describe(e, self._secrets)
+                    raise DataError(f"cannot read shard: {text}", url=redact_url(self.url)) from cause
                 failures += 1
                 self.retried += 1
                 text, cause = describe(e, self._secrets)

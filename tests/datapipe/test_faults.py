@@ -45,6 +45,20 @@ def test_http_fault_is_retried_and_every_sample_comes_once(web, fault):
     assert stream.stats()["retries"] >= 1
 
 
+@pytest.mark.timeout(30)
+def test_http_503_on_the_first_request_of_a_shard_is_retried(web):
+    """fsspec asks for the size first and reports a 503 there as FileNotFoundError: still transient."""
+    remote, samples, faults = web
+    stream = ShardStream(remote, **FAST)
+    stream.counts
+    got = []
+    for url in remote:
+        faults.errors_5xx = 2  # the next requests: the first ones for this shard
+        got += [strip(s) for s in ShardStream([url], **FAST)]
+        assert faults.errors_5xx == 0, "the fault was injected"
+    assert got == [strip(s) for s in samples]
+
+
 @pytest.mark.timeout(60)
 def test_http_faults_with_dataloader_workers_and_shuffle(web):
     remote, samples, faults = web
