@@ -167,14 +167,13 @@ def dali_handwritten(urls, args):
 
 
 # ---- (d): ImageLoader ---------------------------------------------------------------------------
-def image_loader(urls, args, reader="auto", read_workers=0, depth=2, hw_decoder_load=None, pinned_feed=False):
+def image_loader(urls, args, reader="auto", read_workers=0, depth=2, hw_decoder_load=None):
     from loaders import ImageLoader
 
     hw = args.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
     return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
                        device=args.device, num_threads=args.dali_threads, hw_decoder_load=hw,
-                       reader=reader, index_dir=None, read_workers=read_workers, prefetch_queue_depth=depth,
-                       pinned_feed=pinned_feed)
+                       reader=reader, index_dir=None, read_workers=read_workers, prefetch_queue_depth=depth)
 
 
 LAST_LOADER: list = []  # the loader behind the last endless() (its stats() split the time in next())
@@ -304,8 +303,6 @@ def main(argv=None) -> int:
                    lambda: endless(lambda: image_loader(urls, args, "stream", depth=4))),
         "d_dali_deep": ("loaders.ImageLoader (reader=dali, prefetch_queue_depth=4)",
                         lambda: endless(lambda: image_loader(urls, args, "dali", depth=4))),
-        "d_pinned": ("loaders.ImageLoader (reader=stream, pinned_feed=True)",
-                     lambda: endless(lambda: image_loader(urls, args, "stream", pinned_feed=True))),
         "d_hw": ("loaders.ImageLoader (reader=stream, hw_decoder_load=1.0)",
                  lambda: endless(lambda: image_loader(urls, args, "stream", hw_decoder_load=1.0))),
         "d_workers": (f"loaders.ImageLoader (reader=stream, read_workers={args.read_workers})",

@@ -119,24 +119,6 @@ def handle_bad(err: DataError, on_error: str, stats: dict) -> None:
         log.warning("skipped: %s", err)
 
 
-def pin_batch(raw: RawBatch, pin: bool = True) -> RawBatch:
-    """The batch's encoded images copied into one pinned host buffer (DMA-able by the decoder).
-
-    The buffer comes from torch's caching host allocator and lives as long as the batch
-    (``owner``), which the loader keeps until DALI has returned that batch's output.
-    """
-    sizes = [len(a) for a in raw.arrays]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
-    view = buffer.numpy()
-    offset, arrays = 0, []
-    for a, n in zip(raw.arrays, sizes):
-        view[offset:offset + n] = a
-        arrays.append(view[offset:offset + n])
-        offset += n
-    raw.arrays, raw.owner = arrays, buffer
-    return raw
-
-
 def keep(item):
     """collate_fn of the reader workers' loader: batches are made in the workers."""
     return item

@@ -27,7 +27,7 @@ import torch
 from datapipe.errors import DataError
 from loaders.background import on_side_stream, started, threaded
 from loaders.encoded import EncodedBatches, RawBatch, handle_bad, iter_raw_batches, keep, parse_label, \
-    parse_ascii_ints, pin_batch
+    parse_ascii_ints
 
 log = logging.getLogger("loaders.images")
 
@@ -124,8 +124,7 @@ class ImageLoader:
     (the consumer's time in ``next()``) and the producer's ``read`` (waiting for the stream
     reader), ``dali`` (waiting for DALI's outputs), ``copy`` (into torch tensors).
 
-    ``pinned_feed=True`` (stream reader, CUDA) copies each batch's encoded images into pinned host
-    memory before DALI gets them. ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
+    ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
     hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
     partial last batch.
     """
@@ -153,7 +152,6 @@ class ImageLoader:
         image_key: str = "jpg;jpeg;png",
         num_threads: int | None = None,
         read_workers: int = 0,
-        pinned_feed: bool = False,
         prefetch_queue_depth: int = 2,
         hw_decoder_load: float = 0.75,
         drop_last: bool | None = None,
@@ -204,7 +202,6 @@ class ImageLoader:
         if read_workers < 0:
             raise ValueError(f"read_workers must be >= 0, got {read_workers}")
         self.read_workers = int(read_workers)
-        self.pinned_feed = bool(pinned_feed) and device.type == "cuda"
         self._reader_loader = None  # the worker processes' loader (read_workers > 0)
         self._reader_resume: dict | None = None
         self.prefetch_queue_depth = int(prefetch_queue_depth)
@@ -243,8 +240,7 @@ class ImageLoader:
         if reader == "dali" and not dali_ok:
             raise ValueError("reader='dali' needs local shards and on_error='raise'; use reader='stream'")
         if reader == "auto":  # DALI's reader: faster and less GIL work than feeding DALI from Python (README)
-            plain = not (self.label_key.startswith("__") or self.read_workers or self.pinned_feed
-                         or self._stream_options)
+            plain = not (self.label_key.startswith("__") or self.read_workers or self._stream_options)
             return "dali" if dali_ok and plain else "stream"
         return reader
 
@@ -367,8 +363,6 @@ class ImageLoader:
                                image_exts=self.image_exts, label_key=self.label_key,
                                label_decoder=self.label_decoder, on_error=self.on_error, stats=self._stats,
                                state_fn=self.stream.state_dict)
-        if self.pinned_feed:
-            raw = map(pin_batch, raw)
         return threaded(raw, depth=self.prefetch_queue_depth + 1, name="ImageLoader-reader")
 
     def _iter_stream(self, raw_batches) -> Iterator:

@@ -1,13 +1,6 @@
 import numpy as np
 
-from loaders.encoded import RawBatch, iter_raw_batches, looks_like_image, parse_ascii_ints, pin_batch
-
-
-def test_pinned_feed_batch_keeps_every_image_byte():
-    arrays = [np.frombuffer(bytes([i]) * (10 + i), dtype=np.uint8) for i in range(5)]
-    raw = pin_batch(RawBatch(arrays=list(arrays), labels=list(range(5))), pin=False)
-    assert [a.tobytes() for a in raw.arrays] == [a.tobytes() for a in arrays]
-    assert all(np.shares_memory(a, raw.owner.numpy()) for a in raw.arrays)  # views of one buffer
+from loaders.encoded import iter_raw_batches, looks_like_image, parse_ascii_ints
 
 
 def test_parse_ascii_ints_fast_path_and_its_refusals():
