@@ -30,14 +30,10 @@ def model_for(device: torch.device) -> nn.Module:
 
 
 def torch_loader(urls: list[str], size: int, batch_size: int, workers: int, cuda: bool):
-    import webdataset as wds
+    from bench.images import pil_webdataset
 
-    from bench.images import PilTrainTransform
-
-    ds = (wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.single_node_only, empty_check=False)
-          .shuffle(1000).decode("pil").to_tuple("jpg", "cls").map_tuple(PilTrainTransform(size), int))
-    return torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers, pin_memory=cuda,
-                                       drop_last=True)
+    return torch.utils.data.DataLoader(pil_webdataset(urls, size), batch_size=batch_size, num_workers=workers,
+                                       pin_memory=cuda, drop_last=True)
 
 
 def main(argv=None) -> int:

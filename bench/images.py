@@ -91,7 +91,8 @@ class PilTrainTransform:
         return torch.from_numpy(a.transpose(2, 0, 1).astype(np.float32))
 
 
-def _wds_dataset(urls, image_size, *, batch_size=None):
+def pil_webdataset(urls, image_size, *, batch_size=None):
+    """The baselines' pipeline: shard shuffle, a 1000-sample buffer, PIL decode, torchvision train transform."""
     import webdataset as wds
 
     ds = (wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.single_node_only, empty_check=False)
@@ -102,7 +103,7 @@ def _wds_dataset(urls, image_size, *, batch_size=None):
 
 
 def torch_dataloader(urls, args):
-    ds = _wds_dataset(urls, args.image_size)
+    ds = pil_webdataset(urls, args.image_size)
     return torch.utils.data.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers,
                                        pin_memory=args.device == "cuda", drop_last=True, persistent_workers=False,
                                        prefetch_factor=2 if args.workers else None)
@@ -111,7 +112,7 @@ def torch_dataloader(urls, args):
 def web_loader(urls, args):
     import webdataset as wds
 
-    ds = _wds_dataset(urls, args.image_size, batch_size=args.batch_size)
+    ds = pil_webdataset(urls, args.image_size, batch_size=args.batch_size)
     return wds.WebLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=args.device == "cuda",
                          prefetch_factor=2 if args.workers else None)
 

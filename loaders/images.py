@@ -118,11 +118,11 @@ class ImageLoader:
     it measured faster and with far less Python work per batch (README). Both resume exactly
     (``state_dict``; for DALI's reader a pipeline checkpoint of reader positions and random states).
     Both readers keep one DALI pipeline for all epochs (building one takes seconds), driven by a
-    producer thread ``prefetch_queue_depth`` finished batches ahead: on CUDA it copies DALI's
-    outputs into torch tensors on a side stream and hands them over with an event, so the
+    producer thread ``prefetch_queue_depth`` finished batches ahead: on CUDA it shares DALI's
+    outputs with torch (DLPack) on a side stream and hands them over with an event, so the
     training thread's ``next()`` only takes a batch off a queue. ``stats()["seconds"]``: ``wait``
     (the consumer's time in ``next()``) and the producer's ``read`` (waiting for the stream
-    reader), ``dali`` (waiting for DALI's outputs), ``copy`` (into torch tensors).
+    reader), ``dali`` (waiting for DALI's outputs), ``copy`` (outputs to torch tensors, labels).
 
     ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
     hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
@@ -284,7 +284,7 @@ class ImageLoader:
         stream = self._delivered if self._delivered is not None else self.stream.state_dict()
         state = {"epoch": self.epoch, "reader": self.reader, "stream": stream, "batches": self._stats["batches"]}
         if self.reader == "dali":
-            state["dali"] = self._dali_state()
+            state["dali"] = self._dali_handed  # a pipeline checkpoint + batches of this epoch handed out
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -330,7 +330,7 @@ class ImageLoader:
         return self._handout(produce)
 
     def _handout(self, produce) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches made ahead in a producer thread (DALI driven, outputs copied on a side stream).
+        """Batches made ahead in a producer thread (DALI driven, on a side stream).
 
         The training thread's ``next()`` only takes a finished batch off a queue; counters and the
         resume position advance here, when a batch is handed out, not when it is made.
@@ -384,7 +384,7 @@ class ImageLoader:
             while True:
                 t0, read0 = time.perf_counter(), seconds["read"]
                 try:
-                    outputs = pipe.run(stream) if stream is not None else pipe.run()
+                    outputs = pipe.run(stream)
                 except StopIteration:
                     break
                 except RuntimeError as e:
@@ -483,7 +483,7 @@ class ImageLoader:
         good, keep = [], RawBatch(state=raw.state)
         for arr, label, key, url in zip(raw.arrays, raw.labels, raw.keys, raw.urls):
             try:
-                (out,) = self._probe.run(stream, jpegs=[arr]) if stream is not None else self._probe.run(jpegs=[arr])
+                (out,) = self._probe.run(stream, jpegs=[arr])
             except RuntimeError as e:
                 self._stats["decode_errors"] += 1
                 msg = str(e).strip().splitlines()
@@ -541,10 +541,6 @@ class ImageLoader:
                 raise DataError(f"cannot decode label {self.label_key!r}: {e}", key=f"#{i}") from e
         return labels
 
-    def _dali_state(self) -> dict | None:
-        """Where the DALI reader stands: a pipeline checkpoint plus the batches of this epoch handed out."""
-        return self._dali_handed
-
     @staticmethod
     def _checkpoint(pipe, batch: int) -> dict:
         """(Producer thread) the DALI pipeline's state after its last ``outputs()`` (~0.2 ms)."""
@@ -597,7 +593,7 @@ class ImageLoader:
         for _ in range(first, steps):
             t0 = time.perf_counter()
             try:
-                images_tl, labels_tl = pipe.run(stream) if stream is not None else pipe.run()
+                images_tl, labels_tl = pipe.run(stream)
             except RuntimeError as e:
                 self._dali_pipe = None  # a failed pipeline is not valid any more
                 raise _reader_error(e, paths, self._dali_batch) from e
@@ -612,7 +608,7 @@ class ImageLoader:
             state = {}
             if self._dali_batch == steps:  # drop_last: the partial batch DALI still holds
                 for _ in range(dali_steps - steps):
-                    pipe.run(stream) if stream is not None else pipe.run()
+                    pipe.run(stream)
                 state["stream"] = {**self.stream.state_dict(), "workers": {0: {"draws": per_rank, "done": True}}}
             state["dali"] = self._checkpoint(pipe, self._dali_batch)
             yield self._prepare(images, labels), state

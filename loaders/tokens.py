@@ -40,8 +40,9 @@ class TokenLoader:
     of at most ``max_tokens``), and reach ``device`` through ``DevicePrefetcher``.
 
     When torch.distributed is initialised, ranks agree each step (a one-int all-reduce on a gloo
-    group, started a step ahead so that it overlaps training) to stop together when the first runs out, so every rank yields the same number of
-    batches; the few batches a rank drops at the end of the epoch are counted in ``stats()``.
+    group, started a step ahead so that it overlaps training) to stop together when the first runs
+    out, so every rank yields the same number of batches; the few batches a rank drops at the end
+    of the epoch are counted in ``stats()``.
     ``state_dict()`` is exact for the batches handed out, not the ones prefetched.
     """
 
