@@ -38,7 +38,7 @@ import math
 import statistics
 import time
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -50,6 +50,7 @@ from datapipe.prefetch import DevicePrefetcher, map_tensors, resolve_device
 __all__ = ["DataLoader"]
 
 _END = object()
+_T_co = TypeVar("_T_co", covariant=True)
 
 
 class _WorkerMeta:
@@ -252,7 +253,7 @@ class _LoaderIterator:
         return len(self._loader)
 
 
-class DataLoader(tud.DataLoader):
+class DataLoader(tud.DataLoader[_T_co]):
     """``torch.utils.data.DataLoader`` plus ``device=`` prefetch, resumable state, stats, autotune.
 
     Positional and keyword arguments are torch's; ours are keyword-only: ``device``,
