@@ -1,18 +1,22 @@
-"""Drop-in ``torch.utils.data.DataLoader`` with device prefetch, exact mid-epoch resume, stats, autotune.
+"""``torch.utils.data.DataLoader`` subclass with device prefetch, exact mid-epoch resume, stats, autotune.
 
-``DataLoader(dataset, batch_size, shuffle=..., num_workers=..., device="cuda")`` builds a torch
-DataLoader per epoch (cached while the worker count is unchanged) and, with ``device=``, feeds its
-batches through :class:`datapipe.DevicePrefetcher`. With ``device=None`` and no autotune it returns
-exactly the batches torch returns for the same arguments and
-``generator=torch.Generator().manual_seed(seed + epoch)``.
+``DataLoader`` *is* a torch DataLoader (same signature, attributes, assign-after-init rules and
+iterators: torch's own ``_get_iterator`` runs the sampler and the workers), with layers on top:
+``device=`` feeds batches through :class:`datapipe.DevicePrefetcher`; ``state_dict()`` /
+``load_state_dict()``; ``stats()``; ``num_workers="auto"``. With ``device=None`` it returns exactly
+the batches torch returns for the same arguments and the same RNG state.
+
+Seeding: like torch, without ``generator=`` the shuffle order and the workers' base seed come from
+torch's global RNG (so ``torch.manual_seed`` changes them and every pass differs). ``seed=s``
+instead re-seeds a private generator with ``s + epoch`` at every pass.
 
 Resume (``state_dict()`` / ``load_state_dict()``):
 
-- map-style: the epoch's sampler order is regenerated (same seed, or the saved generator state when
-  you pass ``generator=``) and the consumed batches are skipped in the batch sampler, never loaded.
-  A sampler that draws from torch's global RNG (e.g. ``RandomSampler(ds)`` without a generator)
-  cannot be regenerated. Per-sample randomness inside workers is not replayed: after a resume
-  batch ``n`` runs on worker 0, not on worker ``n % num_workers``.
+- map-style: the global RNG states that torch drew the pass's seeds from (or the generator's
+  state) are recorded, so the resumed pass regenerates the same sampler order; the consumed
+  batches are skipped in the index sampler, never loaded. ``sampler.epoch`` (e.g. a
+  ``DistributedSampler``'s) is recorded and restored. Per-sample randomness inside workers is not
+  replayed: after a resume batch ``n`` runs on worker 0, not on worker ``n % num_workers``.
 - iterable datasets with the worker-state protocol (``state_dict()`` / ``load_state_dict()`` on
   the dataset): each batch carries ``(worker_id, dataset.state_dict())`` out of the worker; the
   loader merges them into ``{"epoch", "num_workers", "workers": {...}, "first_worker": k}``, which
@@ -22,16 +26,22 @@ Resume (``state_dict()`` / ``load_state_dict()``):
   worker's stream. Not exact with ``in_order=False``.
 - other iterable datasets: the consumed batches are produced again and dropped (exact only for a
   dataset that replays the same stream for the same epoch and worker count).
+
+Epochs: a finished pass advances the loader's epoch; a dataset with ``set_epoch`` (``ShardStream``)
+is told the new epoch before the next pass unless someone else changed its ``epoch`` meanwhile.
+Samplers are left alone, as torch does (call ``sampler.set_epoch`` yourself, or ``dl.set_epoch``).
 """
 from __future__ import annotations
 
-import math
 import gc
+import math
 import statistics
 import time
-from typing import Any
+import weakref
+from typing import Any, TypeVar
 
 import torch
+import torch.utils.data as tud
 from torch.utils.data import IterableDataset, get_worker_info
 
 from datapipe import autotune
@@ -39,25 +49,8 @@ from datapipe.prefetch import DevicePrefetcher, map_tensors, resolve_device
 
 __all__ = ["DataLoader"]
 
-_MP_ONLY = ("prefetch_factor", "persistent_workers", "multiprocessing_context")
-
-
-class _SkipBatchSampler:
-    """Batch sampler wrapper that drops the first ``skip`` index lists without loading them."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.skip = 0
-
-    def __iter__(self):
-        it = iter(self.inner)
-        for _ in range(self.skip):
-            if next(it, None) is None:
-                return
-        yield from it
-
-    def __len__(self) -> int:
-        return len(self.inner)
+_END = object()
+_T_co = TypeVar("_T_co", covariant=True)
 
 
 class _WorkerMeta:
@@ -68,6 +61,15 @@ class _WorkerMeta:
     def __init__(self, worker_id: int, state: dict):
         self.worker_id = worker_id
         self.state = state
+
+
+class _Failed:
+    """A batch whose production raised: travels in place of the batch, re-raised by ``next()``."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
 
 
 class _StatefulCollate:
@@ -88,8 +90,53 @@ class _StatefulCollate:
         return batch, _WorkerMeta(info.id, info.dataset.state_dict())
 
 
+class _Plan:
+    """How the next ``iter()`` of the index sampler runs: batches to skip, RNG state to replay."""
+
+    __slots__ = ("skip", "replay", "progress")
+
+    def __init__(self, skip=0, replay=None, progress=None):
+        self.skip, self.replay, self.progress = skip, replay, progress
+
+
+class _IndexSampler:
+    """The loader's ``_index_sampler``: torch's, skipping consumed batches and recording/replaying
+    the global RNG state of its first draw (where ``RandomSampler`` draws its seed)."""
+
+    def __init__(self, loader: DataLoader, inner):
+        self._loader = weakref.ref(loader)
+        self.inner = inner
+
+    def __iter__(self):
+        loader = self._loader()  # torch may call iter() twice while making one iterator
+        plan = loader._plan if loader is not None else _Plan()
+        return self._run(iter(self.inner), plan)
+
+    @staticmethod
+    def _run(it, plan: _Plan):
+        if plan.replay is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(plan.replay)
+                first = next(it, _END)
+        else:
+            if plan.progress is not None:
+                plan.progress.sampler_rng = torch.get_rng_state()
+            first = next(it, _END)
+        if first is _END:
+            return
+        if plan.skip == 0:
+            yield first
+        for _ in range(plan.skip - 1):
+            if next(it, _END) is _END:
+                return
+        yield from it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
 class _Progress:
-    """Position and timing of one epoch's iteration (mutated by the consumer-side iterator)."""
+    """Position and timing of one pass (mutated by the consumer-side iterator)."""
 
     def __init__(self, epoch: int, batches: int, num_workers: int):
         self.epoch = epoch
@@ -110,6 +157,10 @@ class _Progress:
         self.consume_n = 0
         self.finished = False
         self.generator_state = None
+        self.rng_state = None  # global RNG before the torch iterator was made (base seed)
+        self.sampler_rng = None  # global RNG before the sampler's first draw
+        self.sampler_epoch = None
+        self.base_seed = None
 
 
 class _EpochSource:
@@ -161,7 +212,7 @@ class _LoaderIterator:
             p.finished = True
             self._loader._finish_epoch(p)
             raise
-        except BaseException:
+        except BaseException:  # the stream itself broke (not one batch): the pass is over
             p.wait_s += time.perf_counter() - t0
             p.ended = time.perf_counter()
             p.finished = True
@@ -169,6 +220,15 @@ class _LoaderIterator:
             raise
         p.wait_s += time.perf_counter() - t0
         p.batches += 1
+        self._last = time.perf_counter()
+        if isinstance(meta, _Failed):  # like torch: this batch raises, the pass goes on
+            # unlink: the prefetch thread may still hold this _Failed, and the exception's traceback
+            # holds the consumer's frames (a cycle through a live thread is never collected)
+            exc, meta.exc, meta = meta.exc, None, None
+            try:
+                raise exc
+            finally:
+                exc = None  # no frame <-> traceback cycle: dropping the exception frees the iterator
         p.yielded += 1
         p.samples += self._loader._count(batch)
         if p.yielded == 1:
@@ -181,11 +241,10 @@ class _LoaderIterator:
             p.workers.update(state.get("workers", {}))
             logical = (meta.worker_id + p.first_worker) % n
             p.next_worker = (logical + 1) % n
-        self._last = time.perf_counter()
         return batch
 
     def close(self) -> None:
-        """Stop prefetching and shut the workers of this iteration down."""
+        """Stop prefetching and shut the (non-persistent) workers of this iteration down."""
         close = getattr(self._it, "close", None)
         if close is not None:
             close()
@@ -194,177 +253,174 @@ class _LoaderIterator:
         return len(self._loader)
 
 
-class DataLoader:
+class DataLoader(tud.DataLoader[_T_co]):
     """``torch.utils.data.DataLoader`` plus ``device=`` prefetch, resumable state, stats, autotune.
 
+    Positional and keyword arguments are torch's; ours are keyword-only: ``device``,
+    ``prefetch_depth``, ``seed`` (``None``: torch's seeding) and ``max_workers``.
     ``num_workers="auto"`` and ``prefetch_depth="auto"`` are chosen from measured rates (see
     :mod:`datapipe.autotune`): a map-style dataset serves its first batches from the main process
     while timing production and the consumer, then continues (same order) with the chosen worker
     count; an iterable dataset starts at the CPU/memory bound. Both grow at epoch boundaries
-    while the consumer keeps waiting. ``max_workers`` caps the choice. Every other keyword goes
-    to torch's DataLoader unchanged.
+    while the consumer keeps waiting. ``max_workers`` caps the choice. ``num_workers`` holds the
+    worker count in use.
     """
 
-    def __init__(self, dataset, batch_size: int | None = 1, *, shuffle: bool | None = False,
-                 num_workers: int | str = 0, collate_fn=None, drop_last: bool = False,
+    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
+                 batch_sampler=None, num_workers: int | str = 0, collate_fn=None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True,
                  device: str | torch.device | int | None = None, prefetch_depth: int | str = 2,
-                 seed: int = 0, max_workers: int | None = None, **torch_kwargs):
-        if num_workers != "auto" and (not isinstance(num_workers, int) or isinstance(num_workers, bool)
-                                      or num_workers < 0):
+                 seed: int | None = None, max_workers: int | None = None):
+        auto = num_workers == "auto"
+        if not auto and (not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0):
             raise ValueError(f"num_workers={num_workers!r}: pass an int >= 0 or 'auto'")
         if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int)
                                          or isinstance(prefetch_depth, bool) or prefetch_depth < 1):
             raise ValueError(f"prefetch_depth={prefetch_depth!r}: pass an int >= 1 or 'auto'")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed={seed!r}: pass an int")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed={seed!r}: pass an int or None (torch's global RNG)")
         if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 1):
             raise ValueError(f"max_workers={max_workers!r}: pass an int >= 1 or None")
-        self.device = None if device is None else resolve_device(device)
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.num_workers = num_workers
+        dev = None if device is None else resolve_device(device)
+        if dev is not None and dev.type == "cuda":
+            # torch's pin-memory thread pins (from its caching host allocator, like torch's own
+            # loader); the prefetcher then copies the pinned tensors on its side stream
+            pin_memory = True
+        if seed is not None and generator is None:
+            generator = torch.Generator().manual_seed(seed)
+        # "auto": torch validates the multiprocessing options against one worker; the count in use
+        # is set below (0 while a map-style dataset is being timed)
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, 1 if auto else num_workers,
+                         collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context,
+                         generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        self.device = dev
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
-        self.drop_last = drop_last
-        self._user_generator = torch_kwargs.pop("generator", None)
-        self._generator = self._user_generator if self._user_generator is not None else torch.Generator()
-        self._kwargs = dict(torch_kwargs)
-        if self.device is not None and self.device.type == "cuda":
-            # torch's pin-memory thread pins (from its caching host allocator, like torch's own
-            # loader); the prefetcher then copies the pinned tensors on its side stream
-            self._kwargs["pin_memory"] = True
-        check_workers = 1 if num_workers == "auto" else num_workers
-        # torch validates the arguments and resolves sampler / batch sampler / collate for us.
-        self._plain = torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, shuffle=shuffle, num_workers=check_workers,
-            collate_fn=collate_fn, drop_last=drop_last, generator=self._generator, **torch_kwargs)
-        self.sampler = self._plain.sampler
-        self.batch_sampler = self._plain.batch_sampler
-        self.collate_fn = self._plain.collate_fn
+        self._auto_workers_mode = auto
         self._iterable = isinstance(dataset, IterableDataset)
         self._protocol = self._iterable and callable(getattr(dataset, "state_dict", None)) \
             and callable(getattr(dataset, "load_state_dict", None))
-        self._auto_collation = self._plain._auto_collation
-        self._skipper = None
-        if not self._iterable:
-            self._skipper = _SkipBatchSampler(self.batch_sampler if self._auto_collation else self.sampler)
-        self._torch_loaders: dict[int, torch.utils.data.DataLoader] = {}
+        self._plan = _Plan()
+        self._index_wrapper: _IndexSampler | None = None
         self._epoch = 0
+        self._tell_dataset = False  # the epoch moved on: tell the dataset before the next pass
+        self._ds_epoch_seen = None
         self._pending: dict | None = None
         self._progress: _Progress | None = None
-        self._active: _LoaderIterator | None = None
+        self._active = None  # weakref to the latest _LoaderIterator
         self._prefetcher: DevicePrefetcher | None = None
         self._source = _EpochSource()
         self._auto: dict = {"num_workers": None, "prefetch_depth": None, "history": []}
-        self._auto_workers: int | None = None if num_workers == "auto" else num_workers
+        self._auto_workers: int | None = None if auto else num_workers
+        self.num_workers = self._auto_workers or 0
         self._depth = 2 if prefetch_depth == "auto" else prefetch_depth
         self._depth_hi = 8
 
-    # ---- torch loaders ---------------------------------------------------------------------
-    def _torch_loader(self, workers: int) -> torch.utils.data.DataLoader:
-        tl = self._torch_loaders.get(workers)
-        if tl is not None:
-            return tl
-        kw = dict(self._kwargs)
-        if workers == 0:
-            for k in _MP_ONLY:
-                kw.pop(k, None)
-        kw.pop("sampler", None)
-        kw.pop("batch_sampler", None)
+    # ---- torch hooks -------------------------------------------------------------------------
+    @property
+    def _index_sampler(self):
+        inner = super()._index_sampler
         if self._iterable:
-            collate = _StatefulCollate(self.collate_fn, self.dataset) if self._protocol else self.collate_fn
-            tl = torch.utils.data.DataLoader(
-                self.dataset, batch_size=self.batch_size, num_workers=workers, collate_fn=collate,
-                drop_last=self.drop_last, generator=self._generator, **kw)
-        elif self._auto_collation:
-            tl = torch.utils.data.DataLoader(
-                self.dataset, batch_sampler=self._skipper, num_workers=workers,
-                collate_fn=self.collate_fn, generator=self._generator, **kw)
-        else:
-            tl = torch.utils.data.DataLoader(
-                self.dataset, batch_size=None, sampler=self._skipper, num_workers=workers,
-                collate_fn=self.collate_fn, generator=self._generator, **kw)
-        self._torch_loaders[workers] = tl
-        return tl
+            return inner
+        w = self._index_wrapper
+        if w is None or w.inner is not inner:
+            w = self._index_wrapper = _IndexSampler(self, inner)
+        return w
 
-    def _drop_torch_loader(self, workers: int) -> None:
-        tl = self._torch_loaders.pop(workers, None)
-        if tl is not None and getattr(tl, "_iterator", None) is not None:
-            _shutdown(tl._iterator)
-            tl._iterator = None
-
-    def _iter_torch(self, workers: int, skip: int, gen_state):
+    def _torch_iter(self, workers: int, p: _Progress, *, skip: int = 0, replay: bool = False):
+        """One of torch's iterators (``super().__iter__``: persistent workers reused as torch does)."""
         if workers and torch.cuda.is_available() and torch.cuda.is_initialized():
             # free cyclic garbage holding CUDA objects now: a forked worker that collected it
             # would call into CUDA, which aborts a forked child
             gc.collect()
-        if self._skipper is not None:
-            self._skipper.skip = skip
-        self._generator.set_state(gen_state)
-        return iter(self._torch_loader(workers))
+        self.num_workers = workers
+        self._plan = _Plan(skip, p.sampler_rng if replay else None, p)
+        if p.generator_state is not None and self.generator is not None:
+            self.generator.set_state(p.generator_state)
+        collate = self.collate_fn
+        if self._protocol:
+            self.collate_fn = _StatefulCollate(collate, self.dataset)
+        try:
+            if replay and p.rng_state is not None:
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(p.rng_state)
+                    it = super().__iter__()
+            else:
+                p.rng_state = torch.get_rng_state()
+                it = super().__iter__()
+        finally:
+            self.collate_fn = collate
+            self._plan = _Plan()
+        p.base_seed = getattr(it, "_base_seed", None)
+        return it
+
+    def _drop_persistent(self) -> None:
+        if self._iterator is not None:
+            _shutdown(self._iterator)
+            self._iterator = None
 
     # ---- the epoch stream (runs in the prefetch thread when device is set) --------------------
-    def _epoch_stream(self, p: _Progress, gen_state, first=None):
-        """The epoch's batches. ``first``: the torch iterator, made in the main thread (see __iter__)."""
-        torch_it, workers, completed = None, p.num_workers, False
+    def _batches(self, torch_it):
+        """Torch's batches as ``(batch, meta)``; a batch that raises becomes ``(None, _Failed)``."""
+        box: list = []  # no local keeps the exception: its traceback holds this frame (a cycle)
+        while True:
+            try:
+                item = next(torch_it)
+            except StopIteration:
+                return
+            except Exception as e:  # noqa: BLE001 - re-raised by the consumer, the pass goes on
+                box.append(e)
+            if box:
+                yield None, _Failed(box.pop())
+                continue
+            yield item if self._protocol else (item, None)
+            item = None
+
+    def _epoch_stream(self, p: _Progress, first, start: int):
+        """The pass's batches from position ``start``. ``first``: the torch iterator, made in the main
+        thread (see __iter__)."""
+        torch_it, completed = first, False
         try:
-            if not self._iterable:
-                skip = p.batches
-                if first is not None:
-                    torch_it = first
-                    for batch in torch_it:
-                        yield batch, None
-                elif self._auto_workers is None:
-                    torch_it = self._iter_torch(0, skip, gen_state)
-                    times = []
-                    for _ in range(max(4, self._depth + 3) if self.device is not None else 4):
-                        t0 = time.perf_counter()
-                        try:
-                            batch = next(torch_it)
-                        except StopIteration:
-                            completed = True
-                            return
-                        times.append(time.perf_counter() - t0)
-                        skip += 1
-                        yield batch, None
-                    torch_it = None
-                    self._decide_workers(times, p)
-                    workers = p.num_workers = self._auto_workers
-                if first is None:
-                    torch_it = self._iter_torch(workers, skip, gen_state)
-                    for batch in torch_it:
-                        yield batch, None
-            else:
-                torch_it = first if first is not None else self._iter_torch(workers, 0, gen_state)
-                if not self._protocol:
-                    for _ in range(p.batches):  # replay: no way to skip without producing
-                        if next(torch_it, None) is None:
-                            break
-                for item in torch_it:
-                    if self._protocol:
-                        yield item[0], item[1]
-                    else:
-                        yield item, None
+            if not self._iterable and self._auto_workers is None:
+                times, stream = [], self._batches(torch_it)
+                for _ in range(max(4, self._depth + 3) if self.device is not None else 4):
+                    t0 = time.perf_counter()
+                    item = next(stream, _END)
+                    if item is _END:
+                        completed = True
+                        return
+                    times.append(time.perf_counter() - t0)
+                    yield item
+                skip = start + len(times)
+                torch_it = None
+                self._decide_workers(times, p)
+                p.num_workers = self._auto_workers
+                torch_it = self._torch_iter(p.num_workers, p, skip=skip, replay=True)
+            elif self._iterable and not self._protocol:
+                for _ in range(start):  # replay: no way to skip without producing
+                    if next(torch_it, _END) is _END:
+                        break
+            yield from self._batches(torch_it)
             completed = True
         finally:
-            if not completed and torch_it is not None:
+            if not completed and torch_it is not None and torch_it is not self._iterator:
                 _shutdown(torch_it)
-                self._drop_torch_loader(workers)
 
     def _decide_workers(self, times: list[float], p: _Progress) -> None:
         produce = statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else 0.0)
         consume = p.consume_s / p.consume_n if p.consume_n else None
         d = autotune.choose_num_workers(
             produce_s=produce, consume_s=consume, batch_bytes=p.batch_bytes,
-            prefetch_factor=self._kwargs.get("prefetch_factor") or 2, max_workers=self.max_workers)
+            prefetch_factor=self.prefetch_factor or 2, max_workers=self.max_workers)
         self._auto_workers = d["value"]
         self._auto["num_workers"] = d
 
     # ---- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> _LoaderIterator:
-        if self._active is not None and not self._active._p.finished:
-            self._active.close()
         resume, self._pending = self._pending, None
         epoch = self._epoch
         if self._auto_workers is None and self._iterable:
@@ -375,46 +431,58 @@ class DataLoader:
             self._auto["num_workers"] = d
         workers = self._auto_workers if self._auto_workers is not None else 0
         p = _Progress(epoch, resume["batches"] if resume else 0, workers)
-        # generator: the epoch's shuffle order comes from seed + epoch, or the user's generator
-        if self._user_generator is None:
-            self._generator.manual_seed(self.seed + epoch)
-        elif resume is not None and resume.get("generator_state") is not None:
-            self._generator.set_state(resume["generator_state"])
-        gen_state = self._generator.get_state()
-        p.generator_state = gen_state if self._user_generator is not None else None
-        for obj in (self.sampler, self.dataset):
-            set_epoch = getattr(obj, "set_epoch", None)
-            if callable(set_epoch) and not isinstance(obj, torch.utils.data.RandomSampler):
-                set_epoch(epoch)
+        if self.seed is not None:
+            self.generator.manual_seed(self.seed + epoch)
+        self._sync_dataset_epoch()
+        if resume is not None:
+            p.generator_state = resume.get("generator_state")
+            p.rng_state = resume.get("rng_state")
+            p.sampler_rng = resume.get("sampler_rng_state")
+            if resume.get("sampler_epoch") is not None and callable(getattr(self.sampler, "set_epoch", None)):
+                self.sampler.set_epoch(resume["sampler_epoch"])
+        elif self.generator is not None:
+            p.generator_state = self.generator.get_state()
+        p.sampler_epoch = getattr(self.sampler, "epoch", None)
         if self._protocol and resume is not None and resume.get("dataset") is not None:
             ds = resume["dataset"]
             p.workers = dict(ds.get("workers", {}))
             p.first_worker = p.next_worker = int(ds.get("first_worker", 0))
             p.ds_num_workers = max(1, int(ds.get("num_workers", 1)))
             p.ds_epoch = ds.get("epoch")
-            self._drop_torch_loader(workers)  # persistent workers hold a stale dataset copy
+            self._drop_persistent()  # persistent workers hold a stale dataset copy
             self.dataset.load_state_dict(ds)
         self._progress = p
-        first = None
-        if self.device is not None and self.device.type == "cuda" and (self._iterable or self._auto_workers is not None):
-            # fork the workers here, in the main thread: forking from the prefetch thread of a process
-            # that uses CUDA leaves workers that can abort on CUDA objects they inherit
-            first = self._iter_torch(p.num_workers, 0 if self._iterable else p.batches, gen_state)
-        stream = self._epoch_stream(p, gen_state, first)
+        # torch's iterator is made here, in the main thread (workers forked from the prefetch
+        # thread of a CUDA process can abort on CUDA objects they inherit)
+        skip = p.batches if not self._iterable else 0
+        first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
+        stream = self._epoch_stream(p, first, p.batches)
         if self.device is not None:
             if self._prefetcher is None:
                 self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
             self._prefetcher.depth = self._depth
             self._source.stream = stream
             stream = iter(self._prefetcher)
-        self._active = _LoaderIterator(self, stream, p)
-        return self._active
+        it = _LoaderIterator(self, stream, p)
+        self._active = weakref.ref(it)
+        return it
+
+    def _sync_dataset_epoch(self) -> None:
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if not callable(set_epoch):
+            return
+        current = getattr(self.dataset, "epoch", None)
+        if self._tell_dataset and (current is None or current == self._ds_epoch_seen):
+            set_epoch(self._epoch)
+        self._tell_dataset = False
+        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
 
     def _finish_epoch(self, p: _Progress) -> None:
         if p is not self._progress:
             return
         self._epoch = p.epoch + 1
-        if self.num_workers != "auto" and self.prefetch_depth != "auto":
+        self._tell_dataset = True
+        if not self._auto_workers_mode and self.prefetch_depth != "auto":
             return
         elapsed = (p.ended or time.perf_counter()) - (p.started or 0.0)
         if self.prefetch_depth == "auto" and self.device is not None and p.batch_bytes:
@@ -424,10 +492,12 @@ class DataLoader:
             self._auto["prefetch_depth"] = d
         hi = self._auto["num_workers"]["bounds"][1] if self._auto.get("num_workers") else 1
         res = autotune.adapt(
-            num_workers=self._auto_workers if self.num_workers == "auto" else None, workers_hi=hi,
+            num_workers=self._auto_workers if self._auto_workers_mode else None, workers_hi=hi,
             depth=self._depth if (self.prefetch_depth == "auto" and self.device is not None) else None,
             depth_hi=self._depth_hi, batches=p.yielded, elapsed_s=elapsed, wait_s=p.wait_s)
-        if self.num_workers == "auto" and res["num_workers"] is not None:
+        if self._auto_workers_mode and res["num_workers"] is not None:
+            if res["num_workers"] != self._auto_workers:
+                self._drop_persistent()
             self._auto_workers = res["num_workers"]
         if res["prefetch_depth"] is not None:
             self._depth = res["prefetch_depth"]
@@ -450,33 +520,41 @@ class DataLoader:
             return len(batch)
         return self.batch_size or 1
 
-    def __len__(self) -> int:
-        return len(self._plain)
-
     # ---- epochs and state ----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Use ``seed + epoch`` for the next iteration (a pending resume of that epoch is kept)."""
+        """Set the epoch of the next pass, and of the sampler and dataset if they have ``set_epoch``
+        (with ``seed=``: the order of ``seed + epoch``). A pending resume of that epoch is kept."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r}: pass an int >= 0")
         if self._pending is not None and self._pending["epoch"] != epoch:
             self._pending = None
         self._epoch = epoch
+        for obj in (self.sampler, self.dataset):
+            set_epoch = getattr(obj, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+        self._tell_dataset = False
+        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
 
     def state_dict(self) -> dict:
-        """Position for exact resume: ``{"epoch", "batches", "num_workers", "generator_state", "dataset"}``."""
+        """Position for exact resume: ``{"epoch", "batches", "num_workers", "generator_state",
+        "rng_state", "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``."""
         if self._pending is not None:
             return dict(self._pending)
         p = self._progress
         if p is None or p.epoch != self._epoch or p.finished:
             return {"epoch": self._epoch, "batches": 0, "num_workers": self._workers_now(),
-                    "generator_state": None, "dataset": None}
+                    "generator_state": None, "rng_state": None, "sampler_rng_state": None,
+                    "sampler_epoch": None, "base_seed": None, "dataset": None}
         ds = None
         if self._protocol:
             ds = {"epoch": p.ds_epoch if p.ds_epoch is not None else p.epoch,
                   "num_workers": p.ds_num_workers, "workers": dict(p.workers),
                   "first_worker": p.next_worker}
         return {"epoch": p.epoch, "batches": p.batches, "num_workers": p.num_workers,
-                "generator_state": p.generator_state, "dataset": ds}
+                "generator_state": p.generator_state, "rng_state": p.rng_state,
+                "sampler_rng_state": p.sampler_rng, "sampler_epoch": p.sampler_epoch,
+                "base_seed": p.base_seed, "dataset": ds}
 
     def _workers_now(self) -> int:
         return self._auto_workers if self._auto_workers is not None else 0
@@ -487,21 +565,26 @@ class DataLoader:
         if missing:
             raise ValueError(f"not a loaders.DataLoader state (missing {sorted(missing)}); pass what state_dict() returned")
         saved_w = int(state["num_workers"])
-        if self.num_workers != "auto" and self._iterable and state["batches"] > 0 \
+        if not self._auto_workers_mode and self._iterable and state["batches"] > 0 \
                 and max(1, saved_w) != max(1, self.num_workers):
             raise ValueError(
                 f"state was saved with num_workers={saved_w}, this loader has num_workers={self.num_workers}: "
                 "an iterable dataset's per-worker streams only resume with the same worker count")
-        if self.num_workers == "auto" and state["batches"] > 0:
+        if self._auto_workers_mode and state["batches"] > 0:
+            if self._auto_workers != saved_w:
+                self._drop_persistent()
             self._auto_workers = saved_w
-        if self._active is not None and not self._active._p.finished:
-            self._active.close()
+        active = self._active() if self._active is not None else None
+        if active is not None and not active._p.finished:
+            active.close()
         self._progress = None
         self._epoch = int(state["epoch"])
+        self._tell_dataset = True
+        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
         self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None
 
     def stats(self) -> dict:
-        """Throughput and data-wait of the current (or last) iteration plus the autotune choices."""
+        """Throughput and data-wait of the current (or last) pass plus the autotune choices."""
         p = self._progress
         out = {"epoch": self._epoch, "samples": 0, "batches": 0, "elapsed_s": 0.0, "samples_per_s": 0.0,
                "batches_per_s": 0.0, "wait_s": 0.0, "wait_fraction": 0.0, "batch_bytes": 0,
@@ -522,11 +605,11 @@ class DataLoader:
         return out
 
     def close(self) -> None:
-        """Stop prefetching, shut every worker down and free the pinned pool."""
-        if self._active is not None:
-            self._active.close()
-        for w in list(self._torch_loaders):
-            self._drop_torch_loader(w)
+        """Stop prefetching, shut every worker down (persistent ones too) and free the pinned pool."""
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
+        self._drop_persistent()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None

@@ -111,3 +111,25 @@ def flash_attn_varlen_kwargs(batch: dict) -> dict:
     cu = batch["cu_seqlens"]
     return {"cu_seqlens_q": cu, "cu_seqlens_k": cu,
             "max_seqlen_q": int(batch["max_seqlen"]), "max_seqlen_k": int(batch["max_seqlen"])}
+
+
+def hf_inputs(batch: dict, device=None) -> dict:
+    """Keyword arguments for a Hugging Face causal LM trained exactly on a packed batch.
+
+    ``model(**hf_inputs(batch))`` passes ``input_ids``, ``position_ids`` and ``labels`` as torch
+    tensors, no ``attention_mask`` and ``use_cache=False``: transformers then detects the packed
+    documents from the restarting ``position_ids`` and masks attention between them (its flash
+    attention path derives the varlen layout from them too). With a cache, or with an
+    ``attention_mask``, that detection is skipped and documents attend to each other.
+    """
+    missing = {"input_ids", "position_ids", "labels"} - set(batch)
+    if missing:
+        raise ValueError(f"batch lacks {sorted(missing)}: pass a packed batch (Packer / TokenLoader output)")
+    out = to_torch({k: batch[k] for k in ("input_ids", "position_ids", "labels")})
+    for key, value in out.items():
+        if getattr(value, "device", None) is None:
+            raise TypeError(f"batch[{key!r}] is a {type(value).__name__}: pass numpy arrays or torch tensors")
+        if device is not None:
+            out[key] = value.to(device)
+    out["use_cache"] = False
+    return out

@@ -3,7 +3,7 @@
 # constraints.txt pins every other package to a set known to work together, so pip never backtracks.
 python3 -m venv .venv
 source .venv/bin/activate
-if ! python -c "import torch, webdataset, nvidia.dali, pytest, s3fs, moto, ray, tokenizers" >/dev/null 2>&1 \
+if ! python -c "import torch, webdataset, nvidia.dali, pytest, s3fs, moto, ray, tokenizers, transformers, accelerate, lightning" >/dev/null 2>&1 \
    || ! python -c "import datapipe" >/dev/null 2>&1; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
