@@ -36,7 +36,7 @@ for part in "$@"; do
       --no-progress --json "$OUT/loader_tokens.json" 2>&1 | tail -20 | tee -a "$log" ;;
   doctor)
     step doctor
-    timeout 240 python -m datapipe doctor --json "$OUT/doctor.json" --probe-capacity -- bench/doctor_train.py "$DATA" 60 \
+    timeout 240 python -m datapipe doctor --json "$OUT/doctor.json" --probe-capacity --ceiling-steps 15 -- bench/doctor_train.py "$DATA" 60 \
       2>&1 | tail -30 | tee -a "$log" ;;
   scaling)
     step scaling, 1 GPU
