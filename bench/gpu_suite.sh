@@ -3,7 +3,7 @@
 # (../shared/device/stage-gpu-wheels.sh). Each argument is a part; results and logs go to $OUT.
 #   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
 #   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
-# Other parts: prefetch packing read.
+# Other parts: ceiling prefetch packing read.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-suite}
@@ -36,7 +36,7 @@ for part in "$@"; do
       --no-progress --json "$OUT/loader_tokens.json" 2>&1 | tail -20 | tee -a "$log" ;;
   doctor)
     step doctor
-    timeout 240 python -m datapipe doctor --json "$OUT/doctor.json" --probe-capacity -- bench/doctor_train.py "$DATA" 60 \
+    timeout 240 python -m datapipe doctor --json "$OUT/doctor.json" --probe-capacity --ceiling-steps 15 -- bench/doctor_train.py "$DATA" 60 \
       2>&1 | tail -30 | tee -a "$log" ;;
   scaling)
     step scaling, 1 GPU
@@ -50,6 +50,10 @@ for part in "$@"; do
       echo "torchrun exit status $?" >> "$OUT/scaling_${n}gpu.log"
       grep -v "NCCL INFO" "$OUT/scaling_${n}gpu.log" | tail -8 | tee -a "$log"
     done ;;
+  ceiling)
+    step ceiling: training at its data-free ceiling
+    timeout 480 python bench/ceiling.py --data "$DATA" --out "$OUT" ${CEILING_ARGS:-} 2>&1 | grep -v "^    {" \
+      | tail -40 | tee -a "$log" ;;
   prefetch)
     step prefetch benchmark
     timeout 150 python bench/prefetch.py --device cuda --out "$OUT" 2>&1 | tail -25 | tee -a "$log" ;;

@@ -221,17 +221,19 @@ class _CudaTransfer:
         return out, done
 
 
-def _produce(source: Iterable, out: queue.Queue, stop: threading.Event, transfer: Callable | None,
-             device: torch.device) -> None:
-    """Producer thread body: pull, transfer, put; end with _END or a _Raised; stop on request."""
+def _produce(source: Iterable, out: queue.SimpleQueue, slots: threading.Semaphore, stop: threading.Event,
+             transfer: Callable | None, device: torch.device) -> None:
+    """Producer thread body: take a slot, pull, transfer, put; end with _END or a _Raised; stop on request.
 
-    def put(item) -> bool:
+    A slot is given back by the consumer only after its handoff (the stream wait and
+    ``record_stream``) ran, so the producer's next batch (its Python work, the pinned copy) does
+    not start while the consumer is in its CUDA calls, which release the GIL.
+    """
+
+    def take_slot() -> bool:
         while not stop.is_set():
-            try:
-                out.put(item, timeout=_POLL_S)
+            if slots.acquire(timeout=_POLL_S):
                 return True
-            except queue.Full:
-                continue
         return False
 
     try:
@@ -239,24 +241,25 @@ def _produce(source: Iterable, out: queue.Queue, stop: threading.Event, transfer
             torch.cuda.set_device(device)
         it = iter(source)
         try:
-            while not stop.is_set():
+            while take_slot():
                 try:
                     batch = next(it)
                 except StopIteration:
-                    put(_END)
+                    out.put(_END)
                     return
                 if transfer is not None:
                     item = transfer(batch)
                 else:
                     item = map_tensors(lambda t: t.to(device), batch)
-                if not put(item):
+                if stop.is_set():
                     return
+                out.put(item)
         finally:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
     except BaseException as e:  # re-raised in the consumer
-        put(_Raised(e))
+        out.put(_Raised(e))
 
 
 class _PrefetchIterator(Iterator):
@@ -265,14 +268,15 @@ class _PrefetchIterator(Iterator):
     def __init__(self, owner: DevicePrefetcher):
         self._owner = owner  # keeps the pool alive while this epoch runs (``for b in DevicePrefetcher(...)``)
         self._device = owner.device
-        self._queue: queue.Queue = queue.Queue(maxsize=owner.depth)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the slots: depth batches ahead
+        self._slots = threading.Semaphore(owner.depth)
         self._stop = threading.Event()
         self._done = False
         transfer = None
         if owner.device.type == "cuda":
             transfer = _CudaTransfer(owner.device, owner.stream, owner._pool)
         self._thread = threading.Thread(
-            target=_produce, args=(owner.iterable, self._queue, self._stop, transfer, owner.device),
+            target=_produce, args=(owner.iterable, self._queue, self._slots, self._stop, transfer, owner.device),
             name="datapipe-prefetch", daemon=True,
         )
         self._thread.start()
@@ -310,7 +314,9 @@ class _PrefetchIterator(Iterator):
             for t in _tensors(batch):
                 if t.device.type == "cuda":
                     t.record_stream(stream)
+            self._slots.release()  # after the handoff: the producer's next batch starts now
             return batch
+        self._slots.release()
         return item
 
     def close(self, timeout: float | None = 30.0) -> None:

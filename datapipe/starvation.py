@@ -200,6 +200,10 @@ class _Timed:
 
     def __next__(self):
         d = self._doctor
+        if d._replay_left:
+            batch = d._replayed()
+            if batch is not None:
+                return batch
         d._wait_start()
         try:
             batch = next(self._it)
@@ -212,6 +216,8 @@ class _Timed:
         self._entry["batches"] += 1
         self._entry["_first"], self._first = self._first, False
         d._ready(batch, self._entry)
+        if d.ceiling_steps and d._ceiling is None and d._replay_left == 0 and self._entry["batches"] == d.ceiling_after:
+            d._replay, d._replay_left = batch, d.ceiling_steps + 1
         return batch
 
     def __len__(self):
@@ -243,11 +249,24 @@ class Doctor:
 
     def __init__(self, *, report: str | None = None, plot: str | None = None, probe_capacity: bool = False,
                  probe_seconds: float = 2.0, cuda_sync: bool | None = None, print_report: bool = True,
-                 inspect_every: int = 50):
+                 inspect_every: int = 50, ceiling_steps: int = 0, ceiling_after: int = 5):
         if probe_seconds <= 0:
             raise ValueError(f"probe_seconds must be > 0, got {probe_seconds}")
         if inspect_every < 1:
             raise ValueError(f"inspect_every must be >= 1, got {inspect_every}")
+        if isinstance(ceiling_steps, bool) or not isinstance(ceiling_steps, int) or ceiling_steps < 0:
+            raise ValueError(f"ceiling_steps must be an int >= 0, got {ceiling_steps!r}")
+        if isinstance(ceiling_after, bool) or not isinstance(ceiling_after, int) or ceiling_after < 1:
+            raise ValueError(f"ceiling_after must be an int >= 1, got {ceiling_after!r}")
+        self.ceiling_steps = ceiling_steps
+        self.ceiling_after = ceiling_after
+        self._replay = None  # the batch replayed through the user's step (the data-free ceiling)
+        self._replay_left = 0
+        self._replay_t0: float | None = None
+        self._replay_s = 0.0
+        self._replay_end_step: int | None = None
+        self._replay_end = 0.0
+        self._ceiling: dict | None = None
         self.report_path = report
         self.plot_path = plot
         self.probe_capacity = probe_capacity
@@ -289,6 +308,46 @@ class Doctor:
             self._loader_objs.append(loader)
         entry["iterations"] += 1
         return _Timed(self, it, entry)
+
+    def _replayed(self):
+        """The next replayed batch, or None once ``ceiling_steps`` replayed steps ran (then timed)."""
+        now = time.perf_counter()
+        if self._replay_t0 is None:  # the loader's step before ends here
+            self._end_step(now)
+            if self._sync():
+                _torch().cuda.synchronize()
+            self._replay_t0 = time.perf_counter()
+        self._replay_left -= 1
+        if self._replay_left > 0:
+            return self._replay
+        if self._sync():
+            _torch().cuda.synchronize()
+        end = time.perf_counter()
+        seconds = end - self._replay_t0
+        self._replay_s += end - self._replay_t0
+        self._replay_end = end
+        self._ceiling = {"steps": self.ceiling_steps, "seconds": round(seconds, 4),
+                         "batches_per_s": round(self.ceiling_steps / seconds, 3) if seconds > 0 else None}
+        self._replay = None
+        self._replay_end_step = len(self._steps)
+        self._last_end = end
+        return None
+
+    def _ceiling_report(self) -> dict:
+        """The data-free rate (the last batch replayed through the step) vs the loaded rate after it."""
+        if self._ceiling is None:
+            why = "not requested (ceiling_steps > 0)" if not self.ceiling_steps else \
+                f"not measured: the run ended before {self.ceiling_after} batches + {self.ceiling_steps} replayed steps"
+            return {"ceiling_batches_per_s": None, "ceiling_ratio": None, "ceiling": why}
+        after = self._steps[self._replay_end_step:]
+        out = {"ceiling_batches_per_s": self._ceiling["batches_per_s"], "ceiling_steps": self.ceiling_steps}
+        if len(after) < 3 or not out["ceiling_batches_per_s"]:
+            return {**out, "ceiling_ratio": None, "ceiling": "not measured: fewer than 3 loader steps after the replay"}
+        wall = after[-1][0] - self._replay_end
+        loaded = len(after) / wall if wall > 0 else None
+        ratio = round(loaded / out["ceiling_batches_per_s"], 4) if loaded else None
+        return {**out, "loaded_batches_per_s": round(loaded, 3) if loaded else None, "ceiling_ratio": ratio,
+                "ceiling": f"{self.ceiling_steps} steps replaying one cached batch after {self.ceiling_after} batches"}
 
     def _wait_start(self) -> None:
         now = time.perf_counter()
@@ -392,7 +451,7 @@ class Doctor:
         steps = self._steps
         wait = sum(s[1] for s in steps)
         compute = sum(s[2] for s in steps)
-        wall = (steps[-1][0] - self._first) if steps else 0.0
+        wall = (steps[-1][0] - self._first - self._replay_s) if steps else 0.0  # the replay is not the run
         other = max(0.0, wall - wait - compute)
 
         def frac(x):
@@ -423,6 +482,7 @@ class Doctor:
             "gpu": torch.cuda.get_device_name() if cuda else "none", "cuda_sync": self._sync(),
             "timeline": self._timeline(),
         }
+        out.update(self._ceiling_report())
         out["advice"] = advise(out)
         return out
 
@@ -504,6 +564,9 @@ def format_report(rep: dict) -> str:
         for e in rep["loaders"]:
             lines.append(f"  {e['type'].rsplit('.', 1)[-1]:<12} {e['batches']:5d} batches  wait {e['wait_fraction']:6.1%}"
                          f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
+    if rep.get("ceiling_ratio") is not None:
+        lines.append(f"  ceiling ratio {rep['ceiling_ratio']:.3f}: {rep['loaded_batches_per_s']:.2f} batches/s fed by the "
+                     f"loader vs {rep['ceiling_batches_per_s']:.2f} replaying one cached batch (data-free)")
     r = rep["rates"]
     if r.get("capacity_batches_per_s"):
         lines.append(f"  input capacity {r['capacity_batches_per_s']:.1f} batches/s alone vs model consumption "

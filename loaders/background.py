@@ -77,19 +77,21 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
 
 
 def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, device: torch.device,
-                   depth: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+                   depth: int, stream: torch.cuda.Stream | None = None) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
     """Items ``(tensors, meta)`` made in a background thread, ahead of the consumer.
 
     On CUDA the producer's current stream is a side stream of ``device``: whatever it enqueues
     (DALI's output copies, label uploads, casts) overlaps with the consumer's work. Each item's
     tensors are handed over with an event the consumer's current stream waits on (no host sync)
     and ``record_stream`` so their memory is not reused while the consumer still reads it.
+    Pass the same ``stream`` every epoch: the caching allocator keeps its blocks per stream, so a
+    new side stream per epoch strands the last one's cached blocks (2 MB more reserved each epoch).
     """
     cuda = device.type == "cuda"
 
     def on_stream():
         if cuda:
-            torch.cuda.set_stream(torch.cuda.Stream(device))  # this thread's current stream from now on
+            torch.cuda.set_stream(stream or torch.cuda.Stream(device))  # this thread's current stream from now on
         it = iter(produce)
         try:
             for tensors, meta in it:

@@ -95,6 +95,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-capacity", action="store_true",
                         help="at the end, pull batches without a consumer to measure the input capacity")
     parser.add_argument("--probe-seconds", type=float, default=2.0)
+    parser.add_argument("--ceiling-steps", type=int, default=0,
+                        help="after a few batches, replay the last one through the step N times: the data-free "
+                             "rate, reported as ceiling_ratio next to the wait fraction")
     parser.add_argument("script", help="the training script (put -- before it)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
 
@@ -103,5 +106,6 @@ def run_command(args: argparse.Namespace) -> int:
     script_args = list(args.args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    d = doctor(report=args.json, plot=args.plot, probe_capacity=args.probe_capacity, probe_seconds=args.probe_seconds)
+    d = doctor(report=args.json, plot=args.plot, probe_capacity=args.probe_capacity, probe_seconds=args.probe_seconds,
+               ceiling_steps=args.ceiling_steps)
     return run_script(d, args.script, script_args)

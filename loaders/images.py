@@ -223,6 +223,7 @@ class ImageLoader:
         self._dali_resume: dict | None = None  # {"checkpoint", "batch"} to restore on the next iteration
         self._stream_pipe = None  # the DALI pipeline of reader="stream", reused across epochs
         self._feed = _Feed(self._seconds)
+        self._side_stream = None  # the producer's CUDA stream, the same every epoch
 
         self._stream_options = dict(stream_options or {})
         from datapipe.stream import ShardStream
@@ -336,7 +337,9 @@ class ImageLoader:
         resume position advance here, when a batch is handed out, not when it is made.
         """
         seconds = self._seconds
-        items = on_side_stream(produce, device=self.device, depth=self.prefetch_queue_depth)
+        if self.device.type == "cuda" and self._side_stream is None:  # one for all epochs (see on_side_stream)
+            self._side_stream = torch.cuda.Stream(self.device)
+        items = on_side_stream(produce, device=self.device, depth=self.prefetch_queue_depth, stream=self._side_stream)
         try:
             while True:
                 t0 = time.perf_counter()

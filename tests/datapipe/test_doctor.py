@@ -231,3 +231,43 @@ def test_cuda_advice_on_pageable_batches():
     rep = d.finish()
     assert rep["cuda"] and rep["cuda_sync"]
     assert "pin_memory" in [a["id"] for a in rep["advice"]]
+
+
+def test_ceiling_replays_one_cached_batch_through_the_step():
+    """ceiling_steps: after `ceiling_after` batches the last one is replayed; nothing of the loader is lost."""
+    seen = []
+    with Doctor(print_report=False, ceiling_steps=6, ceiling_after=3) as d:
+        for batch in d.wrap(sleepy(10, 0.0)):
+            seen.append(batch)
+    rep = d.finish()
+    assert len(seen) == 10 + 6
+    assert all(b is seen[2] for b in seen[3:9])  # the third batch, replayed 6 times
+    assert [int(b[0]) for b in seen[:3] + seen[9:]] == list(range(10))  # every loader batch, in order
+    assert rep["steps"] == 10  # the replay is not counted as the loader's steps
+    assert rep["ceiling_steps"] == 6 and rep["ceiling_batches_per_s"] > 0
+
+
+def test_ceiling_ratio_of_a_slow_and_a_fast_loader():
+    """A 10 ms step fed by a loader sleeping 30 ms per batch runs at ~1/3 of its data-free rate."""
+    def run(fetch_s):
+        with Doctor(print_report=False, ceiling_steps=5, ceiling_after=2) as d:
+            for _ in d.wrap(sleepy(12, fetch_s)):
+                time.sleep(0.01)
+        return d.finish()
+
+    slow, fast = run(0.03), run(0.0)
+    assert slow["ceiling_ratio"] < 0.6 < fast["ceiling_ratio"]
+    assert "ceiling ratio" in datapipe.starvation.format_report(slow)
+
+
+def test_ceiling_not_measured_is_said_and_bad_arguments_raise():
+    with Doctor(print_report=False, ceiling_steps=5, ceiling_after=4) as d:
+        for _ in d.wrap(sleepy(3, 0.0)):
+            pass
+    rep = d.finish()
+    assert rep["ceiling_ratio"] is None and "not measured" in rep["ceiling"]
+    assert Doctor(print_report=False).report()["ceiling"].startswith("not requested")
+    with pytest.raises(ValueError, match="ceiling_steps"):
+        Doctor(ceiling_steps=-1)
+    with pytest.raises(ValueError, match="ceiling_after"):
+        Doctor(ceiling_after=0)

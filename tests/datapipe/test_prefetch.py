@@ -88,12 +88,17 @@ def test_runs_at_most_depth_ahead():
     it = iter(pf)
     assert int(next(it)) == 0
     deadline = time.monotonic() + 10
-    while not it._queue.full() and time.monotonic() < deadline:
+    while len(pulled) < 1 + depth and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.1)  # give an over-eager producer the chance to run further ahead
-    assert it._queue.full()
-    # one consumed, `depth` queued, at most one more in the producer's hands
-    assert depth + 1 <= len(pulled) <= 1 + depth + 1
+    # one consumed, `depth` made ahead; the producer takes a slot before it pulls the next
+    assert len(pulled) == 1 + depth
+    assert int(next(it)) == 1
+    deadline = time.monotonic() + 10
+    while len(pulled) < 2 + depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert len(pulled) == 2 + depth
     it.close()
     assert _wait_no_threads() == []
 

@@ -1,0 +1,557 @@
+"""Training at its data-free ceiling: each loader's rate over the same step fed one cached batch.
+
+One run, one process, one GPU. The step: ResNet-50 (random init, bf16 autocast, channels_last,
+SGD, batch 256), the training stream synchronised at each step end. The ceiling is that step
+replaying one cached device batch (no loader); each loaded measurement sits between two ceiling
+measurements of the same input format, so drift shows (``ceiling_before`` / ``ceiling_after``)
+and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
+
+- ``imageloader``: ``loaders.ImageLoader`` defaults; ``il_*``: one option changed (variants);
+- ``dali_hand``: the hand-written DALI loop (readers.webdataset + mixed image_random_crop + resize
+  + crop_mirror_normalize, DALIGenericIterator, in the training thread, labels fixed);
+- ``torch_pil``: torch DataLoader + webdataset + PIL (torchvision transforms);
+- ``dl_ours`` / ``dl_torch``: ``loaders.DataLoader(device="cuda")`` vs torch's DataLoader
+  (``pin_memory=True``) + ``.cuda(non_blocking=True)`` over a map-style uint8 224x224 dataset that
+  keeps up (the step normalises the uint8 batch; its ceiling replays a uint8 batch);
+- ``tokens``: ``loaders.TokenLoader`` (4 x 4096 packed rows) feeding the small causal LM of
+  bench/scaling.py (its own ceiling).
+
+Where the rest goes: ``wait_fraction`` (host blocked in ``next()``), ``contention`` = 1 - ratio -
+wait (the step itself ran slower: the loader's GPU work and host threads), and, profiled with
+torch.profiler over a few steps, ``loader_device_ms_per_step``: device time of kernels and copies
+whose names the ceiling's profile does not have (the loader's own). ``memory`` runs 100 short
+ImageLoader epochs and records ``torch.cuda.memory_reserved()`` per epoch.
+
+    python bench/ceiling.py                      # the H200 run: bench/results/ceiling.json
+    python bench/ceiling.py --only imageloader,dali_hand --steps 40
+    python bench/ceiling.py --quick              # CPU smoke check of the harness (tiny sizes)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.common import table, write_result  # noqa: E402
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+DEFAULT_ONLY = "imageloader,dali_hand,il_threads4,il_u8,imageloader2,dali_hand2,torch_pil,dl_ours,dl_torch,tokens,memory,profile"
+# the variants measured once (bench/results/ceiling_variants.json): il_hw1,il_hw09,il_depth1,il_prio,il_stream
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- the steps ------------------------------------------------------------------------------------
+class ImageStep:
+    """ResNet-50 SGD step, bf16 autocast, channels_last. A uint8 batch (NCHW or NHWC) is normalised here."""
+
+    def __init__(self, device: torch.device, arch: str = "resnet50", num_classes: int = 1000):
+        try:
+            import torchvision
+
+            model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+        except ImportError:  # no torchvision (the CPU smoke check): a small CNN with the same input and loss
+            model = nn.Sequential(nn.Conv2d(3, 16, 3, stride=4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(16, num_classes))
+        self.device = device
+        self.model = model.to(device, memory_format=torch.channels_last)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.mean = torch.tensor([m * 255 for m in MEAN], device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor([s * 255 for s in STD], device=device).view(1, 3, 1, 1)
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, batch) -> None:
+        x, y = batch
+        if x.dtype == torch.uint8:
+            if x.shape[-1] == 3:  # NHWC: a channels_last NCHW view
+                x = x.permute(0, 3, 1, 2)
+            x = (x.float() - self.mean) / self.std
+        x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
+            loss = self.loss_fn(self.model(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+
+class TokenStep:
+    """The small causal LM of bench/scaling.py (d 512, 6 layers, sdpa with the packed block mask), AdamW."""
+
+    def __init__(self, device: torch.device, seq_len: int, small: bool = False):
+        d, heads, layers, vocab = (64, 4, 1, 32000) if small else (512, 8, 6, 32000)
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+                self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+                self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+            def forward(self, x, mask):
+                b, n, _ = x.shape
+                q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, heads, d // heads).transpose(1, 3).unbind(2)
+                o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                x = x + self.proj(o.transpose(1, 2).reshape(b, n, d))
+                return x + self.mlp(self.ln2(x))
+
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
+                self.blocks = nn.ModuleList(Block() for _ in range(layers))
+                self.head = nn.Linear(d, vocab)
+
+            def forward(self, ids, positions, mask):
+                x = self.emb(ids) + self.pos(positions)
+                for block in self.blocks:
+                    x = block(x, mask)
+                return self.head(x)
+
+        self.device = device
+        self.model = LM().to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def __call__(self, batch) -> None:
+        from packing.batch import attention_mask_for_sdpa
+
+        mask = attention_mask_for_sdpa(batch["document_ids"])
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            logits = self.model(batch["input_ids"].long(), batch["position_ids"].long(), mask)
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                               batch["labels"][:, 1:].flatten().long(), ignore_index=-100)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+
+# ---- timing -----------------------------------------------------------------------------------------
+def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count, stream=None) -> dict:
+    """``steps`` steps after ``warmup``; time in ``next()`` is data wait; the training stream syncs each step."""
+    it = iter(batches)
+    ctx = torch.cuda.stream(stream) if stream is not None else _Null()
+    with ctx:
+        waits = []
+        units = 0
+        start = None
+        for i in range(warmup + steps):
+            if i == warmup:
+                sync(device)
+                waits, units, start = [], 0, time.perf_counter()
+            t0 = time.perf_counter()
+            batch = next(it)
+            waits.append(time.perf_counter() - t0)
+            step(batch)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the training stream, not the loader's
+            units += count(batch)
+        wall = time.perf_counter() - start
+    ms = np.array(waits) * 1e3
+    return {"rate": units / wall, "wait_fraction": float(ms.sum()) / 1e3 / wall, "step_ms": wall / steps * 1e3,
+            "wait_ms_p50": float(np.percentile(ms, 50)), "wait_ms_p90": float(np.percentile(ms, 90)),
+            "seconds": wall}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def replay(batch):
+    """The data-free feed: the same cached device batch, forever."""
+    while True:
+        yield batch
+
+
+def endless(loader):
+    epoch = 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def to_device(batches, device):
+    for x, y in batches:
+        yield x.to(device, non_blocking=True), torch.as_tensor(y).to(device, non_blocking=True)
+
+
+# ---- loaders ----------------------------------------------------------------------------------------
+def image_loader(urls, args, **options):
+    from loaders import ImageLoader
+
+    return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, device=args.device, **options)
+
+
+def dali_hand(urls, args):
+    """The ten-line DALI loop a user writes, run in the training thread (labels fixed)."""
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import Pipeline
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    from datapipe.dali_index import default_index_path
+
+    gpu = args.device.type == "cuda"
+    pipe = Pipeline(batch_size=args.batch_size, num_threads=min(8, os.cpu_count() or 1),
+                    device_id=0 if gpu else None, seed=0)
+    with pipe:
+        jpg = fn.readers.webdataset(paths=urls, index_paths=[default_index_path(u) for u in urls], ext=["jpg"],
+                                    random_shuffle=True, initial_fill=2000, name="Reader")
+        images = fn.decoders.image_random_crop(jpg, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        images = fn.resize(images, device="gpu" if gpu else "cpu", resize_x=args.image_size, resize_y=args.image_size)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                          mean=[m * 255 for m in MEAN], std=[s * 255 for s in STD],
+                                          mirror=fn.random.coin_flip())
+        pipe.set_outputs(images)
+    it = DALIGenericIterator(pipe, ["data"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
+                             auto_reset=True)
+    labels = torch.zeros(args.batch_size, dtype=torch.int64, device=args.device)
+    while True:
+        for out in it:
+            yield out[0]["data"], labels
+
+
+class Uint8Images(torch.utils.data.Dataset):
+    """Map-style uint8 3x224x224 images (views of a random pool): cheap enough that 8 workers keep up."""
+
+    def __init__(self, n: int, size: int):
+        self.n = n
+        self.pool = torch.randint(0, 255, (64, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.pool[i % 64].clone(), i % 1000
+
+
+def torch_pil(urls, args):
+    from bench.images import torch_dataloader
+
+    ns = SimpleNamespace(image_size=args.image_size, batch_size=args.batch_size, workers=args.pil_workers,
+                         device=args.device.type)
+    return to_device(endless(torch_dataloader(urls, ns)), args.device)
+
+
+# ---- parts ------------------------------------------------------------------------------------------
+class Ceilings:
+    """The data-free rate per input format, measured right before and after each loaded run."""
+
+    def __init__(self, step, args, count):
+        self.step, self.args, self.count = step, args, count
+        self.batches: dict[str, object] = {}
+        self.last: dict[str, float] = {}
+        self.history: list[dict] = []
+
+    def cache(self, fmt: str, batch) -> None:
+        if fmt not in self.batches:
+            self.batches[fmt] = _clone(batch)
+
+    def measure(self, fmt: str) -> float:
+        r = timed(replay(self.batches[fmt]), self.step, steps=self.args.ceiling_steps, warmup=3,
+                  device=self.args.device, count=self.count)
+        self.last[fmt] = r["rate"]
+        self.history.append({"format": fmt, "rate": round(r["rate"], 1), "t": round(time.perf_counter() - T0, 1)})
+        return r["rate"]
+
+
+def _clone(batch):
+    if isinstance(batch, dict):
+        return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+    return tuple(v.clone() for v in batch)
+
+
+T0 = time.perf_counter()
+
+
+def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, results: dict, stream=None,
+           steps=None) -> None:
+    """Ceiling, loaded, ceiling: one row of results."""
+    print(f"[{name}] ...", file=sys.stderr, flush=True)
+    gen = None
+    try:
+        gen = make()
+        it = iter(gen)
+        first = next(it)
+        ceilings.cache(fmt, first)
+        before = ceilings.last.get(fmt) or ceilings.measure(fmt)
+        r = timed(it, step, steps=steps or args.steps, warmup=args.warmup, device=args.device, count=count,
+                  stream=stream)
+        stats = _loader_stats(gen)
+    except Exception as e:  # one broken candidate must not cost the others' numbers
+        traceback.print_exc()
+        results[name] = {"error": repr(e)[:500]}
+        return
+    finally:
+        if gen is not None and hasattr(gen, "close"):
+            gen.close()
+    import gc
+
+    gc.collect()  # worker processes of a closed DataLoader go now, not during the ceiling after it
+    time.sleep(1.0)
+    after = ceilings.measure(fmt)
+    ceiling = (before + after) / 2
+    ratio = r["rate"] / ceiling
+    results[name] = {
+        "rate": round(r["rate"], 1), "ceiling": round(ceiling, 1), "ceiling_before": round(before, 1),
+        "ceiling_after": round(after, 1), "ceiling_ratio": round(ratio, 4),
+        "wait_fraction": round(r["wait_fraction"], 4), "contention": round(max(0.0, 1 - ratio - r["wait_fraction"]), 4),
+        "step_ms": round(r["step_ms"], 2), "wait_ms_p50": round(r["wait_ms_p50"], 2),
+        "wait_ms_p90": round(r["wait_ms_p90"], 2), "input": fmt, **stats,
+    }
+    print(f"    {results[name]}", file=sys.stderr, flush=True)
+
+
+LOADERS: list = []
+
+
+def _loader_stats(gen) -> dict:
+    loader = LOADERS[-1] if LOADERS else None
+    if loader is not None and hasattr(loader, "stats"):
+        try:
+            s = loader.stats()
+            return {"loader_seconds": {k: round(v, 3) for k, v in s.get("seconds", {}).items()}}
+        except Exception:  # noqa: BLE001
+            return {}
+    return {}
+
+
+def tracked(loader):
+    LOADERS.append(loader)
+    return endless(loader)
+
+
+def image_parts(args, urls, results) -> None:
+    step = ImageStep(args.device, args.arch)
+    count = lambda b: int(b[0].shape[0])  # noqa: E731
+    ceilings = Ceilings(step, args, count)
+    only = args.only
+    hp = torch.cuda.Stream(args.device, priority=-1) if args.device.type == "cuda" else None
+    variants = {
+        "imageloader": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "imageloader2": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "dali_hand": ("f32", lambda: dali_hand(urls, args), None),
+        "dali_hand2": ("f32", lambda: dali_hand(urls, args), None),
+        "il_hw1": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=1.0)), None),
+        "il_hw09": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.9)), None),
+        "il_hw0": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
+        "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
+        "il_threads4": ("f32", lambda: tracked(image_loader(urls, args, num_threads=4)), None),
+        "il_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, dtype=torch.uint8, layout="NHWC")), None),
+        "il_prio": ("f32", lambda: tracked(image_loader(urls, args)), hp),
+        "il_stream": ("f32", lambda: tracked(image_loader(urls, args, reader="stream")), None),
+    }
+    for name in only:
+        if name in variants and time.perf_counter() - T0 < args.budget_s:
+            fmt, make, stream = variants[name]
+            LOADERS.clear()
+            loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream)
+    if "torch_pil" in only and time.perf_counter() - T0 < args.budget_s:
+        loaded("torch_pil", lambda: torch_pil(urls, args), "f32", ceilings, step, args, count, results,
+               steps=max(10, args.steps // 3))
+    for name in ("dl_ours", "dl_torch"):
+        if name not in only or time.perf_counter() - T0 > args.budget_s:
+            continue
+        from loaders import DataLoader
+
+        ds = Uint8Images(args.batch_size * (args.steps + args.warmup + 4), args.image_size)
+        common = dict(batch_size=args.batch_size, num_workers=args.dl_workers, shuffle=True, drop_last=True,
+                      persistent_workers=True, prefetch_factor=2)
+        if name == "dl_ours":
+            make = lambda: endless(DataLoader(ds, device=args.device, **common))  # noqa: E731
+        else:
+            make = lambda: to_device(endless(torch.utils.data.DataLoader(  # noqa: E731
+                ds, pin_memory=args.device.type == "cuda", **common)), args.device)
+        loaded(name, make, "u8nchw", ceilings, step, args, count, results)
+    if "profile" in only and args.device.type == "cuda" and time.perf_counter() - T0 < args.budget_s:
+        try:
+            results["profile"] = profile(urls, args, step, ceilings)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            results["profile"] = {"error": repr(e)[:500]}
+    results["ceiling_history"] = ceilings.history
+
+
+def _kernels(prof) -> dict[str, float]:
+    """Device time (ms) by kernel/copy name from a torch.profiler run."""
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+            out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    return out
+
+
+def profile(urls, args, step, ceilings) -> dict:
+    """Per step: device time of the loader's own kernels/copies (names absent from the ceiling's profile)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    n = 8
+    count = lambda b: int(b[0].shape[0])  # noqa: E731
+
+    def run(batches):
+        it = iter(batches)
+        for _ in range(4):
+            step(next(it))
+        sync(args.device)
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                step(next(it))
+                torch.cuda.current_stream().synchronize()
+            sync(args.device)
+        return _kernels(prof)
+
+    base = run(replay(ceilings.batches["f32"]))
+    out = {"ceiling_device_ms_per_step": round(sum(base.values()) / n, 2)}
+    for name, make in (("imageloader", lambda: tracked(image_loader(urls, args))),
+                       ("dali_hand", lambda: dali_hand(urls, args))):
+        gen = make()
+        try:
+            k = run(gen)
+        finally:
+            gen.close()
+        own = {key: v for key, v in k.items() if key not in base}
+        top = sorted(own.items(), key=lambda kv: -kv[1])[:8]
+        out[name] = {"device_ms_per_step": round(sum(k.values()) / n, 2),
+                     "loader_device_ms_per_step": round(sum(own.values()) / n, 2),
+                     "top": [(key[:80], round(v / n, 3)) for key, v in top]}
+        print(f"    profile {name}: {out[name]}", file=sys.stderr, flush=True)
+    del count
+    return out
+
+
+def token_part(args, results) -> None:
+    from bench.scaling import ensure_tokens
+    from loaders import TokenLoader
+
+    urls = ensure_tokens(args.tokens_dir, args.docs, 0)
+    step = TokenStep(args.device, args.seq_len, small=args.quick)
+    count = lambda b: int(b["input_ids"].numel())  # noqa: E731
+    ceilings = Ceilings(step, args, count)
+
+    def make():
+        loader = TokenLoader(urls, seq_len=args.seq_len, batch_size=args.token_batch, device=args.device)
+        return tracked(loader)
+
+    loaded("tokens", make, "tokens", ceilings, step, args, count, results)
+
+
+def memory_part(args, urls, results) -> None:
+    """100 short ImageLoader epochs (a partial last batch each): memory_reserved per epoch must stay flat."""
+    import resource
+
+    from loaders import ImageLoader
+
+    batch = max(2, args.batch_size * 3 // 4)
+    loader = ImageLoader(urls[:3], batch_size=batch, image_size=args.image_size, device=args.device,
+                         drop_last=False)
+    reserved, rss = [], []
+    for epoch in range(args.memory_epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            pass
+        sync(args.device)
+        reserved.append(torch.cuda.memory_reserved(args.device) if args.device.type == "cuda" else 0)
+        rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    mb = [r / 2**20 for r in reserved]
+    results["memory"] = {"epochs": args.memory_epochs, "batch_size": batch, "images_per_epoch": len(loader.stream),
+                         "reserved_mb_epoch1": round(mb[0], 1), "reserved_mb_epoch10": round(mb[min(9, len(mb) - 1)], 1),
+                         "reserved_mb_last": round(mb[-1], 1),
+                         "growth_mb_after_epoch10": round(mb[-1] - mb[min(9, len(mb) - 1)], 1),
+                         "max_rss_mb_epoch10": round(rss[min(9, len(rss) - 1)] / 1024, 1),
+                         "max_rss_mb_last": round(rss[-1] / 1024, 1)}
+    print(f"[memory] {results['memory']}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--data", default="/tmp/datapipe-bench-images")
+    p.add_argument("--num-images", type=int, default=20000)
+    p.add_argument("--tokens-dir", default="/tmp/datapipe-scaling-tokens")
+    p.add_argument("--docs", type=int, default=20000)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--arch", default="resnet50")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--token-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=60, help="timed loaded steps per loader")
+    p.add_argument("--ceiling-steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--pil-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    p.add_argument("--dl-workers", type=int, default=8)
+    p.add_argument("--memory-epochs", type=int, default=100)
+    p.add_argument("--budget-s", type=float, default=420, help="start no new part after this many seconds")
+    p.add_argument("--only", default=DEFAULT_ONLY, help="comma list of parts")
+    p.add_argument("--quick", action="store_true", help="CPU smoke check: tiny data, resnet18, a few steps")
+    p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.device = "cpu"
+        args.num_images, args.batch_size, args.image_size, args.arch = 96, 8, 64, "resnet18"
+        args.steps, args.ceiling_steps, args.warmup, args.memory_epochs = 3, 2, 1, 3
+        args.data = args.data.rstrip("/") + "-quick"
+        args.tokens_dir, args.docs, args.seq_len, args.token_batch = args.tokens_dir + "-quick", 400, 256, 2
+        args.pil_workers, args.dl_workers = 1, 1
+    args.device = torch.device(args.device)
+    args.only = [x for x in args.only.split(",") if x]
+    if args.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    from bench.images import ensure_dataset
+
+    per_shard = 256 if not args.quick else 16
+    urls, generation = ensure_dataset(args.data, args.num_images, workers=os.cpu_count() or 1, per_shard=per_shard)
+    print(f"data ready at {time.perf_counter() - T0:.0f} s", file=sys.stderr, flush=True)
+    results: dict = {}
+    out = {"gpu": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
+           "cpu_count": os.cpu_count(), "config": {k: str(v) for k, v in vars(args).items()},
+           "generation": generation, "results": results}
+    try:
+        import nvidia.dali as dali
+
+        out["dali"] = dali.__version__
+    except ImportError:
+        pass
+    image_parts(args, urls, results)
+    write_result("ceiling", out, args.out)
+    if "tokens" in args.only and time.perf_counter() - T0 < args.budget_s + 60:
+        token_part(args, results)
+        write_result("ceiling", out, args.out)
+    if "memory" in args.only and time.perf_counter() - T0 < args.budget_s + 90:
+        try:
+            memory_part(args, urls, results)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            results["memory"] = {"error": repr(e)[:500]}
+    path = write_result("ceiling", out, args.out)
+    rows = [{"loader": k, **{c: v.get(c) for c in ("rate", "ceiling", "ceiling_before", "ceiling_after",
+                                                    "ceiling_ratio", "wait_fraction", "contention")}}
+            for k, v in results.items() if isinstance(v, dict) and "rate" in v]
+    print(table(rows, ["loader", "rate", "ceiling", "ceiling_before", "ceiling_after", "ceiling_ratio",
+                       "wait_fraction", "contention"]))
+    for k in ("memory", "profile"):
+        if k in results:
+            print(k, results[k])
+    print(f"wrote {path} ({time.perf_counter() - T0:.0f} s)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
