@@ -318,8 +318,11 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
     while True:
         header_offset = reader.offset
         header = reader.read(BLOCK)
-        if header is None or header == _ZERO_BLOCK:
-            return None  # end of archive (a missing end-of-archive block is tolerated, like tarfile)
+        if header is None:
+            raise truncated(reader, header_offset)
+        if header == _ZERO_BLOCK:
+            _check_end(reader)
+            return None  # end of archive
         err = None
         if not _checksum_ok(header):
             err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
@@ -363,6 +366,51 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
         long_name = pax = None
         if not _resync(reader):
             return None
+
+
+class TarTruncated(TarFormatError):
+    """The shard ends before its end-of-archive blocks: nothing after ``offset`` can be read.
+
+    ``complete`` is True when it ends inside the end-of-archive blocks (every member before is whole).
+    """
+
+    complete = False
+
+
+_LFS_POINTER = b"version https://git-lfs"
+
+
+def truncated(reader, offset: int) -> TarTruncated:
+    """The error for a stream that ends at or after ``offset`` inside a header (or before any header)."""
+    left = _bytes_left(reader, offset)
+    if offset == 0 and left == 0:
+        return TarTruncated("not a tar file: the file is empty", 0)
+    if offset == 0:
+        head = bytes(reader.mm[:len(_LFS_POINTER)]) if isinstance(reader, MmapReader) else bytes(reader.buf[:64])
+        if head.startswith(_LFS_POINTER):
+            return TarTruncated(f"not a tar file: a Git LFS pointer of {left} bytes (run `git lfs pull` "
+                                "to fetch the real shard)", 0)
+        return TarTruncated(f"not a tar file: {left} bytes, shorter than one tar header", 0)
+    if left:
+        return TarTruncated(f"shard ends at byte {offset + left} inside a tar header (truncated)", offset)
+    return TarTruncated(f"shard ends at byte {offset} without the end-of-archive blocks (truncated)", offset)
+
+
+def _bytes_left(reader, offset: int) -> int:
+    """Bytes that were there after ``offset`` when a read of a whole block there failed."""
+    if isinstance(reader, MmapReader):
+        return max(0, reader.size - offset)
+    return max(0, len(reader.buf) - reader.pos)
+
+
+def _check_end(reader) -> None:
+    """After the first end-of-archive block: the second must follow, else the shard was cut there."""
+    offset = reader.offset
+    if reader.read(BLOCK) is None:
+        err = TarTruncated(f"shard ends at byte {offset + _bytes_left(reader, offset)} inside the "
+                           "end-of-archive blocks (truncated)", offset)
+        err.complete = True
+        raise err
 
 
 def padded(size: int) -> int:
@@ -418,7 +466,12 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
         return i >= start and (stop is None or i < stop)
 
     while True:
-        m = next_member(reader, resync=resync, on_error=errors.append)
+        try:
+            m = next_member(reader, resync=resync, on_error=errors.append)
+        except TarTruncated as e:
+            if e.complete and current is not None:  # cut inside the end-of-archive blocks: the last sample is whole
+                yield SampleEvent(ordinal, key_now, current)
+            raise
         if errors:
             err = errors[-1]
             errors.clear()
@@ -433,7 +486,8 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                     # a damaged pax / long-name header belongs to the next member: the current sample is whole
                     yield SampleEvent(ordinal, key_now, current)
                     current, key_now = None, None
-            elif guess is not None and guess != key_now and guess != next_key and multi is not False:
+            elif (guess is not None and guess != key_now and next_key is not None and guess != next_key
+                  and multi is not False):
                 # a legible name that matches neither neighbour, in a shard of multi-member samples:
                 # the name itself is what got damaged
                 guess = None
@@ -512,18 +566,36 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
 
 
 def count_samples(reader) -> int:
-    """The number of samples in a shard, walking headers only (no data is read)."""
+    """The number of samples in a shard, walking headers only (no data is read); damage raises."""
+    n, err = count_until_damage(reader)
+    if err is not None:
+        raise err
+    return n
+
+
+def count_until_damage(reader) -> tuple[int, TarFormatError | None]:
+    """``(complete samples before the first damage, the damage or None)``, walking headers only.
+
+    A sample counts as complete once the header of the next sample (or the end-of-archive block)
+    has been read whole: the same rule by which ``iter_samples`` hands a sample out.
+    """
     n, last = 0, None
-    while True:
-        m = next_member(reader)
-        if m is None:
-            return n
-        name, size, header_offset = m
-        if not reader.skip(padded(size)):
-            raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
-        if is_meta(name):
-            continue
-        key, _ = split_key(name)
-        if key is not None and key != last:
-            n += 1
-            last = key
+    try:
+        while True:
+            m = next_member(reader)
+            if m is None:
+                return n, None
+            name, size, header_offset = m
+            key = None if is_meta(name) else split_key(name)[0]
+            if key is not None and key != last:
+                n += 1
+                last = key
+            if not reader.skip(padded(size)):
+                raise TarTruncated(f"shard ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+    except TarFormatError as e:
+        if getattr(e, "complete", False):
+            return n, e
+        guess = split_key(e.name)[0] if e.name and "@" not in e.name else None
+        if guess is not None and guess != last:  # a legible header of the next sample: the one before is whole
+            return n, e
+        return max(n - 1, 0), e
