@@ -224,7 +224,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         if self.on_error == "raise":
             raise DataError(damage, url=redact_url(url))
         self._damage[url] = damage
-        log.warning("%s (%s)", damage, redact_url(url))
+        self._note_error(DataError(damage, url=redact_url(url)))
+        if self.on_error == "skip":
+            log.warning("%s (%s)", damage, redact_url(url))
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch."""
@@ -451,8 +453,6 @@ class ShardStream(torch.utils.data.IterableDataset):
             if not resync:
                 raise err
             yield from self._lose(err, stop - expected)
-        elif damage is not None and stop == self.counts[shard]:
-            self._note_error(DataError(damage, url=redact_url(url)))  # the counted part was read; say what is lost
 
     def _open(self, url: str):
         """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""

@@ -339,7 +339,7 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
                         name = long_name or _name(header)
                     if limit is not None and header_offset + BLOCK + size > limit:
                         err = TarFormatError(f"tar member of {size} bytes runs past the end of the file "
-                                             f"({limit} bytes)", header_offset, name=_legible_name(header))
+                                             f"({limit} bytes)", header_offset, name=name)
                     else:
                         return name, size, header_offset
                 elif typeflag in (b"L", b"x", b"K", b"g"):
