@@ -124,8 +124,45 @@ def store_counts(entries: dict[str, dict], *, storage_options: dict | None = Non
                 fs.mv(tmp, path)
                 written.append(url)
                 break
-            except OSError as e:
+            except Exception as e:  # e.g. a read-only file system, or storage that cannot write (HTTP)
                 if must:
-                    raise
+                    raise OSError(f"cannot write {redact_url(url)}: {e}") from e
                 log.debug("cannot write the count cache %s: %s", redact_url(url), e)
     return written
+
+
+def count_shard(url: str, *, storage_options: dict | None = None, retries: int = 5) -> dict[str, Any]:
+    """``{"count", "damage", "stamp"}`` of one shard: its complete samples (walking headers only) and
+    the damage that stopped the count (a message naming the byte), or None. Unreadable: ``DataError``."""
+    from datapipe.errors import DataError
+    from datapipe.storage import open_shard
+    from datapipe.tario import count_until_damage, reader_for
+
+    version = stamp(url, storage_options)
+    f, seekable = open_shard(url, storage_options=storage_options, retries=retries)
+    try:
+        n, err = count_until_damage(reader_for(f, seekable=seekable))
+    except OSError as e:
+        raise DataError(f"cannot count samples: {e}", url=redact_url(url)) from e
+    finally:
+        f.close()
+    damage = None
+    if err is not None:
+        damage = f"shard damaged at byte {err.offset}: {err} ({n} complete samples before it are read)"
+    return {"count": n, "damage": damage, "stamp": version}
+
+
+def count_and_store(urls: list[str], *, storage_options: dict | None = None, cache_dir: str = DEFAULT_CACHE_DIR,
+                    progress: bool = True) -> dict[str, dict]:
+    """Count ``urls`` (in parallel) and remember the counts beside them (else in ``cache_dir``).
+
+    What ``datapipe index`` runs, so that streams over these shards never count them again.
+    """
+    entries = dict(zip(urls, _map(lambda u: count_shard(u, storage_options=storage_options), urls,
+                                  desc="counting samples" if progress else None)))
+    try:
+        store_counts(entries, storage_options=storage_options, cache_dir=cache_dir, beside=True)
+    except OSError as e:
+        log.info("cannot write the counts beside the shards (%s): keeping them in %s", e, cache_dir)
+        store_counts(entries, storage_options=storage_options, cache_dir=cache_dir, beside=False)
+    return entries
