@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from numbers import Integral, Real
 from typing import Any, Iterator
 
 import torch.utils.data
@@ -30,6 +31,16 @@ class _Lost:
 
 
 LOST = _Lost()
+
+
+def _check_types(**args: tuple[Any, type | tuple[type, ...]]) -> None:
+    """``TypeError`` naming the first argument whose value is not of its type (bools are not numbers)."""
+    for name, (value, types) in args.items():
+        types = types if isinstance(types, tuple) else (types,)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            wanted = " or ".join({type(None): "None", Integral: "int", Real: "a number"}.get(t, t.__name__)
+                                 for t in types)
+            raise TypeError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
 
 
 def default_rank_world() -> tuple[int, int]:
@@ -84,6 +95,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         timeout: float | None = DEFAULT_TIMEOUT,
         backoff: float = 0.2,
     ):
+        _check_types(shuffle=(shuffle, bool), seed=(seed, Integral), shuffle_buffer=(shuffle_buffer, Integral),
+                     rank=(rank, (Integral, type(None))), world_size=(world_size, (Integral, type(None))),
+                     on_error=(on_error, str), storage_options=(storage_options, (dict, type(None))),
+                     counts=(counts, (dict, list, tuple, type(None))), retries=(retries, Integral),
+                     allow_pipe=(allow_pipe, bool), cache_dir=(cache_dir, (str, os.PathLike, type(None))),
+                     cache_limit=(cache_limit, (Integral, type(None))), zero_copy=(zero_copy, bool),
+                     timeout=(timeout, (Real, type(None))), backoff=(backoff, Real))
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if shuffle_buffer < 0:
@@ -150,7 +168,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if not url.startswith("pipe:"):
                     by_dir.setdefault(posixpath.dirname(url), []).append(url)
             for directory, dir_urls in by_dir.items():
-                manifest = read_manifest(directory, storage_options=self._options(dir_urls[0]), retries=self.retries)
+                manifest = read_manifest(directory, storage_options=self._options(dir_urls[0]), retries=self.retries,
+                                         backoff=self.backoff)
                 if manifest is None:
                     continue
                 known = {s["name"]: s for s in manifest["shards"]}
@@ -225,8 +244,6 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise DataError(damage, url=redact_url(url))
         self._damage[url] = damage
         self._note_error(DataError(damage, url=redact_url(url)))
-        if self.on_error == "skip":
-            log.warning("%s (%s)", damage, redact_url(url))
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch."""
