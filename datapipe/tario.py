@@ -442,6 +442,32 @@ class SampleEvent:
     error: Exception | None = None
 
 
+def _skip_member(reader, name: str, size: int, header_offset: int, key: str | None = None) -> None:
+    """Skip a member's data and padding; ``TarTruncated`` if the stream ends first."""
+    if not reader.skip(padded(size)):
+        raise TarTruncated(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+
+
+def _damage_owner(err: TarFormatError, next_name: str | None, key_now: str | None,
+                  multi: bool | None) -> tuple[str | None, bool]:
+    """Which sample a damaged header hit: ``(its key, or None when that cannot be told; whether the
+    sample in progress is whole)``. ``next_name`` is the member after the damage, ``key_now`` the
+    sample in progress, ``multi`` whether samples here have several members (None: not known yet)."""
+    extension_header = err.name is not None and ("@PaxHeader" in err.name or err.name == "././@LongLink")
+    guess = split_key(err.name)[0] if err.name and not extension_header else None
+    next_match = _KEY_EXT.match(next_name) if next_name is not None else None
+    next_key = next_match.group(1) if next_match is not None else None
+    if extension_header:
+        if key_now is not None and next_key == key_now:
+            return key_now, False  # it belonged to the next member of the sample in progress
+        return None, True  # it belonged to the next sample's first member
+    if guess is not None and guess != key_now and next_key is not None and guess != next_key and multi is not False:
+        # a legible name that matches neither neighbour, in a shard of multi-member samples:
+        # the name itself is what got damaged
+        return None, False
+    return guess, False
+
+
 def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                  resync: bool = False, zero_copy: bool = False) -> Iterator[SampleEvent]:
     """Group tar members into webdataset samples, for sample ordinals ``start <= i < stop``.
@@ -475,22 +501,11 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
         if errors:
             err = errors[-1]
             errors.clear()
-            extension_header = err.name is not None and ("@PaxHeader" in err.name or err.name == "././@LongLink")
-            guess = split_key(err.name)[0] if err.name and not extension_header else None
-            next_match = key_ext(m[0]) if m is not None else None
-            next_key = next_match.group(1) if next_match is not None else None
-            if extension_header:
-                if key_now is not None and next_key == key_now:
-                    guess = key_now  # it belonged to the next member of the sample in progress
-                elif current is not None:
-                    # a damaged pax / long-name header belongs to the next member: the current sample is whole
-                    yield SampleEvent(ordinal, key_now, current)
-                    current, key_now = None, None
-            elif (guess is not None and guess != key_now and next_key is not None and guess != next_key
-                  and multi is not False):
-                # a legible name that matches neither neighbour, in a shard of multi-member samples:
-                # the name itself is what got damaged
-                guess = None
+            guess, whole = _damage_owner(err, m[0] if m is not None else None, key_now, multi)
+            if whole and current is not None:
+                # a damaged pax / long-name header belongs to the next member: the current sample is whole
+                yield SampleEvent(ordinal, key_now, current)
+                current, key_now = None, None
             if guess is not None and guess != key_now:
                 # the damaged header starts a new sample: the one in progress is complete
                 if current is not None:
@@ -511,8 +526,7 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
         name, size, header_offset = m
         match = key_ext(name)
         if match is None or (name[:2] == "__" and is_meta(name)):
-            if not reader.skip(padded(size)):
-                raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+            _skip_member(reader, name, size, header_offset)
             continue
         key = match.group(1)
         members += 1
@@ -524,8 +538,7 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                     multi = False
             members = 1
             if key == damaged_key:
-                if not reader.skip(padded(size)):
-                    raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+                _skip_member(reader, name, size, header_offset, key)
                 continue
             if current is not None:
                 yield SampleEvent(ordinal, key_now, current)
@@ -541,20 +554,18 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                     yield SampleEvent(ordinal, key, None,
                                       TarFormatError("sample follows unreadable tar data", header_offset, key))
                 current, damaged_key, key_now = None, key, None
-                if not reader.skip(padded(size)):
-                    raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+                _skip_member(reader, name, size, header_offset, key)
                 continue
         if current is None:
-            if not reader.skip(padded(size)):
-                raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset, key)
+            _skip_member(reader, name, size, header_offset, key)
             continue
         ext = match.group(2).lower()
         data = read_data(size)
         if data is None:
-            raise TarFormatError(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+            raise TarTruncated(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
         pad = padded(size) - size
         if pad and not reader.skip(pad):
-            raise TarFormatError(f"tar stream ends inside the padding of member {name!r}", header_offset, key)
+            raise TarTruncated(f"tar stream ends inside the padding of member {name!r}", header_offset, key)
         if ext in current:
             yield SampleEvent(ordinal, key, None,
                               TarFormatError(f"duplicate file name {name!r} in sample", header_offset, key))
@@ -590,8 +601,7 @@ def count_until_damage(reader) -> tuple[int, TarFormatError | None]:
             if key is not None and key != last:
                 n += 1
                 last = key
-            if not reader.skip(padded(size)):
-                raise TarTruncated(f"shard ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+            _skip_member(reader, name, size, header_offset, key)
     except TarFormatError as e:
         if getattr(e, "complete", False):
             return n, e
