@@ -59,13 +59,17 @@ class ShardStream(torch.utils.data.IterableDataset):
     yields the same number of samples (``ceil(N / world_size)``: at most ``world_size - 1`` samples
     repeat to even the ranks out). Order is deterministic for a given (seed, epoch, world_size,
     num_workers). Sample counts come from ``manifest.json`` beside the shards; shards it does not
-    list are counted once by walking their headers (logged).
+    list are counted once by walking their headers (logged; in parallel threads) and the counts are
+    cached (``datapipe.counts``; ``datapipe index`` stores them up front).
 
     ``zero_copy=True`` hands out values of local uncompressed shards as memoryviews into the
     memory-mapped file instead of bytes (no copy; ``np.frombuffer`` and DALI take them as they are).
 
-    ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key; ``"skip"`` drops the bad
-    sample (or the unreadable rest of a shard) and counts it in ``stats()``; ``"warn"`` also logs.
+    ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key (and the byte, for tar
+    damage: any cut, a partial header, a file that is not a tar); ``"skip"`` drops the bad sample (or
+    the unreadable rest of a shard, after every complete sample before it) and counts it in
+    ``stats()``; ``"warn"`` also logs. With ``world_size > 1`` a lost sample is replaced by a repeat
+    of one this worker delivered (counted in ``stats()["padded"]``), so ranks stay equal.
 
     Remote reads retry transient failures ``retries`` times in a row with exponential backoff from
     ``backoff`` seconds, resuming at the byte they had reached (no sample twice); every remote wait
