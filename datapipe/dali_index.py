@@ -1,5 +1,7 @@
 """DALI index files for WebDataset shards (what DALI's ``wds2idx.py`` writes) and the ``index`` CLI.
 
+``datapipe index`` also stores the shards' sample counts (see ``datapipe.counts``).
+
 DALI's ``fn.readers.webdataset`` needs, for each tar, an index (format ``v1.2``): a header line
 ``v1.2 <num_samples>`` and one line per sample with ``<ext> <data_offset> <size> <member_name>``
 for each of its files. Without it DALI scans every tar at start-up. The index is made here
@@ -94,11 +96,14 @@ def _redact(url: str) -> str:
     return redact_url(url)
 
 
-def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_existing: bool = False) -> int:
+def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_existing: bool = False,
+                  counts: bool = True) -> int:
     """Index every shard in ``paths`` (brace patterns expanded); returns a CLI exit code (0 ok, 1 failures).
 
     ``index_dir`` puts the index files into that directory (``<name>.idx``) instead of next to
-    the shards; ``skip_existing`` leaves existing index files alone.
+    the shards; ``skip_existing`` leaves existing index files alone. ``counts`` also stores the
+    shards' sample counts (``datapipe.counts``: beside the shards, else in the local count cache),
+    so that ``ShardStream`` over shards without a manifest does not count them again.
     """
     import fsspec
 
@@ -113,6 +118,12 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
     if not urls:
         log.error("no shards given")
         return 1
+    if index_dir is not None:
+        fs, p = fsspec.core.url_to_fs(index_dir)
+        if fs.exists(p) and not fs.isdir(p):
+            log.error("--index-dir %s is a file, not a directory: give a directory (it is created if missing)",
+                      _redact(index_dir))
+            return 2
     failed = 0
     for url in urls:
         target = default_index_path(url)
@@ -129,9 +140,27 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
         except DataError as e:
             log.error("%s", e)
             failed += 1
+        except OSError as e:
+            log.error("cannot write the index %s: %s", _redact(target), e)
+            failed += 1
     if failed:
         log.error("%d of %d shards could not be indexed", failed, len(urls))
-    return 1 if failed else 0
+        return 1
+    if counts:
+        from datapipe.counts import count_and_store
+
+        try:
+            entries = count_and_store(urls)
+        except DataError as e:
+            log.error("%s", e)
+            return 1
+        damaged = [u for u, e in entries.items() if e["damage"]]
+        for url in damaged:
+            log.error("%s (%s)", entries[url]["damage"], _redact(url))
+        log.info("stored the sample counts of %d shards (%d samples): streams over them no longer count them",
+                 len(entries), sum(e["count"] for e in entries.values()))
+        return 1 if damaged else 0
+    return 0
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -139,7 +168,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("shards", nargs="+", metavar="SHARDS", help="shard paths or URLs; brace ranges allowed")
     p.add_argument("--index-dir", default=None, help="write index files here instead of next to the shards")
     p.add_argument("--skip-existing", action="store_true", help="keep index files that already exist")
+    p.add_argument("--no-counts", dest="counts", action="store_false",
+                   help="do not store the sample counts (.datapipe-counts.json) that ShardStream reads")
 
 
 def run_command(args: argparse.Namespace) -> int:
-    return index_command(args.shards, index_dir=args.index_dir, skip_existing=args.skip_existing)
+    return index_command(args.shards, index_dir=args.index_dir, skip_existing=args.skip_existing,
+                         counts=args.counts)

@@ -40,8 +40,10 @@ def write_manifest(directory: str, manifest: dict[str, Any], *, storage_options:
     return url
 
 
-def read_manifest(directory: str, *, storage_options: dict | None = None, retries: int = 5) -> dict[str, Any] | None:
-    """The manifest of a shard directory, or None when it has none. Transient failures are retried."""
+def read_manifest(directory: str, *, storage_options: dict | None = None, retries: int = 5,
+                  backoff: float = 0.2) -> dict[str, Any] | None:
+    """The manifest of a shard directory, or None when it has none. Transient failures are retried
+    (``retries`` times, exponential backoff from ``backoff`` seconds)."""
     from datapipe.storage import retry_call
 
     url = manifest_url(directory)
@@ -52,7 +54,7 @@ def read_manifest(directory: str, *, storage_options: dict | None = None, retrie
             return json.load(f)
 
     try:
-        manifest = retry_call(load, url, retries=retries)
+        manifest = retry_call(load, url, retries=retries, backoff=backoff, storage_options=storage_options)
     except FileNotFoundError:
         return None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):

@@ -20,13 +20,39 @@ REMOTE_BLOCK = 8 << 20
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError, ValueError)
 
 
+# credential problems (botocore, google-auth, azure): retrying cannot fix them
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                      "NoAuthTokenError", "UnauthorizedSSOTokenError", "TokenRetrievalError",
+                      "DefaultCredentialsError", "RefreshError", "ClientAuthenticationError")
+_CONNECTION_ERRORS = ("ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError")
+
+
+def _chain(e: BaseException, limit: int = 10):
+    """``e`` and its causes, outermost first."""
+    seen = 0
+    while e is not None and seen < limit:
+        yield e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+
+
+def _is_named(e: BaseException, names: tuple[str, ...]) -> bool:
+    return any(cls.__name__ in names for cls in type(e).__mro__)
+
+
+def is_credential_error(e: BaseException) -> bool:
+    """Missing or invalid credentials anywhere in ``e``'s causes (botocore ``NoCredentialsError`` ...)."""
+    return any(_is_named(c, _CREDENTIAL_ERRORS) for c in _chain(e))
+
+
 def is_permanent(e: BaseException) -> bool:
-    """A failure retrying cannot fix (missing file, no permission, bad argument).
+    """A failure retrying cannot fix (missing file, no permission, missing credentials, bad argument).
 
     fsspec's HTTP filesystem reports any failed metadata request as FileNotFoundError, a 503 or a
     reset included: such an error caused by a server error (5xx, 429) or a connection problem is
     transient.
     """
+    if is_credential_error(e):
+        return True
     if not isinstance(e, _PERMANENT):
         return False
     cause, seen = e.__cause__ or e.__context__, 0
@@ -123,6 +149,14 @@ def describe(e: BaseException, secrets: list[str]) -> tuple[str, BaseException]:
     replaces it as the cause, so that printing the error chain cannot show them.
     """
     text = scrub(f"{type(e).__name__}: {e}", secrets)
+    for cause in _chain(e):
+        if isinstance(cause, (ConnectionError, TimeoutError)) or _is_named(cause, _CONNECTION_ERRORS):
+            text = scrub(f"cannot connect: {type(cause).__name__}: {cause}", secrets)  # not "file not found"
+            break
+        if _is_named(cause, _CREDENTIAL_ERRORS):
+            text = scrub(f"{type(cause).__name__}: {cause} (pass credentials in storage_options, e.g. "
+                         "{'key': ..., 'secret': ...} for S3, {'token': ...} for GCS)", secrets)
+            break
     if secrets:
         full = "".join(traceback.format_exception(e))
         if scrub(full, secrets) != full:
@@ -138,6 +172,9 @@ def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_back
         try:
             return fn()
         except Exception as e:
+            if is_credential_error(e):
+                text, cause = describe(e, secrets_of(url, storage_options))
+                raise DataError(f"no usable credentials: {text}", url=redact_url(url)) from cause
             if is_permanent(e):
                 raise
             failures += 1

@@ -4,17 +4,19 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from numbers import Integral, Real
 from typing import Any, Iterator
 
 import torch.utils.data
 
 from datapipe.cache import ShardCache
+from datapipe.counts import _map, load_counts, stamp, store_counts
 from datapipe.errors import DataError
 from datapipe.manifest import read_manifest
 from datapipe.plan import WorkerPlan, epoch_seed, samples_per_rank, shard_order, worker_plan
 from datapipe.shuffle import ShuffleBuffer, replay_positions
 from datapipe.storage import DEFAULT_TIMEOUT, RetryingFile, decompress, open_shard, with_timeouts
-from datapipe.tario import TarFormatError, count_samples, iter_samples, reader_for
+from datapipe.tario import TarFormatError, count_until_damage, iter_samples, reader_for
 from datapipe.urls import expand_urls, is_local, redact_url
 
 log = logging.getLogger("datapipe.stream")
@@ -29,6 +31,16 @@ class _Lost:
 
 
 LOST = _Lost()
+
+
+def _check_types(**args: tuple[Any, type | tuple[type, ...]]) -> None:
+    """``TypeError`` naming the first argument whose value is not of its type (bools are not numbers)."""
+    for name, (value, types) in args.items():
+        types = types if isinstance(types, tuple) else (types,)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            wanted = " or ".join({type(None): "None", Integral: "int", Real: "a number"}.get(t, t.__name__)
+                                 for t in types)
+            raise TypeError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
 
 
 def default_rank_world() -> tuple[int, int]:
@@ -47,13 +59,17 @@ class ShardStream(torch.utils.data.IterableDataset):
     yields the same number of samples (``ceil(N / world_size)``: at most ``world_size - 1`` samples
     repeat to even the ranks out). Order is deterministic for a given (seed, epoch, world_size,
     num_workers). Sample counts come from ``manifest.json`` beside the shards; shards it does not
-    list are counted once by walking their headers (logged).
+    list are counted once by walking their headers (logged; in parallel threads) and the counts are
+    cached (``datapipe.counts``; ``datapipe index`` stores them up front).
 
     ``zero_copy=True`` hands out values of local uncompressed shards as memoryviews into the
     memory-mapped file instead of bytes (no copy; ``np.frombuffer`` and DALI take them as they are).
 
-    ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key; ``"skip"`` drops the bad
-    sample (or the unreadable rest of a shard) and counts it in ``stats()``; ``"warn"`` also logs.
+    ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key (and the byte, for tar
+    damage: any cut, a partial header, a file that is not a tar); ``"skip"`` drops the bad sample (or
+    the unreadable rest of a shard, after every complete sample before it) and counts it in
+    ``stats()``; ``"warn"`` also logs. With ``world_size > 1`` a lost sample is replaced by a repeat
+    of one this worker delivered (counted in ``stats()["padded"]``), so ranks stay equal.
 
     Remote reads retry transient failures ``retries`` times in a row with exponential backoff from
     ``backoff`` seconds, resuming at the byte they had reached (no sample twice); every remote wait
@@ -83,6 +99,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         timeout: float | None = DEFAULT_TIMEOUT,
         backoff: float = 0.2,
     ):
+        _check_types(shuffle=(shuffle, bool), seed=(seed, Integral), shuffle_buffer=(shuffle_buffer, Integral),
+                     rank=(rank, (Integral, type(None))), world_size=(world_size, (Integral, type(None))),
+                     on_error=(on_error, str), storage_options=(storage_options, (dict, type(None))),
+                     counts=(counts, (dict, list, tuple, type(None))), retries=(retries, Integral),
+                     allow_pipe=(allow_pipe, bool), cache_dir=(cache_dir, (str, os.PathLike, type(None))),
+                     cache_limit=(cache_limit, (Integral, type(None))), zero_copy=(zero_copy, bool),
+                     timeout=(timeout, (Real, type(None))), backoff=(backoff, Real))
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if shuffle_buffer < 0:
@@ -116,6 +139,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.epoch = 0
         self._manifest: dict[str, dict] | None = None
         self._counts = self._given_counts(counts)
+        self._damage: dict[str, str] = {}  # counted shards found damaged: url -> "shard damaged at byte N: ..."
         self._resume: dict | None = None
         self._positions: dict[int, dict[str, Any]] = {}
         self._num_workers = 0
@@ -148,7 +172,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if not url.startswith("pipe:"):
                     by_dir.setdefault(posixpath.dirname(url), []).append(url)
             for directory, dir_urls in by_dir.items():
-                manifest = read_manifest(directory, storage_options=self._options(dir_urls[0]), retries=self.retries)
+                manifest = read_manifest(directory, storage_options=self._options(dir_urls[0]), retries=self.retries,
+                                         backoff=self.backoff)
                 if manifest is None:
                     continue
                 known = {s["name"]: s for s in manifest["shards"]}
@@ -165,38 +190,64 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     @property
     def counts(self) -> list[int]:
-        """Samples per shard (from the manifest, or counted once)."""
+        """Samples per shard: from the manifest, else from the count cache, else counted once (and cached).
+
+        A damaged shard without a manifest counts its complete samples before the damage.
+        """
         if self._counts is None:
             known = {u: int(e["count"]) for u, e in self._manifest_entries().items()}
+            missing = [u for u in self.urls if u not in known and not u.startswith("pipe:")]
+            cached = load_counts(missing, storage_options=self._options(missing[0])) if missing else {}
+            for url, entry in cached.items():
+                known[url] = entry["count"]
+                if entry.get("damage"):
+                    self._damaged(url, entry["damage"])
             missing = [u for u in self.urls if u not in known]
             if missing:
                 log.warning("no manifest lists %d of %d shards: counting their samples once (write shards with "
-                            "datapipe.ShardWriter or `datapipe index` to skip this)", len(missing), len(self.urls))
-                for url in missing:
-                    known[url] = self._count_shard(url)
+                            "datapipe.ShardWriter, or run `datapipe index` on them once to store their counts)",
+                            len(missing), len(self.urls))
+                results = _map(self._count_shard, missing, desc="counting samples")
+                fresh = {}
+                for url, (n, damage, stamp) in zip(missing, results):
+                    known[url] = n
+                    if stamp is not None:
+                        fresh[url] = {"count": n, "damage": damage, "stamp": stamp}
+                if fresh:
+                    store_counts(fresh, storage_options=self._options(missing[0]))
             self._counts = [known[u] for u in self.urls]
         return self._counts
 
-    def _count_shard(self, url: str) -> int:
+    def _count_shard(self, url: str) -> tuple[int, str | None, dict | None]:
+        """``(complete samples, damage message or None, the shard's stamp for the cache or None)``."""
+        try:
+            version = None if url.startswith("pipe:") else stamp(url, self._options(url))
+        except Exception:
+            version = None
         try:
             f, seekable, tee = self._open(url)
         except DataError as e:
             if self.on_error == "raise":
                 raise
             self._note_error(e)
-            return 0
+            return 0, None, None
         try:
-            n = count_samples(reader_for(f, seekable=seekable))
-            if tee is not None:
+            n, err = count_until_damage(reader_for(f, seekable=seekable))
+            if err is None and tee is not None:
                 tee.finish()
-            return n
-        except TarFormatError as e:
-            if self.on_error == "raise":
-                raise DataError(f"cannot count samples: {e}", url=redact_url(url)) from e
-            self._note_error(DataError(f"cannot count samples: {e}", url=redact_url(url)))
-            return 0
         finally:
             f.close()
+        if err is None:
+            return n, None, version
+        damage = f"shard damaged at byte {err.offset}: {err} ({n} complete samples before it are read)"
+        self._damaged(url, damage)
+        return n, damage, version
+
+    def _damaged(self, url: str, damage: str) -> None:
+        if self.on_error == "raise":
+            raise DataError(damage, url=redact_url(url))
+        self._damage[url] = damage
+        self._note_error(DataError(damage, url=redact_url(url)))
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch."""
@@ -278,6 +329,9 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
         draws = position["draws"]
         stats = self._stats
+        if self._rank_world()[1] > 1:  # DDP: every rank must yield as many samples as planned
+            yield from self._pad_lost(((None, item) for item in self._read_items(plan, draws)), position)
+            return
         if self.shuffle_buffer <= 1:  # no buffer: read straight through (the hot path, kept lean)
             for item in self._read_items(plan, draws):
                 position["draws"] += 1
@@ -296,12 +350,39 @@ class ShardStream(torch.utils.data.IterableDataset):
                     slots[wanted.pop(pos)] = (pos, item)
             live = ShuffleBuffer(self.shuffle_buffer, buffer.rng, slots)
             items = live.run(item for item in source if item[0] >= pulled)
+        if self._rank_world()[1] > 1:
+            yield from self._pad_lost(items, position)
+            return
         for _, item in items:
             position["draws"] += 1
             if item is LOST:
                 continue
             self._stats["samples"] += 1
             yield item
+
+    def _pad_lost(self, items, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Deliver ``(pos, item)`` items; each LOST one becomes a repeat of a delivered sample (counted
+        in ``padded``), so that a rank whose shards turned out shorter still yields its planned count."""
+        last, owed = None, 0
+        for _, item in items:
+            position["draws"] += 1
+            if item is LOST:
+                if last is None:
+                    owed += 1
+                    continue
+                self._stats["padded"] += 1
+                yield last
+                continue
+            self._stats["samples"] += 1
+            yield item
+            last = item
+            for _ in range(owed):
+                self._stats["padded"] += 1
+                yield item
+            owed = 0
+        if owed:
+            log.warning("%d samples of this rank were lost and none was delivered to repeat: this rank yields "
+                        "fewer samples than the others", owed)
 
     def _read_items(self, plan: WorkerPlan, first: int) -> Iterator[Any]:
         """The plan's samples (or LOST) from position ``first`` on."""
@@ -331,7 +412,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         expected = start
         last_key = None
         resync = self.on_error != "raise"
-        at_end = stop == self.counts[shard]
+        damage = self._damage.get(url)
+        at_end = stop == self.counts[shard] and damage is None  # then look one past: a longer shard is reported
         try:
             f, seekable, tee = self._open(url)
         except DataError as e:
@@ -367,7 +449,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     yield from self._lose(err, 1)
                     continue
                 yield event.sample
-            if tee is not None:
+            if tee is not None and damage is None:
                 tee.finish()
         except TarFormatError as e:
             err = DataError(f"unreadable tar data at byte {e.offset}: {e}", url=redact_url(url), key=e.key or last_key)
@@ -387,8 +469,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 reader.close()
             f.close()
         if expected < stop:
-            err = DataError(f"shard ends after {expected} samples, {stop} expected (truncated, or the manifest is wrong)",
-                            url=redact_url(url), key=last_key)
+            err = DataError(f"shard ends at byte {reader.offset} after {expected} samples, {stop} expected "
+                            "(truncated, or the manifest is wrong)", url=redact_url(url), key=last_key)
             if not resync:
                 raise err
             yield from self._lose(err, stop - expected)

@@ -318,8 +318,11 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
     while True:
         header_offset = reader.offset
         header = reader.read(BLOCK)
-        if header is None or header == _ZERO_BLOCK:
-            return None  # end of archive (a missing end-of-archive block is tolerated, like tarfile)
+        if header is None:
+            raise truncated(reader, header_offset)
+        if header == _ZERO_BLOCK:
+            _check_end(reader)
+            return None  # end of archive
         err = None
         if not _checksum_ok(header):
             err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
@@ -336,7 +339,7 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
                         name = long_name or _name(header)
                     if limit is not None and header_offset + BLOCK + size > limit:
                         err = TarFormatError(f"tar member of {size} bytes runs past the end of the file "
-                                             f"({limit} bytes)", header_offset, name=_legible_name(header))
+                                             f"({limit} bytes)", header_offset, name=name)
                     else:
                         return name, size, header_offset
                 elif typeflag in (b"L", b"x", b"K", b"g"):
@@ -363,6 +366,51 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
         long_name = pax = None
         if not _resync(reader):
             return None
+
+
+class TarTruncated(TarFormatError):
+    """The shard ends before its end-of-archive blocks: nothing after ``offset`` can be read.
+
+    ``complete`` is True when it ends inside the end-of-archive blocks (every member before is whole).
+    """
+
+    complete = False
+
+
+_LFS_POINTER = b"version https://git-lfs"
+
+
+def truncated(reader, offset: int) -> TarTruncated:
+    """The error for a stream that ends at or after ``offset`` inside a header (or before any header)."""
+    left = _bytes_left(reader, offset)
+    if offset == 0 and left == 0:
+        return TarTruncated("not a tar file: the file is empty", 0)
+    if offset == 0:
+        head = bytes(reader.mm[:len(_LFS_POINTER)]) if isinstance(reader, MmapReader) else bytes(reader.buf[:64])
+        if head.startswith(_LFS_POINTER):
+            return TarTruncated(f"not a tar file: a Git LFS pointer of {left} bytes (run `git lfs pull` "
+                                "to fetch the real shard)", 0)
+        return TarTruncated(f"not a tar file: {left} bytes, shorter than one tar header", 0)
+    if left:
+        return TarTruncated(f"shard ends at byte {offset + left} inside a tar header (truncated)", offset)
+    return TarTruncated(f"shard ends at byte {offset} without the end-of-archive blocks (truncated)", offset)
+
+
+def _bytes_left(reader, offset: int) -> int:
+    """Bytes that were there after ``offset`` when a read of a whole block there failed."""
+    if isinstance(reader, MmapReader):
+        return max(0, reader.size - offset)
+    return max(0, len(reader.buf) - reader.pos)
+
+
+def _check_end(reader) -> None:
+    """After the first end-of-archive block: the second must follow, else the shard was cut there."""
+    offset = reader.offset
+    if reader.read(BLOCK) is None:
+        err = TarTruncated(f"shard ends at byte {offset + _bytes_left(reader, offset)} inside the "
+                           "end-of-archive blocks (truncated)", offset)
+        err.complete = True
+        raise err
 
 
 def padded(size: int) -> int:
@@ -394,6 +442,32 @@ class SampleEvent:
     error: Exception | None = None
 
 
+def _skip_member(reader, name: str, size: int, header_offset: int, key: str | None = None) -> None:
+    """Skip a member's data and padding; ``TarTruncated`` if the stream ends first."""
+    if not reader.skip(padded(size)):
+        raise TarTruncated(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+
+
+def _damage_owner(err: TarFormatError, next_name: str | None, key_now: str | None,
+                  multi: bool | None) -> tuple[str | None, bool]:
+    """Which sample a damaged header hit: ``(its key, or None when that cannot be told; whether the
+    sample in progress is whole)``. ``next_name`` is the member after the damage, ``key_now`` the
+    sample in progress, ``multi`` whether samples here have several members (None: not known yet)."""
+    extension_header = err.name is not None and ("@PaxHeader" in err.name or err.name == "././@LongLink")
+    guess = split_key(err.name)[0] if err.name and not extension_header else None
+    next_match = _KEY_EXT.match(next_name) if next_name is not None else None
+    next_key = next_match.group(1) if next_match is not None else None
+    if extension_header:
+        if key_now is not None and next_key == key_now:
+            return key_now, False  # it belonged to the next member of the sample in progress
+        return None, True  # it belonged to the next sample's first member
+    if guess is not None and guess != key_now and next_key is not None and guess != next_key and multi is not False:
+        # a legible name that matches neither neighbour, in a shard of multi-member samples:
+        # the name itself is what got damaged
+        return None, False
+    return guess, False
+
+
 def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                  resync: bool = False, zero_copy: bool = False) -> Iterator[SampleEvent]:
     """Group tar members into webdataset samples, for sample ordinals ``start <= i < stop``.
@@ -418,25 +492,20 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
         return i >= start and (stop is None or i < stop)
 
     while True:
-        m = next_member(reader, resync=resync, on_error=errors.append)
+        try:
+            m = next_member(reader, resync=resync, on_error=errors.append)
+        except TarTruncated as e:
+            if e.complete and current is not None:  # cut inside the end-of-archive blocks: the last sample is whole
+                yield SampleEvent(ordinal, key_now, current)
+            raise
         if errors:
             err = errors[-1]
             errors.clear()
-            extension_header = err.name is not None and ("@PaxHeader" in err.name or err.name == "././@LongLink")
-            guess = split_key(err.name)[0] if err.name and not extension_header else None
-            next_match = key_ext(m[0]) if m is not None else None
-            next_key = next_match.group(1) if next_match is not None else None
-            if extension_header:
-                if key_now is not None and next_key == key_now:
-                    guess = key_now  # it belonged to the next member of the sample in progress
-                elif current is not None:
-                    # a damaged pax / long-name header belongs to the next member: the current sample is whole
-                    yield SampleEvent(ordinal, key_now, current)
-                    current, key_now = None, None
-            elif guess is not None and guess != key_now and guess != next_key and multi is not False:
-                # a legible name that matches neither neighbour, in a shard of multi-member samples:
-                # the name itself is what got damaged
-                guess = None
+            guess, whole = _damage_owner(err, m[0] if m is not None else None, key_now, multi)
+            if whole and current is not None:
+                # a damaged pax / long-name header belongs to the next member: the current sample is whole
+                yield SampleEvent(ordinal, key_now, current)
+                current, key_now = None, None
             if guess is not None and guess != key_now:
                 # the damaged header starts a new sample: the one in progress is complete
                 if current is not None:
@@ -457,8 +526,7 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
         name, size, header_offset = m
         match = key_ext(name)
         if match is None or (name[:2] == "__" and is_meta(name)):
-            if not reader.skip(padded(size)):
-                raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+            _skip_member(reader, name, size, header_offset)
             continue
         key = match.group(1)
         members += 1
@@ -470,8 +538,7 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                     multi = False
             members = 1
             if key == damaged_key:
-                if not reader.skip(padded(size)):
-                    raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+                _skip_member(reader, name, size, header_offset, key)
                 continue
             if current is not None:
                 yield SampleEvent(ordinal, key_now, current)
@@ -487,20 +554,18 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                     yield SampleEvent(ordinal, key, None,
                                       TarFormatError("sample follows unreadable tar data", header_offset, key))
                 current, damaged_key, key_now = None, key, None
-                if not reader.skip(padded(size)):
-                    raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
+                _skip_member(reader, name, size, header_offset, key)
                 continue
         if current is None:
-            if not reader.skip(padded(size)):
-                raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset, key)
+            _skip_member(reader, name, size, header_offset, key)
             continue
         ext = match.group(2).lower()
         data = read_data(size)
         if data is None:
-            raise TarFormatError(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+            raise TarTruncated(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
         pad = padded(size) - size
         if pad and not reader.skip(pad):
-            raise TarFormatError(f"tar stream ends inside the padding of member {name!r}", header_offset, key)
+            raise TarTruncated(f"tar stream ends inside the padding of member {name!r}", header_offset, key)
         if ext in current:
             yield SampleEvent(ordinal, key, None,
                               TarFormatError(f"duplicate file name {name!r} in sample", header_offset, key))
@@ -512,18 +577,35 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
 
 
 def count_samples(reader) -> int:
-    """The number of samples in a shard, walking headers only (no data is read)."""
+    """The number of samples in a shard, walking headers only (no data is read); damage raises."""
+    n, err = count_until_damage(reader)
+    if err is not None:
+        raise err
+    return n
+
+
+def count_until_damage(reader) -> tuple[int, TarFormatError | None]:
+    """``(complete samples before the first damage, the damage or None)``, walking headers only.
+
+    A sample counts as complete once the header of the next sample (or the end-of-archive block)
+    has been read whole: the same rule by which ``iter_samples`` hands a sample out.
+    """
     n, last = 0, None
-    while True:
-        m = next_member(reader)
-        if m is None:
-            return n
-        name, size, header_offset = m
-        if not reader.skip(padded(size)):
-            raise TarFormatError(f"tar stream ends inside member {name!r}", header_offset)
-        if is_meta(name):
-            continue
-        key, _ = split_key(name)
-        if key is not None and key != last:
-            n += 1
-            last = key
+    try:
+        while True:
+            m = next_member(reader)
+            if m is None:
+                return n, None
+            name, size, header_offset = m
+            key = None if is_meta(name) else split_key(name)[0]
+            if key is not None and key != last:
+                n += 1
+                last = key
+            _skip_member(reader, name, size, header_offset, key)
+    except TarFormatError as e:
+        if getattr(e, "complete", False):
+            return n, e
+        guess = split_key(e.name)[0] if e.name and "@" not in e.name else None
+        if guess is not None and guess != last:  # a legible header of the next sample: the one before is whole
+            return n, e
+        return max(n - 1, 0), e

@@ -51,6 +51,13 @@ def _reader_error(error: RuntimeError, paths: list[str], batch: int) -> DataErro
             key = m.group(2).split(".", 1)[0]
             return DataError(f"cannot decode image (DALI's reader, batch {batch} of the epoch): {line[:200]}",
                              url=m.group(1), key=key)
+    for line in lines:
+        m = re.search(r"Underful sample detected at index file", line)
+        if m:  # DALI's words for a sample that lacks one of the extensions the reader asks for
+            shards = paths[0] if len(paths) == 1 else f"{len(paths)} shards ({paths[0]} ...)"
+            return DataError("DALI's reader failed: a sample has no image or no label file of the extensions it "
+                             "asks for: do these shards hold images? `datapipe inspect` lists their extensions "
+                             f"(reading {shards})")
     detail = next((m for m in lines if any(w in m for w in ("failure", "rror:", "Invalid", "detected"))),
                   lines[-1] if lines else "")
     shards = paths[0] if len(paths) == 1 else f"{len(paths)} shards ({paths[0]} ...)"

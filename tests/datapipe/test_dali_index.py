@@ -1,6 +1,8 @@
 import io
 import logging
 import os
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -125,3 +127,31 @@ def test_index_command_and_cli(tmp_path, caplog):
         assert index_command([str(tmp_path / "shard-000000.tar"), str(tmp_path / "broken.tar")]) == 1
     assert "broken.tar" in caplog.text
     assert os.path.exists(tmp_path / "shard-000000.idx")
+
+
+def test_index_stores_counts_so_streams_no_longer_count(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    from datapipe import ShardStream
+
+    for i in range(2):
+        _write_tar(tmp_path / f"shard-{i:06d}.tar", _samples(3 + i, seed=i))
+    pattern = str(tmp_path / "shard-{000000..000001}.tar")
+    assert cli_main(["index", pattern]) == 0
+    assert os.path.exists(tmp_path / ".datapipe-counts.json")
+    with caplog.at_level(logging.WARNING):
+        stream = ShardStream(pattern)
+        assert stream.counts == [3, 4] and len(list(stream)) == 7
+    assert "counting" not in caplog.text
+    (tmp_path / "shard-000001.tar").write_bytes((tmp_path / "shard-000000.tar").read_bytes())  # changed: recounted
+    with caplog.at_level(logging.WARNING):
+        assert ShardStream(pattern).counts == [3, 3]
+    assert "counting their samples once" in caplog.text
+
+
+def test_index_dir_that_is_a_file_is_one_line_error(tmp_path, capsys):
+    _write_tar(tmp_path / "shard-000000.tar", _samples(2, seed=0))
+    (tmp_path / "afile").write_text("x")
+    out = subprocess.run([sys.executable, "-m", "datapipe", "index", str(tmp_path / "shard-000000.tar"),
+                          "--index-dir", str(tmp_path / "afile")], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "is a file, not a directory" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -45,3 +45,32 @@ def test_corrupted_shard_exits_1(out, tmp_path, capsys):
     assert main(["inspect", str(bad)]) == 1
     assert "PROBLEM" in capsys.readouterr().out and "shard-000001.tar" in str(inspect_shards(str(bad))["problems"])
     assert main(["inspect", str(bad / "shard-000000.tar")]) == 0
+
+
+def test_brace_pattern_finds_the_manifest_beside(out, capsys):
+    assert main(["inspect", str(out / "shard-{000000..000002}.tar")]) == 0
+    assert "manifest: yes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [b"just some notes\n", b"x" * 2000, b""])
+def test_a_file_that_is_not_a_tar_is_one_line(tmp_path, capsys, content):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "neither a tar file nor a directory" in err and "Not a directory" not in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_missing_target_and_bad_storage_options(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path), "--storage-options", "{not json"]) == 2
+    assert "--storage-options must be a JSON object" in capsys.readouterr().err
+
+
+def test_truncated_shard_named_with_its_byte(out, tmp_path, capsys):
+    data = (out / "shard-000000.tar").read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:len(data) // 2 // 512 * 512 + 100])
+    assert main(["inspect", str(tmp_path / "cut.tar")]) == 1
+    assert "byte" in capsys.readouterr().out

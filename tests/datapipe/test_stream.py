@@ -297,3 +297,12 @@ def test_bad_arguments():
         ShardStream("x.tar", rank=2, world_size=2)
     with pytest.raises(ValueError):
         ShardStream("")
+
+
+@pytest.mark.parametrize("arg, value", [("shuffle_buffer", "100"), ("seed", 1.5), ("shuffle", "yes"), ("retries", None),
+                                        ("timeout", "60"), ("storage_options", "anon"), ("rank", "0"),
+                                        ("zero_copy", 1), ("backoff", "0.1")])
+def test_constructor_arguments_are_type_checked(arg, value):
+    extra = {"world_size": 1} if arg == "rank" else {}
+    with pytest.raises(TypeError, match=f"^{arg} must be"):
+        ShardStream("x.tar", **{arg: value}, **extra)

@@ -65,8 +65,29 @@ def test_truncated_member_raises_with_offset():
         list(iter_samples(BlockReader(io.BytesIO(data[:1500])), "u"))
 
 
-def test_empty_file_is_an_empty_shard(tmp_path):
-    path = tmp_path / "empty.tar"
-    path.write_bytes(b"")
-    with open(path, "rb", buffering=0) as f:
-        assert list(iter_samples(MmapReader(f), "u")) == []
+@pytest.mark.parametrize("content, message", [
+    (b"", "the file is empty"),
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 123\n", "Git LFS pointer"),
+    (b"just one line of text\n", "shorter than one tar header"),
+])
+def test_short_files_are_not_tars(tmp_path, content, message):
+    path = tmp_path / "not.tar"
+    path.write_bytes(content)
+    for make in (MmapReader, lambda f: BlockReader(f)):
+        with open(path, "rb", buffering=0) as f:
+            with pytest.raises(TarFormatError, match=message) as info:
+                list(iter_samples(make(f), "u", resync=True))
+        assert info.value.offset == 0
+
+
+def test_missing_end_of_archive_is_truncation_but_keeps_the_last_sample():
+    data = make_tar([("a.bin", b"x" * 10), ("b.bin", b"y" * 10)])
+    end = 4 * 512  # two members, then the end-of-archive blocks
+    with pytest.raises(TarFormatError, match="without the end-of-archive"):
+        list(iter_samples(BlockReader(io.BytesIO(data[:end])), "u"))
+    got = []
+    with pytest.raises(TarFormatError, match="inside the end-of-archive") as info:
+        for event in iter_samples(BlockReader(io.BytesIO(data[:end + 512])), "u"):
+            got.append(event.key)
+    assert got == ["a", "b"] and info.value.offset == end + 512
+    assert [e.key for e in iter_samples(BlockReader(io.BytesIO(data[:end + 1024])), "u")] == ["a", "b"]

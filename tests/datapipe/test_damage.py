@@ -1,0 +1,234 @@
+"""Damaged shards, systematically: shards from webdataset, GNU tar and tarfile (PAX, GNU) cut at every
+512-byte boundary and inside headers, data, padding and the end-of-archive blocks, with and without a
+manifest, local and over HTTP. ``raise`` raises ``DataError``; ``skip`` delivers exactly the samples a
+reference reading of the uncut shard says are complete before the cut.
+
+A sample is complete before a cut once the header of the member after it (the next sample's first
+member, extension headers included) or the first end-of-archive block lies wholly before the cut:
+only then can any reader tell that no further member of it follows.
+"""
+import io
+import os
+import random
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+import webdataset
+
+from datapipe import DataError, ShardStream
+from datapipe.manifest import make_manifest, write_manifest
+from datapipe.tario import split_key
+from tests.servers import http_server
+
+NAMES = ["a000", "a001", "b/long-" + "x" * 110 + "-002", "a003", "a004"]  # one name needs a long-name header
+
+
+def _samples():
+    rnd = random.Random(7)
+    return [{"__key__": key, "cls": str(i).encode(), "bin": rnd.randbytes((10, 700, 1500, 512, 3)[i])}
+            for i, key in enumerate(NAMES)]
+
+
+def _members():
+    return [(f"{s['__key__']}.{ext}", s[ext]) for s in _samples() for ext in ("cls", "bin")]
+
+
+def by_webdataset(tmp) -> bytes:
+    path = os.path.join(tmp, "wds.tar")
+    with webdataset.TarWriter(path) as w:
+        for s in _samples():
+            w.write(s)
+    return open(path, "rb").read()
+
+
+def by_tarfile(fmt):
+    def make(tmp) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+            for name, data in _members():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+    return make
+
+
+def by_gnu_tar(tmp) -> bytes:
+    if shutil.which("tar") is None:
+        pytest.skip("GNU tar is not on PATH")
+    src = os.path.join(tmp, "src")
+    names = []
+    for name, data in _members():
+        os.makedirs(os.path.join(src, os.path.dirname(name)), exist_ok=True)
+        with open(os.path.join(src, name), "wb") as f:
+            f.write(data)
+        names.append(name)
+    out = os.path.join(tmp, "gnu.tar")
+    subprocess.run(["tar", "--format=gnu", "--no-recursion", "-cf", out, "-C", src, *names], check=True)
+    return open(out, "rb").read()
+
+
+BUILDERS = {"webdataset": by_webdataset, "tarfile-pax": by_tarfile(tarfile.PAX_FORMAT),
+            "tarfile-gnu": by_tarfile(tarfile.GNU_FORMAT), "gnu-tar": by_gnu_tar}
+
+
+def reference(data: bytes):
+    """``(keys in order, first_header_end per sample, end-of-archive offset)`` from tarfile on the uncut shard."""
+    keys, header_ends, end = [], [], 0
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for m in tar:
+            key = split_key(m.name)[0]
+            if not keys or keys[-1] != key:
+                keys.append(key)
+                header_ends.append(m.offset_data)
+            end = m.offset_data + -(-m.size // 512) * 512
+    return keys, header_ends, end
+
+
+def complete_before(cut: int, ref) -> list[str]:
+    keys, header_ends, end = ref
+    bounds = header_ends[1:] + [end + 512]
+    return [k for k, b in zip(keys, bounds) if b <= cut]
+
+
+def offsets(data: bytes, ref) -> list[int]:
+    """Every 512-byte boundary up to the end of the archive, and offsets inside headers, data, padding
+    and the end-of-archive blocks."""
+    _, _, end = ref
+    cuts = set(range(0, end + 1024, 512))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for m in tar:
+            cuts.update({m.offset + 1, m.offset + 100, m.offset + 511, m.offset_data - 1})
+            if m.size:
+                cuts.update({m.offset_data + 1, m.offset_data + m.size // 2, m.offset_data + m.size - 1})
+            if m.size % 512:
+                cuts.add(m.offset_data + m.size + 1)  # inside the padding
+    cuts.update({end + 1, end + 511, end + 512 + 200, end + 1023})
+    return sorted(c for c in cuts if 0 <= c < end + 1024)
+
+
+@pytest.fixture(autouse=True)
+def _own_count_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the count cache of remote shards goes under ~/.cache
+
+
+def _write_case(directory, data: bytes, cut: int, manifest_count: int | None) -> list[str]:
+    """The cut shard plus a whole one after it (its samples must always come through)."""
+    os.makedirs(directory)
+    with open(os.path.join(directory, "shard-000000.tar"), "wb") as f:
+        f.write(data[:cut])
+    with open(os.path.join(directory, "shard-000001.tar"), "wb") as f:
+        f.write(_renamed())
+    if manifest_count is not None:
+        write_manifest(directory, make_manifest([
+            {"name": "shard-000000.tar", "count": manifest_count, "bytes": cut, "sha256": ""},
+            {"name": "shard-000001.tar", "count": len(NAMES), "bytes": 0, "sha256": ""}]))
+    return ["shard-000000.tar", "shard-000001.tar"]
+
+
+def _renamed() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(len(NAMES)):
+            info = tarfile.TarInfo(f"z{i:03d}.cls")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"1"))
+    return buf.getvalue()
+
+
+WHOLE = [f"z{i:03d}" for i in range(len(NAMES))]
+
+
+def check_cut(urls, cut, ref, *, intact: bool):
+    want = complete_before(cut, ref)
+    if intact:
+        assert [s["__key__"] for s in ShardStream(urls, on_error="raise")] == ref[0] + WHOLE
+        return
+    with pytest.raises(DataError, match=r"byte \d+") as info:
+        list(ShardStream(urls, on_error="raise"))
+    assert "shard-000000.tar" in str(info.value), str(info.value)
+    stream = ShardStream(urls, on_error="skip")
+    got = [s["__key__"] for s in stream]
+    assert got == want + WHOLE, f"cut at {cut}: {got} != {want + WHOLE}"
+    stats = stream.stats()
+    assert stats["errors"] >= 1, f"cut at {cut}: damage not counted"
+    assert any("byte" in e for e in stats["last_errors"]), stats["last_errors"]
+
+
+def _cases(tmp_path, builder, with_manifest):
+    data = BUILDERS[builder](str(tmp_path))
+    return data, reference(data)
+
+
+@pytest.mark.parametrize("with_manifest", [False, True], ids=["no-manifest", "manifest"])
+@pytest.mark.parametrize("builder", list(BUILDERS))
+def test_every_cut_local(tmp_path, builder, with_manifest):
+    data, ref = _cases(tmp_path, builder, with_manifest)
+    cuts = offsets(data, ref)
+    assert len(cuts) > 40
+    for i, cut in enumerate(cuts + [len(data)]):
+        directory = str(tmp_path / f"case{i}")
+        names = _write_case(directory, data, cut, len(ref[0]) if with_manifest else None)
+        check_cut([os.path.join(directory, n) for n in names], cut, ref, intact=cut >= ref[2] + 1024)
+
+
+@pytest.mark.parametrize("with_manifest", [False, True], ids=["no-manifest", "manifest"])
+@pytest.mark.parametrize("builder", ["webdataset", "tarfile-pax"])
+def test_representative_cuts_over_http(tmp_path, builder, with_manifest):
+    data, ref = _cases(tmp_path, builder, with_manifest)
+    _, header_ends, end = ref
+    chosen = sorted({0, 100, 512, header_ends[1] - 1, header_ends[1], header_ends[2] + 1, (end // 1024) * 512 + 3,
+                     end, end + 512, end + 600, len(data)})
+    root = tmp_path / "web"
+    for i, cut in enumerate(chosen):
+        _write_case(str(root / f"case{i}"), data, cut, len(ref[0]) if with_manifest else None)
+    with http_server(str(root)) as (base, _):
+        for i, cut in enumerate(chosen):
+            urls = [f"{base}/case{i}/shard-00000{j}.tar" for j in range(2)]
+            check_cut(urls, cut, ref, intact=cut >= end + 1024)
+
+
+@pytest.mark.parametrize("content", [b"", b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n",
+                                     b"a one-line text file\n", b"<html>" + b"x" * 2000])
+def test_files_that_are_not_tars(tmp_path, content):
+    path = tmp_path / "shard-000000.tar"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match="byte 0|not a tar"):
+        list(ShardStream(str(path), on_error="raise"))
+    stream = ShardStream(str(path), on_error="skip")
+    assert list(stream) == [] and stream.stats()["errors"] >= 1
+
+
+def test_damage_counted_without_manifest_is_cached_and_still_reported(tmp_path):
+    data = by_webdataset(str(tmp_path))
+    ref = reference(data)
+    cut = ref[1][3] + 50  # inside the fourth sample's first member
+    directory = str(tmp_path / "d")
+    names = _write_case(directory, data, cut, None)
+    urls = [os.path.join(directory, n) for n in names]
+    for _ in range(2):  # counted, then from the cache: the same samples and the same report
+        stream = ShardStream(urls, on_error="skip")
+        assert [s["__key__"] for s in stream] == complete_before(cut, ref) + WHOLE
+        assert any("damaged at byte" in e for e in stream.stats()["last_errors"])
+    assert os.path.exists(os.path.join(directory, ".datapipe-counts.json"))
+
+
+def test_ddp_ranks_stay_equal_when_a_shard_is_shorter_than_its_manifest(tmp_path):
+    data = by_webdataset(str(tmp_path))
+    ref = reference(data)
+    directory = str(tmp_path / "d")
+    names = _write_case(directory, data, ref[1][2] + 10, len(ref[0]))
+    urls = [os.path.join(directory, n) for n in names]
+    lengths, delivered, padded = [], set(), 0
+    for rank in range(3):
+        stream = ShardStream(urls, on_error="skip", rank=rank, world_size=3)
+        got = [s["__key__"] for s in stream]
+        lengths.append(len(got))
+        delivered |= set(got)
+        padded += stream.stats()["padded"]
+        assert len(got) == len(stream)
+    assert len(set(lengths)) == 1
+    assert delivered == set(ref[0][:2] + WHOLE)
+    assert padded >= len(ref[0]) - 2  # the lost samples were replaced by counted repeats
