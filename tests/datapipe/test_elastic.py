@@ -28,7 +28,7 @@ def run_rank(dataset, num_workers, k=None, state=None):
     if state is not None:
         dataset.load_state_dict(state)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers, collate_fn=_tag)
-    got, workers, last = [], {}, None
+    got, workers, last, first = [], {}, None, 0
     for i, (item, wid, st) in enumerate(loader):
         if k is not None and i == k:
             break
@@ -36,11 +36,12 @@ def run_rank(dataset, num_workers, k=None, state=None):
         if st is not None:
             workers.update(st["workers"])
             last = st
+            first = (list(st["workers"])[0] + 1) % max(1, num_workers)  # next logical worker (torch's round robin)
     del loader
     if num_workers == 0:
         return got, dataset.state_dict()
     rank_state = dict(last if last is not None else dataset.state_dict())
-    rank_state.update(workers=workers, num_workers=num_workers)
+    rank_state.update(workers=workers, num_workers=num_workers, first_worker=first)
     return got, rank_state
 
 
@@ -206,16 +207,16 @@ def test_mix_resumes_on_another_shape_with_weights_on_target(two_sources, new):
         before += got
         states.append(st)
     g = elastic.merge_states(states)
-    after = []
+    after, early = [], list(before)
     for r in range(new[0]):
         got, _ = run_rank(_mix(two_sources, r, new[0]), new[1], state=g)
         after += got
+        early += got[: len(got) // 2]  # before source b runs out in this rank
     seen = collections.Counter(before + after)
     everything = {s["__key__"] for u in two_sources for s in ShardStream(u)}
     assert set(seen) == everything  # stop="all": every sample of both sources
     assert sum(seen.values()) - len(everything) <= 2 * (3 + new[0] - 1)
-    # on target: of the first 2/3 of the run, source a's share stays near its weight
-    early = before + after[: len(after) // 2]
+    # on target: until a source runs out, source a's share stays near its weight (its size share is 0.4)
     share = sum(k.startswith("a") for k in early) / len(early)
     assert 0.17 < share < 0.33, share
 
