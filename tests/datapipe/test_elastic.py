@@ -1,6 +1,12 @@
 """Elastic resume: a checkpoint of N ranks x W workers resumes on M ranks x V workers, nothing lost."""
 import collections
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -226,3 +232,119 @@ def test_mix_same_shape_global_state_is_bit_exact(two_sources):
     states = [run_rank(_mix(two_sources, r, 2), 2, 7)[1] for r in range(2)]
     got, _ = run_rank(_mix(two_sources, 1, 2), 2, state=elastic.merge_states(states))
     assert full[7:] == got
+
+
+# ---- real processes: SIGKILL, torchrun ----------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHILD = os.path.join(ROOT, "tests", "datapipe", "elastic_child.py")
+RUN_TIMEOUT = 120
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _start(tmp_path, name, cfg, torchrun_procs=None):
+    path = str(tmp_path / f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [sys.executable, CHILD, path]
+    if torchrun_procs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+               "--nproc_per_node", str(torchrun_procs), CHILD, path]
+    err = open(str(tmp_path / f"{name}.stderr"), "wb")
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+
+
+def _finish(proc, tmp_path, name):
+    try:
+        rc = proc.wait(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        rc = "timeout"
+    if rc != 0:
+        with open(str(tmp_path / f"{name}.stderr"), errors="replace") as f:
+            pytest.fail(f"{name} child: exit {rc}\n{f.read()[-3000:]}")
+
+
+def _lines(path):
+    with open(path) as f:
+        return f.read().split("\n")[:-1]
+
+
+def _covered(path):
+    try:
+        return int(torch.load(path, weights_only=False)["samples"])
+    except (FileNotFoundError, EOFError, RuntimeError):
+        return 0
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_on_2x2_then_resume_on_3x1(tmp_path):
+    urls, samples = write_shards(str(tmp_path / "d"), [9, 12, 7, 10, 8])  # 46 samples
+    step = random.Random("elastic-kill").randint(3, 6)
+    procs = []
+    try:
+        for r in range(2):
+            procs.append(_start(tmp_path, f"killed{r}", {"urls": urls, "rank": r, "world": 2, "workers": 2,
+                                                          "log": str(tmp_path / f"killed{r}.log"),
+                                                          "ckpt": str(tmp_path / f"rank{r}.pt"), "pause": 0.1}))
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while min(_covered(str(tmp_path / f"rank{r}.pt")) for r in range(2)) < step:
+            assert all(p.poll() is None for p in procs), "a killed-run child exited early"
+            assert time.monotonic() < deadline, "the children did not reach the kill step in time"
+            time.sleep(0.01)
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)  # the rank and its loader workers, mid-epoch
+            p.wait(timeout=10)
+        before = []
+        for r in range(2):
+            logged = _lines(str(tmp_path / f"killed{r}.log"))
+            assert "DONE" not in logged
+            before += logged[:_covered(str(tmp_path / f"rank{r}.pt"))]
+        resumed = []
+        for r in range(3):
+            resumed.append(_start(tmp_path, f"resumed{r}", {
+                "urls": urls, "rank": r, "world": 3, "workers": 1, "log": str(tmp_path / f"resumed{r}.log"),
+                "ckpt": str(tmp_path / f"new{r}.pt"), "resume": [str(tmp_path / f"rank{k}.pt") for k in range(2)]}))
+        procs += resumed
+        after, counts = [], []
+        for r, p in enumerate(resumed):
+            _finish(p, tmp_path, f"resumed{r}")
+            lines = _lines(str(tmp_path / f"resumed{r}.log"))
+            assert lines[-1] == "DONE"
+            after += lines[:-1]
+            counts.append(len(lines) - 1)
+        assert len(set(counts)) == 1
+        _check_union(before, after, [s["__key__"] for s in samples], 2, 3)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_gloo_gather_on_2_then_resume_on_3(tmp_path):
+    urls, samples = write_shards(str(tmp_path / "d"), [9, 12, 7, 10, 8])
+    glob = str(tmp_path / "global.pt")
+    cfg = {"urls": urls, "torchrun": True, "workers": 0, "ckpt": glob}
+    first = _start(tmp_path, "save", {**cfg, "log": str(tmp_path / "save%d.log"), "stop_after": 5}, torchrun_procs=2)
+    _finish(first, tmp_path, "save")
+    g = torch.load(glob, weights_only=False)
+    assert elastic.shape(g) == {"world_size": 2, "num_workers": 1}
+    before = [k for r in range(2) for k in _lines(str(tmp_path / f"save{r}.log"))]
+    assert len(before) == 10
+    second = _start(tmp_path, "resume", {**cfg, "log": str(tmp_path / "resume%d.log"), "resume": [glob],
+                                         "ckpt": str(tmp_path / "unused.pt")}, torchrun_procs=3)
+    _finish(second, tmp_path, "resume")
+    after = []
+    for r in range(3):
+        lines = _lines(str(tmp_path / f"resume{r}.log"))
+        assert lines[-1] == "DONE"
+        after += lines[:-1]
+    _check_union(before, after, [s["__key__"] for s in samples], 2, 3)
