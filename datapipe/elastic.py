@@ -15,6 +15,8 @@ per-rank states) on any shape:
 """
 from __future__ import annotations
 
+import sys
+from array import array
 from typing import Any, Sequence
 
 from datapipe.plan import (Ranges, epoch_seed, map_positions, normalize, run_ranges, subtract)
@@ -108,6 +110,25 @@ def gather_state(obj) -> dict:
 
 
 # ---- ShardStream states ------------------------------------------------------------------------
+def pack_ranges(ranges: Ranges) -> bytes:
+    """Ranges as little-endian int64 pairs: a state carries them with every batch, and bytes pickle in one copy."""
+    a = array("q", [x for r in ranges for x in r])
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_ranges(data) -> tuple[tuple[int, int], ...]:
+    """Ranges from ``pack_ranges`` bytes, or from a list of ``(start, stop)`` pairs."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        a = array("q")
+        a.frombytes(bytes(data))
+        if sys.byteorder == "big":
+            a.byteswap()
+        return tuple(zip(a[0::2], a[1::2]))
+    return tuple((int(lo), int(hi)) for lo, hi in data)
+
+
 def base_of(state: dict, total: int) -> tuple[tuple[int, int], ...]:
     """The global sample numbers a state's epoch plan ran over (all of the epoch unless resumed elastically)."""
     base = state.get("base")
@@ -115,7 +136,7 @@ def base_of(state: dict, total: int) -> tuple[tuple[int, int], ...]:
         if int(state.get("generation", 0)):
             raise ValueError("state of an elastically resumed epoch lacks its 'base' ranges")
         return ((0, total),) if total else ()
-    return tuple((int(a), int(b)) for a, b in base)
+    return unpack_ranges(base)
 
 
 def delivered(state: dict, *, total: int, shuffle_buffer: int) -> list[tuple[int, int]]:

@@ -270,7 +270,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                         "first_worker": int(state.get("first_worker", 0)),
                         "workers": {int(w): dict(p) for w, p in state["workers"].items()},
                         "generation": int(state.get("generation", 0)),
-                        "base": None if base is None else tuple((int(a), int(b)) for a, b in base),
+                        "base": None if base is None else elastic.unpack_ranges(base),
                         "reshape": reshape}
 
     def stats(self) -> dict[str, Any]:
@@ -314,7 +314,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 draws, done = int(saved.get("draws", 0)), bool(saved.get("done", False))
                 base, generation = resume.get("base"), resume.get("generation", 0)
         self._num_workers = num_workers
-        self._epoch_plan = {"epoch": self.epoch, "base": base, "generation": generation} if generation else None
+        self._epoch_plan = ({"epoch": self.epoch, "base": elastic.pack_ranges(base), "generation": generation}
+                            if generation else None)
         self._total = sum(self.counts)
         plan = worker_plan(self.counts, shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
                                                     epoch=self.epoch),
