@@ -227,7 +227,8 @@ class Mix(torch.utils.data.IterableDataset):
                 raise ValueError(f"not a mix state: no {key!r} entry")
         self.epoch = int(state["epoch"])
         if state.get("world_size") is not None:
-            self._loaded_shape = {"world_size": int(state["world_size"]), "num_workers": max(1, int(state["num_workers"]))}
+            self._loaded_shape = {"world_size": int(state["world_size"]),
+                                  "num_workers": max(1, int(state["num_workers"]))}
         self._resume = self._rank_resume(state)
 
     @staticmethod

@@ -262,7 +262,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             if key not in state:
                 raise ValueError(f"not a ShardStream state: no {key!r} entry")
         if reshape is None and state.get("world_size") is not None:
-            self._loaded_shape = {"world_size": int(state["world_size"]), "num_workers": max(1, int(state["num_workers"]))}
+            self._loaded_shape = {"world_size": int(state["world_size"]),
+                                  "num_workers": max(1, int(state["num_workers"]))}
         self.epoch = int(state["epoch"])
         base = state.get("base")
         self._resume = {"epoch": self.epoch, "num_workers": int(state["num_workers"]),
@@ -325,8 +326,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         if done:
             return
         self._stats["padded"] += plan.padded
-        yield from self._iterate(plan, elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation),
-                                 position)
+        seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
+        yield from self._iterate(plan, seed, position)
         position["done"] = True
 
     def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
