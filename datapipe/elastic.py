@@ -182,7 +182,3 @@ def remaining(global_state: dict, *, total: int, shuffle_buffer: int) -> tuple[t
     for s in ranks:
         done.extend(delivered(s, total=total, shuffle_buffer=shuffle_buffer))
     return tuple(subtract(base, normalize(done))), gens.pop()
-
-
-def count(ranges: Ranges) -> int:
-    return sum(b - a for a, b in ranges)
