@@ -6,6 +6,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch.utils.data
 
+from datapipe import elastic
 from datapipe.plan import epoch_seed
 
 STOP = ("first", "all", "restart")
@@ -103,6 +104,8 @@ class Mix(torch.utils.data.IterableDataset):
         self._logical = 0
         self._num_workers = 0
         self._resume: dict | None = None
+        self._generation = 0  # how many elastic resumes this epoch has had (keys the draws)
+        self._loaded_shape: dict | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """The mix's epoch; streams start each epoch at this epoch too (restarts count up from it)."""
@@ -117,20 +120,31 @@ class Mix(torch.utils.data.IterableDataset):
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0
         resume, self._resume = self._resume, None
-        logical, saved = physical, None
+        logical, saved, generation = physical, None, 0
+        n = len(self.streams)
+        if resume is not None and resume.get("global") is not None:
+            g = resume["global"]
+            _, world = self._rank_world()
+            if g["world_size"] == world and g["num_workers"] == max(1, num_workers):
+                resume = self._rank_resume(g["ranks"][self._rank_world()[0]])
+            else:
+                generation = self._reshape(g)
+                resume = None
         if resume is not None:
-            if resume["num_workers"] != num_workers:
+            if max(1, resume["num_workers"]) != max(1, num_workers):
                 raise ValueError(f"mix state was saved with num_workers={resume['num_workers']}, now {num_workers}: "
-                                 "resume with the same number of workers")
+                                 "resume with the same number of workers, or load the global state "
+                                 "(datapipe.elastic.merge_states) to resume on another shape")
             logical = (physical + resume["first_worker"]) % max(1, num_workers)
             saved = resume["workers"].get(logical)
-        n = len(self.streams)
+            generation = resume["generation"]
         self._started, self._saved_sources = [False] * n, [None] * n
         if saved is None:
             position = {"draws": 0, "active": [w > 0 for w in self.weights], "exhausted": [False] * n,
                         "epochs": [self.epoch] * n, "taken": [0] * n, "sources": [None] * n}
             for i in range(n):
-                self._set_stream_epoch(i, self.epoch)
+                if generation == 0 or resume is not None:
+                    self._set_stream_epoch(i, self.epoch)
         else:
             position = {k: (list(v) if isinstance(v, list) else v) for k, v in saved.items()}
             for i, stream in enumerate(self.streams):
@@ -139,9 +153,16 @@ class Mix(torch.utils.data.IterableDataset):
                 if src is not None:
                     stream.load_state_dict({**src, "first_worker": resume["first_worker"]})
                     self._saved_sources[i] = src
+        if resume is not None and resume["first_worker"]:
+            for i, stream in enumerate(self.streams):  # unread streams still read the logical worker's share
+                if (saved is None or position["sources"][i] is None) and callable(getattr(stream, "state_dict", None)):
+                    stream.load_state_dict({"epoch": position["epochs"][i], "num_workers": resume["num_workers"],
+                                            "workers": {}, "first_worker": resume["first_worker"]})
         self._position, self._logical, self._num_workers = position, logical, num_workers
         sources = [self._source(i, position) for i in range(n)]
-        key = epoch_seed(self.seed, self.epoch, logical)
+        self._generation = generation
+        key = (epoch_seed(self.seed, self.epoch, logical) if generation == 0 else
+               epoch_seed(self.seed, self.epoch, logical, self._rank_world()[1], max(1, num_workers), generation))
         yield from mix_draws(sources, self.weights, key=key, stop=self.stop, position=position,
                              set_epoch=self._set_stream_epoch)
 
@@ -182,16 +203,74 @@ class Mix(torch.utils.data.IterableDataset):
                     sources.append(self._saved_sources[i])  # not read since the resume: still where it was
             workers[self._logical] = {**{k: (list(v) if isinstance(v, list) else v) for k, v in p.items()},
                                       "sources": sources}
-        return {"epoch": self.epoch, "seed": self.seed, "num_workers": self._num_workers, "workers": workers}
+        rank, world = self._rank_world()
+        return {"epoch": self.epoch, "seed": self.seed, "num_workers": self._num_workers, "workers": workers,
+                "rank": rank, "world_size": world, "generation": self._generation}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration yields exactly the rest of the saved epoch."""
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Resume: the next iteration yields exactly the rest of the saved epoch.
+
+        ``state``: this rank's own state, or the global state of all ranks (``datapipe.elastic.merge_states``,
+        or the list of per-rank states), which resumes on any ranks x workers shape: each stream's
+        undelivered samples are planned again over the new shape, and the draws start afresh with
+        the same weights (so the mix stays on target over the epoch).
+        """
+        if isinstance(state, (list, tuple)):
+            state = elastic.merge_states(state)
+        if elastic.is_global(state):
+            self.epoch = int(state["epoch"])
+            self._loaded_shape = elastic.shape(state)
+            self._resume = {"global": state}
+            return
         for key in ("epoch", "num_workers", "workers"):
             if key not in state:
                 raise ValueError(f"not a mix state: no {key!r} entry")
         self.epoch = int(state["epoch"])
-        self._resume = {"num_workers": int(state["num_workers"]), "first_worker": int(state.get("first_worker", 0)),
-                        "workers": {int(w): p for w, p in state["workers"].items()}}
+        if state.get("world_size") is not None:
+            self._loaded_shape = {"world_size": int(state["world_size"]),
+                                  "num_workers": max(1, int(state["num_workers"]))}
+        self._resume = self._rank_resume(state)
+
+    @staticmethod
+    def _rank_resume(state: dict[str, Any]) -> dict[str, Any]:
+        return {"num_workers": int(state["num_workers"]), "first_worker": int(state.get("first_worker", 0)),
+                "generation": int(state.get("generation", 0)),
+                "workers": {int(w): p for w, p in state["workers"].items()}}
+
+    def _rank_world(self) -> tuple[int, int]:
+        """The rank and world size of the first stream that splits by rank (else torch.distributed's)."""
+        for s in self.streams:
+            if callable(getattr(s, "_rank_world", None)):
+                return s._rank_world()
+        from datapipe.stream import default_rank_world
+
+        return default_rank_world()
+
+    def _reshape(self, g: dict[str, Any]) -> int:
+        """Loads each stream with the global state of its undelivered samples; returns the new generation."""
+        world, nw = g["world_size"], g["num_workers"]
+        for i, stream in enumerate(self.streams):
+            if not callable(getattr(stream, "_rank_world", None)):
+                raise ValueError(f"stream {i} is not a ShardStream: only ShardStreams resume a mix on another shape")
+            ranks, template = [], None
+            for r, rs in enumerate(g["ranks"]):
+                workers = {}
+                for w, p in rs["workers"].items():
+                    if int(p["epochs"][i]) != int(rs["epoch"]):
+                        raise ValueError(f"stream {i} restarted in some workers (stop='restart'): this mix "
+                                         "state resumes only on the shape it was taken on")
+                    src = p["sources"][i]
+                    if not any(p["active"]):  # this worker's mix had ended: what it left is not delivered this epoch
+                        workers[int(w)] = {"draws": 0, "done": True}
+                    elif src is not None:
+                        template = template or src
+                        workers.update({int(k): dict(v) for k, v in src["workers"].items()})
+                ranks.append({"epoch": int(rs["epoch"]), "rank": r, "world_size": world, "num_workers": nw,
+                              "workers": workers})
+            extra = {k: template[k] for k in ("seed", "shuffle_buffer", "total", "generation", "base")
+                     if template is not None and k in template}
+            stream.load_state_dict(elastic.merge_states([{**extra, **rs} for rs in ranks]))
+        return 1 + max([int(rs.get("generation", 0)) for rs in g["ranks"]])
 
 
 def mix(streams: Sequence[Iterable], *, weights: Sequence[float], seed: int = 0, stop: str = "first") -> Mix:

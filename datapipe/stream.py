@@ -13,7 +13,8 @@ from datapipe.cache import ShardCache
 from datapipe.counts import _map, load_counts, stamp, store_counts
 from datapipe.errors import DataError
 from datapipe.manifest import read_manifest
-from datapipe.plan import WorkerPlan, epoch_seed, samples_per_rank, shard_order, worker_plan
+from datapipe import elastic
+from datapipe.plan import WorkerPlan, samples_per_rank, shard_order, worker_plan
 from datapipe.shuffle import ShuffleBuffer, replay_positions
 from datapipe.storage import DEFAULT_TIMEOUT, RetryingFile, decompress, open_shard, with_timeouts
 from datapipe.tario import TarFormatError, count_until_damage, iter_samples, reader_for
@@ -141,6 +142,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._counts = self._given_counts(counts)
         self._damage: dict[str, str] = {}  # counted shards found damaged: url -> "shard damaged at byte N: ..."
         self._resume: dict | None = None
+        self._epoch_plan: dict | None = None  # the plan basis of an elastically resumed epoch
+        self._loaded_shape: dict | None = None
+        self._total: int | None = None
         self._positions: dict[int, dict[str, Any]] = {}
         self._num_workers = 0
         self._stats = {"samples": 0, "skipped": 0, "errors": 0, "padded": 0, "retries": 0, "shards_opened": 0,
@@ -269,26 +273,64 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.epoch = int(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where iteration stands: the epoch and each worker's draw count (see loaders.DataLoader)."""
+        """Where iteration stands: the epoch, the shape (rank, world_size, num_workers), each worker's draw count.
+
+        The states of all ranks merge into one global state (``datapipe.elastic.merge_states`` /
+        ``gather_state``) that ``load_state_dict`` resumes on any shape.
+        """
         rank, world = self._rank_world()
+        plan = self._epoch_plan if self._epoch_plan is not None and self._epoch_plan["epoch"] == self.epoch else None
         return {"epoch": self.epoch, "seed": self.seed, "world_size": world, "rank": rank,
                 "num_workers": self._num_workers,
-                "workers": {w: dict(p) for w, p in self._positions.items()}}
+                "workers": {w: dict(p) for w, p in self._positions.items()},
+                "shuffle_buffer": self.shuffle_buffer, "total": self._total,
+                "generation": plan["generation"] if plan else 0, "base": plan["base"] if plan else None}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration of the saved epoch yields exactly its rest (other epochs start afresh)."""
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Resume: the next iteration of the saved epoch yields exactly its rest (other epochs start afresh).
+
+        ``state``: this rank's own state (same shape only), or the global state of all ranks
+        (``datapipe.elastic.merge_states``, or the list of per-rank states): on the same shape each rank
+        resumes bit-exactly; on another ``world_size`` / worker count the epoch's undelivered samples
+        are planned again over the new shape (see ``datapipe.elastic``).
+        """
+        if isinstance(state, (list, tuple)) or (not elastic.is_global(state) and isinstance(state, dict)
+                                                 and state.get("world_size") == 1 and state.get("rank") == 0):
+            state = elastic.merge_states(list(state) if isinstance(state, (list, tuple)) else [state])
+        reshape = None
+        if elastic.is_global(state):
+            base, generation = elastic.remaining(state, total=sum(self.counts), shuffle_buffer=self.shuffle_buffer)
+            reshape = {"base": base, "generation": generation + 1}
+            rank, world = self._rank_world()
+            self._loaded_shape = elastic.shape(state)
+            if world != state["world_size"]:
+                self.epoch = int(state["epoch"])
+                self._resume = {"epoch": self.epoch, "num_workers": -1, "world_size": state["world_size"],
+                                "first_worker": 0, "workers": {}, "reshape": reshape}
+                return
+            state = state["ranks"][rank]
         for key in ("epoch", "num_workers", "workers"):
             if key not in state:
                 raise ValueError(f"not a ShardStream state: no {key!r} entry")
+        if reshape is None and state.get("world_size") is not None:
+            self._loaded_shape = {"world_size": int(state["world_size"]),
+                                  "num_workers": max(1, int(state["num_workers"]))}
         self.epoch = int(state["epoch"])
+        base = state.get("base")
         self._resume = {"epoch": self.epoch, "num_workers": int(state["num_workers"]),
                         "world_size": state.get("world_size"),
                         "first_worker": int(state.get("first_worker", 0)),
-                        "workers": {int(w): dict(p) for w, p in state["workers"].items()}}
+                        "workers": {int(w): dict(p) for w, p in state["workers"].items()},
+                        "generation": int(state.get("generation", 0)),
+                        "base": None if base is None else elastic.unpack_ranges(base),
+                        "reshape": reshape}
 
     def stats(self) -> dict[str, Any]:
-        """Counts of this process: samples yielded, skipped (bad or lost), errors, padded repeats, retries."""
-        return {**self._stats, "last_errors": list(self._last_errors)}
+        """Counts of this process: samples yielded, skipped (bad or lost), errors, padded repeats, retries.
+
+        ``resumed_from``: the shape (``world_size``, ``num_workers``) of the last state loaded, or None.
+        """
+        return {**self._stats, "last_errors": list(self._last_errors), "resumed_from": self._loaded_shape}
 
     # ---- iteration ----------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
@@ -305,25 +347,38 @@ class ShardStream(torch.utils.data.IterableDataset):
         if info is None:
             self._resume = None  # used up here; DataLoader workers use their own copies
         logical, draws, done = physical, 0, False
+        base, generation = None, 0
         if resume is not None:
-            if max(1, resume["num_workers"]) != max(1, num_workers):  # 0 and 1 worker split alike
-                raise ValueError(f"state was saved with num_workers={resume['num_workers']}, "
-                                 f"now {num_workers}: resume with the same number of workers")
-            if resume["world_size"] is not None and resume["world_size"] != world:
-                raise ValueError(f"state was saved with world_size={resume['world_size']}, now {world}")
-            logical = (physical + resume["first_worker"]) % max(1, num_workers)
-            saved = resume["workers"].get(logical, {})
-            draws, done = int(saved.get("draws", 0)), bool(saved.get("done", False))
+            same_workers = max(1, resume["num_workers"]) == max(1, num_workers)  # 0 and 1 worker split alike
+            same_world = resume["world_size"] is None or resume["world_size"] == world
+            if resume.get("reshape") is not None and not (same_workers and same_world):
+                base, generation = resume["reshape"]["base"], resume["reshape"]["generation"]  # elastic: replan
+            else:
+                if not same_workers:
+                    raise ValueError(f"state was saved with num_workers={resume['num_workers']}, "
+                                     f"now {num_workers}: resume with the same number of workers, or load the "
+                                     "global state (datapipe.elastic.merge_states) to resume on another shape")
+                if not same_world:
+                    raise ValueError(f"state was saved with world_size={resume['world_size']}, now {world}: load the "
+                                     "global state (datapipe.elastic.merge_states) to resume on another shape")
+                logical = (physical + resume["first_worker"]) % max(1, num_workers)
+                saved = resume["workers"].get(logical, {})
+                draws, done = int(saved.get("draws", 0)), bool(saved.get("done", False))
+                base, generation = resume.get("base"), resume.get("generation", 0)
         self._num_workers = num_workers
+        self._epoch_plan = ({"epoch": self.epoch, "base": elastic.pack_ranges(base), "generation": generation}
+                            if generation else None)
+        self._total = sum(self.counts)
         plan = worker_plan(self.counts, shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
                                                     epoch=self.epoch),
-                           rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers))
+                           rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers), base=base)
         position = {"draws": draws, "done": done}
         self._positions = {logical: position}
         if done:
             return
         self._stats["padded"] += plan.padded
-        yield from self._iterate(plan, epoch_seed(self.seed, self.epoch, rank, logical), position)
+        seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
+        yield from self._iterate(plan, seed, position)
         position["done"] = True
 
     def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[dict[str, Any]]:

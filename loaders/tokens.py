@@ -197,18 +197,56 @@ class TokenLoader:
         self._delivered = None
 
     def state_dict(self) -> dict:
-        """The position after the last batch handed out (the prefetched ones are replayed on resume)."""
-        if self._delivered is None:
-            return {"stream": self.stream.state_dict(), "batcher": self.batcher.state_dict(), "batches": 0}
-        snap = self._delivered["snapshot"]
-        return {"stream": snap["stream"], "batcher": self.batcher.state_dict(snap["batcher"]),
-                "batches": self._delivered["batches"]}
+        """The position after the last batch handed out (the prefetched ones are replayed on resume).
 
-    def load_state_dict(self, state: dict) -> None:
+        Names the rank and world size it was taken on; the states of all ranks merge into one global
+        state (``datapipe.elastic.merge_states`` / ``gather_state``) that resumes on any world size.
+        """
+        rank, world = self.stream._rank_world()
+        if self._delivered is None:
+            out = {"stream": self.stream.state_dict(), "batcher": self.batcher.state_dict(), "batches": 0}
+        else:
+            snap = self._delivered["snapshot"]
+            out = {"stream": snap["stream"], "batcher": self.batcher.state_dict(snap["batcher"]),
+                   "batches": self._delivered["batches"]}
+        return {**out, "rank": rank, "world_size": world, "epoch": out["stream"]["epoch"]}
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Resume after the last batch of ``state``: this rank's own state, or the global state of all ranks.
+
+        A global state (``datapipe.elastic.merge_states``, or the list of per-rank states) resumes on
+        any world size: on the same one each rank takes its own state back (exact); on another, the
+        stream replans the epoch's undelivered documents over the new ranks, and the token pieces
+        that sat in the old ranks' packers are split among the new ranks' packers (contiguous equal
+        shares in rank order), so every document of the epoch is packed exactly once (padding
+        repeats aside). ``batching="packed"`` only.
+        """
+        from datapipe import elastic
+
+        if isinstance(state, (list, tuple)):
+            state = elastic.merge_states(state)
+        if elastic.is_global(state):
+            rank, world = self.stream._rank_world()
+            if state["world_size"] == world:
+                state = state["ranks"][rank]
+            else:
+                state = self._reshape(state, rank, world)
         for key in ("stream", "batcher"):
             if key not in state:
                 raise ValueError(f"not a TokenLoader state: no {key!r} entry")
         self._resume = state
+
+    def _reshape(self, g: dict, rank: int, world: int) -> dict:
+        from datapipe import elastic
+
+        if self.batching != "packed":
+            raise ValueError("only batching='packed' resumes on another world size; use the same world size")
+        from packing.packer import held_pieces, holding_state
+
+        pieces = [p for rs in g["ranks"] for p in held_pieces(rs["batcher"])]
+        share = pieces[rank * len(pieces) // world:(rank + 1) * len(pieces) // world]
+        return {"stream": elastic.merge_states([rs["stream"] for rs in g["ranks"]]),
+                "batcher": holding_state(self.seq_len, share), "batches": 0}
 
     def stats(self) -> dict:
         """Batches, tokens (real), tokens/s, consumer wait, plus the batcher's own counters (efficiency...)."""

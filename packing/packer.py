@@ -274,6 +274,26 @@ class Packer:
         self._loaded = True
 
 
+def held_pieces(state: dict) -> list[np.ndarray]:
+    """The token pieces a Packer state holds (buffered, then in rows not yet emitted), in that order."""
+    try:
+        return (_split(state["buffer"]["tokens"], state["buffer"]["lengths"])
+                + _split(state["ready"]["tokens"], state["ready"]["lengths"]))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a Packer state_dict: {e!r}") from e
+
+
+def holding_state(seq_len: int, pieces: list[np.ndarray]) -> dict:
+    """A fresh Packer state whose buffer holds ``pieces`` (for handing buffered documents to another packer).
+
+    Load it with ``skip_consumed=False``: the pieces are packed with the next documents read.
+    """
+    st = _State()
+    st.buffer = [(np.asarray(p, dtype=np.int64), i, 0) for i, p in enumerate(pieces)]
+    st.seen = len(pieces)
+    return Packer(seq_len).state_dict(st)
+
+
 def _concat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, dtype=np.int64)
 

@@ -144,3 +144,37 @@ def test_batches_on_the_gpu_equal_the_cpu_ones(tmp_path):
         assert b["input_ids"].is_cuda and b["cu_seqlens"].is_cuda
         assert all(torch.equal(a[k].cpu() if torch.is_tensor(a[k]) else torch.as_tensor(a[k]),
                                b[k].cpu() if torch.is_tensor(b[k]) else torch.as_tensor(b[k])) for k in a)
+
+
+@pytest.mark.parametrize("new_world", [2, 3, 1, 8])
+def test_resume_on_another_world_size_packs_every_document_once(tmp_path, new_world):
+    from collections import Counter
+
+    from datapipe import elastic
+
+    lens = lengths(150, seed=new_world, high=200)
+    urls = write_token_shards(tmp_path, lens)
+    kw = dict(seq_len=128, batch_size=2, buffer_size=16, shuffle_buffer=8, seed=4)
+    tokens, states = [], []
+    for r in range(4):
+        loader = TokenLoader(urls, rank=r, world_size=4, **kw)
+        it = iter(loader)
+        for _ in range(3):  # the producer runs ahead: batches sit prefetched at the checkpoint
+            tokens += real_tokens(next(it)).tolist()
+        states.append(loader.state_dict())
+        del it
+    g = elastic.merge_states(states)
+    assert elastic.shape(g) == {"world_size": 4, "num_workers": 1}
+    assert sum(len(s["batcher"]["buffer"]["lengths"]) + len(s["batcher"]["ready"]["lengths"]) for s in states) > 0
+    for r in range(new_world):
+        loader = TokenLoader(urls, rank=r, world_size=new_world, **kw)
+        loader.load_state_dict(g)
+        tokens += [t for b in loader for t in real_tokens(b).tolist()]
+        assert loader.stats()["stream"]["resumed_from"] == {"world_size": 4, "num_workers": 1}
+    seen = Counter(tokens)
+    per_doc = {}
+    for t, n in seen.items():
+        per_doc.setdefault(t // 100_000, set()).add(n)
+    assert set(per_doc) == set(range(len(lens))) and len(seen) == sum(lens)  # every token of every document
+    assert all(len(ns) == 1 for ns in per_doc.values())  # whole documents only, never a part twice
+    assert sum(ns.pop() - 1 for ns in per_doc.values()) <= 3 + new_world - 1  # only the plans' padding repeats
