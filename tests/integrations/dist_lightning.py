@@ -47,6 +47,9 @@ def main(out):
     trainer.fit(model, loaders.DataLoader(data, batch_size=2, shuffle=True, seed=3, prefetch_depth=3))
     with open(os.path.join(out, f"lightning-{trainer.global_rank}.json"), "w") as f:
         json.dump({"world_size": trainer.world_size, "seen": model.seen, "loader": model.loader}, f)
+    # leave together: a rank that exits while its peer still tears gloo down can abort the peer
+    trainer.strategy.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
