@@ -585,7 +585,8 @@ class DataLoader(tud.DataLoader[_T_co]):
         return elastic.gather_state(state)
 
     def _rank_world(self) -> tuple[int, int]:
-        own = getattr(self.dataset, "_rank_world", None)
+        own = getattr(self.dataset, "_rank_world", None) or getattr(getattr(self.dataset, "stream", None),
+                                                                    "_rank_world", None)
         if callable(own):
             return own()
         from datapipe.stream import default_rank_world
