@@ -136,3 +136,82 @@ def test_global_state_before_any_batch_starts_the_epoch(tmp_path):
     for r in range(3):
         got += _run(_loader(urls, r, 3, 2), state=g)[0]
     _check_union([], got, [s["__key__"] for s in samples], 1, 3)
+
+
+# ---- torchrun (gloo): a collective global_state_dict on 2 ranks, resumed on 3 ---------------------
+def _child(cfg_path):
+    """One rank under torchrun: ``cfg``: urls, workers, log (``%d`` for the rank), ckpt, stop_after / resume."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    stream = ShardStream(cfg["urls"], shuffle=True, seed=5, shuffle_buffer=4)  # rank / world from torch
+    loader = DataLoader(stream, batch_size=2, num_workers=cfg["workers"], collate_fn=keys)
+    if cfg.get("resume"):
+        loader.load_state_dict(torch.load(cfg["resume"], weights_only=False))
+    n = 0
+    with open(cfg["log"] % rank, "w") as log:
+        for batch in loader:
+            log.write("".join(k + "\n" for k in batch))
+            n += 1
+            if n == cfg.get("stop_after"):
+                g = loader.global_state_dict()  # collective
+                if rank == 0:
+                    torch.save(g, cfg["ckpt"] + ".tmp")
+                    os.replace(cfg["ckpt"] + ".tmp", cfg["ckpt"])
+                break
+        log.write("DONE\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_gloo_global_state_on_2_resumes_on_3(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    urls, samples = write_shards(str(tmp_path / "d"), [9, 12, 7, 10, 8])  # 46 samples
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    ckpt = str(tmp_path / "global.pt")
+
+    def run(name, procs, cfg):
+        path = str(tmp_path / f"{name}.json")
+        with open(path, "w") as f:
+            json.dump({"urls": urls, "ckpt": ckpt, "log": str(tmp_path / (name + "%d.log")), **cfg}, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node",
+               str(procs), os.path.abspath(__file__), path]
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+        out = []
+        for r in range(procs):
+            with open(tmp_path / f"{name}{r}.log") as f:
+                lines = f.read().split("\n")[:-1]
+            assert lines[-1] == "DONE"
+            out.append(lines[:-1])
+        return out
+
+    before = run("save", 2, {"workers": 1, "stop_after": 3})
+    g = torch.load(ckpt, weights_only=False)
+    assert elastic.shape(g) == {"world_size": 2, "num_workers": 1}
+    after = run("resume", 3, {"workers": 2, "resume": ckpt})
+    assert len({len(a) for a in after}) == 1
+    _check_union([k for b in before for k in b], [k for a in after for k in a], [s["__key__"] for s in samples], 2, 3)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(sys.argv[1])
