@@ -54,6 +54,9 @@ for part in "$@"; do
     step ceiling: training at its data-free ceiling
     timeout 480 python bench/ceiling.py --data "$DATA" --out "$OUT" ${CEILING_ARGS:-} 2>&1 | grep -v "^    {" \
       | tail -40 | tee -a "$log" ;;
+  elastic2)
+    step elastic resume: ImageLoader + ResNet-50 on 2 GPUs, SIGKILL, resume on 1 GPU, then on 2
+    timeout 300 python bench/elastic_gpu.py --out "$OUT" 2>&1 | tail -40 | tee -a "$log" ;;
   prefetch)
     step prefetch benchmark
     timeout 150 python bench/prefetch.py --device cuda --out "$OUT" 2>&1 | tail -25 | tee -a "$log" ;;

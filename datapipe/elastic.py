@@ -37,11 +37,26 @@ def worker_seed(seed: int, epoch: int, rank: int, worker: int, world_size: int, 
     return epoch_seed(seed, epoch, rank, worker, world_size, max(1, num_workers), generation)
 
 
+NESTED = ("stream", "dataset", "loader")  # where a loader's state keeps its dataset's (per-rank) state
+
+
+def inner(state: dict) -> dict:
+    """The innermost state that names the rank: the state itself, or its stream's / dataset's / loader's."""
+    seen = 0
+    while state.get("rank") is None and seen < 4:
+        nested = next((state[k] for k in NESTED if isinstance(state.get(k), dict)), None)
+        if nested is None:
+            break
+        state, seen = nested, seen + 1
+    return state
+
+
 def _rank_world(state: dict) -> tuple[int, int]:
-    for where in (state, state.get("stream") if isinstance(state.get("stream"), dict) else None):
-        if where is not None and where.get("rank") is not None and where.get("world_size") is not None:
-            return int(where["rank"]), int(where["world_size"])
-    raise ValueError("this state names no rank and world_size: take it with this version's state_dict()")
+    where = inner(state)
+    if where.get("rank") is not None and where.get("world_size") is not None:
+        return int(where["rank"]), int(where["world_size"])
+    raise ValueError("this state names no rank and world_size: take it with this version's state_dict() "
+                     "after at least one batch (or load the global state it was resumed from)")
 
 
 def merge_states(states: Sequence[dict]) -> dict:
@@ -51,6 +66,9 @@ def merge_states(states: Sequence[dict]) -> dict:
     states = list(states)
     if not states:
         raise ValueError("merge_states needs the state of every rank, got none")
+    if all(is_global(s) for s in states):  # every rank still holds the global state it loaded
+        if len({(s["world_size"], s["num_workers"], s["epoch"]) for s in states}) == 1:
+            return states[0]
     by_rank: dict[int, dict] = {}
     world = None
     for s in states:
@@ -72,15 +90,13 @@ def merge_states(states: Sequence[dict]) -> dict:
 
 
 def _num_workers(state: dict) -> int:
-    inner = state.get("stream") if isinstance(state.get("stream"), dict) else state
-    return max(1, int(inner.get("num_workers", 0) or 0))
+    return max(1, int(inner(state).get("num_workers", 0) or 0))
 
 
 def _field(state: dict, key: str):
     if key in state:
         return state[key]
-    inner = state.get("stream")
-    return inner.get(key) if isinstance(inner, dict) else None
+    return inner(state).get(key)
 
 
 def shape(state: dict | Sequence[dict]) -> dict:

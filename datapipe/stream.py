@@ -384,7 +384,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
         draws = position["draws"]
         stats = self._stats
-        if self._rank_world()[1] > 1:  # DDP: every rank must yield as many samples as planned
+        if self.shuffle_buffer <= 1 and self._rank_world()[1] > 1:  # DDP: every rank yields as many as planned
             yield from self._pad_lost(((None, item) for item in self._read_items(plan, draws)), position)
             return
         if self.shuffle_buffer <= 1:  # no buffer: read straight through (the hot path, kept lean)

@@ -44,7 +44,7 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data import IterableDataset, get_worker_info
 
-from datapipe import autotune
+from datapipe import autotune, elastic
 from datapipe.prefetch import DevicePrefetcher, map_tensors, resolve_device
 
 __all__ = ["DataLoader"]
@@ -150,6 +150,8 @@ class _Progress:
         self.next_worker = 0
         self.ds_epoch = None
         self.ds_num_workers = max(1, num_workers)
+        self.ds_last: dict | None = None  # the last worker state seen (rank, shape, seed, plan basis...)
+        self.resumed_from: dict | None = None  # a global state loaded, until this pass's first batch
         self.started: float | None = None
         self.ended: float | None = None
         self.wait_s = 0.0
@@ -238,6 +240,7 @@ class _LoaderIterator:
             n = max(1, int(state.get("num_workers", p.ds_num_workers)))
             p.ds_num_workers = n
             p.ds_epoch = state.get("epoch", p.ds_epoch)
+            p.ds_last = state
             p.workers.update(state.get("workers", {}))
             logical = (meta.worker_id + p.first_worker) % n
             p.next_worker = (logical + 1) % n
@@ -445,9 +448,13 @@ class DataLoader(tud.DataLoader[_T_co]):
         p.sampler_epoch = getattr(self.sampler, "epoch", None)
         if self._protocol and resume is not None and resume.get("dataset") is not None:
             ds = resume["dataset"]
-            p.workers = dict(ds.get("workers", {}))
-            p.first_worker = p.next_worker = int(ds.get("first_worker", 0))
-            p.ds_num_workers = max(1, int(ds.get("num_workers", 1)))
+            if elastic.is_global(ds):  # replanned over this shape: the workers start their new runs
+                p.resumed_from = resume.get("global") or resume
+            else:
+                p.workers = dict(ds.get("workers", {}))
+                p.first_worker = p.next_worker = int(ds.get("first_worker", 0))
+                p.ds_num_workers = max(1, int(ds.get("num_workers", 1)))
+                p.ds_last = {k: v for k, v in ds.items() if k not in ("workers", "first_worker")}
             p.ds_epoch = ds.get("epoch")
             self._drop_persistent()  # persistent workers hold a stale dataset copy
             self.dataset.load_state_dict(ds)
@@ -540,15 +547,19 @@ class DataLoader(tud.DataLoader[_T_co]):
         """Position for exact resume: ``{"epoch", "batches", "num_workers", "generator_state",
         "rng_state", "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``."""
         if self._pending is not None:
-            return dict(self._pending)
+            return dict(self._pending.get("global") or self._pending)
         p = self._progress
         if p is None or p.epoch != self._epoch or p.finished:
             return {"epoch": self._epoch, "batches": 0, "num_workers": self._workers_now(),
                     "generator_state": None, "rng_state": None, "sampler_rng_state": None,
                     "sampler_epoch": None, "base_seed": None, "dataset": None}
+        if p.resumed_from is not None and p.ds_last is None:  # a global state loaded, no batch since
+            return dict(p.resumed_from)
         ds = None
         if self._protocol:
-            ds = {"epoch": p.ds_epoch if p.ds_epoch is not None else p.epoch,
+            # every key of the last worker state (rank, world_size, seed, shuffle_buffer, total,
+            # generation, base: what an elastic resume needs), the merged worker positions on top
+            ds = {**(p.ds_last or {}), "epoch": p.ds_epoch if p.ds_epoch is not None else p.epoch,
                   "num_workers": p.ds_num_workers, "workers": dict(p.workers),
                   "first_worker": p.next_worker}
         return {"epoch": p.epoch, "batches": p.batches, "num_workers": p.num_workers,
@@ -559,18 +570,85 @@ class DataLoader(tud.DataLoader[_T_co]):
     def _workers_now(self) -> int:
         return self._auto_workers if self._auto_workers is not None else 0
 
-    def load_state_dict(self, state: dict) -> None:
-        """Make the next ``iter()`` yield exactly the rest of the saved epoch."""
+    def global_state_dict(self) -> dict:
+        """The state of the whole job: every rank's ``state_dict()``, gathered (``datapipe.elastic``).
+
+        A collective under torch.distributed (every rank must call it at the same step; every rank
+        gets the global state); without it, this process must be the whole job. ``load_state_dict``
+        resumes it on any ``world_size`` and ``num_workers`` (iterable datasets with the worker-state
+        protocol whose states name their rank: ``ShardStream``, ``mix``).
+        """
+        state = self.state_dict()
+        if not elastic.is_global(state) and state.get("dataset") is None:
+            rank, world = self._rank_world()  # nothing handed out this epoch: a fresh start of it
+            state = {**state, "rank": rank, "world_size": world}
+        return elastic.gather_state(state)
+
+    def _rank_world(self) -> tuple[int, int]:
+        own = getattr(self.dataset, "_rank_world", None) or getattr(getattr(self.dataset, "stream", None),
+                                                                    "_rank_world", None)
+        if callable(own):
+            return own()
+        from datapipe.stream import default_rank_world
+
+        return default_rank_world()
+
+    def _load_global(self, state: dict) -> None:
+        """Resume a global state (``global_state_dict``): own rank's state on the same shape, else replan."""
+        if not self._protocol:
+            raise ValueError("a global state resumes only an iterable dataset with the worker-state protocol "
+                             "(ShardStream, mix): this loader's dataset has no state_dict/load_state_dict")
+        ranks = state["ranks"]
+        rank, world = self._rank_world()
+        saved_w = {max(1, int(r["num_workers"])) for r in ranks}
+        if world == state["world_size"] and (self._auto_workers_mode or saved_w == {max(1, self.num_workers)}):
+            own = {k: v for k, v in ranks[rank].items() if k not in ("rank", "world_size")} \
+                if ranks[rank].get("dataset") is None else ranks[rank]
+            self.load_state_dict(own)  # the same shape: bit-exact
+            return
+        datasets = [r.get("dataset") for r in ranks]
+        if all(d is None for d in datasets):  # nobody had handed anything out: the epoch from its start
+            self.load_state_dict({"epoch": int(state["epoch"]), "batches": 0, "num_workers": self._workers_now()})
+            return
+        if any(d is None for d in datasets):
+            raise ValueError("the rank states of this global state disagree: some ranks had finished or not started "
+                             "the epoch; take the global state at a step every rank has reached")
+        ds = elastic.merge_states(datasets)
+        self.load_state_dict({"epoch": int(state["epoch"]), "batches": 0, "num_workers": self._workers_now(),
+                              "generator_state": None, "rng_state": None, "sampler_rng_state": None,
+                              "sampler_epoch": None, "base_seed": None, "dataset": ds})
+        self._pending["global"] = state
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Make the next ``iter()`` yield exactly the rest of the saved epoch.
+
+        ``state``: this rank's ``state_dict()`` (same ``num_workers``), or a global state
+        (``global_state_dict()``, or the list of every rank's ``state_dict()``) of an iterable
+        dataset with the worker-state protocol: on the same shape each rank takes its own state
+        back (bit-exact); on another ``world_size`` / ``num_workers`` the dataset plans the epoch's
+        undelivered samples over the new shape (see ``datapipe.elastic``).
+        """
+        if isinstance(state, (list, tuple)):
+            state = elastic.merge_states(list(state))
+        ds = state.get("dataset") if isinstance(state, dict) else None
+        if not elastic.is_global(state) and self._protocol and isinstance(ds, dict) and not elastic.is_global(ds) \
+                and ds.get("world_size") == 1 and ds.get("rank") == 0 and not self._auto_workers_mode \
+                and max(1, int(state.get("num_workers", 0))) != max(1, self.num_workers):
+            state = elastic.merge_states([state])  # one rank was the whole job: resume it on this worker count
+        if elastic.is_global(state):
+            self._load_global(state)
+            return
         missing = {"epoch", "batches", "num_workers"} - set(state)
         if missing:
             raise ValueError(f"not a loaders.DataLoader state (missing {sorted(missing)}); pass what state_dict() returned")
         saved_w = int(state["num_workers"])
         if not self._auto_workers_mode and self._iterable and state["batches"] > 0 \
-                and max(1, saved_w) != max(1, self.num_workers):
+                and max(1, saved_w) != max(1, self.num_workers) and not elastic.is_global(ds):
             raise ValueError(
                 f"state was saved with num_workers={saved_w}, this loader has num_workers={self.num_workers}: "
-                "an iterable dataset's per-worker streams only resume with the same worker count")
-        if self._auto_workers_mode and state["batches"] > 0:
+                "an iterable dataset's per-worker streams only resume with the same worker count; "
+                "global states (global_state_dict(), or the list of every rank's state_dict()) resume on any")
+        if self._auto_workers_mode and state["batches"] > 0 and not elastic.is_global(ds):
             if self._auto_workers != saved_w:
                 self._drop_persistent()
             self._auto_workers = saved_w

@@ -222,6 +222,7 @@ class ImageLoader:
         self._stats = {"batches": 0, "samples": 0, "skipped": 0, "decode_errors": 0, "last_errors": []}
         self._seconds = {"wait": 0.0, "read": 0.0, "dali": 0.0, "copy": 0.0}
         self._delivered: dict | None = None
+        self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
         self._resumed = False
         self._probe = None
         self._dali_pipe = None  # the DALI pipeline of reader="dali", reused across epochs
@@ -285,6 +286,8 @@ class ImageLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch handed out (read-ahead is not counted)."""
+        if self._global is not None and self._delivered is None:
+            return self._global  # loaded, nothing handed out since
         if self.read_workers and self.reader == "stream":
             loader = self._delivered if self._delivered is not None else None
             return {"epoch": self.epoch, "reader": self.reader, "stream": None, "loader": loader,
@@ -295,8 +298,70 @@ class ImageLoader:
             state["dali"] = self._dali_handed  # a pipeline checkpoint + batches of this epoch handed out
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration yields exactly the batches the saved run had not yet handed out."""
+    def global_state_dict(self) -> dict[str, Any]:
+        """The state of the whole job: every rank's ``state_dict()``, gathered (``datapipe.elastic``).
+
+        A collective under torch.distributed (every rank calls it at the same step); without it this
+        process must be the whole job. ``load_state_dict`` resumes it on any ``world_size`` (and
+        ``read_workers``) with ``reader="stream"``; a DALI-reader state resumes on the same
+        ``world_size`` only.
+        """
+        from datapipe import elastic
+
+        return elastic.gather_state(self.state_dict())
+
+    def _load_global(self, state: dict[str, Any]) -> None:
+        from datapipe import elastic
+
+        ranks = state["ranks"]
+        readers = {r.get("reader") for r in ranks}
+        if readers != {self.reader}:
+            raise ValueError(f"this state was saved with reader={sorted(map(str, readers))}, this loader has "
+                             f"reader={self.reader!r}")
+        rank, world = self._rank_world()
+        if self.reader == "dali":
+            if world != state["world_size"]:
+                raise ValueError(
+                    f"a DALI-reader state (reader='dali', or 'auto' on local shards) taken on world_size="
+                    f"{state['world_size']} cannot resume on world_size={world}: DALI's reader shuffles inside "
+                    "DALI, so its checkpoint does not say which samples were delivered. Resume on the same "
+                    "world_size, or use reader='stream' for elastic jobs (it resumes on any shape).")
+            self.load_state_dict(ranks[rank])
+            return
+        if "loader" in ranks[0]:
+            if ("loader" in ranks[0]) != bool(self.read_workers):
+                raise ValueError("this state was saved with a different read_workers setting (0 vs > 0)")
+            loaders = [r["loader"] for r in ranks]
+            if any(s is None for s in loaders):
+                raise ValueError("some ranks of this global state had handed out no batch: take it after a step "
+                                 "every rank has reached")
+            self._reader_resume = elastic.merge_states(loaders)
+            self._delivered = None
+        else:
+            if self.read_workers:
+                raise ValueError("this state was saved with a different read_workers setting (0 vs > 0)")
+            self.stream.load_state_dict(elastic.merge_states([r["stream"] for r in ranks]))
+            self._delivered = None
+        self.epoch = int(state["epoch"])
+        self._global = state
+        self._resumed = True
+
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Resume: the next iteration yields exactly the batches the saved run had not yet handed out.
+
+        ``state``: this rank's ``state_dict()``, or a global state (``global_state_dict()``, or the
+        list of every rank's ``state_dict()``): on the same shape each rank takes its own state
+        back (exact); with ``reader="stream"`` another ``world_size`` / ``read_workers`` plans the
+        epoch's undelivered samples over the new shape (``datapipe.elastic``).
+        """
+        from datapipe import elastic
+
+        self._global = None
+        if isinstance(state, (list, tuple)):
+            state = elastic.merge_states(list(state))
+        if elastic.is_global(state):
+            self._load_global(state)
+            return
         if "stream" not in state or "epoch" not in state:
             raise ValueError("not an ImageLoader state: needs 'epoch' and 'stream' entries")
         if ("loader" in state) != bool(self.read_workers and self.reader == "stream"):
@@ -332,6 +397,7 @@ class ImageLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not self._resumed:
             self.stream.set_epoch(self.epoch)
+            self._global = None
         self._resumed = False
         self._delivered = None
         produce = self._iter_dali_reader() if self.reader == "dali" else self._iter_stream(self._raw_batches())

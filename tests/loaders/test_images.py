@@ -371,3 +371,64 @@ def test_gpu_memory_reserved_stays_flat_over_epochs(shards):
         torch.cuda.synchronize()
         reserved.append(torch.cuda.memory_reserved())
     assert reserved[-1] == reserved[4], [r >> 20 for r in reserved]
+
+
+# ---- elastic resume: a global state resumes on another world size ---------------------------------
+def _elastic_run(urls, world, *, state=None, k=None, keys=True, **kwargs):
+    """Labels each rank delivers (its first ``k`` batches) and the rank states after them."""
+    got, states = [], []
+    for rank in range(world):
+        args = dict(train=True, drop_last=False, shuffle_buffer=6, rank=rank, world_size=world, **kwargs)
+        dl = loader(urls, **(by_key(**args) if keys else args))  # keys: labels are the sample identities
+        if state is not None:
+            dl.load_state_dict(state)
+        labels = []
+        it = iter(dl)
+        for i, (_, y) in enumerate(it):
+            labels += y.tolist()
+            if k is not None and i + 1 == k:
+                break
+        states.append(dl.state_dict())
+        it.close()
+        got.append(labels)
+    return got, states
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 2)])
+def test_stream_reader_resumes_on_another_world_size(shards, old, new):
+    before, states = _elastic_run(shards, old, k=2 if old == 1 else 1, reader="stream")
+    g = states[0] if old == 1 else states  # one rank is the whole job; else the list of rank states
+    after, _ = _elastic_run(shards, new, state=g, reader="stream")
+    assert len({len(a) for a in after}) == 1  # every rank as many samples
+    seen = [y for r in before + after for y in r]
+    assert set(seen) == set(range(N)) and len(seen) - N <= (old - 1) + (new - 1)
+
+
+def test_stream_reader_global_state_dict_without_distributed(shards):
+    from datapipe import elastic
+
+    dl = loader(shards, train=True, drop_last=False, shuffle_buffer=6, reader="stream", **by_key())
+    it = iter(dl)
+    head = [y for _, (_, ys) in zip(range(2), it) for y in ys.tolist()]
+    it.close()
+    g = dl.global_state_dict()
+    assert elastic.is_global(g) and elastic.shape(g)["world_size"] == 1
+    after, _ = _elastic_run(shards, 2, state=g, reader="stream")
+    assert sorted(head + after[0] + after[1]) == list(range(N))
+
+
+def test_dali_reader_global_state_same_world_is_exact_and_another_is_refused(shards):
+    full, _ = _elastic_run(shards, 2, keys=False, reader="dali")
+    before, states = _elastic_run(shards, 2, k=1, keys=False, reader="dali")
+    after, _ = _elastic_run(shards, 2, state=states, keys=False, reader="dali")
+    assert [b + a for b, a in zip(before, after)] == full
+    dl = loader(shards, reader="dali", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="reader='stream'"):
+        dl.load_state_dict(states)
+
+
+def test_reader_workers_resume_on_another_world_size_and_worker_count(shards):
+    before, states = _elastic_run(shards, 2, k=1, reader="stream", read_workers=1)
+    after, _ = _elastic_run(shards, 1, state=states, reader="stream", read_workers=2)
+    seen = before[0] + before[1] + after[0]
+    assert set(seen) == set(range(N)) and len(seen) - N <= 1
