@@ -7,6 +7,9 @@ measurements of the same input format, so drift shows (``ceiling_before`` / ``ce
 and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
 
 - ``imageloader``: ``loaders.ImageLoader`` defaults; ``il_*``: one option changed (variants);
+  ``il_cpu``: ``decode_device="cpu"`` (DALI decodes/augments on the CPU, pinned copy, normalise
+  on the GPU), ``il_cpu_u8``: the same delivering uint8 NHWC (the step normalises);
+  ``standalone``: the decode rate of ``imageloader`` and ``il_cpu`` alone (no training step);
 - ``dali_hand``: the hand-written DALI loop (readers.webdataset + mixed image_random_crop + resize
   + crop_mirror_normalize, DALIGenericIterator, in the training thread, labels fixed);
 - ``torch_pil``: torch DataLoader + webdataset + PIL (torchvision transforms);
@@ -14,7 +17,12 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
   (``pin_memory=True``) + ``.cuda(non_blocking=True)`` over a map-style uint8 224x224 dataset that
   keeps up (the step normalises the uint8 batch; its ceiling replays a uint8 batch);
 - ``tokens``: ``loaders.TokenLoader`` (4 x 4096 packed rows) feeding the small causal LM of
-  bench/scaling.py (its own ceiling).
+  bench/scaling.py (its own ceiling); ``tokens_llama``: the same rows feeding a ~162M-parameter
+  Hugging Face Llama (random init from a LlamaConfig, bf16 weights, sdpa, AdamW,
+  ``packing.batch.hf_inputs``).
+
+Loaders with worker processes are shut down, and the process waits for its children to exit
+(``workers_exit_s``), before the ceiling after them is measured.
 
 Where the rest goes: ``wait_fraction`` (host blocked in ``next()``), ``contention`` = 1 - ratio -
 wait (the step itself ran slower: the loader's GPU work and host threads), and, profiled with
@@ -45,7 +53,8 @@ from bench.common import table, write_result  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
-DEFAULT_ONLY = "imageloader,dali_hand,il_threads4,il_u8,imageloader2,dali_hand2,torch_pil,dl_ours,dl_torch,tokens,memory,profile"
+DEFAULT_ONLY = ("imageloader,il_cpu,dali_hand,il_cpu_u8,imageloader2,il_cpu2,dali_hand2,standalone,torch_pil,dl_ours,"
+                "dl_torch,tokens,tokens_llama,memory,profile")
 # the variants measured once (bench/results/ceiling_variants.json): il_hw1,il_hw09,il_depth1,il_prio,il_stream
 
 
@@ -138,11 +147,45 @@ class TokenStep:
         self.opt.step()
 
 
+class LlamaStep:
+    """A Hugging Face Llama (random init from a LlamaConfig, ~162M parameters), bf16 weights, sdpa, AdamW.
+
+    The packed batch goes in through ``packing.batch.hf_inputs`` (input_ids, position_ids, labels,
+    no attention mask): transformers masks between the packed documents from the position ids.
+    """
+
+    def __init__(self, device: torch.device, seq_len: int, small: bool = False):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4) if small else
+                dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12))
+        config = LlamaConfig(vocab_size=32000, max_position_embeddings=seq_len, tie_word_embeddings=False,
+                             attn_implementation="sdpa", **size)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+        self.model.train()
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def __call__(self, batch) -> None:
+        from packing.batch import hf_inputs
+
+        inputs = hf_inputs(batch)
+        inputs = {k: v.long() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        loss = self.model(**inputs).loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+
 # ---- timing -----------------------------------------------------------------------------------------
 def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count, stream=None) -> dict:
     """``steps`` steps after ``warmup``; time in ``next()`` is data wait; the training stream syncs each step."""
+    import resource
+
     it = iter(batches)
     ctx = torch.cuda.stream(stream) if stream is not None else _Null()
+    cpu0 = 0.0
     with ctx:
         waits = []
         units = 0
@@ -151,6 +194,8 @@ def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count
             if i == warmup:
                 sync(device)
                 waits, units, start = [], 0, time.perf_counter()
+                ru = resource.getrusage(resource.RUSAGE_SELF)
+                cpu0 = ru.ru_utime + ru.ru_stime
             t0 = time.perf_counter()
             batch = next(it)
             waits.append(time.perf_counter() - t0)
@@ -159,10 +204,11 @@ def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count
                 torch.cuda.current_stream(device).synchronize()  # the training stream, not the loader's
             units += count(batch)
         wall = time.perf_counter() - start
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     ms = np.array(waits) * 1e3
     return {"rate": units / wall, "wait_fraction": float(ms.sum()) / 1e3 / wall, "step_ms": wall / steps * 1e3,
             "wait_ms_p50": float(np.percentile(ms, 50)), "wait_ms_p90": float(np.percentile(ms, 90)),
-            "seconds": wall}
+            "seconds": wall, "cpu_cores_used": round((ru.ru_utime + ru.ru_stime - cpu0) / wall, 2)}
 
 
 class _Null:
@@ -247,7 +293,9 @@ def torch_pil(urls, args):
 
     ns = SimpleNamespace(image_size=args.image_size, batch_size=args.batch_size, workers=args.pil_workers,
                          device=args.device.type)
-    return to_device(endless(torch_dataloader(urls, ns)), args.device)
+    loader = torch_dataloader(urls, ns)
+    LOADERS.append(loader)
+    return to_device(endless(loader), args.device)
 
 
 # ---- parts ------------------------------------------------------------------------------------------
@@ -286,6 +334,7 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     """Ceiling, loaded, ceiling: one row of results."""
     print(f"[{name}] ...", file=sys.stderr, flush=True)
     gen = None
+    children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     try:
         gen = make()
         it = iter(gen)
@@ -298,13 +347,14 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     except Exception as e:  # one broken candidate must not cost the others' numbers
         traceback.print_exc()
         results[name] = {"error": repr(e)[:500]}
+        gen = it = None
+        shutdown_workers(ignore=children, timeout=20)
         return
     finally:
         if gen is not None and hasattr(gen, "close"):
             gen.close()
-    import gc
-
-    gc.collect()  # worker processes of a closed DataLoader go now, not during the ceiling after it
+        gen = it = None
+    exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)
     ceiling = (before + after) / 2
@@ -314,12 +364,53 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
         "ceiling_after": round(after, 1), "ceiling_ratio": round(ratio, 4),
         "wait_fraction": round(r["wait_fraction"], 4), "contention": round(max(0.0, 1 - ratio - r["wait_fraction"]), 4),
         "step_ms": round(r["step_ms"], 2), "wait_ms_p50": round(r["wait_ms_p50"], 2),
-        "wait_ms_p90": round(r["wait_ms_p90"], 2), "input": fmt, **stats,
+        "wait_ms_p90": round(r["wait_ms_p90"], 2), "cpu_cores_used": r["cpu_cores_used"], "input": fmt,
+        **exited, **stats,
     }
     print(f"    {results[name]}", file=sys.stderr, flush=True)
 
 
 LOADERS: list = []
+
+
+def _children() -> list[int]:
+    """Pids of this process's live children (any kind: multiprocessing, torch workers, forks)."""
+    pids = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    except OSError:
+        import multiprocessing
+
+        pids = [p.pid for p in multiprocessing.active_children()]
+    return pids
+
+
+def shutdown_workers(ignore: set = frozenset(), timeout: float = 30.0) -> dict:
+    """Shut the tracked loaders' workers down and wait until this process has no child left."""
+    import gc
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    for loader in LOADERS:
+        close = getattr(loader, "close", None)  # loaders.DataLoader / ImageLoader-like
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+        torch_iter = getattr(loader, "_iterator", None)  # torch's persistent workers
+        if torch_iter is not None and hasattr(torch_iter, "_shutdown_workers"):
+            torch_iter._shutdown_workers()
+    gc.collect()  # iterators of non-persistent workers shut them down when collected
+    while True:
+        multiprocessing.active_children()  # joins the finished ones
+        left = [p for p in _children() if p not in ignore]
+        if not left or time.perf_counter() - t0 > timeout:
+            break
+        time.sleep(0.05)
+    return {"workers_exit_s": round(time.perf_counter() - t0, 2), "workers_left": len(left)}
 
 
 def _loader_stats(gen) -> dict:
@@ -357,12 +448,26 @@ def image_parts(args, urls, results) -> None:
         "il_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, dtype=torch.uint8, layout="NHWC")), None),
         "il_prio": ("f32", lambda: tracked(image_loader(urls, args)), hp),
         "il_stream": ("f32", lambda: tracked(image_loader(urls, args, reader="stream")), None),
+        "il_cpu": ("f32", lambda: tracked(image_loader(urls, args, decode_device="cpu")), None),
+        "il_cpu2": ("f32", lambda: tracked(image_loader(urls, args, decode_device="cpu")), None),
+        "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
+                                                             layout="NHWC")), None),
     }
     for name in only:
         if name in variants and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[name]
             LOADERS.clear()
             loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream)
+    if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
+        results["standalone"] = {}
+        for name, options in (("imageloader", {}), ("il_cpu", {"decode_device": "cpu"})):
+            LOADERS.clear()
+            try:
+                results["standalone"][name] = standalone(image_loader(urls, args, **options), args)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                results["standalone"][name] = {"error": repr(e)[:300]}
+        print(f"    standalone {results['standalone']}", file=sys.stderr, flush=True)
     if "torch_pil" in only and time.perf_counter() - T0 < args.budget_s:
         loaded("torch_pil", lambda: torch_pil(urls, args), "f32", ceilings, step, args, count, results,
                steps=max(10, args.steps // 3))
@@ -374,10 +479,11 @@ def image_parts(args, urls, results) -> None:
         ds = Uint8Images(args.batch_size * (args.steps + args.warmup + 4), args.image_size)
         common = dict(batch_size=args.batch_size, num_workers=args.dl_workers, shuffle=True, drop_last=True,
                       persistent_workers=True, prefetch_factor=2)
+        LOADERS.clear()
         if name == "dl_ours":
-            make = lambda: endless(DataLoader(ds, device=args.device, **common))  # noqa: E731
+            make = lambda: tracked(DataLoader(ds, device=args.device, **common))  # noqa: E731
         else:
-            make = lambda: to_device(endless(torch.utils.data.DataLoader(  # noqa: E731
+            make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
         loaded(name, make, "u8nchw", ceilings, step, args, count, results)
     if "profile" in only and args.device.type == "cuda" and time.perf_counter() - T0 < args.budget_s:
@@ -387,6 +493,21 @@ def image_parts(args, urls, results) -> None:
             traceback.print_exc()
             results["profile"] = {"error": repr(e)[:500]}
     results["ceiling_history"] = ceilings.history
+
+
+def standalone(loader, args, batches: int = 30) -> dict:
+    """Images/s of a loader alone (no training step): can it feed the step at all?"""
+    it = iter(endless(loader))
+    for _ in range(5):
+        next(it)
+    sync(args.device)
+    t0 = time.perf_counter()
+    n = sum(int(next(it)[0].shape[0]) for _ in range(batches))
+    sync(args.device)
+    rate = n / (time.perf_counter() - t0)
+    it.close()
+    shutdown_workers()
+    return {"images_per_s": round(rate, 1), "num_threads": loader.num_threads}
 
 
 def _kernels(prof) -> dict[str, float]:
@@ -420,8 +541,11 @@ def profile(urls, args, step, ceilings) -> dict:
 
     base = run(replay(ceilings.batches["f32"]))
     out = {"ceiling_device_ms_per_step": round(sum(base.values()) / n, 2)}
-    for name, make in (("imageloader", lambda: tracked(image_loader(urls, args))),
-                       ("dali_hand", lambda: dali_hand(urls, args))):
+    candidates = [("imageloader", lambda: tracked(image_loader(urls, args))),
+                  ("dali_hand", lambda: dali_hand(urls, args))]
+    if any(n.startswith("il_cpu") for n in args.only):
+        candidates.append(("il_cpu", lambda: tracked(image_loader(urls, args, decode_device="cpu"))))
+    for name, make in candidates:
         gen = make()
         try:
             k = run(gen)
@@ -450,7 +574,19 @@ def token_part(args, results) -> None:
         loader = TokenLoader(urls, seq_len=args.seq_len, batch_size=args.token_batch, device=args.device)
         return tracked(loader)
 
-    loaded("tokens", make, "tokens", ceilings, step, args, count, results)
+    if "tokens" in args.only:
+        LOADERS.clear()
+        loaded("tokens", make, "tokens", ceilings, step, args, count, results)
+    if "tokens_llama" in args.only and time.perf_counter() - T0 < args.budget_s + 90:
+        del step, ceilings
+        try:
+            llama = LlamaStep(args.device, args.seq_len, small=args.quick)
+        except ImportError as e:  # no transformers here
+            results["tokens_llama"] = {"error": repr(e)[:300]}
+            return
+        LOADERS.clear()
+        loaded("tokens_llama", make, "tokens_llama", Ceilings(llama, args, count), llama, args, count, results)
+        results["tokens_llama"]["parameters"] = llama.parameters
 
 
 def memory_part(args, urls, results) -> None:
@@ -531,7 +667,7 @@ def main(argv=None) -> dict:
         pass
     image_parts(args, urls, results)
     write_result("ceiling", out, args.out)
-    if "tokens" in args.only and time.perf_counter() - T0 < args.budget_s + 60:
+    if {"tokens", "tokens_llama"} & set(args.only) and time.perf_counter() - T0 < args.budget_s + 60:
         token_part(args, results)
         write_result("ceiling", out, args.out)
     if "memory" in args.only and time.perf_counter() - T0 < args.budget_s + 90:
@@ -542,11 +678,12 @@ def main(argv=None) -> dict:
             results["memory"] = {"error": repr(e)[:500]}
     path = write_result("ceiling", out, args.out)
     rows = [{"loader": k, **{c: v.get(c) for c in ("rate", "ceiling", "ceiling_before", "ceiling_after",
-                                                    "ceiling_ratio", "wait_fraction", "contention")}}
+                                                    "ceiling_ratio", "wait_fraction", "contention",
+                                                    "cpu_cores_used")}}
             for k, v in results.items() if isinstance(v, dict) and "rate" in v]
     print(table(rows, ["loader", "rate", "ceiling", "ceiling_before", "ceiling_after", "ceiling_ratio",
-                       "wait_fraction", "contention"]))
-    for k in ("memory", "profile"):
+                       "wait_fraction", "contention", "cpu_cores_used"]))
+    for k in ("memory", "profile", "standalone"):
         if k in results:
             print(k, results[k])
     print(f"wrote {path} ({time.perf_counter() - T0:.0f} s)")

@@ -50,7 +50,7 @@ for part in "$@"; do
       echo "torchrun exit status $?" >> "$OUT/scaling_${n}gpu.log"
       grep -v "NCCL INFO" "$OUT/scaling_${n}gpu.log" | tail -8 | tee -a "$log"
     done ;;
-  ceiling)
+  ceiling)  # the decode_device="cpu" run: CEILING_ARGS="--steps 50 --ceiling-steps 30 --warmup 6 --only imageloader,il_cpu,dali_hand,il_cpu_u8,standalone,dl_ours,dl_torch,profile,tokens,tokens_llama"
     step ceiling: training at its data-free ceiling
     timeout 480 python bench/ceiling.py --data "$DATA" --out "$OUT" ${CEILING_ARGS:-} 2>&1 | grep -v "^    {" \
       | tail -40 | tee -a "$log" ;;

@@ -12,6 +12,12 @@ from ``resource.getrusage``), time waiting in ``next()``, GPU busy time of the c
 CUDA (CUDA events; "n/a" on CPU). Stages are timed separately (fetch -> parse -> decode ->
 host-to-device -> consume) so that the slowest one is named. This module imports ``loaders``
 lazily: it is the benchmark of the whole stack.
+
+No ``ceiling_ratio`` here: the consume step is a stand-in (a copy and a reduction), not a training
+step, so "rate with the loader / rate with a cached batch" would only restate the loader's own
+throughput. The figures that make sense without a model are the rate, the wait fraction and the
+GPU busy time; the result's ``ceiling`` entry says so and names where the ratio is measured:
+``datapipe doctor --ceiling-steps N -- train.py`` (your own step) and ``bench/ceiling.py``.
 """
 from __future__ import annotations
 
@@ -522,8 +528,13 @@ def run_loader(data: str, *, pipelines: list[str] | None = None, batch_size: int
     if ok:
         best = max(ok, key=lambda p: p["samples_per_s"])
         result["fastest"] = {"name": best["name"], "samples_per_s": best["samples_per_s"]}
+    result["ceiling"] = {"ceiling_ratio": None, "note": CEILING_NOTE}
     return result
 
+
+CEILING_NOTE = ("not measured: the consume step is a stand-in reduction, not a training step; "
+                "`datapipe doctor --ceiling-steps N -- train.py` reports ceiling_ratio on your own step "
+                "(bench/ceiling.py on ResNet-50 and LMs)")
 
 TABLE_COLUMNS = ["pipeline", "samples/s", "MB/s", "tokens/s", "padding", "CPU cores", "wait", "GPU busy", "error"]
 STAGE_COLUMNS = ["stage", "samples/s", "parallel", "note"]

@@ -55,7 +55,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--storage-options", default=None,
                    help='fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\'')
     _common(s)
-    lo = sub.add_parser("loader", help="the same dataset through several loaders, with a per-stage breakdown")
+    lo = sub.add_parser("loader", help="the same dataset through several loaders, with a per-stage breakdown",
+                        description="The same dataset through several loaders, with a per-stage breakdown. The "
+                                    "consume step is a stand-in reduction, not a training step: no ceiling_ratio "
+                                    "(use `datapipe doctor --ceiling-steps N -- train.py` for that).")
     lo.add_argument("data", help="a shard directory or spec (image shards: jpg+cls; token shards: npy)")
     lo.add_argument("--pipelines", default=None,
                     help="comma list of torch, webdataset, dali, datapipe-images, datapipe-loader (image data); "

@@ -134,6 +134,14 @@ class ImageLoader:
     ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
     hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
     partial last batch.
+
+    ``decode_device="cpu"`` with ``device="cuda"`` keeps the loader's work off the GPU's SMs:
+    DALI decodes (random-crop ROI decoding), resizes and flips on the CPU with ``num_threads``
+    (default: the usable cores minus 2) into uint8 HWC; the batch goes through reused pinned
+    buffers to the GPU on the producer's side stream, and one kernel there does the permute, the
+    cast and the normalisation (none with ``dtype=torch.uint8``). It needs the CPU cores to keep
+    up (README). Default ``None``: decode where ``device`` is (``"gpu"`` on CUDA, nvImageCodec);
+    ``"cpu"`` with ``device="cpu"`` gives the same images through the same uint8 path.
     """
 
     def __init__(
@@ -168,6 +176,7 @@ class ImageLoader:
         resize_size: int | None = None,
         index_dir: str | None = None,
         stream_options: dict | None = None,
+        decode_device: str | None = None,
     ):
         device = torch.device(device)
         if device.type not in ("cuda", "cpu"):
@@ -190,6 +199,15 @@ class ImageLoader:
             raise ValueError(f"hw_decoder_load must be in [0, 1], got {hw_decoder_load}")
         if prefetch_queue_depth < 1:
             raise ValueError(f"prefetch_queue_depth must be >= 1, got {prefetch_queue_depth}")
+        if decode_device not in (None, "gpu", "cpu"):
+            raise ValueError(f"decode_device must be None, 'gpu' or 'cpu', got {decode_device!r}")
+        if decode_device == "gpu" and device.type != "cuda":
+            raise ValueError("decode_device='gpu' needs device='cuda'")
+        self.decode_device = decode_device or ("gpu" if device.type == "cuda" else "cpu")
+        # decode on the host into uint8 HWC, deliver (pinned copy) and normalise in torch
+        self._host_decode = decode_device == "cpu"
+        self._pinned = None  # the pinned staging buffers of that path (datapipe.prefetch's pool)
+        self._affine: tuple | None = None  # its (shift, scale) per channel, on the device
         self.batch_size = int(batch_size)
         self.image_size = int(image_size)
         self.train = bool(train)
@@ -205,6 +223,12 @@ class ImageLoader:
         self.label_key = label_key
         self.label_decoder = label_decoder or parse_label
         self.image_exts = tuple(e for e in image_key.split(";") if e)
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if num_threads is None and self._host_decode and device.type == "cuda":
+            from datapipe.bench import usable_cores
+
+            num_threads = max(1, usable_cores() - 2)  # one core each for the training and producer threads
         self.num_threads = int(num_threads or max(1, min(8, os.cpu_count() or 1)))
         if read_workers < 0:
             raise ValueError(f"read_workers must be >= 0, got {read_workers}")
@@ -253,6 +277,11 @@ class ImageLoader:
             return "dali" if dali_ok and plain else "stream"
         return reader
 
+    @property
+    def _dali_cuda(self) -> bool:
+        """The DALI pipeline runs on the GPU (decode_device 'gpu')."""
+        return self.device.type == "cuda" and not self._host_decode
+
     def _rank_world(self) -> tuple[int, int]:
         return self.stream._rank_world()
 
@@ -262,8 +291,9 @@ class ImageLoader:
         rank, _ = self._rank_world()
         return build_image_pipeline(
             batch_size=batch_size or self.batch_size, image_size=self.image_size, train=self.train,
-            device=self.device.type, device_id=self.device.index or 0 if self.device.type == "cuda" else None,
-            dtype=_DTYPES[self.dtype], layout=self.layout,
+            device="cuda" if self._dali_cuda else "cpu", device_id=self.device.index or 0 if self._dali_cuda else None,
+            dtype="uint8" if self._host_decode else _DTYPES[self.dtype],
+            layout="NHWC" if self._host_decode else self.layout,
             mean=[m * 255 for m in self.mean], std=[s * 255 for s in self.std],
             seed=_dali_seed(self.seed, self.epoch, rank) if seed is None else seed,
             num_threads=self.num_threads, prefetch_queue_depth=depth or self.prefetch_queue_depth,
@@ -454,7 +484,7 @@ class ImageLoader:
             self._stream_pipe.reset()
         pipe = self._stream_pipe
         finished = False
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        stream = torch.cuda.current_stream(self.device) if self._dali_cuda else None
         seconds = self._seconds
         try:
             while True:
@@ -527,9 +557,37 @@ class ImageLoader:
         out = torch.tensor(labels, dtype=torch.int64)
         if self.device.type == "cuda":
             out = out.pin_memory().to(self.device, non_blocking=True)
+        if self._host_decode:
+            return self._from_host(images), out
         if self.dtype == torch.bfloat16:
             images = images.to(torch.bfloat16)
         return images, out
+
+    def _from_host(self, images: torch.Tensor) -> torch.Tensor:
+        """(Producer thread) decode_device='cpu': uint8 NHWC on the host -> ``dtype``/``layout`` on the device.
+
+        The copy goes through datapipe.prefetch's pool of pinned buffers on the producer's side
+        stream; then one kernel (``addcmul``: uint8 in, ``dtype`` out) permutes, casts and normalises.
+        """
+        if self.device.type == "cuda":
+            from datapipe.prefetch import _CudaTransfer, _PinnedPool
+
+            if self._pinned is None:
+                self._pinned = _PinnedPool(per_key=self.prefetch_queue_depth + 2, max_bytes=None)
+            transfer = _CudaTransfer(self.device, torch.cuda.current_stream(self.device), self._pinned)
+            images, _ = transfer(images)
+        if self.layout == "NCHW":
+            images = images.permute(0, 3, 1, 2)  # a view; the kernel below writes contiguous NCHW
+        if self.dtype == torch.uint8:
+            return images.contiguous()
+        if self._affine is None or self._affine[0].device != images.device:
+            shape = (1, 3, 1, 1) if self.layout == "NCHW" else (3,)
+            scale = torch.tensor([1 / (255 * s) for s in self.std], dtype=torch.float32).view(shape)
+            shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=torch.float32).view(shape)
+            self._affine = (shift.to(images.device), scale.to(images.device))
+        shift, scale = self._affine
+        out = torch.empty(images.shape, dtype=self.dtype, device=images.device)
+        return torch.addcmul(shift, images, scale, out=out)  # (x / 255 - mean) / std
 
     def _to_torch(self, tensor_list, stream, *, zero_copy: bool = True) -> torch.Tensor:
         """A DALI output as a torch tensor: shared through DLPack (no copy), or copied.
@@ -542,11 +600,11 @@ class ImageLoader:
 
         t = tensor_list.as_tensor()
         if zero_copy:
-            if self.device.type == "cuda":
+            if self._dali_cuda:
                 with torch.cuda.device(self.device):
                     return torch.from_dlpack(t)  # ordered after DALI's work on the current stream
             return torch.from_dlpack(t)
-        out = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.device)
+        out = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.device if self._dali_cuda else "cpu")
         feed_ndarray(t, out, cuda_stream=stream)
         return out
 
@@ -555,7 +613,7 @@ class ImageLoader:
         if self._probe is None:
             self._probe = self._pipeline(batch_size=1, depth=1, seed=_dali_seed(self.seed, self.epoch, 7))
             self._probe.build()
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        stream = torch.cuda.current_stream(self.device) if self._dali_cuda else None
         good, keep = [], RawBatch(state=raw.state)
         for arr, label, key, url in zip(raw.arrays, raw.labels, raw.keys, raw.urls):
             try:
@@ -662,7 +720,7 @@ class ImageLoader:
                 raise _reader_error(e, paths, first) from e
             self._dali_pipe = pipe
         pipe = self._dali_pipe
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        stream = torch.cuda.current_stream(self.device) if self._dali_cuda else None
         seconds = self._seconds
         self._dali_batch = first
         left = per_rank - first * self.batch_size

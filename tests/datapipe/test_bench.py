@@ -156,6 +156,8 @@ def test_loader_tokens(tmp_path):
         assert p["tokens_per_s"] > 0 and 0 <= p["padding_fraction"] < 1
     assert by["naive-pad"]["padding_fraction"] > by["datapipe-tokens"]["padding_fraction"]
     assert "pack" in [s["stage"] for s in res["stages"]]
+    # a stand-in consume step, no training step: no ceiling ratio, and the result says where to get one
+    assert res["ceiling"]["ceiling_ratio"] is None and "doctor --ceiling-steps" in res["ceiling"]["note"]
 
 
 def test_loader_make_images_and_bad_input(tmp_path, capsys):

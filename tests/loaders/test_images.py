@@ -432,3 +432,52 @@ def test_reader_workers_resume_on_another_world_size_and_worker_count(shards):
     after, _ = _elastic_run(shards, 1, state=states, reader="stream", read_workers=2)
     seen = before[0] + before[1] + after[0]
     assert set(seen) == set(range(N)) and len(seen) - N <= 1
+
+
+def test_decode_device_is_checked(shards):
+    with pytest.raises(ValueError, match="decode_device"):
+        loader(shards, decode_device="tpu")
+    with pytest.raises(ValueError, match="decode_device"):
+        loader(shards, decode_device="gpu")  # device="cpu": nothing to decode on
+    with pytest.raises(ValueError, match="num_threads"):
+        loader(shards, decode_device="cpu", num_threads=0)
+    assert loader(shards).decode_device == "cpu"
+    assert loader(shards, device="cuda").decode_device == "gpu"  # built lazily: no GPU needed here
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "NCHW"), (torch.bfloat16, "NHWC"), (torch.uint8, "NCHW")])
+def test_cpu_decode_path_gives_the_default_images(shards, dtype, layout):
+    """decode_device='cpu' (uint8 HWC out of DALI, permute + cast + normalise in torch) = DALI's own normalise."""
+    ref_x, ref_y = collect(loader(shards, dtype=dtype, layout=layout))
+    x, y = collect(loader(shards, dtype=dtype, layout=layout, decode_device="cpu"))
+    assert y.tolist() == ref_y.tolist()
+    assert x.dtype == dtype and x.shape == ref_x.shape and x.is_contiguous()
+    tol = 0.02 if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(x.float(), ref_x.float(), atol=tol, rtol=0.01), (x.float() - ref_x.float()).abs().max()
+
+
+def test_cpu_decode_path_trains_like_the_default(shards):
+    """Train mode (random crop, flip): same seed, same augmentation through either path."""
+    ref_x, ref_y = collect(loader(shards, train=True, seed=3))
+    x, y = collect(loader(shards, train=True, seed=3, decode_device="cpu"))
+    assert y.tolist() == ref_y.tolist()
+    assert torch.allclose(x, ref_x, atol=1e-4)
+    assert x.shape == (N // 8 * 8, 3, S, S)
+
+
+@pytest.mark.gpu
+def test_cpu_decode_on_cuda_matches_the_gpu_path(shards):
+    ref_x, ref_y = collect(loader(shards, device="cuda"))
+    cpu_decoded = loader(shards, device="cuda", decode_device="cpu")
+    assert cpu_decoded.num_threads >= 1
+    x, y = collect(cpu_decoded)
+    assert x.is_cuda and y.is_cuda and x.dtype == torch.float32 and x.shape == ref_x.shape
+    assert y.cpu().tolist() == ref_y.cpu().tolist()
+    diff = (x - ref_x).abs()
+    assert diff.mean() < 0.05, diff.mean()  # CPU vs GPU JPEG decoding differ slightly
+    lo, hi = -max(IMAGENET_MEAN) / min(IMAGENET_STD), 1 / min(IMAGENET_STD)
+    assert lo - 1e-3 <= x.min().item() and x.max().item() <= hi + 1e-3
+    for dtype, layout in ((torch.bfloat16, "NCHW"), (torch.uint8, "NHWC")):
+        tx, ty = collect(loader(shards, device="cuda", train=True, dtype=dtype, layout=layout, decode_device="cpu"))
+        shape = (N // 8 * 8, 3, S, S) if layout == "NCHW" else (N // 8 * 8, S, S, 3)
+        assert tx.is_cuda and tx.dtype == dtype and tx.shape == shape
