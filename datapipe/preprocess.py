@@ -56,20 +56,41 @@ def _image_entry(sample: dict) -> str | None:
     return next((k for k in sample if k in IMAGE_EXTENSIONS.values()), None)
 
 
-def transform_image(sample: dict, *, resize: int | None, quality: int | None, check: bool) -> dict:
-    """Check (PIL ``verify``), shrink to a shorter side of ``resize`` and re-encode as JPEG ``quality``."""
+CHECKS = ("open", "decode", "none")
+
+
+def image_check(value: str | bool) -> str:
+    """Normalise ``check_images``: ``"open"`` (default), ``"decode"``, ``"none"``; ``True``/``False`` mean decode/none."""
+    if value is True or value is False:
+        return "decode" if value else "none"
+    if value not in CHECKS:
+        raise UsageError(f"--check-images must be one of {', '.join(CHECKS)}, got {value!r}")
+    return value
+
+
+def transform_image(sample: dict, *, resize: int | None, quality: int | None, check: str | bool = "open") -> dict:
+    """Check an image, shrink it to a shorter side of ``resize`` and re-encode it as JPEG ``quality``.
+
+    ``check``: ``"open"`` (PIL opens it and reads its size from the header: no pixel decode),
+    ``"decode"`` (every pixel decoded), ``"none"`` (bytes copied unchecked: unsafe, a damaged file
+    reaches training). Resizing or re-encoding decodes anyway. An image that fails raises ValueError.
+    """
     ext = _image_entry(sample)
-    if ext is None or not (resize or quality or check):
+    check = image_check(check)
+    if ext is None or not (resize or quality or check != "none"):
         return sample
     from PIL import Image, ImageOps
 
     data = sample[ext]
     try:
         with Image.open(io.BytesIO(data)) as im:
-            im.verify()
-        if not (resize or quality):
-            return sample
-        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            if w < 1 or h < 1:
+                raise ValueError(f"image has size {w}x{h}")
+            if not (resize or quality):
+                if check == "decode":
+                    im.load()
+                return sample
             im = ImageOps.exif_transpose(im).convert("RGB")
             if resize and min(im.size) > resize:
                 w, h = im.size
@@ -78,8 +99,11 @@ def transform_image(sample: dict, *, resize: int | None, quality: int | None, ch
                                reducing_gap=3.0)
             buf = io.BytesIO()
             im.save(buf, format="JPEG", quality=quality or 90)
+    except Image.UnidentifiedImageError as e:
+        raise ValueError("not an image PIL recognises (a text or other file with an image extension?)") from e
     except Exception as e:  # PIL raises many types for damaged files
-        raise ValueError(f"cannot decode image: {type(e).__name__}: {e}") from e
+        what = "open" if check == "open" and not (resize or quality) else "decode"
+        raise ValueError(f"PIL cannot {what} the image: {type(e).__name__}: {e}") from e
     out = {k: v for k, v in sample.items() if k != ext}
     out["jpg"] = buf.getvalue()
     return out
@@ -168,7 +192,7 @@ def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | 
                     sample, error = None, str(e)
             if sample is None:
                 if job["strict"]:
-                    raise DataError(f"unreadable input {rec.name}: {error}", key=rec.name)
+                    raise DataError(f"--strict: unreadable input {rec.name}: {error}")
                 skipped.append({"item": rec.name, "error": error})
                 continue
             writer.write(sample)
@@ -320,10 +344,11 @@ def _merge_tails(job: dict, tails: list[dict]) -> list[dict]:
     return merged
 
 
-def commit(job: dict, markers: list[dict], *, skipped: int = 0) -> dict:
+def commit(job: dict, markers: list[dict], *, skipped: int = 0, ignored: int = 0) -> dict:
     """Merge small tails, rename parts to dense final names, write the manifest; idempotent.
 
-    ``skipped``: input items left out as unreadable (the manifest records the count; report.json lists them).
+    ``skipped``: input items left out as unreadable; ``ignored``: input files the source kind does not
+    read (the manifest records the counts; report.json lists them).
     """
     opts = job["storage_options"]
     fs, out_path = _fs(job["out"], opts)
@@ -347,7 +372,8 @@ def commit(job: dict, markers: list[dict], *, skipped: int = 0) -> dict:
         if job["index"]:
             _move(fs, _idx(src), _idx(dst))
     shards = [{k: e[k] for k in ("name", "count", "bytes", "sha256")} for e in plan]
-    extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}, "num_skipped": skipped}
+    extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}, "num_skipped": skipped,
+                             "num_ignored": ignored, "check_images": job["check_images"]}
     if job["classes"]:
         extra["classes"] = job["classes"]
         _write_json(_url(job["out"], "classes.json"), job["classes"], opts)
@@ -371,7 +397,7 @@ def shard(
     seed: int = 0,
     resize: int | None = None,
     quality: int | None = None,
-    check_images: bool = False,
+    check_images: str | bool = "open",
     text_field: str | None = None,
     key_field: str | None = None,
     tokenizer: str | None = None,
@@ -397,13 +423,21 @@ def shard(
     _check_options(kind=kind, max_bytes=max_bytes, max_count=max_count, pattern=pattern, resize=resize,
                    quality=quality, workers=workers, engine=engine, partition_size=partition_size,
                    partition_bytes=partition_bytes, tokenizer=tokenizer)
+    check_images = image_check(check_images)
     out = out.rstrip("/") or "/"
+    ofs, opath = _fs(out, opts)
+    if ofs.exists(opath) and not ofs.isdir(opath):
+        raise UsageError(f"OUT {out!r} is a file: give a folder (new or empty) to hold the shards")
+    copy = not (resize or quality or tokenizer) and check_images != "decode"
     source = open_source(src, kind=kind, text_field=text_field, key_field=key_field, partition_size=partition_size,
                          partition_bytes=partition_bytes, max_bytes=max_bytes, max_count=max_count, shuffle=shuffle,
-                         seed=seed, storage_options=opts)
+                         seed=seed, fill_shards=copy, storage_options=opts)
+    if source.ignored:
+        log.warning("ignored %d files that the %r source does not read: %s", len(source.ignored), source.kind,
+                    _some(source.ignored))
     if strict and source.skipped:
         bad = source.skipped[0]
-        raise DataError(f"unreadable input {bad['item']}: {bad['error']}", key=bad["item"])
+        raise DataError(f"--strict: unreadable input {bad['item']}: {bad['error']}")
     job = {
         "version": JOURNAL_VERSION, "src": src, "out": out, "kind": source.kind, "fingerprint": source.fingerprint,
         "pattern": pattern, "max_bytes": int(max_bytes), "max_count": int(max_count), "shuffle": shuffle,
@@ -472,14 +506,21 @@ def shard(
 
     ordered = [markers[p["index"]] for p in sorted(source.partitions, key=lambda p: p["index"])]
     skipped = source.skipped + [s for m in ordered for s in m["skipped"]]
-    manifest = commit(job, ordered, skipped=len(skipped))
+    if not sum(m["samples"] for m in ordered):
+        why = _nothing_written(source, skipped)
+        _write_json(_url(out, "report.json"), {"status": "failed", "error": why, "src": src, "out": out,
+                                               "num_skipped": len(skipped), "skipped": skipped,
+                                               "num_ignored": len(source.ignored), "ignored": source.ignored}, opts)
+        raise DataError(why)
+    manifest = commit(job, ordered, skipped=len(skipped), ignored=len(source.ignored))
     seconds = time.perf_counter() - t0
     written = sum(m["bytes"] for m in ordered)
     report = {
         "status": "ok", "src": src, "out": out, "kind": source.kind, "engine": engine, "workers": workers,
         "samples": manifest["num_samples"], "shards": len(manifest["shards"]), "bytes": manifest["num_bytes"],
         "value_bytes": written, "partitions": len(source.partitions), "resumed_partitions": resumed,
-        "num_skipped": len(skipped), "skipped": skipped, "classes": len(source.classes or []),
+        "num_skipped": len(skipped), "skipped": skipped, "num_ignored": len(source.ignored),
+        "ignored": source.ignored, "check_images": check_images, "classes": len(source.classes or []),
         "seconds": round(seconds, 3), "samples_per_s": round(manifest["num_samples"] / seconds, 1),
         "mb_per_s": round(manifest["num_bytes"] / 1e6 / seconds, 2),
     }
@@ -492,6 +533,25 @@ def shard(
     if skipped:
         log.warning("skipped %d unreadable items (listed in %s)", len(skipped), _url(out, "report.json"))
     return report
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    """A few names and how many more: ``a, b, c and 7 more``."""
+    shown = ", ".join(str(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _nothing_written(source, skipped: list[dict]) -> str:
+    """One line saying why a job wrote no sample."""
+    why = f"wrote no samples from {source.url!r} (read as {source.kind!r})"
+    if skipped:
+        first = skipped[0]
+        why += f": all {len(skipped)} input items were skipped, e.g. {first['item']}: {first['error']}"
+    else:
+        why += ": the input holds no records"
+    if source.ignored:
+        why += f"; {len(source.ignored)} files ignored as not {source.kind} input ({_some(source.ignored)})"
+    return why + "; see report.json, or choose --input-kind"
 
 
 def _check_options(*, kind, max_bytes, max_count, pattern, resize, quality, workers, engine, partition_size,
@@ -550,7 +610,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     parser.add_argument("--resize", type=int, metavar="SHORT_SIDE", help="shrink images to this shorter side")
     parser.add_argument("--quality", type=int, metavar="Q", help="re-encode images as JPEG of this quality")
-    parser.add_argument("--check-images", action="store_true", help="decode-check images (PIL verify)")
+    parser.add_argument("--check-images", nargs="?", const="decode", default="open", choices=CHECKS,
+                        help="how images are checked before they are copied: 'open' (default: PIL opens the file "
+                             "and reads its size, no pixel decode), 'decode' (full decode; also the meaning of a "
+                             "bare --check-images), 'none' (unsafe: damaged files reach the shards)")
     parser.add_argument("--text-field", help="text field of JSONL/Parquet records (default 'text')")
     parser.add_argument("--key-field", help="record field to use as sample key (default: file and offset)")
     parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json: also store token ids as .npy int32")
@@ -578,6 +641,12 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     except (ValueError, DataError, OSError) as e:
         print(f"datapipe shard: failed: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # one line, no traceback (``datapipe -v`` shows it)
+        if getattr(args, "verbose", False):
+            raise
+        print(f"datapipe shard: failed: {type(e).__name__}: {e} (run `datapipe -v shard ...` for the traceback)",
+              file=sys.stderr)
         return 1
     print(f"{report['out']}: {report['samples']} samples in {report['shards']} shards, "
           f"{report['bytes'] / 1e6:.1f} MB, {report['num_skipped']} skipped "
