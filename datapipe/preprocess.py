@@ -91,7 +91,9 @@ def transform_image(sample: dict, *, resize: int | None, quality: int | None, ch
                 if check == "decode":
                     im.load()
                 return sample
-            im = ImageOps.exif_transpose(im).convert("RGB")
+            if "exif" in im.info and im.getexif().get(0x0112, 1) != 1:  # rotate by EXIF (exif_transpose copies)
+                im = ImageOps.exif_transpose(im)
+            im = im.convert("RGB")
             if resize and min(im.size) > resize:
                 w, h = im.size
                 scale = resize / min(w, h)
