@@ -41,6 +41,7 @@ log = logging.getLogger("datapipe.preprocess")
 JOB_DIR = ".datapipe-job"
 ENGINES = ("local", "ray")
 JOURNAL_VERSION = 1
+CHECK_POOL_MIN_ITEMS = 256  # fewer images are checked in the writing process (a pool costs more)
 
 
 class UsageError(ValueError):
@@ -169,17 +170,40 @@ def _sample_bytes(sample: dict) -> int:
     return sum(len(v) for k, v in sample.items() if not k.startswith("__") and hasattr(v, "__len__"))
 
 
-def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | None = None) -> dict:
+def _check_item(args: tuple) -> str | None:
+    """Check one image file in a pool process, which reads the file itself: None, or why it fails."""
+    from datapipe.sources import read_item
+
+    url, ext, check, opts = args
+    try:
+        data = read_item(url, opts)
+    except (OSError, ValueError):
+        return None  # the writing process reads it too and reports why it cannot
+    try:
+        transform_image({"__key__": "", ext: data}, resize=None, quality=None, check=check)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | None = None, *,
+                  check_pool=None) -> dict:
     """Read, transform and write one partition; write and return its done marker.
 
     Under ``job["strict"]`` the first unreadable item raises :class:`DataError` naming it;
-    otherwise such items are skipped and listed in the marker.
+    otherwise such items are skipped and listed in the marker. ``check_pool`` (a
+    ``multiprocessing`` pool; copy jobs of image items only): the image checks run there, in
+    order, while this process reads and writes: the same verdicts, on more cores.
     """
     from datapipe.writer import ShardWriter
 
     opts = job["storage_options"]
     index = part["index"]
     transform = _Transform(job)
+    verdicts = None
+    if check_pool is not None and job.get("copy") and part["kind"] == "images" and job["check_images"] != "none":
+        verdicts = check_pool.imap(_check_item, [(u, ext, job["check_images"], opts) for u, _, _, ext in part["items"]],
+                                   chunksize=16)
     skipped, samples, nbytes = [], 0, 0
     pending_n, pending_b, last = 0, 0, time.monotonic()
     pattern = _url(job["job_dir"], "parts", f"part-{index:06d}-%06d.tar")
@@ -187,7 +211,11 @@ def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | 
                      manifest=False, storage_options=opts) as writer:
         for rec in iter_partition(part):
             sample, error = rec.sample, rec.error
-            if sample is not None:
+            verdict = next(verdicts) if verdicts is not None else None  # one per item, in item order
+            if sample is not None and verdicts is not None:
+                if verdict is not None:
+                    sample, error = None, verdict
+            elif sample is not None:
                 try:
                     sample = transform(sample)
                 except ValueError as e:
@@ -229,16 +257,28 @@ def _pool_run(job: dict, part: dict) -> dict:
 
 
 def run_local(job: dict, parts: list[dict], *, workers: int, progress: Callable[[int, int], None]) -> Iterator[dict]:
-    """Run partitions in a process pool (in this process when ``workers == 1``); yield done markers."""
+    """Run partitions in a process pool (in this process when ``workers == 1``); yield done markers.
+
+    Copy jobs (image bytes kept as they are) write in this process, one shard-sized partition
+    after the other, and spread only the image checks over ``workers`` processes: writing a
+    shard costs less than checking its images, and no partition leaves a tail to merge.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    items = sum(len(p.get("items", ())) for p in parts)
+    if job.get("copy") and job["check_images"] != "none" and workers > 1 and items >= CHECK_POOL_MIN_ITEMS:
+        with ctx.Pool(workers) as pool:
+            for part in parts:
+                yield run_partition(job, part, progress, check_pool=pool)
+        return
     if workers <= 1 or len(parts) <= 1:
         for part in parts:
             yield run_partition(job, part, progress)
         return
-    import multiprocessing as mp
     import queue as queuelib
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     q = ctx.Queue()
 
     def drain():
@@ -430,7 +470,7 @@ def shard(
     ofs, opath = _fs(out, opts)
     if ofs.exists(opath) and not ofs.isdir(opath):
         raise UsageError(f"OUT {out!r} is a file: give a folder (new or empty) to hold the shards")
-    copy = not (resize or quality or tokenizer) and check_images != "decode"
+    copy = not (resize or quality or tokenizer)
     source = open_source(src, kind=kind, text_field=text_field, key_field=key_field, partition_size=partition_size,
                          partition_bytes=partition_bytes, max_bytes=max_bytes, max_count=max_count, shuffle=shuffle,
                          seed=seed, fill_shards=copy, storage_options=opts)
@@ -444,7 +484,7 @@ def shard(
         "version": JOURNAL_VERSION, "src": src, "out": out, "kind": source.kind, "fingerprint": source.fingerprint,
         "pattern": pattern, "max_bytes": int(max_bytes), "max_count": int(max_count), "shuffle": shuffle,
         "seed": seed, "resize": resize, "quality": quality, "check_images": check_images, "tokenizer": tokenizer,
-        "index": index, "partitions": len(source.partitions), "classes": source.classes,
+        "index": index, "partitions": len(source.partitions), "classes": source.classes, "copy": copy,
     }
     config = dict(job)
     job.update(job_dir=_url(out, JOB_DIR), storage_options=opts, strict=strict)

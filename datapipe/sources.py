@@ -102,12 +102,40 @@ def detect_kind(url: str, *, storage_options: dict | None = None, text_field: st
     if not fs.isdir(path):
         raise ValueError(f"cannot tell what {url!r} is from its name: give a folder, a .csv/.jsonl/.parquet/.tar "
                          "file, or --input-kind")
-    names = [n for n in fs.find(path)]
+    names = list(_find(fs, path))
     if any(n.endswith(TAR_EXTENSIONS) for n in names):
         return "tar"
     if any(n.endswith(TEXT_EXTENSIONS) for n in names) and not any(_image_ext(n) for n in names):
         return "text"
     return "images"
+
+
+def _find(fs, path: str, *, withdirs: bool = False) -> dict[str, dict]:
+    """``fs.find(path, detail=True)``; on a local disk through ``os.scandir`` (one stat per file, a few
+    times faster than fsspec's walk on large folders). Symbolic links are followed, as fsspec does."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        return fs.find(path, detail=True, withdirs=withdirs)
+    import os
+
+    found: dict[str, dict] = {}
+    todo = [path]
+    while todo:
+        current = todo.pop()
+        with os.scandir(current) as entries:
+            for e in entries:
+                name = posixpath.join(current, e.name)
+                if e.is_dir():
+                    todo.append(name)
+                    if withdirs:
+                        found[name] = {"type": "directory", "size": 0}
+                else:
+                    try:
+                        found[name] = {"type": "file", "size": e.stat().st_size}
+                    except FileNotFoundError:  # a dangling link: fsspec lists it too
+                        found[name] = {"type": "file", "size": 0}
+    return dict(sorted(found.items()))
 
 
 def _image_ext(name: str) -> str | None:
@@ -256,7 +284,7 @@ def _list_files(url: str, extensions: tuple, storage_options) -> tuple[list[tupl
     prefix = _protocol_prefix(url)
     ignored: list[str] = []
     if fs.isdir(path):
-        found = fs.find(path, detail=True)
+        found = _find(fs, path)
         files = []
         for n, info in sorted(found.items()):
             rel = posixpath.relpath(n, path)
@@ -291,7 +319,7 @@ def _list_image_folder(url: str, storage_options):
     fs, root = _fs(url, storage_options)
     if not fs.isdir(root):
         raise ValueError(f"image folder {url!r} does not exist or is not a folder")
-    found = fs.find(root, detail=True, withdirs=True)
+    found = _find(fs, root, withdirs=True)
     files, dirs = {}, set()
     for name, info in found.items():
         rel = posixpath.relpath(name, root)
@@ -415,17 +443,21 @@ def _buffer_shuffle(records: Iterator[Record], size: int, rng: random.Random) ->
     yield from slots
 
 
+def read_item(url: str, storage_options: dict | None = None) -> bytes:
+    """The bytes of one input file (local files without fsspec's overhead)."""
+    if "://" not in url or url.startswith("file://"):
+        with open(url.removeprefix("file://"), "rb") as f:
+            return f.read()
+    fs, path = _fs(url, storage_options)
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
 def _iter_images(part: dict) -> Iterator[Record]:
     opts = part.get("storage_options") or {}
     for url, label, key, ext in part["items"]:
         try:
-            if "://" not in url or url.startswith("file://"):
-                with open(url.removeprefix("file://"), "rb") as f:
-                    data = f.read()
-            else:
-                fs, path = _fs(url, opts)
-                with fs.open(path, "rb") as f:
-                    data = f.read()
+            data = read_item(url, opts)
         except (OSError, ValueError) as e:
             yield Record(url, error=f"cannot read: {type(e).__name__}: {e}")
             continue

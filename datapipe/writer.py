@@ -66,7 +66,8 @@ class _PlainTar:
                 raise ValueError(f"{k} of sample {key!r} doesn't map to bytes after encoding ({type(v).__name__})")
             info = tarfile.TarInfo(f"{key}.{k}")
             info.size, info.mtime, info.mode, info.uname, info.gname = len(v), 0, 0o444, "bigdata", "bigdata"
-            self._out(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            short = len(info.name) <= 100 and info.name.isascii()  # then PAX writes this very ustar header
+            self._out(info.tobuf(tarfile.USTAR_FORMAT if short else tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
             self._out(v)
             if len(v) % 512:
                 self._out(bytes(512 - len(v) % 512))

@@ -414,3 +414,31 @@ def test_copy_mode_partitions_are_whole_shards(images, tmp_path):
         json.load(open(tmp_path / "two" / "manifest.json"))["shards"]
     by_bytes = shard(root, str(tmp_path / "bytes"), max_bytes=8 * 1024, workers=1, progress=False)
     assert by_bytes["partitions"] == by_bytes["shards"] > 1
+
+
+def test_checks_in_a_pool_give_the_same_shards(tmp_path, monkeypatch):
+    """Copy jobs check images in a process pool while one process writes: same verdicts and bytes as inline."""
+    import datapipe.preprocess as pp
+
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=30, classes=("a", "b"), size=(64, 48))
+    good = (root / "a" / "img.000.jpg").read_bytes()
+    (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])
+    (root / "b" / "broken.jpg").write_bytes(BROKEN)
+    monkeypatch.setattr(pp, "CHECK_POOL_MIN_ITEMS", 1)
+    calls = []
+    real = pp.run_partition
+    monkeypatch.setattr(pp, "run_partition", lambda *a, **k: calls.append(k.get("check_pool")) or real(*a, **k))
+    for check, bad in (("open", {"broken.jpg"}), ("decode", {"broken.jpg", "cut.jpg"})):
+        pooled = shard(str(root), str(tmp_path / f"pool-{check}"), check_images=check, max_count=7, workers=2,
+                       progress=False)
+        assert calls and all(c is not None for c in calls)
+        calls.clear()
+        inline = shard(str(root), str(tmp_path / f"inline-{check}"), check_images=check, max_count=7, workers=1,
+                       progress=False)
+        assert calls and all(c is None for c in calls)
+        calls.clear()
+        assert {os.path.basename(s["item"]) for s in pooled["skipped"]} == bad
+        assert pooled["skipped"] == inline["skipped"] and pooled["samples"] == inline["samples"] == 32 - len(bad)
+        assert json.load(open(tmp_path / f"pool-{check}" / "manifest.json"))["shards"] == \
+            json.load(open(tmp_path / f"inline-{check}" / "manifest.json"))["shards"]
