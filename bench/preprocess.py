@@ -72,20 +72,24 @@ def baseline(root: str, out: str, *, resize: int | None, max_bytes: int) -> int:
     return n
 
 
-def _run(rows: list, tmp: str, label: dict, fn, total: int, repeat: int = 1) -> None:
-    """Time ``fn(out)`` ``repeat`` times; the row keeps the best time and lists them all (shared machines are noisy)."""
-    times = []
+def _run(rows: list, tmp: str, cases: list, total: int, repeat: int = 1) -> None:
+    """Time each ``(label, fn)`` of ``cases`` ``repeat`` times, the cases interleaved round by round (a
+    shared machine's load drifts; interleaving spreads it over all cases); each row keeps the best time."""
+    times: list[list[float]] = [[] for _ in cases]
+    results: list = [None] * len(cases)
+    out = os.path.join(tmp, "out")
     for _ in range(repeat):
-        out = os.path.join(tmp, "out")
-        shutil.rmtree(out, ignore_errors=True)
-        t = time.perf_counter()
-        n, extra = fn(out)
-        times.append(time.perf_counter() - t)
-        shutil.rmtree(out, ignore_errors=True)
-    dt = min(times)
-    rows.append({**label, "images": n, "seconds": round(dt, 3), "images_per_s": round(n / dt, 1),
-                 "MB_per_s": round(total / 1e6 / dt, 1), "runs_s": [round(x, 3) for x in times], **extra})
-    print(rows[-1], file=sys.stderr)
+        for i, (label, fn) in enumerate(cases):
+            shutil.rmtree(out, ignore_errors=True)
+            t = time.perf_counter()
+            results[i] = fn(out)
+            times[i].append(time.perf_counter() - t)
+            shutil.rmtree(out, ignore_errors=True)
+    for (label, _), (n, extra), ts in zip(cases, results, times):
+        dt = min(ts)
+        rows.append({**label, "images": n, "seconds": round(dt, 3), "images_per_s": round(n / dt, 1),
+                     "MB_per_s": round(total / 1e6 / dt, 1), "runs_s": [round(x, 3) for x in ts], **extra})
+        print(rows[-1], file=sys.stderr)
 
 
 def _cli(argv: list[str]) -> tuple[int, dict]:
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=int, default=1 << 30, help="shard size (default 1 GiB, datapipe's default)")
     p.add_argument("--data-dir", default=None, help="where to keep the image folder (default: a temp dir)")
     p.add_argument("--device", default="cpu", help="unused (CPU only); accepted for symmetry with other benches")
-    p.add_argument("--repeat", type=int, default=3, help="runs per copy-mode row, best kept (default 3)")
+    p.add_argument("--repeat", type=int, default=5, help="rounds of the copy-mode rows, best kept (default 5)")
     p.add_argument("--quick", action="store_true", help="200 images, workers 1,2")
     p.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = p.parse_args(argv)
@@ -139,26 +143,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode in args.modes.split(","):
             resize = 256 if mode == "resize" else None
-            _run(rows, tmp, {"mode": mode, "impl": "webdataset loop", "check": "none", "workers": 1},
-                 lambda out: (baseline(root, out, resize=resize, max_bytes=args.max_bytes), {}), total,
-                 args.repeat if mode == "copy" else 1)
+            cases = [({"mode": mode, "impl": "webdataset loop", "check": "none", "workers": 1},
+                      lambda out: (baseline(root, out, resize=resize, max_bytes=args.max_bytes), {}))]
             if mode == "copy":
-                for check in ("open", "decode"):
-                    for w in sorted({1, workers[-1]}):
-                        _run(rows, tmp, {"mode": mode, "impl": "datapipe shard", "check": check, "workers": w},
-                             ours(w, None, check), total, args.repeat)
+                for check in ("none", "open", "decode"):
+                    for w in sorted({1, workers[-1]}) if check != "none" else [1]:
+                        cases.append(({"mode": mode, "impl": "datapipe shard", "check": check, "workers": w},
+                                      ours(w, None, check)))
                 # end to end, as a user runs them: a fresh interpreter each (imports and start-up included)
-                _run(rows, tmp, {"mode": mode, "impl": "webdataset loop, own process", "check": "none", "workers": 1},
-                     lambda out: _cli([sys.executable, "-c", "from bench.preprocess import baseline; "
-                                       f"print(baseline({root!r}, {out!r}, resize=None, max_bytes={args.max_bytes}))"]),
-                     total, args.repeat)
-                _run(rows, tmp, {"mode": mode, "impl": "datapipe shard CLI", "check": "open", "workers": cpus},
-                     lambda out: _cli([sys.executable, "-m", "datapipe", "shard", root, out, "--no-progress",
-                                       "--max-bytes", str(args.max_bytes)]), total, args.repeat)
+                cases.append(({"mode": mode, "impl": "webdataset loop, own process", "check": "none", "workers": 1},
+                              lambda out: _cli([sys.executable, "-c", "from bench.preprocess import baseline; print("
+                                                f"baseline({root!r}, {out!r}, resize=None, max_bytes={args.max_bytes}))"])))
+                cases.append(({"mode": mode, "impl": "datapipe shard CLI", "check": "open", "workers": cpus},
+                              lambda out: _cli([sys.executable, "-m", "datapipe", "shard", root, out, "--no-progress",
+                                                "--max-bytes", str(args.max_bytes)])))
+                _run(rows, tmp, cases, total, args.repeat)
             else:
-                for w in workers:
-                    _run(rows, tmp, {"mode": mode, "impl": "datapipe shard", "check": "open", "workers": w},
-                         ours(w, resize, "open"), total)
+                cases += [({"mode": mode, "impl": "datapipe shard", "check": "open", "workers": w}, ours(w, resize, "open"))
+                          for w in workers]
+                _run(rows, tmp, cases, total, 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for mode in args.modes.split(","):
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                            "--check-images (open: PIL reads the header and size; decode: every pixel); rows "
                            "'own process' and 'CLI' include interpreter start-up and imports, the others run "
                            "in this process after imports; vs_loop = images/s over the webdataset loop's; copy rows: best of "
-                           f"{args.repeat} runs (runs_s lists them), resize rows: one run"},
+                           f"{args.repeat} interleaved rounds (runs_s lists them), resize rows: one run each"},
         "rows": rows,
     }, args.out)
     print(table(rows, ["mode", "impl", "check", "workers", "images", "seconds", "images_per_s", "MB_per_s", "vs_loop"]))

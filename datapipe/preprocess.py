@@ -470,6 +470,9 @@ def shard(
     ofs, opath = _fs(out, opts)
     if ofs.exists(opath) and not ofs.isdir(opath):
         raise UsageError(f"OUT {out!r} is a file: give a folder (new or empty) to hold the shards")
+    sfs, spath = _fs(src, opts) if "{" not in src and "::" not in src else (None, None)
+    if sfs is not None and sfs.protocol == ofs.protocol and spath.rstrip("/") == opath.rstrip("/"):
+        raise UsageError(f"OUT {out!r} is SRC itself: give a separate folder for the shards")
     copy = not (resize or quality or tokenizer)
     source = open_source(src, kind=kind, text_field=text_field, key_field=key_field, partition_size=partition_size,
                          partition_bytes=partition_bytes, max_bytes=max_bytes, max_count=max_count, shuffle=shuffle,
