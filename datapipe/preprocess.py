@@ -4,8 +4,13 @@ How a job runs (the same for ``engine="local"`` and ``engine="ray"``):
 
 1. The input is listed and cut into partitions (:mod:`datapipe.sources`); partitioning depends on
    the input and the options only, so any engine and any number of workers give the same shards.
-2. Every partition is read, transformed (image check / resize / re-encode, tokenization) and
-   written by its worker into its own part shards ``OUT/.datapipe-job/parts/part-<p>-<n>.tar``
+   A copy job (image bytes kept as they are) cuts an image folder where the writer would start a
+   new shard, so every partition is exactly one shard and no tail is merged; the local engine then
+   writes in one process and spreads only the image checks over a process pool.
+2. Every partition is read, transformed (image check, ``check_images``: PIL opens each image and
+   reads its size by default, ``"decode"`` decodes it, ``"none"`` trusts it; resize / re-encode;
+   tokenization) and written by its worker into its own part shards
+   ``OUT/.datapipe-job/parts/part-<p>-<n>.tar``
    (each written atomically by :class:`datapipe.ShardWriter`). Then the worker writes its *done
    marker* ``OUT/.datapipe-job/done/p<p>.json`` (shard entries, skipped items), atomically.
 3. Commit: the small last shards of partitions (under half the limits) are merged, in order, into
