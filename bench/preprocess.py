@@ -98,7 +98,9 @@ def _cli(argv: list[str]) -> tuple[int, dict]:
     done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{argv} failed: {done.stderr.strip()[-500:]}")
-    return int(done.stdout.strip().split()[-1]) if argv[1] == "-c" else int(done.stdout.split(": ", 1)[1].split()[0]), {}
+    if argv[1] == "-c":
+        return int(done.stdout.strip().split()[-1]), {}
+    return int(done.stdout.split(": ", 1)[1].split()[0]), {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,15 +154,16 @@ def main(argv: list[str] | None = None) -> int:
                                       ours(w, None, check)))
                 # end to end, as a user runs them: a fresh interpreter each (imports and start-up included)
                 cases.append(({"mode": mode, "impl": "webdataset loop, own process", "check": "none", "workers": 1},
-                              lambda out: _cli([sys.executable, "-c", "from bench.preprocess import baseline; print("
-                                                f"baseline({root!r}, {out!r}, resize=None, max_bytes={args.max_bytes}))"])))
+                              lambda out: _cli([sys.executable, "-c", "from bench.preprocess import baseline; "
+                                                f"print(baseline({root!r}, {out!r}, resize=None, "
+                                                f"max_bytes={args.max_bytes}))"])))
                 cases.append(({"mode": mode, "impl": "datapipe shard CLI", "check": "open", "workers": cpus},
                               lambda out: _cli([sys.executable, "-m", "datapipe", "shard", root, out, "--no-progress",
                                                 "--max-bytes", str(args.max_bytes)])))
                 _run(rows, tmp, cases, total, args.repeat)
             else:
-                cases += [({"mode": mode, "impl": "datapipe shard", "check": "open", "workers": w}, ours(w, resize, "open"))
-                          for w in workers]
+                cases += [({"mode": mode, "impl": "datapipe shard", "check": "open", "workers": w},
+                           ours(w, resize, "open")) for w in workers]
                 _run(rows, tmp, cases, total, 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -175,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                    "note": "MB/s counts input image bytes; resize = shorter side 256, JPEG q90; 'check' is "
                            "--check-images (open: PIL reads the header and size; decode: every pixel); rows "
                            "'own process' and 'CLI' include interpreter start-up and imports, the others run "
-                           "in this process after imports; vs_loop = images/s over the webdataset loop's; copy rows: best of "
-                           f"{args.repeat} interleaved rounds (runs_s lists them), resize rows: one run each"},
+                           "in this process after imports; vs_loop = images/s over the webdataset loop's; "
+                           f"copy rows: best of {args.repeat} interleaved rounds (runs_s lists them), "
+                           "resize rows: one run each"},
         "rows": rows,
     }, args.out)
     print(table(rows, ["mode", "impl", "check", "workers", "images", "seconds", "images_per_s", "MB_per_s", "vs_loop"]))

@@ -66,7 +66,7 @@ CHECKS = ("open", "decode", "none")
 
 
 def image_check(value: str | bool) -> str:
-    """Normalise ``check_images``: ``"open"`` (default), ``"decode"``, ``"none"``; ``True``/``False`` mean decode/none."""
+    """Normalise ``check_images``: ``"open"`` (default), ``"decode"``, ``"none"``; True/False mean decode/none."""
     if value is True or value is False:
         return "decode" if value else "none"
     if value not in CHECKS:
