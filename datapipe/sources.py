@@ -24,7 +24,7 @@ import json
 import posixpath
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import fsspec
@@ -57,6 +57,7 @@ class Source:
     num_items: int | None
     fingerprint: str
     skipped: list[dict]
+    ignored: list[str] = field(default_factory=list)  # files in the input that this kind does not read
 
 
 def _join(root: str, rel: str) -> str:
@@ -86,6 +87,8 @@ def detect_kind(url: str, *, storage_options: dict | None = None, text_field: st
     if url.endswith(".parquet"):
         return "text"
     fs, path = _fs(url, storage_options)
+    if not fs.exists(path):
+        raise ValueError(f"input {url!r} does not exist")
     if url.endswith((".jsonl", ".json", ".ndjson")):
         if text_field is not None:
             return "text"
@@ -97,14 +100,42 @@ def detect_kind(url: str, *, storage_options: dict | None = None, text_field: st
             return "text"
         return "list" if isinstance(rec, dict) and "path" in rec and "text" not in rec else "text"
     if not fs.isdir(path):
-        raise ValueError(f"cannot tell what {url!r} is: give a folder, a .csv/.jsonl/.parquet/.tar file, "
-                         "or --input-kind")
-    names = [n for n in fs.find(path)]
+        raise ValueError(f"cannot tell what {url!r} is from its name: give a folder, a .csv/.jsonl/.parquet/.tar "
+                         "file, or --input-kind")
+    names = list(_find(fs, path))
     if any(n.endswith(TAR_EXTENSIONS) for n in names):
         return "tar"
     if any(n.endswith(TEXT_EXTENSIONS) for n in names) and not any(_image_ext(n) for n in names):
         return "text"
     return "images"
+
+
+def _find(fs, path: str, *, withdirs: bool = False) -> dict[str, dict]:
+    """``fs.find(path, detail=True)``; on a local disk through ``os.scandir`` (one stat per file, a few
+    times faster than fsspec's walk on large folders). Symbolic links are followed, as fsspec does."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        return fs.find(path, detail=True, withdirs=withdirs)
+    import os
+
+    found: dict[str, dict] = {}
+    todo = [path]
+    while todo:
+        current = todo.pop()
+        with os.scandir(current) as entries:
+            for e in entries:
+                name = posixpath.join(current, e.name)
+                if e.is_dir():
+                    todo.append(name)
+                    if withdirs:
+                        found[name] = {"type": "directory", "size": 0}
+                else:
+                    try:
+                        found[name] = {"type": "file", "size": e.stat().st_size}
+                    except FileNotFoundError:  # a dangling link: fsspec lists it too
+                        found[name] = {"type": "file", "size": 0}
+    return dict(sorted(found.items()))
 
 
 def _image_ext(name: str) -> str | None:
@@ -146,32 +177,51 @@ def open_source(
     max_count: int = 100_000,
     shuffle: bool = False,
     seed: int = 0,
+    fill_shards: bool = False,
     storage_options: dict | None = None,
 ) -> Source:
-    """List ``url`` and cut it into partitions (see the module docstring). Raises ValueError when empty."""
+    """List ``url`` and cut it into partitions (see the module docstring). Raises ValueError when empty.
+
+    ``fill_shards``: the job copies image bytes unchanged, so an image folder is cut into partitions
+    of exactly one shard each (by the writer's own size rule): no partition leaves a small tail.
+    """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if partition_size is not None and partition_size < 1:
         raise ValueError("partition_size must be >= 1 (or None for automatic)")
     url = url.rstrip("/") if "://" not in url or url.count("/") > 2 else url
+    if "{" not in url and "::" not in url:
+        fs, path = _fs(url, storage_options)
+        if not fs.exists(path):
+            raise ValueError(f"input {url!r} does not exist")
     if kind == "auto":
         kind = detect_kind(url, storage_options=storage_options, text_field=text_field)
     common = dict(storage_options=storage_options or {})
     if kind in ("images", "list"):
+        ignored: list[str] = []
         if kind == "images":
-            items, classes, skipped, sizes = _list_image_folder(url, storage_options)
+            items, classes, skipped, sizes, ignored = _list_image_folder(url, storage_options)
         else:
             items, classes, skipped, sizes = _list_file_list(url, path_field, label_field, storage_options)
         if not items:
-            raise ValueError(f"no images found in {url!r}" + (f" ({len(skipped)} items skipped)" if skipped else ""))
+            why = f"{len(skipped)} items skipped, e.g. {skipped[0]['item']}: {skipped[0]['error']}" if skipped else ""
+            if ignored:
+                why += ("; " if why else "") + f"{len(ignored)} files without an image extension, e.g. " + \
+                    ", ".join(posixpath.basename(n) for n in ignored[:3])
+            raise ValueError(f"no images found in {url!r}" + (f" ({why})" if why else ""))
         fp = _fingerprint(kind, items, sizes)
         if shuffle:
-            random.Random(seed).shuffle(items)
-        size = partition_size or _auto_partition_items(sizes, max_bytes, max_count)
-        parts = [{"kind": "images", "items": chunk, **common} for chunk in _chunks(items, size)]
-        return Source(kind, url, _number(parts, shuffle, seed), classes, len(items), fp, skipped)
+            order = list(range(len(items)))
+            random.Random(seed).shuffle(order)  # the same permutation as shuffling ``items`` itself
+            items, sizes = [items[i] for i in order], [sizes[i] for i in order]
+        if partition_size is None and fill_shards and kind == "images":
+            chunks = _shard_chunks(items, sizes, max_bytes, max_count)
+        else:
+            chunks = _chunks(items, partition_size or _auto_partition_items(sizes, max_bytes, max_count))
+        parts = [{"kind": "images", "items": chunk, **common} for chunk in chunks]
+        return Source(kind, url, _number(parts, shuffle, seed), classes, len(items), fp, skipped, ignored)
     if kind == "text":
-        files = _list_files(url, TEXT_EXTENSIONS, storage_options)
+        files, ignored = _list_files(url, TEXT_EXTENSIONS, storage_options)
         parts, sizes = [], []
         for fi, (f, size) in enumerate(files):
             sizes.append(size)
@@ -184,12 +234,31 @@ def open_source(
         for p in parts:
             p.update(text_field=text_field or "text", key_field=key_field)
         fp = _fingerprint(kind, files, text_field, key_field, partition_bytes)
-        return Source(kind, url, _number(parts, shuffle, seed), None, None, fp, [])
-    files = _list_files(url, TAR_EXTENSIONS, storage_options) if "{" not in url and "::" not in url \
-        else _expand_tars(url, storage_options)
+        return Source(kind, url, _number(parts, shuffle, seed), None, None, fp, [], ignored)
+    files, ignored = _list_files(url, TAR_EXTENSIONS, storage_options) if "{" not in url and "::" not in url \
+        else (_expand_tars(url, storage_options), [])
     parts = [{"kind": "tar", "url": f, **common} for f, _ in files]
     fp = _fingerprint(kind, files)
-    return Source("tar", url, _number(parts, shuffle, seed), None, None, fp, [])
+    return Source("tar", url, _number(parts, shuffle, seed), None, None, fp, [], ignored)
+
+
+def _shard_chunks(items: list, sizes: list[int], max_bytes: int, max_count: int) -> list[list]:
+    """Cut image items where :class:`datapipe.ShardWriter` would start a new shard (same size rule)."""
+    from datapipe.writer import _tar_size
+
+    chunks: list[list] = []
+    current: list = []
+    estimate = 0
+    for item, size in zip(items, sizes):
+        member = 512 + (size + 511) // 512 * 512 + (1024 if item[1] is not None else 0)
+        if current and (len(current) >= max_count or _tar_size(estimate + member) > max_bytes):
+            chunks.append(current)
+            current, estimate = [], 0
+        current.append(item)
+        estimate += member
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def _number(parts: list[dict], shuffle: bool, seed: int) -> list[dict]:
@@ -205,33 +274,52 @@ def _number(parts: list[dict], shuffle: bool, seed: int) -> list[dict]:
     return out
 
 
-def _list_files(url: str, extensions: tuple, storage_options) -> list[tuple[str, int]]:
+# files that sit beside shards by design: not reported as ignored input
+_COMPANIONS = ("manifest.json", "classes.json", "report.json")
+
+
+def _list_files(url: str, extensions: tuple, storage_options) -> tuple[list[tuple[str, int]], list[str]]:
+    """The files of ``url`` with one of ``extensions`` (name, size), and the other files it holds (ignored)."""
     fs, path = _fs(url, storage_options)
     prefix = _protocol_prefix(url)
+    ignored: list[str] = []
     if fs.isdir(path):
-        found = fs.find(path, detail=True)
-        files = sorted((n, int(info.get("size") or 0)) for n, info in found.items() if n.endswith(extensions)
-                       and not posixpath.basename(n).startswith("."))
+        found = _find(fs, path)
+        files = []
+        for n, info in sorted(found.items()):
+            rel = posixpath.relpath(n, path)
+            if any(part.startswith(".") for part in rel.split("/")):
+                continue
+            if n.endswith(extensions):
+                files.append((n, int(info.get("size") or 0)))
+            elif not (n.endswith(".idx") or posixpath.basename(n) in _COMPANIONS):
+                ignored.append(rel)
     elif fs.exists(path):
         files = [(path, int(fs.info(path).get("size") or 0))]
     else:
         raise ValueError(f"input {url!r} does not exist")
     if not files:
-        raise ValueError(f"no {'/'.join(extensions)} files found in {url!r}")
-    return [(prefix + n if prefix and not n.startswith(prefix) else n, s) for n, s in files]
+        what = f" (it holds {len(ignored)} other files, e.g. {', '.join(ignored[:3])})" if ignored else ""
+        raise ValueError(f"no {'/'.join(extensions)} files found in {url!r}{what}")
+    return [(prefix + n if prefix and not n.startswith(prefix) else n, s) for n, s in files], ignored
 
 
 def _expand_tars(url: str, storage_options) -> list[tuple[str, int]]:
     from datapipe.urls import expand_urls
 
-    return [(u, 0) for u in expand_urls(url)]
+    urls = expand_urls(url)
+    local = [u for u in urls if "://" not in u or u.startswith("file://")]
+    if urls and len(local) == len(urls) and not any(_fs(u, storage_options)[0].exists(_fs(u, storage_options)[1])
+                                                   for u in local):
+        raise ValueError(f"no file matches {url!r} ({len(urls)} names, e.g. {urls[0]!r}; none exists)")
+    return [(u, 0) for u in urls]
 
 
 def _list_image_folder(url: str, storage_options):
     fs, root = _fs(url, storage_options)
     if not fs.isdir(root):
         raise ValueError(f"image folder {url!r} does not exist or is not a folder")
-    found = fs.find(root, detail=True, withdirs=True)
+    found = _find(fs, root, withdirs=True)
     files, dirs = {}, set()
     for name, info in found.items():
         rel = posixpath.relpath(name, root)
@@ -245,10 +333,11 @@ def _list_image_folder(url: str, storage_options):
                 dirs.add(rel.split("/")[0])
     classes = sorted(dirs) or None
     class_index = {c: i for i, c in enumerate(classes or [])}
-    items, skipped, sizes, keys, used = [], [], [], set(), set()
+    items, skipped, sizes, keys, used, ignored = [], [], [], set(), set(), []
     for rel in sorted(files):
         ext = _image_ext(rel)
         if ext is None:
+            ignored.append(rel)
             continue
         if classes and "/" not in rel:
             skipped.append({"item": _join(url, rel), "error": "image outside the class folders"})
@@ -262,7 +351,7 @@ def _list_image_folder(url: str, storage_options):
     for c in classes or []:
         if class_index[c] not in used:
             skipped.append({"item": _join(url, c), "error": "class folder holds no images"})
-    return items, classes, skipped, sizes
+    return items, classes, skipped, sizes, ignored
 
 
 def _unique(key: str, keys: set) -> str:
@@ -354,17 +443,21 @@ def _buffer_shuffle(records: Iterator[Record], size: int, rng: random.Random) ->
     yield from slots
 
 
+def read_item(url: str, storage_options: dict | None = None) -> bytes:
+    """The bytes of one input file (local files without fsspec's overhead)."""
+    if "://" not in url or url.startswith("file://"):
+        with open(url.removeprefix("file://"), "rb") as f:
+            return f.read()
+    fs, path = _fs(url, storage_options)
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
 def _iter_images(part: dict) -> Iterator[Record]:
     opts = part.get("storage_options") or {}
     for url, label, key, ext in part["items"]:
         try:
-            if "://" not in url or url.startswith("file://"):
-                with open(url.removeprefix("file://"), "rb") as f:
-                    data = f.read()
-            else:
-                fs, path = _fs(url, opts)
-                with fs.open(path, "rb") as f:
-                    data = f.read()
+            data = read_item(url, opts)
         except (OSError, ValueError) as e:
             yield Record(url, error=f"cannot read: {type(e).__name__}: {e}")
             continue
@@ -443,9 +536,11 @@ def _iter_tar(part: dict) -> Iterator[Record]:
     except DataError as e:
         yield Record(url, error=str(e))
         return
+    found = 0
     try:
         for event in iter_samples(reader_for(f, seekable=seekable), url, resync=True):
             name = f"{url}#{event.key or '?'}"
+            found += 1
             if event.sample is None:
                 yield Record(name, error=f"damaged sample: {event.error}")
                 continue
@@ -457,7 +552,9 @@ def _iter_tar(part: dict) -> Iterator[Record]:
         return
     finally:
         f.close()
-    if missing_end:
+    if missing_end and not found:
+        yield Record(url, error="not a tar file (or one cut before its first sample)")
+    elif missing_end:
         yield Record(url, error="tar has no end-of-archive block: truncated (samples before the cut were kept)")
 
 

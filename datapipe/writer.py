@@ -9,7 +9,6 @@ import uuid
 from typing import Any
 
 import fsspec
-import webdataset
 
 from datapipe.manifest import make_manifest, read_manifest, write_manifest
 
@@ -29,6 +28,54 @@ class _HashingFile:
 
     def flush(self) -> None:
         self._f.flush()
+
+
+class _PlainTar:
+    """An uncompressed tar in webdataset's layout (``TarWriter``'s member attributes), written in one pass.
+
+    Headers come from :meth:`tarfile.TarInfo.tobuf`; each header and value is written and hashed
+    once (no copy through tarfile's 10 KiB stream buffer), so the sha256 costs no second pass.
+    """
+
+    def __init__(self, f):
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.nbytes = 0
+        self._encoder = None
+
+    def _out(self, data) -> None:
+        self.sha256.update(data)
+        self._f.write(data)
+        self.nbytes += len(data)
+
+    def write(self, sample: dict[str, Any]) -> None:
+        if any(not isinstance(v, (bytes, bytearray, memoryview, str)) for k, v in sample.items() if k[0] != "_"):
+            if self._encoder is None:  # other values: webdataset's encoding rules (imported only when needed)
+                from webdataset.writer import make_encoder
+
+                self._encoder = make_encoder(True)
+            sample = self._encoder(sample)
+        key = sample["__key__"]
+        for k in sorted(sample):
+            if k[0] == "_":
+                continue
+            v = sample[k]
+            if isinstance(v, str):
+                v = v.encode("utf-8")
+            if not isinstance(v, (bytes, bytearray, memoryview)):
+                raise ValueError(f"{k} of sample {key!r} doesn't map to bytes after encoding ({type(v).__name__})")
+            info = tarfile.TarInfo(f"{key}.{k}")
+            info.size, info.mtime, info.mode, info.uname, info.gname = len(v), 0, 0o444, "bigdata", "bigdata"
+            short = len(info.name) <= 100 and info.name.isascii()  # then PAX writes this very ustar header
+            self._out(info.tobuf(tarfile.USTAR_FORMAT if short else tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            self._out(v)
+            if len(v) % 512:
+                self._out(bytes(512 - len(v) % 512))
+
+    def close(self) -> None:
+        """The two end-of-archive blocks, padded to tarfile's record size (as tarfile writes them)."""
+        end = 2 * tarfile.BLOCKSIZE
+        self._out(bytes(end + (-(self.nbytes + end)) % tarfile.RECORDSIZE))
 
 
 def _tar_size(member_bytes: int) -> int:
@@ -119,8 +166,13 @@ class ShardWriter:
         self._final = self.pattern % self.shard_number
         self._tmp = f"{self._final}.tmp-{uuid.uuid4().hex[:8]}"
         self._file = self.fs.open(self._path(self._tmp), "wb")
-        self._hasher = _HashingFile(self._file)
-        self._writer = webdataset.TarWriter(self._hasher, compress=self.compress, mtime=0)  # int: no pax header per member
+        if self.compress:
+            import webdataset
+
+            self._hasher = _HashingFile(self._file)
+            self._writer = webdataset.TarWriter(self._hasher, compress=True, mtime=0)  # int: no pax header per member
+        else:
+            self._writer = self._hasher = _PlainTar(self._file)
         self._count = 0
         self._estimate = 0
 
@@ -146,10 +198,11 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the shard in progress (its temporary file is removed); finished shards stay."""
         if self._writer is not None:
-            tar = self._writer.tarstream  # keep tarfile from writing its end blocks into the closed file later
-            tar.closed = True
-            if hasattr(tar.fileobj, "closed"):
-                tar.fileobj.closed = True
+            tar = getattr(self._writer, "tarstream", None)  # keep tarfile from writing its end blocks later
+            if tar is not None:
+                tar.closed = True
+                if hasattr(tar.fileobj, "closed"):
+                    tar.fileobj.closed = True
             try:
                 self._file.close()
                 self.fs.rm(self._path(self._tmp))

@@ -310,3 +310,135 @@ def test_sigkill_and_rerun_matches_uninterrupted(tmp_path):
     assert len(keys) == len(set(keys)) == 150
     assert sorted(n for n in os.listdir(out) if n.endswith(".tar")) == \
         sorted(n for n in os.listdir(ref) if n.endswith(".tar"))
+
+
+# ---- checks, zero-sample jobs, messages (issue: no silent loss) ------------------------------
+
+BROKEN = b"\xff\xd8\xff\xe0 this is not a jpeg"
+
+
+def test_default_check_skips_a_broken_jpeg_and_strict_names_it(tmp_path, capsys):
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=6, classes=("cat", "dog"))
+    (root / "dog" / "broken.jpg").write_bytes(BROKEN)
+    assert run_cli(root, tmp_path / "out", "--workers", "1") == 0  # default check: PIL opens it, reads its size
+    report = json.load(open(tmp_path / "out" / "report.json"))
+    assert report["samples"] == 6 and report["num_skipped"] == 1 and report["check_images"] == "open"
+    assert report["skipped"][0]["item"].endswith("dog/broken.jpg") and "PIL cannot open" in report["skipped"][0]["error"]
+    assert json.load(open(tmp_path / "out" / "manifest.json"))["num_skipped"] == 1
+    assert "dog_broken" not in {s["__key__"].replace("/", "_") for s in read_all(str(tmp_path / "out"))}
+    capsys.readouterr()
+    assert run_cli(root, tmp_path / "strict", "--strict", "--workers", "1") == 1
+    err = capsys.readouterr().err
+    assert "broken.jpg" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # --check-images none copies it unchecked (documented as unsafe)
+    assert run_cli(root, tmp_path / "unchecked", "--check-images", "none", "--workers", "1") == 0
+    assert json.load(open(tmp_path / "unchecked" / "report.json"))["samples"] == 7
+
+
+def test_decode_check_catches_what_the_open_check_lets_through(tmp_path):
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=4, classes=("a",), size=(200, 150))
+    good = (root / "a" / "img.000.jpg").read_bytes()
+    (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])  # header intact, scan data cut
+    opened = shard(str(root), str(tmp_path / "open"), workers=1, progress=False)
+    assert opened["samples"] == 5 and opened["num_skipped"] == 0  # the cheap check reads headers only
+    decoded = shard(str(root), str(tmp_path / "decode"), check_images="decode", workers=1, progress=False)
+    assert decoded["samples"] == 4 and decoded["num_skipped"] == 1
+    assert decoded["skipped"][0]["item"].endswith("cut.jpg") and "decode" in decoded["skipped"][0]["error"]
+    with pytest.raises(ValueError, match="check-images"):
+        shard(str(root), str(tmp_path / "x"), check_images="full", progress=False)
+
+
+def _zero_sample_inputs(tmp_path):
+    (tmp_path / "notatar.tar").write_text("this is a text file, not a tar\n")
+    for rel in ("dog/a.txt", "cat/b.json"):
+        (tmp_path / "meta" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "meta" / rel).write_text('{"caption": "a dog"}\n')
+    for rel in ("dog/1.jpg", "cat/2.jpg"):
+        (tmp_path / "fake" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / rel).write_text("plain text named like a JPEG\n")
+    return {
+        "brace pattern matching no file": (str(tmp_path / "none-{000..009}.tar"), "no file matches"),
+        "non-tar file as tar source": (str(tmp_path / "notatar.tar"), "not a tar file"),
+        "class folders of .txt/.json only": (str(tmp_path / "meta"), "a.txt"),
+        "text files named .jpg": (str(tmp_path / "fake"), "not an image"),
+    }
+
+
+def test_a_job_that_writes_nothing_fails_saying_why(tmp_path, capsys):
+    for case, (src, why) in _zero_sample_inputs(tmp_path).items():
+        capsys.readouterr()
+        out = tmp_path / f"out-{len(case)}"
+        assert run_cli(src, out, "--workers", "1") == 1, case
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("datapipe shard: failed:") and why in last, (case, err)
+        assert "Traceback" not in err, case
+        assert not (out / "manifest.json").exists(), case
+
+
+def test_ignored_files_are_counted_and_named(tmp_path, caplog):
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=4, classes=("a", "b"))
+    for name in ("a/notes.txt", "b/meta.json", "b/x.csv", "readme.md"):
+        (root / name).write_text("not an image")
+    assert run_cli(root, tmp_path / "out", "--workers", "1") == 0
+    report = json.load(open(tmp_path / "out" / "report.json"))
+    assert report["samples"] == 4 and report["num_ignored"] == 4
+    assert sorted(report["ignored"]) == ["a/notes.txt", "b/meta.json", "b/x.csv", "readme.md"]
+    assert json.load(open(tmp_path / "out" / "manifest.json"))["num_ignored"] == 4
+    err = caplog.text  # the CLI logs to stderr
+    assert "ignored 4 files" in err and "a/notes.txt" in err and "1 more" in err
+
+
+def test_cli_messages_for_a_missing_source_and_a_file_as_output(images, tmp_path, capsys):
+    root, _ = images
+    assert run_cli(tmp_path / "missing", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "missing" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "afile").write_text("x")
+    assert run_cli(root, tmp_path / "afile") == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and "Errno" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_copy_mode_partitions_are_whole_shards(images, tmp_path):
+    """Copying image bytes: one partition per shard, so no tail is merged (rewritten); same bytes for any workers."""
+    root, files = images
+    one = shard(root, str(tmp_path / "one"), max_count=5, workers=1, progress=False)
+    two = shard(root, str(tmp_path / "two"), max_count=5, workers=2, progress=False)
+    assert one["partitions"] == one["shards"] == -(-len(files) // 5)
+    assert [s["count"] for s in json.load(open(tmp_path / "one" / "manifest.json"))["shards"]] == [5, 5, 5, 5, 4]
+    assert json.load(open(tmp_path / "one" / "manifest.json"))["shards"] == \
+        json.load(open(tmp_path / "two" / "manifest.json"))["shards"]
+    by_bytes = shard(root, str(tmp_path / "bytes"), max_bytes=8 * 1024, workers=1, progress=False)
+    assert by_bytes["partitions"] == by_bytes["shards"] > 1
+
+
+def test_checks_in_a_pool_give_the_same_shards(tmp_path, monkeypatch):
+    """Copy jobs check images in a process pool while one process writes: same verdicts and bytes as inline."""
+    import datapipe.preprocess as pp
+
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=30, classes=("a", "b"), size=(64, 48))
+    good = (root / "a" / "img.000.jpg").read_bytes()
+    (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])
+    (root / "b" / "broken.jpg").write_bytes(BROKEN)
+    monkeypatch.setattr(pp, "CHECK_POOL_MIN_ITEMS", 1)
+    calls = []
+    real = pp.run_partition
+    monkeypatch.setattr(pp, "run_partition", lambda *a, **k: calls.append(k.get("check_pool")) or real(*a, **k))
+    for check, bad in (("open", {"broken.jpg"}), ("decode", {"broken.jpg", "cut.jpg"})):
+        pooled = shard(str(root), str(tmp_path / f"pool-{check}"), check_images=check, max_count=7, workers=2,
+                       progress=False)
+        assert calls and all(c is not None for c in calls)
+        calls.clear()
+        inline = shard(str(root), str(tmp_path / f"inline-{check}"), check_images=check, max_count=7, workers=1,
+                       progress=False)
+        assert calls and all(c is None for c in calls)
+        calls.clear()
+        assert {os.path.basename(s["item"]) for s in pooled["skipped"]} == bad
+        assert pooled["skipped"] == inline["skipped"] and pooled["samples"] == inline["samples"] == 32 - len(bad)
+        assert json.load(open(tmp_path / f"pool-{check}" / "manifest.json"))["shards"] == \
+            json.load(open(tmp_path / f"inline-{check}" / "manifest.json"))["shards"]

@@ -77,3 +77,17 @@ def test_bad_arguments():
         open_source(".", kind="video")
     with pytest.raises(ValueError, match="does not exist"):
         open_source("/no/such/dir", kind="images")
+
+
+def test_ignored_files_and_missing_inputs(tmp_path):
+    (tmp_path / "tars").mkdir()
+    (tmp_path / "tars" / "s-0.tar").write_bytes(bytes(1024))
+    for name in ("notes.txt", "manifest.json", "s-0.idx"):
+        (tmp_path / "tars" / name).write_text("x")
+    src = open_source(str(tmp_path / "tars"))
+    assert src.kind == "tar" and src.ignored == ["notes.txt"]  # companions of shards are not reported
+    with pytest.raises(ValueError, match="does not exist"):
+        open_source(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no file matches"):
+        open_source(str(tmp_path / "tars" / "x-{0..3}.tar"))
+    assert len(open_source(str(tmp_path / "tars" / "s-{0..3}.tar")).partitions) == 4  # some exist: the rest are skipped

@@ -61,3 +61,22 @@ def test_bad_arguments(tmp_path):
     with ShardWriter(str(tmp_path / "s-%03d.tar")) as w:
         with pytest.raises(ValueError, match="__key__"):
             w.write({"bin": b"x"})
+
+
+def test_bytes_identical_to_webdataset_tarwriter(tmp_path):
+    """The one-pass writer lays out tars exactly as webdataset's TarWriter (mtime 0), long keys and encodables too."""
+    import io
+
+    written = samples(9) + [{"__key__": "x" * 150, "txt": "héllo"}, {"__key__": "d/é", "json": {"a": 1}, "cls": 3},
+                            {"__key__": "empty", "bin": b""}]
+    ref = io.BytesIO()
+    tw = webdataset.TarWriter(ref, mtime=0)
+    for s in written:
+        tw.write(s)
+    tw.close()
+    with ShardWriter(str(tmp_path / "s-%03d.tar")) as w:
+        for s in written:
+            w.write(s)
+    data = (tmp_path / "s-000.tar").read_bytes()
+    assert data == ref.getvalue()
+    assert w.shards[0]["sha256"] == hashlib.sha256(data).hexdigest() and w.shards[0]["bytes"] == len(data)
