@@ -252,7 +252,7 @@ def dali_hand(urls, args):
     from nvidia.dali.pipeline import Pipeline
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    from datapipe.dali_index import default_index_path
+    from datapipe.tar.dali_index import default_index_path
 
     gpu = args.device.type == "cuda"
     pipe = Pipeline(batch_size=args.batch_size, num_threads=min(8, os.cpu_count() or 1),

@@ -1,6 +1,6 @@
 """Shared bits of the benchmark scripts: the environment record, tables, and writing results.
 
-The environment record and the table format are the library's own (``datapipe.bench``), so the
+The environment record and the table format are the library's own (``tools.bench.cli``), so the
 scripts here and ``datapipe bench`` write results alike.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from datapipe.bench import environment, table  # noqa: F401  (re-exported for the scripts)
+from tools.bench.cli import environment, table  # noqa: F401  (re-exported for the scripts)
 
 
 def write_result(name: str, result: dict, directory: str | None = None) -> str:

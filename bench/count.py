@@ -31,7 +31,7 @@ def make_shards(directory: str, shards: int, samples: int) -> None:
 
 
 def timed_counts(urls: list[str], cache_dir: str, *, threads: int | None = None) -> tuple[float, int]:
-    import datapipe.counts as counts_module
+    import datapipe.tar.counts as counts_module
     from datapipe import ShardStream
 
     saved_threads, saved_home = counts_module.THREADS, os.environ.get("HOME")

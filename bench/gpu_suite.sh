@@ -20,8 +20,8 @@ for part in "$@"; do
   case $part in
   tests)
     step gpu tests
-    timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/datapipe/test_prefetch.py tests/loaders/test_dataloader.py \
-      tests/loaders/test_images.py tests/loaders/test_tokens.py tests/loaders/test_background.py 2>&1 \
+    timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/datapipe/device/test_prefetch.py tests/loaders/test_dataloader.py \
+      tests/loaders/images/test_loader.py tests/loaders/test_tokens.py tests/datapipe/device/test_handoff.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -25 | tee -a "$log" ;;
   images)
     step images benchmark

@@ -33,8 +33,8 @@ STD = (0.229, 0.224, 0.225)
 
 # ---- data ---------------------------------------------------------------------------------------
 def ensure_dataset(directory: str, num_images: int, *, workers: int, per_shard: int) -> tuple[list[str], dict]:
-    from datapipe.dali_index import default_index_path
-    from datapipe.synthetic import make_image_dataset
+    from datapipe.tar.dali_index import default_index_path
+    from tools.synthetic import make_image_dataset
 
     manifest = os.path.join(directory, "manifest.json")
     if os.path.exists(manifest):
@@ -130,7 +130,7 @@ def dali_handwritten(urls, args):
     from nvidia.dali.pipeline import Pipeline
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    from datapipe.dali_index import default_index_path
+    from datapipe.tar.dali_index import default_index_path
 
     gpu = args.device == "cuda"
     pipe = Pipeline(batch_size=args.batch_size, num_threads=args.dali_threads, device_id=0 if gpu else None,

@@ -38,8 +38,8 @@ def cpu_seconds() -> float:
 
 
 def ensure_images(directory: str, n: int, rank: int) -> list[str]:
-    from datapipe.manifest import read_manifest
-    from datapipe.synthetic import make_image_dataset
+    from datapipe.tar.manifest import read_manifest
+    from tools.synthetic import make_image_dataset
 
     if rank == 0 and (read_manifest(directory) or {}).get("num_samples") != n:
         make_image_dataset(directory, num_images=n, num_classes=1000, shard_max_count=256,
@@ -50,7 +50,7 @@ def ensure_images(directory: str, n: int, rank: int) -> list[str]:
 
 def ensure_tokens(directory: str, docs: int, rank: int) -> list[str]:
     from datapipe import ShardWriter
-    from datapipe.manifest import read_manifest
+    from datapipe.tar.manifest import read_manifest
 
     if rank == 0 and (read_manifest(directory) or {}).get("num_samples") != docs:
         rng = np.random.default_rng(0)

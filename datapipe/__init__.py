@@ -1,7 +1,8 @@
 """datapipe: keeps GPUs fed.
 
 Sharded WebDataset streaming from any fsspec storage, shard writing, pinned-memory device
-prefetch, preprocessing jobs and throughput benchmarks. Public names are imported lazily so that
+prefetch: the engine. The preprocessing jobs live in ``jobs``, the benchmarks, doctor and other
+tools in ``tools``. Public names are imported lazily so that
 ``import datapipe`` stays cheap and never pulls in DALI, Ray or s3fs.
 """
 from importlib import import_module
@@ -10,16 +11,14 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DataError": "datapipe.errors",
-    "expand_urls": "datapipe.urls",
-    "redact_url": "datapipe.urls",
+    "expand_urls": "datapipe.storage.urls",
+    "redact_url": "datapipe.storage.urls",
     "ShardStream": "datapipe.stream",
-    "ShardWriter": "datapipe.writer",
-    "read_manifest": "datapipe.manifest",
-    "DevicePrefetcher": "datapipe.prefetch",
-    "mix": "datapipe.mixing",
-    "make_image_dataset": "datapipe.synthetic",
-    "write_dali_index": "datapipe.dali_index",
-    "doctor": "datapipe.starvation",
+    "ShardWriter": "datapipe.tar.writer",
+    "read_manifest": "datapipe.tar.manifest",
+    "DevicePrefetcher": "datapipe.device.prefetch",
+    "mix": "datapipe.order.mixing",
+    "write_dali_index": "datapipe.tar.dali_index",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,16 +9,16 @@ from typing import Any, Iterator
 
 import torch.utils.data
 
-from datapipe.cache import ShardCache
-from datapipe.counts import _map, load_counts, stamp, store_counts
+from datapipe.storage.cache import ShardCache
+from datapipe.tar.counts import _map, load_counts, stamp, store_counts
 from datapipe.errors import DataError
-from datapipe.manifest import read_manifest
-from datapipe import elastic
-from datapipe.plan import WorkerPlan, samples_per_rank, shard_order, worker_plan
-from datapipe.shuffle import ShuffleBuffer, replay_positions
-from datapipe.storage import DEFAULT_TIMEOUT, RetryingFile, decompress, open_shard, with_timeouts
-from datapipe.tario import TarFormatError, count_until_damage, iter_samples, reader_for
-from datapipe.urls import expand_urls, is_local, redact_url
+from datapipe.tar.manifest import read_manifest
+from datapipe.order import elastic
+from datapipe.order.plan import WorkerPlan, samples_per_rank, shard_order, worker_plan
+from datapipe.order.shuffle import ShuffleBuffer, replay_positions
+from datapipe.storage.files import DEFAULT_TIMEOUT, RetryingFile, decompress, open_shard, with_timeouts
+from datapipe.tar.reader import TarFormatError, count_until_damage, iter_samples, reader_for
+from datapipe.storage.urls import expand_urls, is_local, redact_url
 
 log = logging.getLogger("datapipe.stream")
 
@@ -61,7 +61,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     repeat to even the ranks out). Order is deterministic for a given (seed, epoch, world_size,
     num_workers). Sample counts come from ``manifest.json`` beside the shards; shards it does not
     list are counted once by walking their headers (logged; in parallel threads) and the counts are
-    cached (``datapipe.counts``; ``datapipe index`` stores them up front).
+    cached (``datapipe.tar.counts``; ``datapipe index`` stores them up front).
 
     ``zero_copy=True`` hands out values of local uncompressed shards as memoryviews into the
     memory-mapped file instead of bytes (no copy; ``np.frombuffer`` and DALI take them as they are).
@@ -77,7 +77,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     has a ``timeout`` (seconds; set as the HTTP / S3 client's connect and read timeouts unless
     ``storage_options`` sets its own). ``cache_dir``: keep remote shards in this local directory
     (shared by the processes of a node) and read them from there in later epochs; ``cache_limit``
-    bounds its size in bytes (least recently used shards are evicted; see ``datapipe.cache``).
+    bounds its size in bytes (least recently used shards are evicted; see ``datapipe.storage.cache``).
     """
 
     def __init__(
@@ -275,7 +275,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: the epoch, the shape (rank, world_size, num_workers), each worker's draw count.
 
-        The states of all ranks merge into one global state (``datapipe.elastic.merge_states`` /
+        The states of all ranks merge into one global state (``datapipe.order.elastic.merge_states`` /
         ``gather_state``) that ``load_state_dict`` resumes on any shape.
         """
         rank, world = self._rank_world()
@@ -290,9 +290,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         """Resume: the next iteration of the saved epoch yields exactly its rest (other epochs start afresh).
 
         ``state``: this rank's own state (same shape only), or the global state of all ranks
-        (``datapipe.elastic.merge_states``, or the list of per-rank states): on the same shape each rank
+        (``datapipe.order.elastic.merge_states``, or the list of per-rank states): on the same shape each rank
         resumes bit-exactly; on another ``world_size`` / worker count the epoch's undelivered samples
-        are planned again over the new shape (see ``datapipe.elastic``).
+        are planned again over the new shape (see ``datapipe.order.elastic``).
         """
         if isinstance(state, (list, tuple)) or (not elastic.is_global(state) and isinstance(state, dict)
                                                  and state.get("world_size") == 1 and state.get("rank") == 0):
@@ -357,10 +357,10 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if not same_workers:
                     raise ValueError(f"state was saved with num_workers={resume['num_workers']}, "
                                      f"now {num_workers}: resume with the same number of workers, or load the "
-                                     "global state (datapipe.elastic.merge_states) to resume on another shape")
+                                     "global state (datapipe.order.elastic.merge_states) to resume on another shape")
                 if not same_world:
                     raise ValueError(f"state was saved with world_size={resume['world_size']}, now {world}: load the "
-                                     "global state (datapipe.elastic.merge_states) to resume on another shape")
+                                     "global state (datapipe.order.elastic.merge_states) to resume on another shape")
                 logical = (physical + resume["first_worker"]) % max(1, num_workers)
                 saved = resume["workers"].get(logical, {})
                 draws, done = int(saved.get("draws", 0)), bool(saved.get("done", False))

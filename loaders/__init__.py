@@ -3,7 +3,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "DataLoader": "loaders.dataloader",
-    "ImageLoader": "loaders.images",
+    "ImageLoader": "loaders.images.loader",
     "TokenLoader": "loaders.tokens",
 }
 

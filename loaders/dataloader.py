@@ -44,8 +44,9 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data import IterableDataset, get_worker_info
 
-from datapipe import autotune, elastic
-from datapipe.prefetch import DevicePrefetcher, map_tensors, resolve_device
+from datapipe.device import autotune
+from datapipe.order import elastic
+from datapipe.device.prefetch import DevicePrefetcher, map_tensors, resolve_device
 
 __all__ = ["DataLoader"]
 
@@ -262,7 +263,7 @@ class DataLoader(tud.DataLoader[_T_co]):
     Positional and keyword arguments are torch's; ours are keyword-only: ``device``,
     ``prefetch_depth``, ``seed`` (``None``: torch's seeding) and ``max_workers``.
     ``num_workers="auto"`` and ``prefetch_depth="auto"`` are chosen from measured rates (see
-    :mod:`datapipe.autotune`): a map-style dataset serves its first batches from the main process
+    :mod:`datapipe.device.autotune`): a map-style dataset serves its first batches from the main process
     while timing production and the consumer, then continues (same order) with the chosen worker
     count; an iterable dataset starts at the CPU/memory bound. Both grow at epoch boundaries
     while the consumer keeps waiting. ``max_workers`` caps the choice. ``num_workers`` holds the
@@ -571,7 +572,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         return self._auto_workers if self._auto_workers is not None else 0
 
     def global_state_dict(self) -> dict:
-        """The state of the whole job: every rank's ``state_dict()``, gathered (``datapipe.elastic``).
+        """The state of the whole job: every rank's ``state_dict()``, gathered (``datapipe.order.elastic``).
 
         A collective under torch.distributed (every rank must call it at the same step; every rank
         gets the global state); without it, this process must be the whole job. ``load_state_dict``
@@ -626,7 +627,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         (``global_state_dict()``, or the list of every rank's ``state_dict()``) of an iterable
         dataset with the worker-state protocol: on the same shape each rank takes its own state
         back (bit-exact); on another ``world_size`` / ``num_workers`` the dataset plans the epoch's
-        undelivered samples over the new shape (see ``datapipe.elastic``).
+        undelivered samples over the new shape (see ``datapipe.order.elastic``).
         """
         if isinstance(state, (list, tuple)):
             state = elastic.merge_states(list(state))

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from datapipe.errors import DataError
-from datapipe.prefetch import DevicePrefetcher
+from datapipe.device.prefetch import DevicePrefetcher
 from datapipe.stream import ShardStream
 
 log = logging.getLogger("datapipe.tokens")
@@ -200,7 +200,7 @@ class TokenLoader:
         """The position after the last batch handed out (the prefetched ones are replayed on resume).
 
         Names the rank and world size it was taken on; the states of all ranks merge into one global
-        state (``datapipe.elastic.merge_states`` / ``gather_state``) that resumes on any world size.
+        state (``datapipe.order.elastic.merge_states`` / ``gather_state``) that resumes on any world size.
         """
         rank, world = self.stream._rank_world()
         if self._delivered is None:
@@ -214,14 +214,14 @@ class TokenLoader:
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """Resume after the last batch of ``state``: this rank's own state, or the global state of all ranks.
 
-        A global state (``datapipe.elastic.merge_states``, or the list of per-rank states) resumes on
+        A global state (``datapipe.order.elastic.merge_states``, or the list of per-rank states) resumes on
         any world size: on the same one each rank takes its own state back (exact); on another, the
         stream replans the epoch's undelivered documents over the new ranks, and the token pieces
         that sat in the old ranks' packers are split among the new ranks' packers (contiguous equal
         shares in rank order), so every document of the epoch is packed exactly once (padding
         repeats aside). ``batching="packed"`` only.
         """
-        from datapipe import elastic
+        from datapipe.order import elastic
 
         if isinstance(state, (list, tuple)):
             state = elastic.merge_states(state)
@@ -237,7 +237,7 @@ class TokenLoader:
         self._resume = state
 
     def _reshape(self, g: dict, rank: int, world: int) -> dict:
-        from datapipe import elastic
+        from datapipe.order import elastic
 
         if self.batching != "packed":
             raise ValueError("only batching='packed' resumes on another world size; use the same world size")

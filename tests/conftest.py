@@ -14,3 +14,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    from tests.shards import write_shards
+
+    return write_shards(tmp_path / "data", [10, 3, 0, 8, 5])

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from datapipe import ShardStream
-from tests.datapipe.conftest import write_shards
+from tests.shards import write_shards
 
 
 def _keys(batch):

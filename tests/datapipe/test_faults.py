@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from datapipe import DataError, ShardStream
-from tests.datapipe.conftest import write_shards
+from tests.shards import write_shards
 from tests.servers import fault_proxy, http_server, s3_server
 
 FAULTS = ["errors_5xx", "resets", "truncations", "hangs", "body_hangs"]

@@ -9,7 +9,7 @@ import torch
 import webdataset
 
 from datapipe import DataError, ShardStream, ShardWriter
-from tests.datapipe.conftest import make_samples, write_shards
+from tests.shards import make_samples, write_shards
 from tests.resume import assert_resumes_identically
 from tests.servers import http_server
 

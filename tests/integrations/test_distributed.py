@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tests.datapipe.conftest import write_shards
+from tests.shards import write_shards
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -54,7 +54,7 @@ def build(cfg):
         return loader, lambda b: json.dumps({k: digest([v]) if hasattr(v, "numpy") else repr(v)
                                              for k, v in sorted(b.items())})
     if case in ("images", "images_workers"):
-        from loaders.images import ImageLoader
+        from loaders.images.loader import ImageLoader
 
         loader = ImageLoader(cfg["urls"], batch_size=4, image_size=16, device="cpu", num_threads=1, train=False,
                              shuffle=True, shuffle_buffer=6, seed=9, label_key="__key__", label_decoder=int,

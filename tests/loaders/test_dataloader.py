@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from datapipe import autotune
+from datapipe.device import autotune
 from loaders import DataLoader
 
 N = 22
@@ -375,7 +375,7 @@ def test_choose_num_workers_within_bounds(produce, consume, avail, cap):
                                     available_bytes=avail, max_workers=cap)
     lo, hi = d["bounds"]
     assert lo == 1 and lo <= d["value"] <= hi
-    assert hi <= (cap or max(1, autotune.cpu_budget() - 1))
+    assert hi <= (cap or max(1, autotune.usable_cores() - 1))
     if avail == 1 << 20:
         assert d["value"] == 1  # memory bound
     assert d["reason"]
@@ -406,14 +406,14 @@ def test_choose_depth_bounds():
 def test_auto_loader_same_order_and_logged(caplog):
     kw = dict(batch_size=2, shuffle=True, seed=4)
     ref = _run(DataLoader(Squares(), **kw))
-    with caplog.at_level(logging.INFO, logger="datapipe.autotune"):
+    with caplog.at_level(logging.INFO, logger="datapipe.device.autotune"):
         dl = DataLoader(Squares(), num_workers="auto", prefetch_depth="auto", device="cpu", max_workers=2, **kw)
         assert _run(dl) == ref  # probe batches from the main process, then workers, same order
         _run(dl)
     s = dl.stats()
     choice = s["autotune"]["num_workers"]
     assert 1 <= choice["value"] <= 2 and 1 <= s["num_workers"] <= 2
-    assert any("num_workers=" in r.getMessage() for r in caplog.records if r.name == "datapipe.autotune")
+    assert any("num_workers=" in r.getMessage() for r in caplog.records if r.name == "datapipe.device.autotune")
     dl.close()
     assert _children_gone() and _threads_gone()
 

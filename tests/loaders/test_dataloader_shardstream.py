@@ -3,7 +3,7 @@ import pytest
 
 from datapipe import ShardStream
 from loaders import DataLoader
-from tests.datapipe.conftest import write_shards
+from tests.shards import write_shards
 from tests.resume import assert_resumes_identically
 
 

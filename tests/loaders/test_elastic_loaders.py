@@ -4,9 +4,10 @@ import random
 
 import pytest
 
-from datapipe import ShardStream, elastic
+from datapipe import ShardStream
+from datapipe.order import elastic
 from loaders import DataLoader
-from tests.datapipe.conftest import write_shards
+from tests.shards import write_shards
 
 SHAPES = [(2, 3), (3, 1), (1, 4), (8, 1)]
 

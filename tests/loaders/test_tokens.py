@@ -150,7 +150,7 @@ def test_batches_on_the_gpu_equal_the_cpu_ones(tmp_path):
 def test_resume_on_another_world_size_packs_every_document_once(tmp_path, new_world):
     from collections import Counter
 
-    from datapipe import elastic
+    from datapipe.order import elastic
 
     lens = lengths(150, seed=new_world, high=200)
     urls = write_token_shards(tmp_path, lens)

@@ -1,0 +1,201 @@
+"""Elastic resume: one checkpoint for the whole job, resumable on any ranks x workers shape.
+
+Every per-rank state (``ShardStream``, ``mix``, ``TokenLoader``) names the rank and the shape it was
+taken on. ``merge_states`` joins the states of all ranks into one global state (``gather_state``
+does it collectively); ``load_state_dict`` of a stage accepts that global state (or the list of
+per-rank states) on any shape:
+
+- same ``world_size`` and worker count: each rank takes its own state back (bit-exact resume);
+- another shape: the epoch's samples not yet delivered (the unread tail of every worker's run plus
+  the samples sitting in its shuffle buffer, found by replaying the buffer's draws over positions)
+  are planned again with the epoch plan's rule over those sample numbers (sorted ranges): equal
+  contiguous runs per rank (wrapping, at most ``world_size - 1`` repeats), then per worker, read
+  through fresh shuffle buffers seeded from (seed, epoch, new shape, resume generation). The next
+  epochs follow the new shape's normal plan.
+"""
+from __future__ import annotations
+
+import sys
+from array import array
+from typing import Any, Sequence
+
+from datapipe.order.plan import Ranges, map_positions, normalize, run_ranges, subtract
+from datapipe.order.seeds import derive_seed
+from datapipe.order.shuffle import replay_positions
+
+GLOBAL = "datapipe_global_state"
+
+
+def is_global(state: Any) -> bool:
+    return isinstance(state, dict) and state.get(GLOBAL) == 1
+
+
+def worker_seed(seed: int, epoch: int, rank: int, worker: int, world_size: int, num_workers: int,
+                generation: int) -> int:
+    """The seed of a worker's shuffle buffer: the classic one, or one of the shape after an elastic resume."""
+    if generation == 0:
+        return derive_seed(seed, epoch, rank, worker)
+    return derive_seed(seed, epoch, rank, worker, world_size, max(1, num_workers), generation)
+
+
+NESTED = ("stream", "dataset", "loader")  # where a loader's state keeps its dataset's (per-rank) state
+
+
+def inner(state: dict) -> dict:
+    """The innermost state that names the rank: the state itself, or its stream's / dataset's / loader's."""
+    seen = 0
+    while state.get("rank") is None and seen < 4:
+        nested = next((state[k] for k in NESTED if isinstance(state.get(k), dict)), None)
+        if nested is None:
+            break
+        state, seen = nested, seen + 1
+    return state
+
+
+def _rank_world(state: dict) -> tuple[int, int]:
+    where = inner(state)
+    if where.get("rank") is not None and where.get("world_size") is not None:
+        return int(where["rank"]), int(where["world_size"])
+    raise ValueError("this state names no rank and world_size: take it with this version's state_dict() "
+                     "after at least one batch (or load the global state it was resumed from)")
+
+
+def merge_states(states: Sequence[dict]) -> dict:
+    """One global state from the per-rank states of every rank (any order)."""
+    if is_global(states):
+        return states
+    states = list(states)
+    if not states:
+        raise ValueError("merge_states needs the state of every rank, got none")
+    if all(is_global(s) for s in states):  # every rank still holds the global state it loaded
+        if len({(s["world_size"], s["num_workers"], s["epoch"]) for s in states}) == 1:
+            return states[0]
+    by_rank: dict[int, dict] = {}
+    world = None
+    for s in states:
+        if is_global(s):
+            raise ValueError("merge_states takes per-rank states, got a global state among them")
+        rank, w = _rank_world(s)
+        if world is not None and w != world:
+            raise ValueError(f"states come from different world sizes ({world} and {w})")
+        world = w
+        if rank in by_rank:
+            raise ValueError(f"two states for rank {rank}")
+        by_rank[rank] = s
+    missing = sorted(set(range(world)) - set(by_rank))
+    if missing:
+        raise ValueError(f"states of ranks {missing} are missing: merge the states of all {world} ranks")
+    ranks = [by_rank[r] for r in range(world)]
+    return {GLOBAL: 1, "world_size": world, "num_workers": max(_num_workers(s) for s in ranks),
+            "epoch": _field(ranks[0], "epoch"), "ranks": ranks}
+
+
+def _num_workers(state: dict) -> int:
+    return max(1, int(inner(state).get("num_workers", 0) or 0))
+
+
+def _field(state: dict, key: str):
+    if key in state:
+        return state[key]
+    return inner(state).get(key)
+
+
+def shape(state: dict | Sequence[dict]) -> dict:
+    """``{"world_size", "num_workers"}`` a state (per-rank, global, or a list) was taken on."""
+    if isinstance(state, (list, tuple)):
+        state = merge_states(state)
+    if is_global(state):
+        return {"world_size": state["world_size"], "num_workers": state["num_workers"]}
+    _, world = _rank_world(state)
+    return {"world_size": world, "num_workers": _num_workers(state)}
+
+
+def gather_state(obj) -> dict:
+    """The global state of ``obj`` (anything with ``state_dict()``, or a per-rank state) over all ranks.
+
+    A collective when torch.distributed is initialised (every rank must call it; every rank gets
+    the global state), else the state of this one process (which must be the whole job).
+    """
+    state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        states: list = [None] * dist.get_world_size()
+        dist.all_gather_object(states, state)
+        return merge_states(states)
+    return merge_states([state])
+
+
+# ---- ShardStream states ------------------------------------------------------------------------
+def pack_ranges(ranges: Ranges) -> bytes:
+    """Ranges as little-endian int64 pairs: a state carries them with every batch, and bytes pickle in one copy."""
+    a = array("q", [x for r in ranges for x in r])
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_ranges(data) -> tuple[tuple[int, int], ...]:
+    """Ranges from ``pack_ranges`` bytes, or from a list of ``(start, stop)`` pairs."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        a = array("q")
+        a.frombytes(bytes(data))
+        if sys.byteorder == "big":
+            a.byteswap()
+        return tuple(zip(a[0::2], a[1::2]))
+    return tuple((int(lo), int(hi)) for lo, hi in data)
+
+
+def base_of(state: dict, total: int) -> tuple[tuple[int, int], ...]:
+    """The global sample numbers a state's epoch plan ran over (all of the epoch unless resumed elastically)."""
+    base = state.get("base")
+    if base is None:
+        if int(state.get("generation", 0)):
+            raise ValueError("state of an elastically resumed epoch lacks its 'base' ranges")
+        return ((0, total),) if total else ()
+    return unpack_ranges(base)
+
+
+def delivered(state: dict, *, total: int, shuffle_buffer: int) -> list[tuple[int, int]]:
+    """Global sample numbers that the workers of one rank state have handed out (sorted ranges)."""
+    rank, world = _rank_world(state)
+    nw = _num_workers(state)
+    gen = int(state.get("generation", 0))
+    base = base_of(state, total)
+    epoch, seed = int(state["epoch"]), int(state.get("seed", 0))
+    shuffle_buffer = int(state.get("shuffle_buffer", shuffle_buffer))
+    if state.get("total") is not None and int(state["total"]) != total:
+        raise ValueError(f"state was taken over {state['total']} samples per epoch, these shards hold {total}")
+    out: list[tuple[int, int]] = []
+    for key, pos in state.get("workers", {}).items():
+        worker = int(key)
+        ranges, _ = run_ranges(base, rank=rank, world_size=world, worker=worker, num_workers=nw)
+        length = sum(b - a for a, b in ranges)
+        draws = int(pos.get("draws", 0))
+        if pos.get("done"):
+            out.extend(ranges)
+            continue
+        if draws == 0:
+            continue
+        if shuffle_buffer <= 1:
+            positions = [(0, draws)]
+        else:
+            buffer, pulled = replay_positions(shuffle_buffer, worker_seed(seed, epoch, rank, worker, world, nw, gen),
+                                              length, draws)
+            positions = subtract([(0, pulled)], normalize((p, p + 1) for p in buffer.slots))
+        out.extend(map_positions(ranges, positions))
+    return normalize(out)
+
+
+def remaining(global_state: dict, *, total: int, shuffle_buffer: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """The epoch's sample numbers no rank has handed out (sorted ranges), and the state's generation."""
+    ranks = global_state["ranks"]
+    gens = {int(s.get("generation", 0)) for s in ranks}
+    epochs = {int(s["epoch"]) for s in ranks}
+    if len(gens) != 1 or len(epochs) != 1:
+        raise ValueError(f"rank states disagree on the epoch {sorted(epochs)} or resume generation {sorted(gens)}")
+    base = normalize(base_of(next((s for s in ranks if s.get("base") is not None), ranks[0]), total))
+    done: list[tuple[int, int]] = []
+    for s in ranks:
+        done.extend(delivered(s, total=total, shuffle_buffer=shuffle_buffer))
+    return tuple(subtract(base, normalize(done))), gens.pop()

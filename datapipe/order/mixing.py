@@ -1,0 +1,285 @@
+"""``mix``: weighted, deterministic, resumable interleaving of several streams."""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch.utils.data
+
+from datapipe.order import elastic
+from datapipe.order.seeds import derive_seed
+
+STOP = ("first", "all", "restart")
+_MASK = (1 << 64) - 1
+
+
+def _uniform(key: int, draw: int) -> float:
+    """A uniform number in [0, 1) for draw ``draw`` of a stream of draws keyed by ``key`` (splitmix64)."""
+    z = (key + (draw + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
+def _choose(u: float, weights: Sequence[float], active: Sequence[bool]) -> int:
+    total = sum(w for w, a in zip(weights, active) if a)
+    target = u * total
+    last = -1
+    for i, (w, a) in enumerate(zip(weights, active)):
+        if not a or w <= 0:
+            continue
+        last = i
+        target -= w
+        if target < 0:
+            return i
+    return last  # rounding at the top end
+
+
+def mix_draws(sources: list[Iterable], weights: Sequence[float], *, key: int, stop: str, position: dict[str, Any],
+              set_epoch) -> Iterator[Any]:
+    """Items drawn from ``sources``: source ``i`` with probability ``weights[i]`` among those still active.
+
+    ``position`` (``draws``, ``active``, ``exhausted``, ``epochs``, ``taken``) is updated in place
+    before every item is yielded, so it always describes where the mix stands. Draw ``d`` depends
+    only on ``(key, d)`` and which sources are active, never on the items.
+    """
+    iterators: list[Iterator | None] = [None] * len(sources)
+    active, exhausted = position["active"], position["exhausted"]
+    while any(active):
+        u = _uniform(key, position["draws"])
+        position["draws"] += 1
+        i = _choose(u, weights, active)
+        if iterators[i] is None:
+            iterators[i] = iter(sources[i])
+        try:
+            item = next(iterators[i])
+        except StopIteration:
+            exhausted[i] = True
+            iterators[i] = None
+            if stop == "first":
+                active[:] = [False] * len(active)
+                return
+            if stop == "all" or all(exhausted[j] or weights[j] <= 0 for j in range(len(sources))):
+                active[i] = False
+                if stop == "restart":
+                    active[:] = [False] * len(active)
+                continue
+            if position["taken"][i] == 0:  # empty even after a restart: restarting again would loop forever
+                active[i] = False
+                continue
+            position["epochs"][i] += 1  # restart
+            position["taken"][i] = 0
+            set_epoch(i, position["epochs"][i])
+            continue
+        position["taken"][i] += 1
+        yield item
+
+
+class Mix(torch.utils.data.IterableDataset):
+    """A weighted interleaving of streams (see ``mix``); ``set_epoch``, ``state_dict``, ``load_state_dict``."""
+
+    def __init__(self, streams: Sequence[Iterable], *, weights: Sequence[float], seed: int = 0, stop: str = "first"):
+        streams = list(streams)
+        if not streams:
+            raise ValueError("mix needs at least one stream")
+        weights = [float(w) for w in weights]
+        if len(weights) != len(streams):
+            raise ValueError(f"got {len(weights)} weights for {len(streams)} streams: give one weight per stream")
+        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"weights must be finite, >= 0 and not all 0, got {weights}")
+        if stop not in STOP:
+            raise ValueError(f"stop must be one of {STOP}, got {stop!r}")
+        for i, s in enumerate(streams):
+            if iter(s) is s:
+                raise ValueError(f"stream {i} is an iterator (it can be read only once): pass a re-iterable "
+                                 "dataset, e.g. a ShardStream or a list")
+        self.streams = streams
+        self.weights = weights
+        self.seed = seed
+        self.stop = stop
+        self.epoch = 0
+        self._position: dict[str, Any] | None = None
+        self._started: list[bool] = []
+        self._saved_sources: list = []
+        self._logical = 0
+        self._num_workers = 0
+        self._resume: dict | None = None
+        self._generation = 0  # how many elastic resumes this epoch has had (keys the draws)
+        self._loaded_shape: dict | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The mix's epoch; streams start each epoch at this epoch too (restarts count up from it)."""
+        self.epoch = int(epoch)
+
+    def _set_stream_epoch(self, i: int, epoch: int) -> None:
+        if callable(getattr(self.streams[i], "set_epoch", None)):
+            self.streams[i].set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        num_workers = info.num_workers if info is not None else 0
+        physical = info.id if info is not None else 0
+        resume, self._resume = self._resume, None
+        logical, saved, generation = physical, None, 0
+        n = len(self.streams)
+        if resume is not None and resume.get("global") is not None:
+            g = resume["global"]
+            _, world = self._rank_world()
+            if g["world_size"] == world and g["num_workers"] == max(1, num_workers):
+                resume = self._rank_resume(g["ranks"][self._rank_world()[0]])
+            else:
+                generation = self._reshape(g)
+                resume = None
+        if resume is not None:
+            if max(1, resume["num_workers"]) != max(1, num_workers):
+                raise ValueError(f"mix state was saved with num_workers={resume['num_workers']}, now {num_workers}: "
+                                 "resume with the same number of workers, or load the global state "
+                                 "(datapipe.order.elastic.merge_states) to resume on another shape")
+            logical = (physical + resume["first_worker"]) % max(1, num_workers)
+            saved = resume["workers"].get(logical)
+            generation = resume["generation"]
+        self._started, self._saved_sources = [False] * n, [None] * n
+        if saved is None:
+            position = {"draws": 0, "active": [w > 0 for w in self.weights], "exhausted": [False] * n,
+                        "epochs": [self.epoch] * n, "taken": [0] * n, "sources": [None] * n}
+            for i in range(n):
+                if generation == 0 or resume is not None:
+                    self._set_stream_epoch(i, self.epoch)
+        else:
+            position = {k: (list(v) if isinstance(v, list) else v) for k, v in saved.items()}
+            for i, stream in enumerate(self.streams):
+                self._set_stream_epoch(i, position["epochs"][i])
+                src = position["sources"][i]
+                if src is not None:
+                    stream.load_state_dict({**src, "first_worker": resume["first_worker"]})
+                    self._saved_sources[i] = src
+        if resume is not None and resume["first_worker"]:
+            for i, stream in enumerate(self.streams):  # unread streams still read the logical worker's share
+                if (saved is None or position["sources"][i] is None) and callable(getattr(stream, "state_dict", None)):
+                    stream.load_state_dict({"epoch": position["epochs"][i], "num_workers": resume["num_workers"],
+                                            "workers": {}, "first_worker": resume["first_worker"]})
+        self._position, self._logical, self._num_workers = position, logical, num_workers
+        sources = [self._source(i, position) for i in range(n)]
+        self._generation = generation
+        key = (derive_seed(self.seed, self.epoch, logical) if generation == 0 else
+               derive_seed(self.seed, self.epoch, logical, self._rank_world()[1], max(1, num_workers), generation))
+        yield from mix_draws(sources, self.weights, key=key, stop=self.stop, position=position,
+                             set_epoch=self._set_stream_epoch)
+
+    def _source(self, i: int, position: dict[str, Any]) -> Iterable:
+        """Stream ``i``; a stream without state resumes by skipping the items it had given."""
+        stream = self.streams[i]
+        started = self._started
+
+        if callable(getattr(stream, "state_dict", None)):
+            class _Stateful:
+                def __iter__(_):
+                    started[i] = True
+                    return iter(stream)
+
+            return _Stateful()
+
+        class _Skip:
+            def __iter__(_):
+                it = iter(stream)
+                for _ in range(position["taken"][i]):
+                    next(it, None)
+                return it
+
+        return _Skip()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the mix stands: per worker, its draw count, which streams are live, and each stream's state."""
+        workers = {}
+        if self._position is not None:
+            p = self._position
+            sources = []
+            for i, s in enumerate(self.streams):
+                if p["taken"][i] == 0 or not callable(getattr(s, "state_dict", None)):
+                    sources.append(None)  # fresh (or restarted) stream, or one resumed by skipping
+                elif self._started[i]:
+                    sources.append(s.state_dict())
+                else:
+                    sources.append(self._saved_sources[i])  # not read since the resume: still where it was
+            workers[self._logical] = {**{k: (list(v) if isinstance(v, list) else v) for k, v in p.items()},
+                                      "sources": sources}
+        rank, world = self._rank_world()
+        return {"epoch": self.epoch, "seed": self.seed, "num_workers": self._num_workers, "workers": workers,
+                "rank": rank, "world_size": world, "generation": self._generation}
+
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Resume: the next iteration yields exactly the rest of the saved epoch.
+
+        ``state``: this rank's own state, or the global state of all ranks (``datapipe.order.elastic.merge_states``,
+        or the list of per-rank states), which resumes on any ranks x workers shape: each stream's
+        undelivered samples are planned again over the new shape, and the draws start afresh with
+        the same weights (so the mix stays on target over the epoch).
+        """
+        if isinstance(state, (list, tuple)):
+            state = elastic.merge_states(state)
+        if elastic.is_global(state):
+            self.epoch = int(state["epoch"])
+            self._loaded_shape = elastic.shape(state)
+            self._resume = {"global": state}
+            return
+        for key in ("epoch", "num_workers", "workers"):
+            if key not in state:
+                raise ValueError(f"not a mix state: no {key!r} entry")
+        self.epoch = int(state["epoch"])
+        if state.get("world_size") is not None:
+            self._loaded_shape = {"world_size": int(state["world_size"]),
+                                  "num_workers": max(1, int(state["num_workers"]))}
+        self._resume = self._rank_resume(state)
+
+    @staticmethod
+    def _rank_resume(state: dict[str, Any]) -> dict[str, Any]:
+        return {"num_workers": int(state["num_workers"]), "first_worker": int(state.get("first_worker", 0)),
+                "generation": int(state.get("generation", 0)),
+                "workers": {int(w): p for w, p in state["workers"].items()}}
+
+    def _rank_world(self) -> tuple[int, int]:
+        """The rank and world size of the first stream that splits by rank (else torch.distributed's)."""
+        for s in self.streams:
+            if callable(getattr(s, "_rank_world", None)):
+                return s._rank_world()
+        from datapipe.stream import default_rank_world
+
+        return default_rank_world()
+
+    def _reshape(self, g: dict[str, Any]) -> int:
+        """Loads each stream with the global state of its undelivered samples; returns the new generation."""
+        world, nw = g["world_size"], g["num_workers"]
+        for i, stream in enumerate(self.streams):
+            if not callable(getattr(stream, "_rank_world", None)):
+                raise ValueError(f"stream {i} is not a ShardStream: only ShardStreams resume a mix on another shape")
+            ranks, template = [], None
+            for r, rs in enumerate(g["ranks"]):
+                workers = {}
+                for w, p in rs["workers"].items():
+                    if int(p["epochs"][i]) != int(rs["epoch"]):
+                        raise ValueError(f"stream {i} restarted in some workers (stop='restart'): this mix "
+                                         "state resumes only on the shape it was taken on")
+                    src = p["sources"][i]
+                    if not any(p["active"]):  # this worker's mix had ended: what it left is not delivered this epoch
+                        workers[int(w)] = {"draws": 0, "done": True}
+                    elif src is not None:
+                        template = template or src
+                        workers.update({int(k): dict(v) for k, v in src["workers"].items()})
+                ranks.append({"epoch": int(rs["epoch"]), "rank": r, "world_size": world, "num_workers": nw,
+                              "workers": workers})
+            extra = {k: template[k] for k in ("seed", "shuffle_buffer", "total", "generation", "base")
+                     if template is not None and k in template}
+            stream.load_state_dict(elastic.merge_states([{**extra, **rs} for rs in ranks]))
+        return 1 + max([int(rs.get("generation", 0)) for rs in g["ranks"]])
+
+
+def mix(streams: Sequence[Iterable], *, weights: Sequence[float], seed: int = 0, stop: str = "first") -> Mix:
+    """Interleave ``streams``, drawing the next item from stream ``i`` with probability ~ ``weights[i]``.
+
+    Deterministic for a given (seed, epoch) and resumable (``state_dict`` / ``load_state_dict``;
+    streams with state are saved with theirs, others are re-read and skipped). When a stream runs
+    out: ``stop="first"`` ends the mix; ``"all"`` goes on with the others (weights renormalised)
+    until every stream has run out; ``"restart"`` restarts it (``set_epoch(epoch + 1)`` on it when
+    it has one) and ends the epoch once every stream has run out at least once.
+    """
+    return Mix(streams, weights=weights, seed=seed, stop=stop)

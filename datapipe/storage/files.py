@@ -1,0 +1,383 @@
+"""Opening shards on any storage: local files, fsspec URLs with retries, gzip, and opt-in ``pipe:``."""
+from __future__ import annotations
+
+import gzip
+import io
+import logging
+import subprocess
+import time
+import traceback
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+import fsspec
+
+from datapipe.errors import DataError
+from datapipe.storage.urls import _SECRET_QUERY_KEYS, is_local, local_path, redact_url, url_scheme
+
+log = logging.getLogger("datapipe.storage.files")
+
+REMOTE_BLOCK = 8 << 20
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError, ValueError)
+
+
+# credential problems (botocore, google-auth, azure): retrying cannot fix them
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                      "NoAuthTokenError", "UnauthorizedSSOTokenError", "TokenRetrievalError",
+                      "DefaultCredentialsError", "RefreshError", "ClientAuthenticationError")
+_CONNECTION_ERRORS = ("ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError")
+
+
+def _chain(e: BaseException, limit: int = 10):
+    """``e`` and its causes, outermost first."""
+    seen = 0
+    while e is not None and seen < limit:
+        yield e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+
+
+def _is_named(e: BaseException, names: tuple[str, ...]) -> bool:
+    return any(cls.__name__ in names for cls in type(e).__mro__)
+
+
+def is_credential_error(e: BaseException) -> bool:
+    """Missing or invalid credentials anywhere in ``e``'s causes (botocore ``NoCredentialsError`` ...)."""
+    return any(_is_named(c, _CREDENTIAL_ERRORS) for c in _chain(e))
+
+
+def is_permanent(e: BaseException) -> bool:
+    """A failure retrying cannot fix (missing file, no permission, missing credentials, bad argument).
+
+    fsspec's HTTP filesystem reports any failed metadata request as FileNotFoundError, a 503 or a
+    reset included: such an error caused by a server error (5xx, 429) or a connection problem is
+    transient.
+    """
+    if is_credential_error(e):
+        return True
+    if not isinstance(e, _PERMANENT):
+        return False
+    cause, seen = e.__cause__ or e.__context__, 0
+    while cause is not None and seen < 10:
+        status = getattr(cause, "status", None)
+        if isinstance(status, int) and (status >= 500 or status == 429):
+            return False
+        if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__ in (
+                "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError"):
+            return False
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return True
+
+
+DEFAULT_TIMEOUT = 60.0
+_SECRET_OPTION = ("key", "secret", "token", "password", "passwd", "auth", "credential", "signature", "session")
+
+
+def with_timeouts(url: str, storage_options: dict | None, timeout: float | None) -> dict:
+    """``storage_options`` plus client timeouts for ``url``'s protocol, unless the caller set their own.
+
+    HTTP(S): an ``aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)`` as
+    ``client_kwargs["timeout"]``; S3: botocore's ``connect_timeout`` / ``read_timeout`` in
+    ``config_kwargs``. A stalled server then raises a (retried) timeout instead of hanging.
+    """
+    options = dict(storage_options or {})
+    if timeout is None:
+        return options
+    scheme = url_scheme(url)
+    if scheme in ("http", "https"):
+        client_kwargs = dict(options.get("client_kwargs") or {})
+        if "timeout" not in client_kwargs:
+            import aiohttp
+
+            client_kwargs["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+            options["client_kwargs"] = client_kwargs
+    elif scheme in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        options["config_kwargs"] = config
+    return options
+
+
+def secrets_of(url: str, storage_options: dict | None = None) -> list[str]:
+    """Credential strings of a URL (password, secret query values) and of storage options (keys, tokens)."""
+    found: list[str] = []
+    try:
+        parts = urlsplit(url) if "://" in url else None
+    except ValueError:
+        parts = None
+    if parts is not None:
+        if parts.password:
+            found.append(parts.password)
+        for k, v in parse_qsl(parts.query, keep_blank_values=False):
+            if _SECRET_QUERY_KEYS.match(k):
+                found.append(v)
+
+    def walk(obj, name=""):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, str(k).lower())
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, name)
+        elif isinstance(obj, str) and any(word in name for word in _SECRET_OPTION):
+            found.append(obj)
+        elif hasattr(obj, "password") and isinstance(getattr(obj, "password", None), str):  # aiohttp.BasicAuth
+            found.append(obj.password)
+
+    walk(storage_options or {})
+    out = set()
+    for secret in found:
+        if secret:
+            out.update({secret, quote(secret, safe=""), unquote(secret)})
+    return sorted((s for s in out if s), key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """``text`` with every credential string replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+class StorageError(Exception):
+    """A storage failure whose message had credentials in it: the same text, scrubbed."""
+
+
+def describe(e: BaseException, secrets: list[str]) -> tuple[str, BaseException]:
+    """``"Type: message"`` of ``e`` without credentials, and the exception to chain from.
+
+    When credentials appear anywhere in ``e``'s traceback text, a scrubbed ``StorageError``
+    replaces it as the cause, so that printing the error chain cannot show them.
+    """
+    text = scrub(f"{type(e).__name__}: {e}", secrets)
+    for cause in _chain(e):
+        if isinstance(cause, (ConnectionError, TimeoutError)) or _is_named(cause, _CONNECTION_ERRORS):
+            text = scrub(f"cannot connect: {type(cause).__name__}: {cause}", secrets)  # not "file not found"
+            break
+        if _is_named(cause, _CREDENTIAL_ERRORS):
+            text = scrub(f"{type(cause).__name__}: {cause} (pass credentials in storage_options, e.g. "
+                         "{'key': ..., 'secret': ...} for S3, {'token': ...} for GCS)", secrets)
+            break
+    if secrets:
+        full = "".join(traceback.format_exception(e))
+        if scrub(full, secrets) != full:
+            return text, StorageError(scrub(full, secrets))
+    return text, e
+
+
+def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_backoff: float = 5.0,
+               storage_options: dict | None = None):
+    """Call ``fn()``, retrying transient failures with exponential backoff; permanent ones pass through."""
+    failures = 0
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if is_credential_error(e):
+                text, cause = describe(e, secrets_of(url, storage_options))
+                raise DataError(f"no usable credentials: {text}", url=redact_url(url)) from cause
+            if is_permanent(e):
+                raise
+            failures += 1
+            text, cause = describe(e, secrets_of(url, storage_options))
+            if failures > retries:
+                raise DataError(f"giving up after {retries} retries: {text}", url=redact_url(url)) from cause
+            delay = min(max_backoff, backoff * 2 ** (failures - 1))
+            log.warning("retrying %s in %.2fs after %s", redact_url(url), delay, text)
+            time.sleep(delay)
+
+
+class RetryingFile:
+    """A read-only remote file that survives transient failures.
+
+    On a read error (5xx, connection reset, timeout) or a body shorter than the file's size, it
+    reopens the URL, seeks to the byte it had reached and reads on, with exponential backoff.
+    Bytes are never returned twice. After ``retries`` failures in a row it raises ``DataError``.
+    """
+
+    def __init__(self, url: str, *, storage_options: dict | None = None, retries: int = 5,
+                 backoff: float = 0.2, max_backoff: float = 5.0, block_size: int = REMOTE_BLOCK):
+        self.url = url
+        self.storage_options = storage_options or {}
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.block_size = block_size
+        self.pos = 0
+        self.retried = 0
+        self._secrets = secrets_of(url, self.storage_options)
+        self._fs, self._path = fsspec.core.url_to_fs(url, **self.storage_options)
+        self._f = None
+        self.size: int | None = None
+        self._call(self._open)
+
+    def _open(self):
+        if self._f is not None:
+            try:
+                self._f.close()
+            except Exception:
+                pass
+            self._f = None
+        f = self._fs.open(self._path, "rb", block_size=self.block_size, cache_type="none")
+        if self.size is None:
+            size = getattr(f, "size", None)
+            self.size = int(size) if isinstance(size, int) else None
+        if self.pos:
+            f.seek(self.pos)
+        self._f = f
+
+    def _call(self, fn, *args):
+        failures = 0
+        while True:
+            try:
+                if failures:
+                    self._open()  # reopen at ``pos`` after a failure
+                return fn(*args)
+            except Exception as e:  # transient: network errors, 5xx, timeouts, truncated bodies
+                if is_permanent(e):
+                    text, cause = describe(e, self._secrets)
+                    raise DataError(f"cannot read shard: {text}", url=redact_url(self.url)) from cause
+                failures += 1
+                self.retried += 1
+                text, cause = describe(e, self._secrets)
+                if failures > self.retries:
+                    raise DataError(f"cannot read shard after {self.retries} retries at byte {self.pos}: {text}",
+                                    url=redact_url(self.url)) from cause
+                delay = min(self.max_backoff, self.backoff * 2 ** (failures - 1))
+                log.warning("retrying %s at byte %d in %.2fs after %s", redact_url(self.url), self.pos, delay, text)
+                time.sleep(delay)
+
+    def _read_once(self, n: int) -> bytes:
+        if self._f is None:
+            self._open()
+        data = self._f.read(n)
+        if not data and self.size is not None and self.pos < self.size:
+            self._f = None
+            raise EOFError(f"body ended at byte {self.pos} of {self.size}")
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = (self.size - self.pos) if self.size is not None else 1 << 62
+        if self.size is not None:
+            n = min(n, self.size - self.pos)
+        if n <= 0:
+            return b""
+        data = self._call(self._read_once, n)
+        self.pos += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 1:
+            pos += self.pos
+        elif whence == 2:
+            if self.size is None:
+                raise OSError("cannot seek from the end of a file of unknown size")
+            pos += self.size
+        self.pos = pos
+        if self._f is not None:
+            self._call(self._seek_once)
+        return pos
+
+    def _seek_once(self) -> None:
+        self._f.seek(self.pos)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class PipeFile:
+    """The standard output of a shell command (``pipe:cmd``), checked for a non-zero exit status."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.proc.stdout.read(n)
+        if not data:
+            rc = self.proc.wait(timeout=60)
+            if rc != 0:
+                raise DataError(f"pipe command exited with status {rc}", url=redact_url(self.url))
+        return data
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.proc.stdout.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=60)
+
+
+def is_gzip(url: str) -> bool:
+    return url.endswith((".gz", ".tgz"))
+
+
+def open_shard(url: str, *, storage_options: dict | None = None, retries: int = 5, allow_pipe: bool = False,
+               backoff: float = 0.2):
+    """Open a shard for sequential reading; returns ``(file, seekable)``. Raises ``DataError``."""
+    if url.startswith("pipe:"):
+        if not allow_pipe:
+            raise ValueError(f"pipe: URLs are refused: {redact_url(url)!r}; pass allow_pipe=True to allow them")
+        raw, seekable = PipeFile(url), False
+    elif is_local(url):
+        try:
+            raw = open(local_path(url), "rb", buffering=0)
+        except OSError as e:
+            raise DataError(f"cannot open shard: {type(e).__name__}: {e.strerror or e}", url=redact_url(url)) from e
+        seekable = True
+    else:
+        raw, seekable = RetryingFile(url, storage_options=storage_options, retries=retries, backoff=backoff), True
+    return decompress(url, raw, seekable=seekable)
+
+
+def decompress(url: str, raw, *, seekable: bool):
+    """``(file, seekable)``: ``raw`` itself, or a gzip reader over it for ``.gz`` / ``.tgz`` URLs."""
+    if is_gzip(url.split("?", 1)[0]):
+        ahead = ReadAhead(raw, block=(1 << 20) if isinstance(raw, io.FileIO) else REMOTE_BLOCK)
+        gz = gzip.GzipFile(fileobj=ahead, mode="rb")
+        gz.myfileobj = ahead  # closed together with the gzip reader
+        return gz, False
+    return raw, seekable
+
+
+class ReadAhead:
+    """Sequential reads served from large blocks of ``raw``: gzip asks for a few KB at a time, which
+    would otherwise be one remote request each."""
+
+    def __init__(self, raw, *, block: int):
+        self.raw = raw
+        self.block = block
+        self.buf = b""
+        self.pos = 0
+
+    @property
+    def retried(self) -> int:
+        return getattr(self.raw, "retried", 0)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            rest, self.buf, self.pos = self.buf[self.pos:], b"", 0
+            return rest + self.raw.read()
+        if self.pos >= len(self.buf):
+            if n >= self.block:
+                return self.raw.read(n)
+            self.buf, self.pos = self.raw.read(self.block), 0
+        data = self.buf[self.pos:self.pos + n]
+        self.pos += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.raw.close()

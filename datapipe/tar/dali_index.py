@@ -1,0 +1,177 @@
+"""DALI index files for WebDataset shards (what DALI's ``wds2idx.py`` writes) and the ``index`` CLI.
+
+``datapipe index`` also stores the shards' sample counts (see ``datapipe.tar.counts``).
+
+DALI's ``fn.readers.webdataset`` needs, for each tar, an index (format ``v1.2``): a header line
+``v1.2 <num_samples>`` and one line per sample with ``<ext> <data_offset> <size> <member_name>``
+for each of its files. Without it DALI scans every tar at start-up. The index is made here
+with :mod:`tarfile` in streaming mode, so shards on any fsspec storage can be indexed.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import posixpath
+import sys
+import tarfile
+import uuid
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = "v1.2"
+
+
+def default_index_path(tar_path: str) -> str:
+    """``shard-000000.tar`` -> ``shard-000000.idx`` (next to the shard); other names get ``.idx`` appended."""
+    if tar_path.endswith(".tar"):
+        return tar_path[: -len(".tar")] + ".idx"
+    return tar_path + ".idx"
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """wds2idx's rule: the extension starts at the first dot of the last path component."""
+    dot = name.find(".", name.rfind("/") + 1)
+    return name[:dot], name[dot + 1:]
+
+
+def index_lines(fileobj) -> list[str]:
+    """The index text (lines without newlines) of the tar stream ``fileobj``, header line first."""
+    samples: list[list[tuple[str, int, int, str]]] = []
+    last = None
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for member in tar:
+            if not member.isreg():
+                continue
+            basename, ext = _split_name(member.name)
+            if not basename or basename.endswith("/"):  # hidden files (names starting with a dot)
+                continue
+            entry = (ext, member.offset_data, member.size, member.name)
+            if basename != last:
+                samples.append([entry])
+                last = basename
+            else:
+                samples[-1].append(entry)
+    if not samples:
+        raise ValueError("the tar file holds no samples")
+    lines = [f"{INDEX_VERSION} {len(samples)}"]
+    lines += [" ".join(" ".join(map(str, entry)) for entry in sample) for sample in samples]
+    return lines
+
+
+def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, storage_options: dict | None = None) -> str:
+    """Write the DALI index of one shard (local path or fsspec URL); returns the index path.
+
+    ``index_path`` defaults to :func:`default_index_path`. Written under a temporary name and
+    renamed, so a reader never sees half an index. Raises :class:`datapipe.errors.DataError`
+    when the shard is unreadable, not a tar or empty.
+    """
+    import fsspec
+
+    from datapipe.errors import DataError
+
+    index_path = index_path or default_index_path(tar_path_or_url)
+    options = storage_options or {}
+    try:
+        with fsspec.open(tar_path_or_url, "rb", **options) as f:
+            lines = index_lines(f)
+    except (OSError, tarfile.TarError, ValueError, EOFError) as e:
+        raise DataError(f"cannot index shard: {e}", url=_redact(tar_path_or_url)) from e
+    fs, path = fsspec.core.url_to_fs(index_path, **options)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    with fs.open(tmp, "w") as out:
+        out.write("\n".join(lines) + "\n")
+    fs.mv(tmp, path)
+    return index_path
+
+
+def _redact(url: str) -> str:
+    try:
+        from datapipe.storage.urls import redact_url
+    except ImportError:  # pragma: no cover
+        return url
+    return redact_url(url)
+
+
+def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_existing: bool = False,
+                  counts: bool = True) -> int:
+    """Index every shard in ``paths`` (brace patterns expanded); returns a CLI exit code (0 ok, 1 failures).
+
+    ``index_dir`` puts the index files into that directory (``<name>.idx``) instead of next to
+    the shards; ``skip_existing`` leaves existing index files alone. ``counts`` also stores the
+    shards' sample counts (``datapipe.tar.counts``: beside the shards, else in the local count cache),
+    so that ``ShardStream`` over shards without a manifest does not count them again.
+    """
+    import fsspec
+
+    from datapipe.errors import DataError
+    from datapipe.storage.urls import expand_urls
+
+    try:
+        urls = [u for p in paths for u in expand_urls(p)]
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    if not urls:
+        log.error("no shards given")
+        return 1
+    if index_dir is not None:
+        fs, p = fsspec.core.url_to_fs(index_dir)
+        if fs.exists(p) and not fs.isdir(p):
+            log.error("--index-dir %s is a file, not a directory: give a directory (it is created if missing)",
+                      _redact(index_dir))
+            return 2
+    failed = 0
+    for url in urls:
+        target = default_index_path(url)
+        if index_dir is not None:
+            target = posixpath.join(index_dir, posixpath.basename(target))
+        if skip_existing:
+            fs, p = fsspec.core.url_to_fs(target)
+            if fs.exists(p):
+                log.info("exists: %s", target)
+                continue
+        try:
+            write_dali_index(url, target)
+            log.info("indexed %s -> %s", _redact(url), target)
+        except DataError as e:
+            log.error("%s", e)
+            failed += 1
+        except OSError as e:
+            log.error("cannot write the index %s: %s", _redact(target), e)
+            failed += 1
+    if failed:
+        log.error("%d of %d shards could not be indexed", failed, len(urls))
+        return 1
+    if counts:
+        from datapipe.tar.counts import count_and_store
+
+        try:
+            entries = count_and_store(urls)
+        except DataError as e:
+            log.error("%s", e)
+            return 1
+        damaged = [u for u, e in entries.items() if e["damage"]]
+        for url in damaged:
+            log.error("%s (%s)", entries[url]["damage"], _redact(url))
+        log.info("stored the sample counts of %d shards (%d samples): streams over them no longer count them",
+                 len(entries), sum(e["count"] for e in entries.values()))
+        return 1 if damaged else 0
+    return 0
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """``datapipe index SHARDS... [--index-dir DIR] [--skip-existing]`` (see datapipe.cli)."""
+    p.add_argument("shards", nargs="+", metavar="SHARDS", help="shard paths or URLs; brace ranges allowed")
+    p.add_argument("--index-dir", default=None, help="write index files here instead of next to the shards")
+    p.add_argument("--skip-existing", action="store_true", help="keep index files that already exist")
+    p.add_argument("--no-counts", dest="counts", action="store_false",
+                   help="do not store the sample counts (.datapipe-counts.json) that ShardStream reads")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    return index_command(args.shards, index_dir=args.index_dir, skip_existing=args.skip_existing,
+                         counts=args.counts)

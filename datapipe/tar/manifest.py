@@ -1,0 +1,80 @@
+"""``manifest.json``: the shard names, sample counts, sizes and checksums of a shard directory."""
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any
+
+import fsspec
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "datapipe-manifest"
+
+
+def manifest_url(directory: str) -> str:
+    return posixpath.join(directory.rstrip("/"), MANIFEST_NAME) if directory else MANIFEST_NAME
+
+
+def make_manifest(shards: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A manifest dict for shard entries ``{"name", "count", "bytes", "sha256"}`` (sorted by name)."""
+    shards = sorted(shards, key=lambda s: s["name"])
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "num_samples": sum(s["count"] for s in shards),
+        "num_bytes": sum(s["bytes"] for s in shards),
+        "shards": shards,
+        **extra,
+    }
+
+
+def write_manifest(directory: str, manifest: dict[str, Any], *, storage_options: dict | None = None) -> str:
+    """Write ``<directory>/manifest.json`` atomically (temporary name, then rename)."""
+    url = manifest_url(directory)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    tmp = path + ".tmp"
+    with fs.open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    fs.mv(tmp, path)
+    return url
+
+
+def read_manifest(directory: str, *, storage_options: dict | None = None, retries: int = 5,
+                  backoff: float = 0.2) -> dict[str, Any] | None:
+    """The manifest of a shard directory, or None when it has none. Transient failures are retried
+    (``retries`` times, exponential backoff from ``backoff`` seconds)."""
+    from datapipe.storage.files import retry_call
+
+    url = manifest_url(directory)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+    def load():
+        with fs.open(path, "r") as f:
+            return json.load(f)
+
+    try:
+        manifest = retry_call(load, url, retries=retries, backoff=backoff, storage_options=storage_options)
+    except FileNotFoundError:
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        raise ValueError(f"{url} is not a datapipe manifest (no 'shards' list)")
+    return manifest
+
+
+def counts_from_manifests(urls: list[str], *, storage_options: dict | None = None) -> dict[str, int]:
+    """Sample counts for those of ``urls`` that a manifest beside them lists."""
+    counts: dict[str, int] = {}
+    by_dir: dict[str, list[str]] = {}
+    for url in urls:
+        by_dir.setdefault(posixpath.dirname(url), []).append(url)
+    for directory, dir_urls in by_dir.items():
+        manifest = read_manifest(directory, storage_options=storage_options)
+        if manifest is None:
+            continue
+        known = {s["name"]: int(s["count"]) for s in manifest["shards"]}
+        for url in dir_urls:
+            name = posixpath.basename(url)
+            if name in known:
+                counts[url] = known[name]
+    return counts

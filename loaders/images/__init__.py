@@ -1,0 +1,1 @@
+"""loaders.images.loader."""

@@ -1,0 +1,108 @@
+import threading
+
+import pytest
+import torch
+
+from datapipe.device.handoff import on_side_stream, started, threaded
+
+
+def test_threaded_keeps_order_and_reraises():
+    def gen():
+        yield from range(5)
+        raise ValueError("boom")
+
+    got = []
+    with pytest.raises(ValueError, match="boom"):
+        for x in threaded(gen(), depth=2):
+            got.append(x)
+    assert got == list(range(5))
+
+
+def test_threaded_runs_ahead_at_most_depth_items():
+    made = []
+
+    def gen():
+        for i in range(100):
+            made.append(i)
+            yield i
+
+    it = threaded(gen(), depth=3)
+    assert next(it) == 0
+    deadline = threading.Event()
+    deadline.wait(0.3)
+    assert len(made) <= 1 + 3 + 1  # handed out + queued + the one waiting to be put
+    it.close()
+
+
+def test_closing_stops_the_thread_and_closes_the_producer_in_its_thread():
+    where = {}
+
+    def gen():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            where["closed_in"] = threading.current_thread().name
+
+    before = threading.active_count()
+    it = threaded(gen(), depth=2, name="producer-under-test")
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    it.close()
+    assert where["closed_in"] == "producer-under-test"
+    assert threading.active_count() == before
+
+
+def test_on_side_stream_on_cpu_passes_items_through():
+    items = [((torch.full((2,), i),), {"i": i}) for i in range(4)]
+    got = list(on_side_stream(iter(items), device=torch.device("cpu"), depth=2))
+    assert [m["i"] for _, m in got] == [0, 1, 2, 3]
+    assert all(torch.equal(t[0], torch.full((2,), i)) for i, (t, _) in enumerate(got))
+
+
+def test_started_fetches_the_first_item_now():
+    made = []
+
+    def gen():
+        for i in range(3):
+            made.append(i)
+            yield i
+
+    s = started(gen())
+    assert made == [0]
+    assert list(s) == [0, 1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_side_stream_work_is_finished_before_the_consumer_reads_it():
+    """The producer's stream is busy (a long sleep kernel) before it writes; the consumer must see the write."""
+    device = torch.device("cuda")
+
+    def produce():
+        for i in range(5):
+            x = torch.zeros(1 << 20, device=device)
+            torch.cuda._sleep(50_000_000)  # ~tens of ms on the producer's (side) stream
+            x.fill_(i + 1)
+            yield (x,), i
+
+    for (x,), i in on_side_stream(produce(), device=device, depth=2):
+        assert x.sum().item() == (i + 1) * (1 << 20)  # consumer stream waits on the producer's event
+
+
+def test_the_producer_waits_for_the_handoff_before_making_more():
+    made, handed = [], []
+
+    def gen():
+        for i in range(6):
+            made.append(i)
+            yield i
+
+    def handoff(item):
+        handed.append(item)
+        threading.Event().wait(0.05)
+        assert len(made) <= len(handed) + 1  # depth 1: at most the next item is made before a handoff ends
+
+    assert list(threaded(gen(), depth=1, handoff=handoff)) == list(range(6))
+    assert handed == list(range(6))

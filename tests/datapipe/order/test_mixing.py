@@ -1,0 +1,149 @@
+import collections
+import itertools
+
+import pytest
+import torch
+
+from datapipe import ShardStream, mix
+from tests.shards import write_shards
+from tests.resume import assert_resumes_identically
+
+
+class Recorder:
+    """A list-backed stream with set_epoch (recorded) and state, like a ShardStream."""
+
+    def __init__(self, items):
+        self.items = list(items)
+        self.epochs = []
+        self.epoch = 0
+        self._pos = {"taken": 0}
+        self._resume = None
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        start, self._resume = (self._resume or 0), None
+        self._pos = {"taken": start}
+        for item in self.items[start:]:
+            self._pos["taken"] += 1
+            yield (item, self.epoch)
+
+    def state_dict(self):
+        return dict(self._pos)
+
+    def load_state_dict(self, state):
+        self._resume = state["taken"]
+
+
+def test_stop_first_all_restart():
+    a, b = list(range(10)), list(range(100, 104))
+    first = list(mix([a, b], weights=[1, 1], stop="first"))
+    assert set(b) <= set(first) or set(a) <= set(first)
+    assert len(first) == len(set(first)) < 14
+    done = list(mix([a, b], weights=[1, 1], stop="all"))
+    assert sorted(done) == a + b
+    assert [x for x in done if x < 100] == a and [x for x in done if x >= 100] == b
+    again = list(mix([a, b], weights=[1, 1], stop="restart"))
+    counts = collections.Counter(again)
+    assert set(a) <= set(counts) and set(b) <= set(counts)
+    assert max(counts[x] for x in b) >= 2  # the short stream was restarted while the long one ran
+    assert all(counts[x] == 1 for x in a[:-1]) and counts[a[-1]] == 1
+
+
+def test_restart_calls_set_epoch_on_the_exhausted_stream():
+    short, long = Recorder("xy"), Recorder(range(20))
+    m = mix([short, long], weights=[1, 1], stop="restart", seed=3)
+    m.set_epoch(5)
+    got = list(m)
+    assert short.epochs[0] == 5 and long.epochs == [5]
+    assert short.epochs[1:] == list(range(6, 6 + len(short.epochs) - 1)) and len(short.epochs) >= 3
+    assert [i for i, e in got if isinstance(i, int)] == list(range(20))
+    assert set(short.epochs[:-1]) <= {e for i, e in got if isinstance(i, str)} <= set(short.epochs)
+
+
+def test_deterministic_and_seed_and_epoch_dependent():
+    a, b, c = list(range(50)), list(range(100, 150)), list(range(200, 250))
+    one = list(mix([a, b, c], weights=[1, 2, 3], seed=1))
+    assert one == list(mix([a, b, c], weights=[1, 2, 3], seed=1))
+    assert one != list(mix([a, b, c], weights=[1, 2, 3], seed=2))
+    m = mix([a, b, c], weights=[1, 2, 3], seed=1)
+    m.set_epoch(1)
+    assert list(m) != one
+
+
+def test_proportions_match_weights():
+    """Chi-square over 6000 seeded draws: below 27.6 (p = 1e-6 for 2 degrees of freedom)."""
+    weights = [0.6, 0.3, 0.1]
+    streams = [[i] * 10000 for i in range(3)]
+    n = 6000
+    for seed in range(3):
+        got = collections.Counter(itertools.islice(mix(streams, weights=weights, seed=seed), n))
+        chi2 = sum((got[i] - n * w) ** 2 / (n * w) for i, w in enumerate(weights))
+        assert chi2 < 27.6, (seed, got)
+
+
+def test_renormalised_after_a_stream_runs_out():
+    a, b, c = [0] * 100, [1] * 3000, [2] * 3000
+    got = list(mix([a, b, c], weights=[0.8, 0.1, 0.1], seed=0, stop="all"))
+    first_after = max(i for i, x in enumerate(got) if x == 0) + 1
+    tail = collections.Counter(got[first_after:first_after + 2000])
+    chi2 = sum((tail[i] - 1000) ** 2 / 1000 for i in (1, 2))
+    assert chi2 < 24  # p = 1e-6 for 1 degree of freedom: 1 and 2 now share evenly
+
+
+def test_zero_weight_stream_is_never_drawn():
+    got = list(mix([[1] * 5, [2] * 5], weights=[1, 0], stop="restart"))
+    assert got == [1] * 5
+
+
+@pytest.mark.parametrize("stop", ["first", "all", "restart"])
+def test_resume_exact_with_shard_streams(tmp_path, stop):
+    u1, _ = write_shards(tmp_path / "a", [4, 3], prefix="a")
+    u2, _ = write_shards(tmp_path / "b", [5], prefix="b")
+
+    def make():
+        m = mix([ShardStream(u1, shuffle=True, shuffle_buffer=3, seed=1), ShardStream(u2, shuffle=True, seed=2)],
+                weights=[2, 1], seed=4, stop=stop)
+        m.set_epoch(2)
+        return m
+
+    full = assert_resumes_identically(make)
+    keys = [s["__key__"] for s in full]
+    if stop == "all":
+        assert len(keys) == len(set(keys)) == 12
+    if stop == "restart":
+        assert len(keys) > 12 and len(set(keys)) == 12
+
+
+@pytest.mark.parametrize("stop", ["all", "restart"])
+def test_resume_exact_with_plain_lists_and_stateful_streams(stop):
+    def make():
+        return mix([list(range(7)), Recorder("abcd")], weights=[1, 1], seed=9, stop=stop)
+
+    assert_resumes_identically(make)
+
+
+def test_in_dataloader_workers_every_sample_once(tmp_path):
+    u1, s1 = write_shards(tmp_path / "a", [6, 5], prefix="a")
+    u2, s2 = write_shards(tmp_path / "b", [7], prefix="b")
+    m = mix([ShardStream(u1), ShardStream(u2)], weights=[1, 1], stop="all")
+    got = [s["__key__"] for s in torch.utils.data.DataLoader(m, batch_size=None, num_workers=2)]
+    assert sorted(got) == sorted(s["__key__"] for s in s1 + s2)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="weights"):
+        mix([[1], [2]], weights=[1])
+    with pytest.raises(ValueError, match="weights"):
+        mix([[1], [2]], weights=[1, -1])
+    with pytest.raises(ValueError, match="weights"):
+        mix([[1], [2]], weights=[0, 0])
+    with pytest.raises(ValueError, match="stop"):
+        mix([[1]], weights=[1], stop="longest")
+    with pytest.raises(ValueError, match="iterator"):
+        mix([iter([1])], weights=[1])
+    m = mix([[1]], weights=[1])
+    with pytest.raises(ValueError, match="mix state"):
+        m.load_state_dict({"epoch": 0})

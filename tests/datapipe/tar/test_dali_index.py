@@ -1,0 +1,157 @@
+import io
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import webdataset
+
+from datapipe.cli import main as cli_main
+from datapipe.tar.dali_index import default_index_path, index_command, write_dali_index
+from datapipe.errors import DataError
+
+pytest.importorskip("nvidia.dali")
+
+
+def _write_tar(path, samples):
+    with webdataset.TarWriter(str(path)) as w:
+        for s in samples:
+            w.write(s)
+    return str(path)
+
+
+def _samples(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"__key__": f"k{i:04d}", "jpg": rng.bytes(int(rng.integers(1, 3000))), "cls": str(i % 5).encode(),
+             "meta.json": b'{"i": %d}' % i} for i in range(n)]
+
+
+def _reference_index(tar_path, tmp_path):
+    """What DALI's own tools/wds2idx.py writes for this tar."""
+    wds2idx = pytest.importorskip("wds2idx")
+    ref = tmp_path / "ref.idx"
+    with wds2idx.IndexCreator(tar_path, str(ref), verbose=False) as creator:
+        creator.create_index()
+    return ref.read_text()
+
+
+def test_index_matches_dalis_wds2idx(tmp_path):
+    tar = _write_tar(tmp_path / "shard-000000.tar", _samples(25))
+    path = write_dali_index(tar)
+    assert path == str(tmp_path / "shard-000000.idx") == default_index_path(tar)
+    text = open(path).read()
+    assert text == _reference_index(tar, tmp_path)
+    lines = text.splitlines()
+    assert lines[0] == "v1.2 25" and len(lines) == 26
+    # offsets point at the member data
+    data = open(tar, "rb").read()
+    fields = lines[1].split()
+    for ext, off, size, name in zip(*[iter(fields)] * 4):
+        assert data[int(off): int(off) + int(size)] == _samples(25)[0][ext]
+
+
+def test_index_skips_directories_and_hidden_files_like_wds2idx(tmp_path):
+    tar = str(tmp_path / "odd.tar")
+    with tarfile.open(tar, "w") as t:
+        for name, payload in [("dir/", None), ("dir/a.jpg", b"x" * 10), ("dir/a.cls", b"1"), (".hidden.txt", b"h"),
+                              ("dir/.b.jpg", b"y"), ("c.tar.gz", b"zz"), ("c.cls", b"2"), ("d" * 120 + ".jpg", b"w")]:
+            info = tarfile.TarInfo(name.rstrip("/"))
+            if payload is None:
+                info.type = tarfile.DIRTYPE
+                t.addfile(info)
+            else:
+                info.size = len(payload)
+                t.addfile(info, io.BytesIO(payload))
+    out = write_dali_index(tar, str(tmp_path / "idx" / "odd.idx"))
+    assert open(out).read() == _reference_index(tar, tmp_path)
+
+
+def _dali_read(paths, index_paths=None):
+    from nvidia.dali import fn
+    from nvidia.dali.pipeline import Pipeline
+
+    pipe = Pipeline(batch_size=7, num_threads=1, device_id=None, seed=0)
+    with pipe:
+        jpg, cls = fn.readers.webdataset(paths=paths, index_paths=index_paths, ext=["jpg", "cls"], name="R",
+                                         pad_last_batch=False)
+        pipe.set_outputs(jpg, cls)
+    pipe.build()
+    total = pipe.epoch_size("R")
+    out = []
+    while len(out) < total:
+        jpgs, clss = pipe.run()
+        for i in range(len(jpgs)):
+            out.append((np.asarray(jpgs.at(i)).tobytes(), np.asarray(clss.at(i)).tobytes()))
+    return out[:total]
+
+
+def test_dali_reader_reads_the_same_samples_with_our_index(tmp_path):
+    tars = [_write_tar(tmp_path / f"shard-{i:06d}.tar", _samples(n, seed=i)) for i, n in enumerate([9, 13])]
+    index_paths = [write_dali_index(t, str(tmp_path / "cache" / f"{i}.idx")) for i, t in enumerate(tars)]
+    with_index = _dali_read(tars, index_paths)
+    without_index = _dali_read(tars)
+    expected = [(s["jpg"], s["cls"]) for s in webdataset.WebDataset(tars, shardshuffle=False)]
+    assert len(expected) == 22
+    assert with_index == expected
+    assert without_index == expected
+
+
+def test_unreadable_or_empty_shard_raises_data_error(tmp_path):
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"this is not a tar file" * 50)
+    with pytest.raises(DataError) as e:
+        write_dali_index(str(bad))
+    assert "bad.tar" in str(e.value)
+    empty = tmp_path / "empty.tar"
+    with tarfile.open(empty, "w"):
+        pass
+    with pytest.raises(DataError):
+        write_dali_index(str(empty))
+    assert not os.path.exists(tmp_path / "empty.idx")
+
+
+def test_index_command_and_cli(tmp_path, caplog):
+    for i in range(3):
+        _write_tar(tmp_path / f"shard-{i:06d}.tar", _samples(4, seed=i))
+    pattern = str(tmp_path / "shard-{000000..000002}.tar")
+    assert cli_main(["index", pattern, "--index-dir", str(tmp_path / "ix")]) == 0
+    assert sorted(os.listdir(tmp_path / "ix")) == [f"shard-{i:06d}.idx" for i in range(3)]
+    before = os.path.getmtime(tmp_path / "ix" / "shard-000000.idx")
+    assert index_command([pattern], index_dir=str(tmp_path / "ix"), skip_existing=True) == 0
+    assert os.path.getmtime(tmp_path / "ix" / "shard-000000.idx") == before
+    (tmp_path / "broken.tar").write_bytes(b"\x00garbage" * 10)
+    with caplog.at_level(logging.ERROR):
+        assert index_command([str(tmp_path / "shard-000000.tar"), str(tmp_path / "broken.tar")]) == 1
+    assert "broken.tar" in caplog.text
+    assert os.path.exists(tmp_path / "shard-000000.idx")
+
+
+def test_index_stores_counts_so_streams_no_longer_count(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    from datapipe import ShardStream
+
+    for i in range(2):
+        _write_tar(tmp_path / f"shard-{i:06d}.tar", _samples(3 + i, seed=i))
+    pattern = str(tmp_path / "shard-{000000..000001}.tar")
+    assert cli_main(["index", pattern]) == 0
+    assert os.path.exists(tmp_path / ".datapipe-counts.json")
+    with caplog.at_level(logging.WARNING):
+        stream = ShardStream(pattern)
+        assert stream.counts == [3, 4] and len(list(stream)) == 7
+    assert "counting" not in caplog.text
+    (tmp_path / "shard-000001.tar").write_bytes((tmp_path / "shard-000000.tar").read_bytes())  # changed: recounted
+    with caplog.at_level(logging.WARNING):
+        assert ShardStream(pattern).counts == [3, 3]
+    assert "counting their samples once" in caplog.text
+
+
+def test_index_dir_that_is_a_file_is_one_line_error(tmp_path, capsys):
+    _write_tar(tmp_path / "shard-000000.tar", _samples(2, seed=0))
+    (tmp_path / "afile").write_text("x")
+    out = subprocess.run([sys.executable, "-m", "datapipe", "index", str(tmp_path / "shard-000000.tar"),
+                          "--index-dir", str(tmp_path / "afile")], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "is a file, not a directory" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -1,0 +1,93 @@
+import io
+import random
+import tarfile
+
+import pytest
+
+from datapipe.tar.reader import BlockReader, MmapReader, TarFormatError, _checksum_ok, count_samples, iter_samples
+
+
+def make_tar(members, fmt=tarfile.USTAR_FORMAT):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_checksum_matches_tarfile_for_random_headers():
+    rnd = random.Random(0)
+    for _ in range(200):
+        name = "".join(rnd.choice("abc./_") for _ in range(rnd.randrange(1, 90)))
+        data = make_tar([(name + ".x", rnd.randbytes(rnd.randrange(0, 50)))])
+        assert _checksum_ok(data[:512])
+        broken = bytearray(data[:512])
+        broken[rnd.randrange(0, 148)] ^= 1 << rnd.randrange(8)
+        assert not _checksum_ok(bytes(broken))
+
+
+@pytest.mark.parametrize("block_size", [512, 1000, 1 << 20])
+def test_block_reader_handles_any_block_size(block_size):
+    members = [(f"s{i // 2}.{'a' if i % 2 else 'b'}", bytes([i]) * (i * 97)) for i in range(40)]
+    data = make_tar(members)
+    events = list(iter_samples(BlockReader(io.BytesIO(data), block_size=block_size), "u"))
+    assert [e.key for e in events] == [f"s{i}" for i in range(20)]
+    assert events[3].sample["a"] == bytes([7]) * 7 * 97
+
+
+def test_start_stop_and_count(tmp_path):
+    members = [(f"s{i:02d}.{ext}", f"{i}{ext}".encode()) for i in range(12) for ext in ("x", "y")]
+    path = tmp_path / "t.tar"
+    path.write_bytes(make_tar(members))
+    with open(path, "rb", buffering=0) as f:
+        assert count_samples(MmapReader(f)) == 12
+    with open(path, "rb", buffering=0) as f:
+        events = list(iter_samples(MmapReader(f), "u", start=4, stop=7))
+    assert [e.ordinal for e in events] == [4, 5, 6]
+    assert events[0].sample == {"__key__": "s04", "__url__": "u", "x": b"4x", "y": b"4y"}
+
+
+def test_zero_copy_views(tmp_path):
+    path = tmp_path / "t.tar"
+    path.write_bytes(make_tar([("a.bin", b"hello"), ("b.bin", b"world")]))
+    with open(path, "rb", buffering=0) as f:
+        reader = MmapReader(f)
+        values = [e.sample["bin"] for e in iter_samples(reader, "u", zero_copy=True)]
+        reader.close()
+    assert all(isinstance(v, memoryview) for v in values) and [bytes(v) for v in values] == [b"hello", b"world"]
+
+
+def test_truncated_member_raises_with_offset():
+    data = make_tar([("a.bin", b"x" * 3000), ("b.bin", b"y" * 10)])
+    with pytest.raises(TarFormatError, match="ends inside member"):
+        list(iter_samples(BlockReader(io.BytesIO(data[:1500])), "u"))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "the file is empty"),
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 123\n", "Git LFS pointer"),
+    (b"just one line of text\n", "shorter than one tar header"),
+])
+def test_short_files_are_not_tars(tmp_path, content, message):
+    path = tmp_path / "not.tar"
+    path.write_bytes(content)
+    for make in (MmapReader, lambda f: BlockReader(f)):
+        with open(path, "rb", buffering=0) as f:
+            with pytest.raises(TarFormatError, match=message) as info:
+                list(iter_samples(make(f), "u", resync=True))
+        assert info.value.offset == 0
+
+
+def test_missing_end_of_archive_is_truncation_but_keeps_the_last_sample():
+    data = make_tar([("a.bin", b"x" * 10), ("b.bin", b"y" * 10)])
+    end = 4 * 512  # two members, then the end-of-archive blocks
+    with pytest.raises(TarFormatError, match="without the end-of-archive"):
+        list(iter_samples(BlockReader(io.BytesIO(data[:end])), "u"))
+    got = []
+    with pytest.raises(TarFormatError, match="inside the end-of-archive") as info:
+        for event in iter_samples(BlockReader(io.BytesIO(data[:end + 512])), "u"):
+            got.append(event.key)
+    assert got == ["a", "b"] and info.value.offset == end + 512
+    assert [e.key for e in iter_samples(BlockReader(io.BytesIO(data[:end + 1024])), "u")] == ["a", "b"]

@@ -1,0 +1,483 @@
+import io
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+import webdataset
+from PIL import Image
+
+pytest.importorskip("nvidia.dali")
+
+from datapipe.errors import DataError  # noqa: E402
+from tools.synthetic import iter_image_samples, make_image_dataset  # noqa: E402
+from loaders.images.loader import IMAGENET_MEAN, IMAGENET_STD, ImageLoader  # noqa: E402
+
+S = 32  # output size: small keeps the CPU pipeline fast
+N = 40
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("images")
+    info = make_image_dataset(str(out), num_images=N, num_classes=10, seed=5, shard_max_count=12,
+                              size=(96, 72), progress=False)
+    return info["shards"]
+
+
+def loader(urls, **kwargs):
+    args = dict(batch_size=8, image_size=S, device="cpu", num_threads=2, train=False)
+    args.update(kwargs)
+    return ImageLoader(urls, **args)
+
+
+def by_key(**kwargs):
+    """Labels are the sample keys: every sample identifiable."""
+    return dict(label_key="__key__", label_decoder=int, **kwargs)
+
+
+def collect(it):
+    xs, ys = [], []
+    for x, y in it:
+        xs.append(x)
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def reference_eval(jpg: bytes, size: int) -> np.ndarray:
+    """torchvision-style eval transform in PIL: resize shorter side (bilinear, antialiased), center crop, normalise."""
+    im = Image.open(io.BytesIO(jpg)).convert("RGB")
+    w, h = im.size
+    scale = size / min(w, h)
+    im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.Resampling.BILINEAR)
+    w, h = im.size
+    left, top = (w - size) // 2, (h - size) // 2
+    a = np.asarray(im.crop((left, top, left + size, top + size)), dtype=np.float32) / 255
+    return ((a - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)).transpose(2, 0, 1)
+
+
+def test_eval_shapes_labels_and_order(shards):
+    dl = loader(shards)
+    batches = list(dl)
+    assert len(batches) == len(dl) == 5
+    x, y = collect(batches)
+    assert x.shape == (N, 3, S, S) and x.dtype == torch.float32
+    assert y.dtype == torch.int64
+    expected = [int(s["cls"]) for s in webdataset.WebDataset(shards, shardshuffle=False)]
+    assert y.tolist() == expected  # eval: shard order
+    assert dl.stats()["samples"] == N and dl.stats()["skipped"] == 0
+    seconds = dl.stats()["seconds"]  # where next() spent its time
+    assert set(seconds) == {"wait", "read", "dali", "copy"} and min(seconds.values()) >= 0 and seconds["dali"] > 0
+
+
+def test_eval_matches_a_pil_reference(shards):
+    x, _ = collect(loader(shards, batch_size=16))
+    samples = list(webdataset.WebDataset(shards, shardshuffle=False))
+    ref = np.stack([reference_eval(s["jpg"], S) for s in samples])
+    diff = np.abs(x.numpy() - ref)
+    assert diff.mean() < 0.03, diff.mean()  # normalised units: 1/255 is ~0.017 (resize rounding differs)
+    assert np.median(diff) < 0.02
+    # a wrong mean/std or a channel swap is far outside this tolerance
+    assert np.abs(x.numpy()[:, ::-1] - ref).mean() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.uint8])
+def test_dtypes_and_layout(shards, dtype):
+    ref, _ = collect(loader(shards[:1]))
+    x, _ = collect(loader(shards[:1], dtype=dtype, layout="NHWC"))
+    assert x.dtype == dtype and x.shape == (12, S, S, 3)
+    got = x.permute(0, 3, 1, 2).float()
+    if dtype == torch.uint8:  # raw pixels
+        mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+        std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+        got = (got - mean) / std
+        assert (got - ref).abs().max() < 0.05
+    else:
+        assert (got - ref).abs().max() < 0.05
+
+
+def test_train_is_deterministic_for_a_seed_and_augments(shards):
+    a = collect(loader(shards, train=True, seed=1))
+    b = collect(loader(shards, train=True, seed=1))
+    c = collect(loader(shards, train=True, seed=2))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[1], c[1])  # another shuffle
+    assert a[0].shape == (N // 8 * 8, 3, S, S)  # drop_last defaults to train
+    assert len(loader(shards, train=True)) == N // 8
+    eval_x, _ = collect(loader(shards))
+    assert not torch.allclose(torch.sort(a[0].flatten())[0], torch.sort(eval_x.flatten())[0])
+
+
+def test_train_epochs_cover_every_sample_and_differ(shards):
+    dl = loader(shards, train=True, drop_last=False, **by_key())
+    _, e0 = collect(dl)
+    dl.set_epoch(1)
+    _, e1 = collect(dl)
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(N))
+    assert e0.tolist() != e1.tolist()
+
+
+def test_resume_yields_exactly_the_rest(shards):
+    full = loader(shards, shuffle=True, **by_key())
+    full.set_epoch(3)
+    xs, ys = collect(full)
+    first = loader(shards, shuffle=True, **by_key())
+    first.set_epoch(3)
+    it = iter(first)
+    head = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    it.close()
+    rest = loader(shards, shuffle=True, **by_key())
+    rest.load_state_dict(state)
+    tail = list(rest)
+    rx, ry = collect(head + tail)
+    assert ry.tolist() == ys.tolist()
+    assert torch.equal(rx, xs)
+    assert rest.epoch == 3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_are_disjoint_and_complete(shards, world):
+    seen = []
+    for rank in range(world):
+        dl = loader(shards, train=True, drop_last=False, rank=rank, world_size=world, **by_key())
+        _, y = collect(dl)
+        assert len(y) == -(-N // world)  # every rank the same number of samples
+        seen.append(set(y.tolist()))
+    assert set().union(*seen) == set(range(N))
+    if N % world == 0:
+        assert sum(len(s) for s in seen) == N
+
+
+def _corrupt_shards(tmp_path):
+    """12 good samples, a garbage image, a truncated JPEG, a sample without image, a bad label."""
+    good = list(iter_image_samples(12, seed=9, num_classes=10, size=(96, 72)))
+    bad = [
+        {"__key__": "bad-garbage", "jpg": b"not an image at all, just text" * 5, "cls": b"1"},
+        {"__key__": "bad-truncated", "jpg": good[0]["jpg"][: len(good[0]["jpg"]) // 2], "cls": b"2"},
+        {"__key__": "bad-noimage", "txt": b"hello", "cls": b"3"},
+        {"__key__": "bad-label", "jpg": good[1]["jpg"], "cls": b"three"},
+    ]
+    samples = good[:3] + bad[:2] + good[3:9] + bad[2:] + good[9:]
+    path = str(tmp_path / "shard-000000.tar")
+    with webdataset.TarWriter(path) as w:
+        for s in samples:
+            w.write(s)
+    return [path], [int(s["cls"]) for s in good]
+
+
+def test_corrupt_images_raise(tmp_path):
+    urls, _ = _corrupt_shards(tmp_path)
+    with pytest.raises(DataError) as e:  # the stream reader checks signatures before DALI sees them
+        list(loader(urls, batch_size=4, reader="stream"))
+    assert e.value.key == "bad-garbage" and "shard-000000.tar" in str(e.value)
+
+
+def test_dali_reader_turns_a_decode_failure_into_a_data_error(tmp_path):
+    urls, _ = _corrupt_shards(tmp_path)
+    with pytest.raises(DataError, match="DALI's reader failed") as e:
+        list(loader(urls, batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
+    assert "shard-000000.tar" in str(e.value)
+
+
+def test_truncated_jpeg_raises_with_its_key(tmp_path):
+    """A JPEG with a valid header but cut short passes the signature check and fails in DALI."""
+    good = list(iter_image_samples(6, seed=9, num_classes=10, size=(96, 72)))
+    good[3] = {**good[3], "__key__": "bad-truncated", "jpg": good[3]["jpg"][: len(good[3]["jpg"]) // 2]}
+    tar = str(tmp_path / "truncated.tar")
+    with webdataset.TarWriter(tar) as w:
+        for s in good:
+            w.write(s)
+    with pytest.raises(DataError) as e:
+        list(loader([tar], batch_size=4, reader="stream"))
+    assert e.value.key == "bad-truncated" and "decode" in str(e.value) and "truncated.tar" in str(e.value)
+    with pytest.raises(DataError, match="DALI's reader, batch 0") as e:  # DALI names the sample
+        list(loader([tar], batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
+    assert e.value.key == "bad-truncated" and "truncated.tar" in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["skip", "warn"])
+def test_corrupt_images_skip_and_warn(tmp_path, caplog, mode):
+    urls, labels = _corrupt_shards(tmp_path)
+    dl = loader(urls, batch_size=4, on_error=mode)
+    with caplog.at_level(logging.WARNING):
+        x, y = collect(dl)
+    assert y.tolist() == labels  # every good sample, in order, none of the bad ones
+    assert x.shape == (12, 3, S, S) and torch.isfinite(x).all()
+    stats = dl.stats()
+    assert stats["skipped"] == 4 and stats["decode_errors"] == 1 and stats["samples"] == 12
+    assert any("bad-truncated" in m for m in stats["last_errors"])
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "skipped" in r.getMessage()]
+    assert (len(warned) >= 4) == (mode == "warn")
+
+
+def test_dali_reader_gives_the_same_batches(shards):
+    stream_x, stream_y = collect(loader(shards, reader="stream"))
+    dl = loader(shards, reader="dali", index_dir=os.path.join(os.path.dirname(shards[0]), "ix"))
+    x, y = collect(dl)
+    assert y.tolist() == stream_y.tolist()
+    assert torch.equal(x, stream_x)
+    assert len(os.listdir(os.path.join(os.path.dirname(shards[0]), "ix"))) == len(shards)
+
+
+def test_bad_arguments(shards):
+    with pytest.raises(ValueError):
+        loader(shards, layout="CHW")
+    with pytest.raises(ValueError):
+        loader(shards, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        loader(shards, on_error="ignore")
+    with pytest.raises(ValueError):
+        loader(["s3://bucket/shard-000000.tar"], reader="dali")
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_agrees_with_cpu(shards):
+    cpu_x, cpu_y = collect(loader(shards))
+    gpu = loader(shards, device="cuda")
+    gpu_x, gpu_y = collect(gpu)
+    assert gpu_x.is_cuda and gpu_y.is_cuda
+    assert gpu_y.cpu().tolist() == cpu_y.tolist()
+    diff = (gpu_x.cpu() - cpu_x).abs()
+    assert diff.mean() < 0.05, diff.mean()  # GPU JPEG decoding differs slightly (IDCT, chroma upsampling)
+    tx, ty = collect(loader(shards, device="cuda", train=True, dtype=torch.bfloat16))
+    assert tx.dtype == torch.bfloat16 and tx.shape == (N // 8 * 8, 3, S, S) and tx.is_cuda
+
+
+def test_reader_workers_cover_every_sample_once_per_epoch(shards):
+    dl = loader(shards, train=True, read_workers=2, drop_last=False, **by_key())
+    _, e0 = collect(dl)
+    dl.set_epoch(1)
+    _, e1 = collect(dl)
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(N))
+    assert e0.tolist() != e1.tolist()
+
+
+def test_reader_workers_resume_exactly(shards):
+    full = loader(shards, shuffle=True, read_workers=2, **by_key())
+    full.set_epoch(2)
+    xs, ys = collect(full)
+    first = loader(shards, shuffle=True, read_workers=2, **by_key())
+    first.set_epoch(2)
+    it = iter(first)
+    head = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    it.close()
+    rest = loader(shards, shuffle=True, read_workers=2, **by_key())
+    rest.load_state_dict(state)
+    rx, ry = collect(head + list(rest))
+    assert ry.tolist() == ys.tolist() and torch.equal(rx, xs)
+    with pytest.raises(ValueError, match="read_workers"):
+        loader(shards, shuffle=True, **by_key()).load_state_dict(state)
+
+
+def test_reader_workers_skip_and_count_corrupt_images(tmp_path):
+    urls, labels = _corrupt_shards(tmp_path)
+    dl = loader(urls, batch_size=4, on_error="skip", read_workers=2)
+    _, y = collect(dl)
+    assert sorted(y.tolist()) == sorted(labels)
+    assert dl.stats()["skipped"] == 4
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_dali_reader_epochs_stay_aligned_with_one_pipeline(shards, drop_last):
+    """One DALI pipeline serves every epoch, and each epoch is the whole shard set once."""
+    _, reference = collect(loader(shards, reader="stream"))
+    ix = os.path.join(os.path.dirname(shards[0]), "ix2")
+    dl = loader(shards, reader="dali", index_dir=ix, train=True, batch_size=7, drop_last=drop_last)
+    pipes = set()
+    for epoch in range(3):
+        dl.set_epoch(epoch)
+        _, y = collect(dl)
+        pipes.add(id(dl._dali_pipe))
+        if drop_last:
+            assert len(y) == N // 7 * 7
+        else:  # the same labels as the dataset, each sample once (epochs never spill into each other)
+            assert sorted(y.tolist()) == sorted(reference.tolist())
+    assert len(pipes) == 1  # reused, not rebuilt per epoch
+
+
+def test_dali_reader_resumes_exactly_mid_epoch_and_across_epochs(shards):
+    """A DALI pipeline checkpoint in state_dict: resume at any batch gives the uninterrupted run."""
+    from tests.resume import assert_resumes_identically
+
+    ix = os.path.join(os.path.dirname(shards[0]), "ix3")
+
+    def make():
+        return loader(shards, reader="dali", index_dir=ix, train=True, batch_size=6)
+
+    def two_epochs(dl):
+        while dl.epoch < 2:
+            yield from dl
+            dl.set_epoch(dl.epoch + 1)
+
+    full = assert_resumes_identically(
+        make, steps=[0, 1, 3, 6, 7, 9], iterate=two_epochs,
+        same=lambda a, b: torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+    assert len(full) == 2 * (N // 6)
+    first, second = torch.cat([y for _, y in full[:N // 6]]), torch.cat([y for _, y in full[N // 6:]])
+    assert first.tolist() != second.tolist()  # reshuffled per epoch, augmentations too
+    with pytest.raises(ValueError, match="reader"):
+        loader(shards, reader="stream").load_state_dict(make().state_dict())
+
+
+def test_dali_reader_labels_with_newlines_take_the_slow_path(tmp_path):
+    samples = [{**s, "cls": s["cls"] + b"\n"} for s in iter_image_samples(6, seed=3, num_classes=10, size=(64, 48))]
+    tar = str(tmp_path / "nl.tar")
+    with webdataset.TarWriter(tar) as w:
+        for s in samples:
+            w.write(s)
+    _, y = collect(loader([tar], batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
+    assert y.tolist() == [int(s["cls"]) for s in samples]
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_many_epochs_hold_no_growing_set_of_objects(shards, reader):
+    """Epoch after epoch (a partial last batch each) the loader keeps no more threads, objects or RSS."""
+    import gc
+    import resource
+    import threading
+
+    it_loader = loader(shards, batch_size=7, train=True, drop_last=False, reader=reader)
+
+    def epochs(n, start):
+        for e in range(start, start + n):
+            it_loader.set_epoch(e)
+            for _ in it_loader:
+                pass
+        gc.collect()
+        return len(gc.get_objects()), threading.active_count(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    objects0, threads0, _ = epochs(3, 0)
+    _, _, rss0 = epochs(3, 3)
+    objects1, threads1, rss1 = epochs(12, 6)
+    assert threads1 == threads0
+    assert objects1 - objects0 < 2000  # a per-epoch leak of the pipeline, streams or batches would be 10k+
+    assert rss1 - rss0 < 64 * 1024  # KB
+
+
+@pytest.mark.gpu
+def test_gpu_memory_reserved_stays_flat_over_epochs(shards):
+    """One side stream for all epochs: the caching allocator's blocks are reused, not stranded per epoch."""
+    import torch
+
+    it_loader = loader(shards, device="cuda", batch_size=7, drop_last=False)
+    reserved = []
+    for e in range(30):
+        it_loader.set_epoch(e)
+        for _ in it_loader:
+            pass
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] == reserved[4], [r >> 20 for r in reserved]
+
+
+# ---- elastic resume: a global state resumes on another world size ---------------------------------
+def _elastic_run(urls, world, *, state=None, k=None, keys=True, **kwargs):
+    """Labels each rank delivers (its first ``k`` batches) and the rank states after them."""
+    got, states = [], []
+    for rank in range(world):
+        args = dict(train=True, drop_last=False, shuffle_buffer=6, rank=rank, world_size=world, **kwargs)
+        dl = loader(urls, **(by_key(**args) if keys else args))  # keys: labels are the sample identities
+        if state is not None:
+            dl.load_state_dict(state)
+        labels = []
+        it = iter(dl)
+        for i, (_, y) in enumerate(it):
+            labels += y.tolist()
+            if k is not None and i + 1 == k:
+                break
+        states.append(dl.state_dict())
+        it.close()
+        got.append(labels)
+    return got, states
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 2)])
+def test_stream_reader_resumes_on_another_world_size(shards, old, new):
+    before, states = _elastic_run(shards, old, k=2 if old == 1 else 1, reader="stream")
+    g = states[0] if old == 1 else states  # one rank is the whole job; else the list of rank states
+    after, _ = _elastic_run(shards, new, state=g, reader="stream")
+    assert len({len(a) for a in after}) == 1  # every rank as many samples
+    seen = [y for r in before + after for y in r]
+    assert set(seen) == set(range(N)) and len(seen) - N <= (old - 1) + (new - 1)
+
+
+def test_stream_reader_global_state_dict_without_distributed(shards):
+    from datapipe.order import elastic
+
+    dl = loader(shards, train=True, drop_last=False, shuffle_buffer=6, reader="stream", **by_key())
+    it = iter(dl)
+    head = [y for _, (_, ys) in zip(range(2), it) for y in ys.tolist()]
+    it.close()
+    g = dl.global_state_dict()
+    assert elastic.is_global(g) and elastic.shape(g)["world_size"] == 1
+    after, _ = _elastic_run(shards, 2, state=g, reader="stream")
+    assert sorted(head + after[0] + after[1]) == list(range(N))
+
+
+def test_dali_reader_global_state_same_world_is_exact_and_another_is_refused(shards):
+    full, _ = _elastic_run(shards, 2, keys=False, reader="dali")
+    before, states = _elastic_run(shards, 2, k=1, keys=False, reader="dali")
+    after, _ = _elastic_run(shards, 2, state=states, keys=False, reader="dali")
+    assert [b + a for b, a in zip(before, after)] == full
+    dl = loader(shards, reader="dali", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="reader='stream'"):
+        dl.load_state_dict(states)
+
+
+def test_reader_workers_resume_on_another_world_size_and_worker_count(shards):
+    before, states = _elastic_run(shards, 2, k=1, reader="stream", read_workers=1)
+    after, _ = _elastic_run(shards, 1, state=states, reader="stream", read_workers=2)
+    seen = before[0] + before[1] + after[0]
+    assert set(seen) == set(range(N)) and len(seen) - N <= 1
+
+
+def test_decode_device_is_checked(shards):
+    with pytest.raises(ValueError, match="decode_device"):
+        loader(shards, decode_device="tpu")
+    with pytest.raises(ValueError, match="decode_device"):
+        loader(shards, decode_device="gpu")  # device="cpu": nothing to decode on
+    with pytest.raises(ValueError, match="num_threads"):
+        loader(shards, decode_device="cpu", num_threads=0)
+    assert loader(shards).decode_device == "cpu"
+    assert loader(shards, device="cuda").decode_device == "gpu"  # built lazily: no GPU needed here
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "NCHW"), (torch.bfloat16, "NHWC"), (torch.uint8, "NCHW")])
+def test_cpu_decode_path_gives_the_default_images(shards, dtype, layout):
+    """decode_device='cpu' (uint8 HWC out of DALI, permute + cast + normalise in torch) = DALI's own normalise."""
+    ref_x, ref_y = collect(loader(shards, dtype=dtype, layout=layout))
+    x, y = collect(loader(shards, dtype=dtype, layout=layout, decode_device="cpu"))
+    assert y.tolist() == ref_y.tolist()
+    assert x.dtype == dtype and x.shape == ref_x.shape and x.is_contiguous()
+    tol = 0.02 if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(x.float(), ref_x.float(), atol=tol, rtol=0.01), (x.float() - ref_x.float()).abs().max()
+
+
+def test_cpu_decode_path_trains_like_the_default(shards):
+    """Train mode (random crop, flip): same seed, same augmentation through either path."""
+    ref_x, ref_y = collect(loader(shards, train=True, seed=3))
+    x, y = collect(loader(shards, train=True, seed=3, decode_device="cpu"))
+    assert y.tolist() == ref_y.tolist()
+    assert torch.allclose(x, ref_x, atol=1e-4)
+    assert x.shape == (N // 8 * 8, 3, S, S)
+
+
+@pytest.mark.gpu
+def test_cpu_decode_on_cuda_matches_the_gpu_path(shards):
+    ref_x, ref_y = collect(loader(shards, device="cuda"))
+    cpu_decoded = loader(shards, device="cuda", decode_device="cpu")
+    assert cpu_decoded.num_threads >= 1
+    x, y = collect(cpu_decoded)
+    assert x.is_cuda and y.is_cuda and x.dtype == torch.float32 and x.shape == ref_x.shape
+    assert y.cpu().tolist() == ref_y.cpu().tolist()
+    diff = (x - ref_x).abs()
+    assert diff.mean() < 0.05, diff.mean()  # CPU vs GPU JPEG decoding differ slightly
+    lo, hi = -max(IMAGENET_MEAN) / min(IMAGENET_STD), 1 / min(IMAGENET_STD)
+    assert lo - 1e-3 <= x.min().item() and x.max().item() <= hi + 1e-3
+    for dtype, layout in ((torch.bfloat16, "NCHW"), (torch.uint8, "NHWC")):
+        tx, ty = collect(loader(shards, device="cuda", train=True, dtype=dtype, layout=layout, decode_device="cpu"))
+        shape = (N // 8 * 8, 3, S, S) if layout == "NCHW" else (N // 8 * 8, S, S, 3)
+        assert tx.is_cuda and tx.dtype == dtype and tx.shape == shape

@@ -1,0 +1,133 @@
+"""``datapipe inspect``: a summary of shards (samples, keys, extensions, sizes, a preview); exit 1 if corrupt."""
+from __future__ import annotations
+
+import argparse
+import json
+import posixpath
+import sys
+from collections import Counter
+from typing import Any
+
+import fsspec
+
+from datapipe.errors import DataError
+from datapipe.tar.manifest import read_manifest
+from datapipe.storage.files import open_shard
+from datapipe.tar.reader import BLOCK, TarFormatError, _checksum_ok, iter_samples, reader_for
+from datapipe.storage.urls import expand_urls, redact_url
+
+
+_WHAT = "give a shard, a brace pattern of shards or a shard directory"
+
+
+def shard_urls(target: str, *, storage_options: dict | None = None) -> tuple[list[str], dict | None]:
+    """The shards a target names: a spec of shard URLs (with the manifest beside them, when they share
+    a directory that has one), a single file, or a directory (with or without a manifest)."""
+    options = storage_options or {}
+    if target.endswith((".tar", ".tar.gz", ".tgz")) or "{" in target or "::" in target:
+        urls = expand_urls(target)
+        directories = {posixpath.dirname(u) for u in urls}
+        manifest = read_manifest(directories.pop(), storage_options=options) if len(directories) == 1 else None
+        return urls, manifest
+    fs, path = fsspec.core.url_to_fs(target, **options)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{redact_url(target)} does not exist: {_WHAT}")
+    if not fs.isdir(path):
+        with fs.open(path, "rb") as f:
+            head = f.read(BLOCK)
+        if len(head) < BLOCK or not _checksum_ok(head):
+            raise ValueError(f"{redact_url(target)} is neither a tar file nor a directory: {_WHAT}")
+        return [target], None
+    manifest = read_manifest(target, storage_options=options)
+    if manifest is not None:
+        return [posixpath.join(target.rstrip("/"), s["name"]) for s in manifest["shards"]], manifest
+    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".tar", ".tar.gz", ".tgz")))
+    prefix = target.split("://", 1)[0] + "://" if "://" in target else ""
+    return [prefix + n if prefix and not n.startswith(prefix) else n for n in names], None
+
+
+def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | None = None) -> dict[str, Any]:
+    """Walk every shard fully; report counts per shard, extensions, sizes, problems and a preview."""
+    urls, manifest = shard_urls(target, storage_options=storage_options)
+    expected = {s["name"]: s["count"] for s in manifest["shards"]} if manifest else {}
+    report: dict[str, Any] = {"target": redact_url(target), "shards": [], "samples": 0, "bytes": 0,
+                              "extensions": Counter(), "problems": [], "preview": []}
+    for url in urls:
+        entry = {"url": redact_url(url), "samples": 0, "bytes": 0}
+        try:
+            f, seekable = open_shard(url, storage_options=storage_options)
+            try:
+                for event in iter_samples(reader_for(f, seekable=seekable), url, resync=True):
+                    if event.sample is None:
+                        report["problems"].append(f"{redact_url(url)}: {event.key or '?'}: {event.error}")
+                        continue
+                    entry["samples"] += 1
+                    for ext, value in event.sample.items():
+                        if not ext.startswith("__"):
+                            report["extensions"][ext] += 1
+                            entry["bytes"] += len(value)
+                    if len(report["preview"]) < preview:
+                        report["preview"].append({k: _preview(v) for k, v in event.sample.items()})
+            finally:
+                f.close()
+        except (DataError, TarFormatError) as e:
+            report["problems"].append(f"{redact_url(url)}: {e}")
+        name = posixpath.basename(url)
+        if name in expected and expected[name] != entry["samples"]:
+            report["problems"].append(f"{redact_url(url)}: {entry['samples']} samples, manifest says {expected[name]}")
+        report["shards"].append(entry)
+        report["samples"] += entry["samples"]
+        report["bytes"] += entry["bytes"]
+    report["extensions"] = dict(report["extensions"])
+    report["manifest"] = manifest is not None
+    return report
+
+
+def _preview(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value[:64])
+        try:
+            text = raw.decode("utf-8")
+            if text.isprintable():
+                return text if len(value) <= 64 else text + f"... ({len(value)} bytes)"
+        except UnicodeDecodeError:
+            pass
+        return f"<{len(value)} bytes: {raw[:16].hex()}...>"
+    return value
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", help="a shard directory, a shard URL, or a brace spec of shards")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--preview", type=int, default=1, help="samples to preview (default 1)")
+    parser.add_argument("--storage-options", default=None,
+                        help='fsspec options as JSON (credentials, endpoints), e.g. '
+                             '\'{"key": "...", "secret": "...", "client_kwargs": {"endpoint_url": "http://..."}}\'')
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        options = json.loads(args.storage_options) if args.storage_options else None
+        if options is not None and not isinstance(options, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        print(f"datapipe inspect: --storage-options must be a JSON object ({e})", file=sys.stderr)
+        return 2
+    try:
+        report = inspect_shards(args.target, preview=args.preview, storage_options=options)
+    except (OSError, ValueError, DataError) as e:
+        text = str(e) if redact_url(args.target) in str(e) else f"cannot read {redact_url(args.target)}: {e}"
+        print(f"datapipe inspect: {text}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(report, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        print(f"{report['target']}: {len(report['shards'])} shards, {report['samples']} samples, "
+              f"{report['bytes'] / 1e6:.1f} MB of values, manifest: {'yes' if report['manifest'] else 'no'}")
+        print("extensions: " + ", ".join(f"{k} ({v})" for k, v in sorted(report["extensions"].items())))
+        for sample in report["preview"]:
+            print("preview: " + ", ".join(f"{k}={v}" for k, v in sample.items()))
+        for problem in report["problems"]:
+            print(f"PROBLEM {problem}")
+    return 1 if report["problems"] else 0

@@ -1,0 +1,120 @@
+"""PNG plots of benchmark and doctor results (matplotlib with the Agg backend, imported only when called)."""
+from __future__ import annotations
+
+import os
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+def _size(n: int) -> str:
+    from tools.bench.storage import fmt_size
+
+    return fmt_size(n)
+
+
+def _storage_axes(ax, result: dict, title: str) -> None:
+    modes = sorted({r["mode"] for r in result["sweep"]})
+    for mode in modes:
+        for block in sorted({r["block_size"] for r in result["sweep"]}):
+            rows = sorted((r for r in result["sweep"] if r["mode"] == mode and r["block_size"] == block),
+                          key=lambda r: r["concurrency"])
+            if rows:
+                ax.plot([r["concurrency"] for r in rows], [r["mb_per_s"] for r in rows], marker="o",
+                        linestyle="-" if mode == "threads" else "--", label=f"{_size(block)} blocks ({mode})")
+    styles = iter([":", "-."] * 4)
+    for state, r in result.get("sequential", {}).items():
+        ax.axhline(r["mb_per_s"], color="gray", linestyle=next(styles), label=f"sequential read ({state})")
+    for name, r in result.get("stream", {}).items():
+        ax.axhline(r["mb_per_s"], color="tab:red", linestyle=next(styles), alpha=0.7,
+                   label=f"ShardStream ({name}, {r.get('cache', '')})")
+    state = result["sweep"][0]["cache"] if result["sweep"] else ""
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["concurrency"] for r in result["sweep"]})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("MB/s")
+    ax.set_title(f"{title} (sweep: {state})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_storage(result: dict, path: str) -> str:
+    """Throughput vs concurrency, one line per block size; sequential and ShardStream as reference lines."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    _storage_axes(ax, result, f"storage: {result.get('storage', '')}")
+    return _save(fig, path)
+
+
+def plot_storages(results: dict[str, dict], path: str) -> str:
+    """Several storages side by side (one panel each)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, (name, result) in zip(axes[0], results.items()):
+        _storage_axes(ax, result, name)
+    return _save(fig, path)
+
+
+def plot_loader(result: dict, path: str) -> str:
+    """Samples/s per pipeline (left) and per stage with the bottleneck marked (right)."""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    ok = [p for p in result["pipelines"] if not p.get("error") and p.get("samples_per_s")]
+    a.barh([p["name"] for p in ok], [p["samples_per_s"] for p in ok], color="tab:blue")
+    for i, p in enumerate(ok):
+        a.text(p["samples_per_s"], i, f" {p['samples_per_s']:.0f}", va="center", fontsize=8)
+    a.set_xlabel("samples/s")
+    a.set_title(f"pipelines ({result.get('kind', '')}, {result.get('device', '')})")
+    a.invert_yaxis()
+    stages = [s for s in result["stages"] if s.get("samples_per_s")]
+    worst = result.get("bottleneck", {}).get("stage")
+    b.barh([s["stage"] for s in stages], [s["samples_per_s"] for s in stages],
+           color=["tab:red" if s["stage"] == worst else "tab:gray" for s in stages])
+    for i, s in enumerate(stages):
+        b.text(s["samples_per_s"], i, f" {s['samples_per_s']:.0f}", va="center", fontsize=8)
+    b.set_xscale("log")
+    b.set_xlabel("samples/s (log)")
+    b.set_title(f"stages (bottleneck: {worst})")
+    b.invert_yaxis()
+    return _save(fig, path)
+
+
+def plot_doctor(report: dict, path: str) -> str:
+    """Data-wait fraction over time (per window of steps) and the step-time breakdown."""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    tl = report.get("timeline", {})
+    t, wait = tl.get("t_s", []), tl.get("wait_fraction", [])
+    a.plot(t, [w * 100 for w in wait], color="tab:red")
+    a.fill_between(t, [w * 100 for w in wait], color="tab:red", alpha=0.2)
+    a.set_ylim(0, 100)
+    a.set_xlabel("time (s)")
+    a.set_ylabel("waiting for data (% of step)")
+    a.set_title(f"data wait over time (overall {report['wait_fraction']:.0%})")
+    a.grid(alpha=0.3)
+    parts = [("wait", report["wait_fraction"], "tab:red"), ("compute", report["compute_fraction"], "tab:green"),
+             ("other", report["other_fraction"], "tab:gray")]
+    bottom = 0.0
+    for name, frac, color in parts:
+        b.bar([0], [frac * 100], bottom=[bottom], color=color, label=f"{name} {frac:.0%}")
+        bottom += frac * 100
+    b.set_xticks([])
+    b.set_ylim(0, 100)
+    b.set_title("step time")
+    b.legend(fontsize=8)
+    return _save(fig, path)
