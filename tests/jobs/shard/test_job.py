@@ -359,3 +359,19 @@ def test_checks_in_a_pool_give_the_same_shards(tmp_path, monkeypatch):
         assert pooled["skipped"] == inline["skipped"] and pooled["samples"] == inline["samples"] == 32 - len(bad)
         assert json.load(open(tmp_path / f"pool-{check}" / "manifest.json"))["shards"] == \
             json.load(open(tmp_path / f"inline-{check}" / "manifest.json"))["shards"]
+
+
+def test_a_journal_of_the_earlier_seed_rule_is_not_resumed(images, tmp_path):
+    """Shuffled orders changed with the one seed rule (#16): an older job's journal must not be mixed in."""
+    root, _ = images
+    out = tmp_path / "out"
+    kw = dict(max_count=5, shuffle=True, seed=4, workers=1, progress=False)
+    shard(root, str(out), **kw)
+    path = out / ".datapipe-job" / "config.json"
+    journal = json.load(open(path))
+    del journal["config"]["seed_rule"]  # as the earlier rule wrote it
+    path.write_text(json.dumps(journal))
+    with pytest.raises(ValueError, match="--overwrite"):
+        shard(root, str(out), **kw)
+    assert shard(root, str(out), overwrite=True, **kw)["status"] == "ok"
+    assert shard(root, str(out), **kw)["status"] == "already complete"
