@@ -20,6 +20,11 @@ REMOTE_BLOCK = 8 << 20
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError, ValueError)
 
 
+def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem that holds ``url`` and the path of ``url`` on it (``storage_options`` passed on)."""
+    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+
 # credential problems (botocore, google-auth, azure): retrying cannot fix them
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                       "NoAuthTokenError", "UnauthorizedSSOTokenError", "TokenRetrievalError",

@@ -1,7 +1,7 @@
 """The Ray Data engine of ``datapipe shard --engine ray``.
 
 Each partition becomes one row of a Ray dataset; ``Dataset.map`` runs
-:func:`jobs.shard.job.run_partition` on the cluster's workers, which read the input and
+:func:`jobs.shard.partition.run_partition` on the cluster's workers, which read the input and
 write part shards and done markers straight to the output storage (any fsspec URL every worker
 can reach; a local path only on a one-machine cluster). The driver collects the markers and
 commits, exactly as with the local engine, so the shards are the same.
@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 def _ray_partition(row: dict, *, job_json: str) -> dict:
     """One partition on a Ray worker; strict-mode failures come back as rows (not Ray errors)."""
     from datapipe.errors import DataError
-    from jobs.shard.job import run_partition
+    from jobs.shard.partition import run_partition
 
     job = json.loads(job_json)
     try:

@@ -27,7 +27,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import fsspec
+from datapipe.order.seeds import derive_seed
+from datapipe.order.shuffle import ShuffleBuffer
+from datapipe.storage.files import filesystem
 
 IMAGE_EXTENSIONS = {"jpg": "jpg", "jpeg": "jpg", "png": "png", "webp": "webp", "bmp": "bmp", "gif": "gif",
                     "tif": "tiff", "tiff": "tiff", "ppm": "ppm"}
@@ -64,10 +66,6 @@ def _join(root: str, rel: str) -> str:
     return rel if "://" in rel or rel.startswith("/") else posixpath.join(root, rel)
 
 
-def _fs(url: str, storage_options: dict | None):
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
-
-
 def _protocol_prefix(url: str) -> str:
     return url.split("://", 1)[0] + "://" if "://" in url else ""
 
@@ -86,7 +84,7 @@ def detect_kind(url: str, *, storage_options: dict | None = None, text_field: st
         return "list"
     if url.endswith(".parquet"):
         return "text"
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     if not fs.exists(path):
         raise ValueError(f"input {url!r} does not exist")
     if url.endswith((".jsonl", ".json", ".ndjson")):
@@ -191,7 +189,7 @@ def open_source(
         raise ValueError("partition_size must be >= 1 (or None for automatic)")
     url = url.rstrip("/") if "://" not in url or url.count("/") > 2 else url
     if "{" not in url and "::" not in url:
-        fs, path = _fs(url, storage_options)
+        fs, path = filesystem(url, storage_options)
         if not fs.exists(path):
             raise ValueError(f"input {url!r} does not exist")
     if kind == "auto":
@@ -212,7 +210,7 @@ def open_source(
         fp = _fingerprint(kind, items, sizes)
         if shuffle:
             order = list(range(len(items)))
-            random.Random(seed).shuffle(order)  # the same permutation as shuffling ``items`` itself
+            random.Random(derive_seed(seed, 0, "items")).shuffle(order)
             items, sizes = [items[i] for i in order], [sizes[i] for i in order]
         if partition_size is None and fill_shards and kind == "images":
             chunks = _shard_chunks(items, sizes, max_bytes, max_count)
@@ -262,14 +260,18 @@ def _shard_chunks(items: list, sizes: list[int], max_bytes: int, max_count: int)
 
 
 def _number(parts: list[dict], shuffle: bool, seed: int) -> list[dict]:
-    """Give partitions their index (output order); shuffling permutes them and seeds their inner shuffle."""
+    """Give partitions their index (output order); shuffling permutes them and seeds their inner shuffle.
+
+    Seeds follow the one seed rule (:func:`datapipe.order.seeds.derive_seed`): one stream for the
+    partition order, one for each partition's shuffle buffer (by its place in the listing).
+    """
     order = list(range(len(parts)))
     if shuffle:
-        random.Random(seed + 1).shuffle(order)
+        random.Random(derive_seed(seed, 0, "partitions")).shuffle(order)
     out = []
     for index, i in enumerate(order):
         p = dict(parts[i], index=index)
-        p["shuffle_seed"] = (seed * 1_000_003 + i) if shuffle else None
+        p["shuffle_seed"] = derive_seed(seed, 0, i, "buffer") if shuffle else None
         out.append(p)
     return out
 
@@ -280,7 +282,7 @@ _COMPANIONS = ("manifest.json", "classes.json", "report.json")
 
 def _list_files(url: str, extensions: tuple, storage_options) -> tuple[list[tuple[str, int]], list[str]]:
     """The files of ``url`` with one of ``extensions`` (name, size), and the other files it holds (ignored)."""
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     prefix = _protocol_prefix(url)
     ignored: list[str] = []
     if fs.isdir(path):
@@ -309,14 +311,18 @@ def _expand_tars(url: str, storage_options) -> list[tuple[str, int]]:
 
     urls = expand_urls(url)
     local = [u for u in urls if "://" not in u or u.startswith("file://")]
-    if urls and len(local) == len(urls) and not any(_fs(u, storage_options)[0].exists(_fs(u, storage_options)[1])
-                                                   for u in local):
+    if urls and len(local) == len(urls) and not any(_exists(u, storage_options) for u in local):
         raise ValueError(f"no file matches {url!r} ({len(urls)} names, e.g. {urls[0]!r}; none exists)")
     return [(u, 0) for u in urls]
 
 
+def _exists(url: str, storage_options) -> bool:
+    fs, path = filesystem(url, storage_options)
+    return fs.exists(path)
+
+
 def _list_image_folder(url: str, storage_options):
-    fs, root = _fs(url, storage_options)
+    fs, root = filesystem(url, storage_options)
     if not fs.isdir(root):
         raise ValueError(f"image folder {url!r} does not exist or is not a folder")
     found = _find(fs, root, withdirs=True)
@@ -363,7 +369,7 @@ def _unique(key: str, keys: set) -> str:
 
 
 def _list_file_list(url: str, path_field: str, label_field: str, storage_options):
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     base = posixpath.dirname(url)
     rows: list[tuple[str, Any]] = []
     skipped: list[dict] = []
@@ -403,7 +409,7 @@ def _parquet_row_groups(url: str, storage_options) -> int:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ValueError("reading Parquet needs pyarrow: pip install pyarrow (or the 'ray' extra)") from e
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     with fs.open(path, "rb") as f:
         return pq.ParquetFile(f).metadata.num_row_groups
 
@@ -427,20 +433,7 @@ def iter_partition(part: dict, *, shuffle_buffer: int = 1000) -> Iterator[Record
     seed = part.get("shuffle_seed")
     if seed is None or kind == "images":  # image items are shuffled globally at listing time
         return records
-    return _buffer_shuffle(records, shuffle_buffer, random.Random(seed))
-
-
-def _buffer_shuffle(records: Iterator[Record], size: int, rng: random.Random) -> Iterator[Record]:
-    slots: list[Record] = []
-    for r in records:
-        if len(slots) < size:
-            slots.append(r)
-            continue
-        j = rng.randrange(size)
-        slots[j], r = r, slots[j]
-        yield r
-    rng.shuffle(slots)
-    yield from slots
+    return ShuffleBuffer(shuffle_buffer, random.Random(seed)).run(records)
 
 
 def read_item(url: str, storage_options: dict | None = None) -> bytes:
@@ -448,7 +441,7 @@ def read_item(url: str, storage_options: dict | None = None) -> bytes:
     if "://" not in url or url.startswith("file://"):
         with open(url.removeprefix("file://"), "rb") as f:
             return f.read()
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     with fs.open(path, "rb") as f:
         return f.read()
 
@@ -481,7 +474,7 @@ def _text_sample(rec: Any, key: str, part: dict) -> dict:
 
 
 def _iter_jsonl(part: dict) -> Iterator[Record]:
-    fs, path = _fs(part["url"], part.get("storage_options"))
+    fs, path = filesystem(part["url"], part.get("storage_options"))
     start, end, fi = part["start"], part["end"], part["file"]
     with fs.open(path, "rb") as f:
         if start > 0:
@@ -509,7 +502,7 @@ def _iter_jsonl(part: dict) -> Iterator[Record]:
 def _iter_parquet(part: dict) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
-    fs, path = _fs(part["url"], part.get("storage_options"))
+    fs, path = filesystem(part["url"], part.get("storage_options"))
     group, fi = part["row_group"], part["file"]
     with fs.open(path, "rb") as f:
         try:
@@ -562,7 +555,7 @@ def _lacks_end_of_archive(url: str, storage_options) -> bool:
     """True when an uncompressed tar does not end in a zero block (it was cut short)."""
     if url.endswith((".gz", ".tgz")):
         return False  # gzip notices truncation itself (EOFError)
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     size = fs.size(path)
     if size is None:
         return False

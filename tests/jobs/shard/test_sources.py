@@ -1,10 +1,9 @@
 import json
-import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jobs.shard.sources import Record, _buffer_shuffle, detect_kind, iter_partition, make_key, open_source
+from jobs.shard.sources import detect_kind, iter_partition, make_key, open_source
 
 
 def test_make_key_drops_extension_and_odd_characters():
@@ -64,12 +63,17 @@ def test_jsonl_byte_ranges_cover_every_line_once(tmp_path_factory, lines, chunk)
     assert got == lines
 
 
-def test_shuffle_buffer_is_a_seeded_permutation():
-    recs = [Record(str(i), {"__key__": str(i)}) for i in range(50)]
-    a = [r.name for r in _buffer_shuffle(iter(recs), 8, random.Random(1))]
-    b = [r.name for r in _buffer_shuffle(iter(recs), 8, random.Random(1))]
-    c = [r.name for r in _buffer_shuffle(iter(recs), 8, random.Random(2))]
-    assert a == b != c and sorted(a, key=int) == [r.name for r in recs] and a != [r.name for r in recs]
+def test_shuffled_text_is_a_seeded_permutation(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": str(i)}) + "\n" for i in range(50)))
+
+    def order(seed, shuffle=True):
+        src = open_source(str(path), kind="text", shuffle=shuffle, seed=seed, partition_bytes=100)
+        return [r.sample["txt"] for p in src.partitions for r in iter_partition(p, shuffle_buffer=8)]
+
+    plain = order(0, shuffle=False)
+    a, b, c = order(1), order(1), order(2)
+    assert a == b != c and sorted(a, key=int) == plain == [str(i) for i in range(50)] and a != plain
 
 
 def test_bad_arguments():
