@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import table, write_result  # noqa: E402
+from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -248,8 +249,7 @@ def train(batches, *, steps: int, warmup: int, device: str, image_size: int) -> 
     split = {k: round((after[k] - before.get(k, 0.0)) / steps * 1e3, 2) for k in after}
     return {"images_per_s": round(n / seconds, 1), "data_wait_fraction": round(float(ms.sum()) / 1e3 / seconds, 3),
             "seconds": round(seconds, 2), "step_ms": round(seconds / steps * 1e3, 2),
-            "wait_ms": {"p50": round(float(np.percentile(ms, 50)), 2), "p90": round(float(np.percentile(ms, 90)), 2),
-                        "max": round(float(ms.max()), 2)},
+            "wait_ms": {**percentiles(waits, qs=(50, 90), scale=1e3, digits=2), "max": round(float(ms.max()), 2)},
             "loader_ms_per_step": split}
 
 
