@@ -45,12 +45,12 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import endless, table, to_device, write_result  # noqa: E402
 from bench.models import PackedLM  # noqa: E402
+from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -179,9 +179,8 @@ def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count
             units += count(batch)
         wall = time.perf_counter() - start
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    ms = np.array(waits) * 1e3
-    return {"rate": units / wall, "wait_fraction": float(ms.sum()) / 1e3 / wall, "step_ms": wall / steps * 1e3,
-            "wait_ms_p50": float(np.percentile(ms, 50)), "wait_ms_p90": float(np.percentile(ms, 90)),
+    return {"rate": units / wall, "wait_fraction": sum(waits) / wall, "step_ms": wall / steps * 1e3,
+            **{f"wait_ms_{k}": v for k, v in percentiles(waits, qs=(50, 90), scale=1e3).items()},
             "seconds": wall, "cpu_cores_used": round((ru.ru_utime + ru.ru_stime - cpu0) / wall, 2)}
 
 
@@ -197,20 +196,6 @@ def replay(batch):
     """The data-free feed: the same cached device batch, forever."""
     while True:
         yield batch
-
-
-def endless(loader):
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
-def to_device(batches, device):
-    for x, y in batches:
-        yield x.to(device, non_blocking=True), torch.as_tensor(y).to(device, non_blocking=True)
 
 
 # ---- loaders ----------------------------------------------------------------------------------------

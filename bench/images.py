@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import table, write_result  # noqa: E402
+from bench import common  # noqa: E402
+from bench.common import table, to_device, write_result  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
@@ -118,13 +119,6 @@ def web_loader(urls, args):
                          prefetch_factor=2 if args.workers else None)
 
 
-def to_device(batches, device):
-    for x, y in batches:
-        if not torch.is_tensor(y):
-            y = torch.as_tensor(y)
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-
 # ---- (c): hand-written DALI ---------------------------------------------------------------------
 def dali_handwritten(urls, args):
     from nvidia.dali import fn, types
@@ -185,12 +179,7 @@ def endless(make):
     """Epoch after epoch of a loader (set_epoch when it has one)."""
     loader = make()
     LAST_LOADER[:] = [loader]
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+    yield from common.endless(loader)
 
 
 # ---- measurements -------------------------------------------------------------------------------

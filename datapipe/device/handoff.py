@@ -173,12 +173,7 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
     producer = Producer(iterable, depth=depth, name=name, join_s=join_s,
                         handoff=None if handoff is None else hand)
     try:
-        while True:
-            try:
-                item = next(producer)
-            except StopIteration:
-                return
-            yield item
+        yield from producer
     finally:
         producer.close()
 
@@ -212,12 +207,7 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
     producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
                         transform=mark if cuda else None, handoff=handoff if cuda else None)
     try:
-        while True:
-            try:
-                item = next(producer)
-            except StopIteration:
-                return
-            yield item
+        yield from producer
     finally:
         producer.close()
 
