@@ -45,11 +45,12 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import endless, table, to_device, write_result  # noqa: E402
+from bench.models import PackedLM  # noqa: E402
+from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -103,35 +104,8 @@ class TokenStep:
     def __init__(self, device: torch.device, seq_len: int, small: bool = False):
         d, heads, layers, vocab = (64, 4, 1, 32000) if small else (512, 8, 6, 32000)
 
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-                self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-                self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-            def forward(self, x, mask):
-                b, n, _ = x.shape
-                q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, heads, d // heads).transpose(1, 3).unbind(2)
-                o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                x = x + self.proj(o.transpose(1, 2).reshape(b, n, d))
-                return x + self.mlp(self.ln2(x))
-
-        class LM(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
-                self.blocks = nn.ModuleList(Block() for _ in range(layers))
-                self.head = nn.Linear(d, vocab)
-
-            def forward(self, ids, positions, mask):
-                x = self.emb(ids) + self.pos(positions)
-                for block in self.blocks:
-                    x = block(x, mask)
-                return self.head(x)
-
         self.device = device
-        self.model = LM().to(device)
+        self.model = PackedLM(vocab=vocab, d=d, heads=heads, layers=layers, seq_len=seq_len).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def __call__(self, batch) -> None:
@@ -205,9 +179,8 @@ def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count
             units += count(batch)
         wall = time.perf_counter() - start
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    ms = np.array(waits) * 1e3
-    return {"rate": units / wall, "wait_fraction": float(ms.sum()) / 1e3 / wall, "step_ms": wall / steps * 1e3,
-            "wait_ms_p50": float(np.percentile(ms, 50)), "wait_ms_p90": float(np.percentile(ms, 90)),
+    return {"rate": units / wall, "wait_fraction": sum(waits) / wall, "step_ms": wall / steps * 1e3,
+            **{f"wait_ms_{k}": v for k, v in percentiles(waits, qs=(50, 90), scale=1e3).items()},
             "seconds": wall, "cpu_cores_used": round((ru.ru_utime + ru.ru_stime - cpu0) / wall, 2)}
 
 
@@ -223,20 +196,6 @@ def replay(batch):
     """The data-free feed: the same cached device batch, forever."""
     while True:
         yield batch
-
-
-def endless(loader):
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
-def to_device(batches, device):
-    for x, y in batches:
-        yield x.to(device, non_blocking=True), torch.as_tensor(y).to(device, non_blocking=True)
 
 
 # ---- loaders ----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Shared bits of the benchmark scripts: the environment record, tables, and writing results.
+"""Shared bits of the benchmark scripts: the environment record, tables, writing results, batch feeds.
 
 The environment record and the table format are the library's own (``tools.bench.cli``), so the
 scripts here and ``datapipe bench`` write results alike.
@@ -20,3 +20,21 @@ def write_result(name: str, result: dict, directory: str | None = None) -> str:
         json.dump({"environment": environment(), **result}, f, indent=1, default=str)
         f.write("\n")
     return path
+
+
+def endless(loader):
+    """Epoch after epoch of ``loader`` (``set_epoch(epoch)`` first when it has one)."""
+    epoch = 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def to_device(batches, device):
+    """``(images, labels)`` batches moved to ``device`` (labels made tensors first), copies non-blocking."""
+    import torch
+
+    for x, y in batches:
+        yield x.to(device, non_blocking=True), torch.as_tensor(y).to(device, non_blocking=True)

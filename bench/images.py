@@ -25,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import table, write_result  # noqa: E402
+from bench import common  # noqa: E402
+from bench.common import table, to_device, write_result  # noqa: E402
+from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -117,13 +119,6 @@ def web_loader(urls, args):
                          prefetch_factor=2 if args.workers else None)
 
 
-def to_device(batches, device):
-    for x, y in batches:
-        if not torch.is_tensor(y):
-            y = torch.as_tensor(y)
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-
 # ---- (c): hand-written DALI ---------------------------------------------------------------------
 def dali_handwritten(urls, args):
     from nvidia.dali import fn, types
@@ -184,12 +179,7 @@ def endless(make):
     """Epoch after epoch of a loader (set_epoch when it has one)."""
     loader = make()
     LAST_LOADER[:] = [loader]
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+    yield from common.endless(loader)
 
 
 # ---- measurements -------------------------------------------------------------------------------
@@ -248,8 +238,7 @@ def train(batches, *, steps: int, warmup: int, device: str, image_size: int) -> 
     split = {k: round((after[k] - before.get(k, 0.0)) / steps * 1e3, 2) for k in after}
     return {"images_per_s": round(n / seconds, 1), "data_wait_fraction": round(float(ms.sum()) / 1e3 / seconds, 3),
             "seconds": round(seconds, 2), "step_ms": round(seconds / steps * 1e3, 2),
-            "wait_ms": {"p50": round(float(np.percentile(ms, 50)), 2), "p90": round(float(np.percentile(ms, 90)), 2),
-                        "max": round(float(ms.max()), 2)},
+            "wait_ms": {**percentiles(waits, qs=(50, 90), scale=1e3, digits=2), "max": round(float(ms.max()), 2)},
             "loader_ms_per_step": split}
 
 

@@ -192,6 +192,7 @@ def gpu_part(args) -> dict:
     import torch.nn.functional as F
     from torch import nn
 
+    from bench.models import Block, sdpa
     from packing.batch import attention_mask_for_sdpa, to_torch
 
     device = torch.device(args.device)
@@ -206,51 +207,18 @@ def gpu_part(args) -> dict:
     except ImportError:
         varlen_attn = None
 
-    def rope(x, pos):
-        half = x.shape[-1] // 2
-        freqs = 1.0 / (10000 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half))
-        ang = pos[..., None].float() * freqs
-        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-        a, b = x[..., :half], x[..., half:]
-        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-        def forward(self, x, pos, attn):
-            b, length, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, length, 3, heads, d // heads).unbind(2)
-            q, k = rope(q, pos[:, :, None]), rope(k, pos[:, :, None])  # [B, L, H, Dh]
-            o = attn(q, k, v)
-            return self._rest(x, o.reshape(b, length, d))
-
-        def _rest(self, x, o):
-            x = x + self.proj(o)
-            return x + self.mlp(self.ln2(x))
-
     class Model(nn.Module):
         def __init__(self, causal=True):
             super().__init__()
             self.emb = nn.Embedding(vocab, d)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
             self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
         def forward(self, ids, pos, attn):
             x = self.emb(ids)
             for blk in self.blocks:
-                x = blk(x, pos, attn)
+                x = blk(x, attn, pos)
             return self.head(self.ln(x))
-
-    def sdpa(mask=None, causal=False):
-        def attn(q, k, v):
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask, is_causal=causal)
-            return o.transpose(1, 2)
-        return attn
 
     def varlen(cu, max_len):
         def attn(q, k, v):

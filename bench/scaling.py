@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.common import environment  # noqa: E402
+from bench.models import PackedLM  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -141,34 +142,8 @@ def token_part(args, rank: int, world: int, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     d, heads, layers, vocab = (512, 8, 6, 32000) if cuda else (64, 4, 1, 32000)
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-        def forward(self, x, mask):
-            b, n, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, heads, d // heads).transpose(1, 3).unbind(2)
-            o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = x + self.proj(o.transpose(1, 2).reshape(b, n, d))
-            return x + self.mlp(self.ln2(x))
-
-    class LM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(args.seq_len, d)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.head = nn.Linear(d, vocab)
-
-        def forward(self, ids, positions, mask):
-            x = self.emb(ids) + self.pos(positions)
-            for block in self.blocks:
-                x = block(x, mask)
-            return self.head(x)
-
-    ddp = nn.parallel.DistributedDataParallel(LM().to(device), device_ids=[device.index] if cuda else None)
+    ddp = nn.parallel.DistributedDataParallel(
+        PackedLM(vocab=vocab, d=d, heads=heads, layers=layers, seq_len=args.seq_len).to(device), device_ids=[device.index] if cuda else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     loader = TokenLoader(urls, seq_len=args.seq_len, batch_size=args.token_batch, device=device)
 

@@ -42,7 +42,8 @@ def main(argv=None):
         args.mb, args.seconds, args.concurrency, args.block_size = 16, 0.5, "1,4", "1M,4M"
 
     from tools import plots
-    from tools.bench.storage import fmt_size, parse_list, parse_size, run_storage
+    from datapipe.units import format_size, parse_size
+    from tools.bench.storage import parse_list, run_storage
     from tests.servers import http_server, s3_server
 
     concurrency = parse_list(args.concurrency)
@@ -93,7 +94,7 @@ def main(argv=None):
         rows.append({"storage": name, "measurement": "ShardStream", "MB/s": f"{stream.get('mb_per_s', 0):.0f}",
                      "samples/s": f"{stream.get('samples_per_s', 0):.0f}"})
         b = max(r["sweep"], key=lambda x: x["mb_per_s"])
-        rows.append({"storage": name, "measurement": f"best sweep: x{b['concurrency']} {fmt_size(b['block_size'])} "
+        rows.append({"storage": name, "measurement": f"best sweep: x{b['concurrency']} {format_size(b['block_size'])} "
                                                      f"({b['cache']})",
                      "MB/s": f"{b['mb_per_s']:.0f}", "p50 ms": f"{b['latency_ms']['p50']:.2f}",
                      "p99 ms": f"{b['latency_ms']['p99']:.2f}",

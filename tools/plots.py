@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from datapipe.units import format_size
+
 
 def _plt():
     import matplotlib
@@ -21,12 +23,6 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def _size(n: int) -> str:
-    from tools.bench.storage import fmt_size
-
-    return fmt_size(n)
-
-
 def _storage_axes(ax, result: dict, title: str) -> None:
     modes = sorted({r["mode"] for r in result["sweep"]})
     for mode in modes:
@@ -35,7 +31,7 @@ def _storage_axes(ax, result: dict, title: str) -> None:
                           key=lambda r: r["concurrency"])
             if rows:
                 ax.plot([r["concurrency"] for r in rows], [r["mb_per_s"] for r in rows], marker="o",
-                        linestyle="-" if mode == "threads" else "--", label=f"{_size(block)} blocks ({mode})")
+                        linestyle="-" if mode == "threads" else "--", label=f"{format_size(block)} blocks ({mode})")
     styles = iter([":", "-."] * 4)
     for state, r in result.get("sequential", {}).items():
         ax.axhline(r["mb_per_s"], color="gray", linestyle=next(styles), label=f"sequential read ({state})")

@@ -1,18 +1,25 @@
 """Producers that run ahead of the consumer: in a background thread, and on a side CUDA stream.
 
-``threaded`` runs any iterable in a thread, a bounded number of items ahead; ``on_side_stream``
-does the same for a producer of CUDA tensors (ImageLoader drives DALI with it), so that the
-training thread's ``next()`` only takes a finished batch off a queue: the producer's GPU work
-runs on its own stream and the consumer's stream waits for it with an event, not the host.
+:class:`Producer` is the one mechanism: a thread pulls items from an iterable into a queue,
+at most ``depth`` ahead; the consumer's ``next()`` takes one, runs its ``handoff`` and only then
+frees the slot, so the producer's next item starts after the handoff. ``threaded`` runs any
+iterable that way; ``on_side_stream`` does it for a producer of CUDA tensors (ImageLoader drives
+DALI with it) and :class:`datapipe.DevicePrefetcher` for host-to-device copies: the producer's
+GPU work runs on its own stream and the consumer's stream waits for it with an event
+(:func:`wait_and_keep`), not the host.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
+__all__ = ["Producer", "on_side_stream", "started", "threaded", "wait_and_keep"]
+
+_POLL_S = 0.05
 _END = object()
 
 
@@ -21,59 +28,154 @@ class _Failure:
         self.exc = exc
 
 
-def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0,
-             handoff: Callable[[Any], None] | None = None) -> Iterator:
-    """Run ``iterable`` in a background thread, ``depth`` items ahead; its exceptions re-raise here.
+def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaphore, stop: threading.Event,
+             setup: Callable[[], None] | None, transform: Callable[[Any], Any] | None) -> None:
+    """Producer thread body: take a slot, pull, transform, put; end with _END or a _Failure; stop on request.
 
-    The producer may only start its next item once a slot is free, and a slot is freed after
-    ``handoff(item)`` ran in the consumer's thread: the producer's Python work then overlaps the
-    consumer's own work rather than the handoff (whose CUDA calls release the GIL, and a producer
-    woken right then would hold the consumer up). Closing the returned generator stops the thread
-    and closes ``iterable`` in that thread, waiting at most ``join_s`` seconds.
+    Runs ``setup()`` first and closes the iterator at the end, both in this thread. It holds no
+    reference to its :class:`Producer`, so dropping that stops the thread.
     """
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    slots = threading.Semaphore(max(1, depth))
-    stop = threading.Event()
 
     def take_slot() -> bool:
         while not stop.is_set():
-            if slots.acquire(timeout=0.1):
+            if slots.acquire(timeout=_POLL_S):
                 return True
         return False
 
-    def work():
+    try:
+        if setup is not None:
+            setup()
         it = iter(iterable)
         try:
             while take_slot():
                 try:
                     item = next(it)
                 except StopIteration:
-                    q.put(_END)
+                    out.put(_END)
                     return
-                q.put(item)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            q.put(_Failure(e))
+                if transform is not None:
+                    item = transform(item)
+                if stop.is_set():
+                    return
+                out.put(item)
         finally:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
+    except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+        out.put(_Failure(e))
 
-    thread = threading.Thread(target=work, name=name, daemon=True)
-    thread.start()
-    try:
+
+class Producer(Iterator):
+    """Items of ``iterable`` made in a background thread named ``name``, at most ``depth`` ahead.
+
+    In the thread: ``setup()`` once, then ``transform(item)`` per item. In the consumer's
+    ``next()``: ``handoff(item)``, whose result is returned; the item's slot is freed only after
+    it ran, so the producer's Python work overlaps the consumer's own work rather than the
+    handoff (whose CUDA calls release the GIL, and a producer woken right then would hold the
+    consumer up). An exception of the producer is re-raised by ``next()`` (same object, its
+    traceback kept; ``note`` is added to it). ``close()`` (or dropping the iterator) stops the
+    thread, which closes ``iterable``'s iterator in that thread.
+    """
+
+    def __init__(self, iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
+                 setup: Callable[[], None] | None = None, transform: Callable[[Any], Any] | None = None,
+                 handoff: Callable[[Any], Any] | None = None, note: str | None = None, join_s: float = 60.0):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the slots: depth items ahead
+        self._slots = threading.Semaphore(max(1, depth))
+        self._stop = threading.Event()
+        self._handoff = handoff
+        self._note = note
+        self._join_s = join_s
+        self._done = False
+        self._thread = threading.Thread(
+            target=_produce, args=(iterable, self._queue, self._slots, self._stop, setup, transform),
+            name=name, daemon=True,
+        )
+        self._thread.start()
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
         while True:
-            item = q.get()
-            if item is _END:
-                return
-            if isinstance(item, _Failure):
-                raise item.exc
-            if handoff is not None:
-                handoff(item)
-            slots.release()
-            yield item
+            try:
+                item = self._queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True
+                    raise RuntimeError(f"{self._thread.name}: the producer thread stopped without a result") from None
+        if item is _END:
+            self._done = True
+            self._thread.join()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._done = True
+            self._thread.join()
+            exc = item.exc
+            if self._note and hasattr(exc, "add_note") and not getattr(exc, "_datapipe_noted", False):
+                exc.add_note(self._note)
+                try:
+                    exc._datapipe_noted = True
+                except AttributeError:
+                    pass
+            raise exc  # same object: keeps the producer's traceback frames
+        if self._handoff is not None:
+            item = self._handoff(item)
+        self._slots.release()  # after the handoff: the producer's next item starts now
+        return item
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the producer thread and drop queued items; wait at most ``timeout`` (default ``join_s``)."""
+        self._done = True
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(self._join_s if timeout is None else timeout)
+
+    def __del__(self):
+        try:
+            self._done = True
+            self._stop.set()
+        except Exception:
+            pass
+
+
+def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+    """(Consumer thread) make the current stream wait for ``event`` and ``record_stream`` the CUDA tensors.
+
+    No host sync; the caching allocator will not reuse the tensors' memory while the consumer's
+    stream may still read it.
+    """
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(event)
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(stream)
+
+
+def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0,
+             handoff: Callable[[Any], None] | None = None) -> Iterator:
+    """Run ``iterable`` in a background thread, ``depth`` items ahead; its exceptions re-raise here.
+
+    A :class:`Producer` started on the first ``next()``; ``handoff(item)`` runs in the consumer's
+    thread before the item's slot is freed. Closing the returned generator stops the thread and
+    closes ``iterable`` in that thread, waiting at most ``join_s`` seconds.
+    """
+    def hand(item):
+        handoff(item)
+        return item
+
+    producer = Producer(iterable, depth=depth, name=name, join_s=join_s,
+                        handoff=None if handoff is None else hand)
+    try:
+        yield from producer
     finally:
-        stop.set()
-        thread.join(timeout=join_s)
+        producer.close()
 
 
 def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, device: torch.device,
@@ -89,37 +191,25 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
     """
     cuda = device.type == "cuda"
 
-    def on_stream():
-        if cuda:
-            torch.cuda.set_stream(stream or torch.cuda.Stream(device))  # this thread's current stream from now on
-        it = iter(produce)
-        try:
-            for tensors, meta in it:
-                event = None
-                if cuda:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(device))
-                yield tensors, meta, event
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
+    def setup() -> None:  # in the producer thread
+        torch.cuda.set_stream(stream or torch.cuda.Stream(device))  # this thread's current stream from now on
 
-    def handoff(item) -> None:  # in the consumer's thread, before the producer may go on
-        tensors, _, event = item
-        if event is not None:
-            stream = torch.cuda.current_stream(device)
-            stream.wait_event(event)
-            for t in tensors:
-                if t.is_cuda:
-                    t.record_stream(stream)
+    def mark(item):  # in the producer thread, after the item's work was enqueued
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return item, event
 
-    items = threaded(on_stream(), depth=depth, name="datapipe-device-producer", handoff=handoff)
+    def handoff(marked):  # in the consumer's thread, before the producer may go on
+        (tensors, meta), event = marked
+        wait_and_keep(event, tensors, device)
+        return tensors, meta
+
+    producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
+                        transform=mark if cuda else None, handoff=handoff if cuda else None)
     try:
-        for tensors, meta, _ in items:
-            yield tensors, meta
+        yield from producer
     finally:
-        items.close()
+        producer.close()
 
 
 class started:

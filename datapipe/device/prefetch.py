@@ -1,7 +1,8 @@
 """Device prefetch: nested batches -> reused pinned host buffers -> device, on a side CUDA stream.
 
-``DevicePrefetcher(iterable, device="cuda")`` runs a background thread that pulls batches from
-``iterable``, copies every CPU tensor leaf into a pinned buffer taken from a bounded pool keyed by
+``DevicePrefetcher(iterable, device="cuda")`` runs a background thread (a
+:class:`datapipe.device.handoff.Producer`) that pulls batches from ``iterable``, copies every CPU
+tensor leaf into a pinned buffer taken from a bounded pool keyed by
 ``(shape, dtype)`` (a tensor that is already pinned is copied directly), issues the host-to-device
 copy with ``non_blocking=True`` on a dedicated side stream and records an event. The consumer's
 current stream waits on that event and the device tensors are ``record_stream``-ed on it, so the
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import queue
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+
+from datapipe.device.handoff import Producer, wait_and_keep
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -184,14 +186,6 @@ class _PinnedPool:
                     "allocations": self.allocations, "reuses": self.reuses, "waits": self.waits}
 
 
-class _Raised:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-_END = object()
-
-
 class _CudaTransfer:
     """Stage one batch through the pool and issue its copies on the side stream (producer thread)."""
 
@@ -221,122 +215,31 @@ class _CudaTransfer:
         return out, done
 
 
-def _produce(source: Iterable, out: queue.SimpleQueue, slots: threading.Semaphore, stop: threading.Event,
-             transfer: Callable | None, device: torch.device) -> None:
-    """Producer thread body: take a slot, pull, transfer, put; end with _END or a _Raised; stop on request.
-
-    A slot is given back by the consumer only after its handoff (the stream wait and
-    ``record_stream``) ran, so the producer's next batch (its Python work, the pinned copy) does
-    not start while the consumer is in its CUDA calls, which release the GIL.
-    """
-
-    def take_slot() -> bool:
-        while not stop.is_set():
-            if slots.acquire(timeout=_POLL_S):
-                return True
-        return False
-
-    try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        it = iter(source)
-        try:
-            while take_slot():
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    out.put(_END)
-                    return
-                if transfer is not None:
-                    item = transfer(batch)
-                else:
-                    item = map_tensors(lambda t: t.to(device), batch)
-                if stop.is_set():
-                    return
-                out.put(item)
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-    except BaseException as e:  # re-raised in the consumer
-        out.put(_Raised(e))
-
-
-class _PrefetchIterator(Iterator):
+class _PrefetchIterator(Producer):
     """One epoch of a DevicePrefetcher: owns the producer thread; closing or dropping it stops it."""
 
     def __init__(self, owner: DevicePrefetcher):
         self._owner = owner  # keeps the pool alive while this epoch runs (``for b in DevicePrefetcher(...)``)
-        self._device = owner.device
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the slots: depth batches ahead
-        self._slots = threading.Semaphore(owner.depth)
-        self._stop = threading.Event()
-        self._done = False
-        transfer = None
-        if owner.device.type == "cuda":
-            transfer = _CudaTransfer(owner.device, owner.stream, owner._pool)
-        self._thread = threading.Thread(
-            target=_produce, args=(owner.iterable, self._queue, self._slots, self._stop, transfer, owner.device),
-            name="datapipe-prefetch", daemon=True,
-        )
-        self._thread.start()
+        device = owner.device
+        if device.type == "cuda":
+            setup = lambda: torch.cuda.set_device(device)  # noqa: E731
+            transform = _CudaTransfer(device, owner.stream, owner._pool)
+            handoff = _handoff(device)
+        else:
+            setup = handoff = None
+            transform = lambda batch: map_tensors(lambda t: t.to(device), batch)  # noqa: E731
+        super().__init__(owner.iterable, depth=owner.depth, name="datapipe-prefetch", setup=setup,
+                         transform=transform, handoff=handoff, join_s=30.0,
+                         note="(raised while producing a batch in the DevicePrefetcher thread)")
 
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        while True:
-            try:
-                item = self._queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    self._done = True
-                    raise RuntimeError("DevicePrefetcher: the producer thread stopped without a result") from None
-        if item is _END:
-            self._done = True
-            self._thread.join()
-            raise StopIteration
-        if isinstance(item, _Raised):
-            self._done = True
-            self._thread.join()
-            exc = item.exc
-            if hasattr(exc, "add_note") and not getattr(exc, "_datapipe_noted", False):
-                exc.add_note("(raised while producing a batch in the DevicePrefetcher thread)")
-                try:
-                    exc._datapipe_noted = True
-                except AttributeError:
-                    pass
-            raise exc  # same object: keeps the producer's traceback frames
-        if self._device.type == "cuda":
-            batch, done = item
-            stream = torch.cuda.current_stream(self._device)
-            stream.wait_event(done)
-            for t in _tensors(batch):
-                if t.device.type == "cuda":
-                    t.record_stream(stream)
-            self._slots.release()  # after the handoff: the producer's next batch starts now
-            return batch
-        self._slots.release()
-        return item
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Stop the producer thread and drop queued batches."""
-        self._done = True
-        self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+def _handoff(device: torch.device) -> Callable[[tuple[Any, torch.cuda.Event]], Any]:
+    def handoff(item):  # in the consumer's thread, before the slot is freed
+        batch, done = item
+        wait_and_keep(done, _tensors(batch), device)
+        return batch
 
-    def __del__(self):
-        try:
-            self._done = True
-            self._stop.set()
-        except Exception:
-            pass
+    return handoff
 
 
 class DevicePrefetcher:

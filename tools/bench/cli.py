@@ -22,6 +22,7 @@ from importlib import metadata
 from typing import Any
 
 from datapipe.device.autotune import usable_cores
+from datapipe.units import parse_size
 from datapipe.errors import DataError
 
 
@@ -94,7 +95,7 @@ def _storage_command(args) -> int:
     try:
         options = json.loads(args.storage_options) if args.storage_options else None
         result = bs.run_storage(args.urls, concurrency=bs.parse_list(args.concurrency),
-                                block_sizes=bs.parse_list(args.block_size, bs.parse_size), seconds=args.seconds,
+                                block_sizes=bs.parse_list(args.block_size, parse_size), seconds=args.seconds,
                                 processes=args.processes, storage_options=options, progress=not args.no_progress)
     except (DataError, OSError, ValueError) as e:
         print(f"datapipe bench storage: {e}", file=sys.stderr)

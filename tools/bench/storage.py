@@ -23,26 +23,10 @@ from typing import Any
 
 from datapipe.errors import DataError
 from datapipe.storage.urls import is_local, local_path, redact_url, url_scheme
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+from datapipe.units import format_size, percentiles
 
 
 # ---- arguments ------------------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    """``"4M"`` -> 4194304; ``K``, ``M``, ``G`` (binary) or plain bytes."""
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    unit = t[len(num):]
-    try:
-        value = int(float(num) * _UNITS[unit])
-    except (KeyError, ValueError):
-        raise ValueError(f"bad size {text!r}: use bytes or K/M/G, e.g. 1M,4M,16M") from None
-    if value < 1:
-        raise ValueError(f"size {text!r} must be at least 1 byte")
-    return value
-
-
 def parse_list(text: str, conv=int) -> list:
     try:
         values = [conv(v) for v in text.split(",") if v.strip()]
@@ -51,13 +35,6 @@ def parse_list(text: str, conv=int) -> list:
     if not values:
         raise ValueError(f"empty list {text!r}")
     return values
-
-
-def fmt_size(n: int) -> str:
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
 
 
 # ---- page cache -----------------------------------------------------------------------------------
@@ -248,20 +225,11 @@ def measure_reads(store: Store, sizes: list[int], *, block: int, concurrency: in
     return summarize(sum(r["bytes"] for r in results), wall, lat, files)
 
 
-def percentiles_ms(latencies: list[float]) -> dict:
-    if not latencies:
-        return {"p50": None, "p90": None, "p99": None}
-    import numpy as np
-
-    p = np.percentile(np.asarray(latencies) * 1e3, [50, 90, 99])
-    return {"p50": round(float(p[0]), 4), "p90": round(float(p[1]), 4), "p99": round(float(p[2]), 4)}
-
-
 def summarize(nbytes: int, wall: float, latencies: list[float], files: int) -> dict:
     wall = max(wall, 1e-9)
     return {"mb_per_s": round(nbytes / wall / 1e6, 3), "files_per_s": round(files / wall, 3),
             "bytes": int(nbytes), "seconds": round(wall, 4), "requests": len(latencies), "files": files,
-            "latency_ms": percentiles_ms(latencies)}
+            "latency_ms": percentiles(latencies, scale=1e3, digits=4)}
 
 
 def measure_stream(urls: list[str], *, seconds: float, zero_copy: bool = False,
@@ -404,7 +372,7 @@ def run_storage(targets: list[str] | str, *, concurrency: list[int] = (1, 2, 4, 
     for mode in modes:
         for c in concurrency:
             for b in block_sizes:
-                bar.set_postfix_str(f"{mode} x{c}, block {fmt_size(b)} ({sweep_state})")
+                bar.set_postfix_str(f"{mode} x{c}, block {format_size(b)} ({sweep_state})")
                 cold()
                 r = measure_reads(store, sizes, block=b, concurrency=c, seconds=seconds, mode=mode,
                                   repeat=sweep_state != "cold")
@@ -421,7 +389,7 @@ def recommend(result: dict) -> dict:
         return {"text": "no sweep measured"}
     best = max(rows, key=lambda r: r["mb_per_s"])
     seq = next(iter(result["sequential"].values()), None)
-    text = (f"use concurrency {best['concurrency']} ({best['mode']}) with {fmt_size(best['block_size'])} blocks: "
+    text = (f"use concurrency {best['concurrency']} ({best['mode']}) with {format_size(best['block_size'])} blocks: "
             f"{best['mb_per_s']:.0f} MB/s ({best['cache']})")
     if seq and seq["mb_per_s"] > 0:
         text += f", {best['mb_per_s'] / seq['mb_per_s']:.1f}x one sequential stream"
@@ -439,7 +407,7 @@ def rows_for_table(result: dict) -> list[dict]:
 
     rows = []
     for state, r in result["sequential"].items():
-        rows.append({"measurement": "sequential read", "cache": state, "conc": 1, "block": fmt_size(r["block_size"]),
+        rows.append({"measurement": "sequential read", "cache": state, "conc": 1, "block": format_size(r["block_size"]),
                      "MB/s": f"{r['mb_per_s']:.1f}", "files/s": f"{r['files_per_s']:.1f}",
                      "p50 ms": ms(r, "p50"), "p90 ms": ms(r, "p90"), "p99 ms": ms(r, "p99")})
     for name, r in result["stream"].items():
@@ -449,7 +417,7 @@ def rows_for_table(result: dict) -> list[dict]:
                      "p50 ms": ms(r, "p50"), "p90 ms": ms(r, "p90"), "p99 ms": ms(r, "p99")})
     for r in result["sweep"]:
         rows.append({"measurement": f"ranged reads ({r['mode']})", "cache": r["cache"], "conc": r["concurrency"],
-                     "block": fmt_size(r["block_size"]), "MB/s": f"{r['mb_per_s']:.1f}",
+                     "block": format_size(r["block_size"]), "MB/s": f"{r['mb_per_s']:.1f}",
                      "files/s": f"{r['files_per_s']:.1f}", "p50 ms": ms(r, "p50"), "p90 ms": ms(r, "p90"),
                      "p99 ms": ms(r, "p99")})
     return rows

@@ -28,6 +28,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from datapipe.device.autotune import usable_cores
+from datapipe.units import percentiles
 
 WAIT_HIGH = 0.10  # above this share of wall time the input pipeline is a bottleneck
 WAIT_LOW = 0.02  # below it, input is not the bottleneck
@@ -47,15 +48,7 @@ def _cuda_available() -> bool:
 
 
 def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    s = sorted(values)
-
-    def q(p):
-        return s[min(len(s) - 1, int(round(p * (len(s) - 1))))]
-
-    return {"mean": round(sum(s) / len(s) * 1e3, 3), "p50": round(q(0.5) * 1e3, 3), "p90": round(q(0.9) * 1e3, 3),
-            "p99": round(q(0.99) * 1e3, 3)}
+    return percentiles(values, scale=1e3, digits=3, mean=True)
 
 
 # ---- batch inspection -------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from datapipe import ShardWriter
+from datapipe.units import parse_size
 from tools.bench.loader import run_loader
-from tools.bench.storage import (drop_page_cache, parse_list, parse_size, resident_fraction, run_storage)
+from tools.bench.storage import drop_page_cache, parse_list, resident_fraction, run_storage
 from datapipe.cli import main
 from tests.shards import write_shards
 from tests.servers import http_server
