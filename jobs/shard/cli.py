@@ -9,21 +9,18 @@ import argparse
 import sys
 
 from datapipe.errors import DataError
+from datapipe.units import parse_size
 from jobs.shard.job import shard
 from jobs.shard.options import CHECKS, ENGINES, UsageError
 from jobs.shard.sources import KINDS
 
 
-def _size(text: str) -> int:  # TODO(units): datapipe.units.parse_size, once it lands
-    """A byte count from ``1000000``, ``512M``, ``1G``, ``1GiB`` ... (binary units)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
+def _size(text: str) -> int:
+    """A byte count for argparse: ``datapipe.units.parse_size`` with argparse's error type."""
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(float(t))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1000000, 512M, 1G)") from None
+        return parse_size(text, minimum=0)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

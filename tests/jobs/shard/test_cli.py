@@ -13,7 +13,7 @@ def test_sizes():
     assert _size("1000000") == 1_000_000
     assert _size("512M") == 512 << 20 and _size("1G") == _size("1GiB") == _size("1gb") == 1 << 30
     assert _size("1.5k") == 1536
-    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad size .lots."):
         _size("lots")
 
 
