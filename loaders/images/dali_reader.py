@@ -14,6 +14,7 @@ import os
 import re
 import tempfile
 import time
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -86,7 +87,9 @@ class DaliReader:
     name = "dali"
 
     def __init__(self, loader):
-        self.loader = loader  # the ImageLoader: options, stream (urls, counts, epoch, shape), helpers
+        # a weak proxy: no ImageLoader <-> reader cycle (a DALI pipeline left to the cycle collector
+        # could be collected in a forked reader worker, which crashes it)
+        self.loader = weakref.proxy(loader)  # the ImageLoader: options, stream (urls, counts, epoch, shape), helpers
         self.stream = loader.stream
         self.handed_out: dict | None = None  # {"checkpoint", "batch"} after the last batch handed out
         self._resume: dict | None = None  # {"checkpoint", "batch"} to restore on the next iteration

@@ -9,6 +9,7 @@ or ``{"loader": loaders.DataLoader state}``.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from typing import Iterator
 
@@ -57,7 +58,9 @@ class StreamReader:
     name = "stream"
 
     def __init__(self, loader):
-        self.loader = loader  # the ImageLoader: options, stream, stats, pipeline builder, output helpers
+        # a weak proxy: no ImageLoader <-> reader cycle (a DALI pipeline left to the cycle collector
+        # could be collected in a forked reader worker, which crashes it)
+        self.loader = weakref.proxy(loader)  # the ImageLoader: options, stream, stats, pipeline builder, output helpers
         self.stream = loader.stream
         self.delivered: dict | None = None  # the source state after the last batch handed out
         self._pipe = None  # the DALI pipeline, reused across epochs
