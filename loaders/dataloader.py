@@ -47,8 +47,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from datapipe.device import autotune
 from datapipe.order import elastic
 from datapipe.device.prefetch import DevicePrefetcher, map_tensors, resolve_device
+from datapipe.state import check_state
 
 __all__ = ["DataLoader"]
+
+KIND = "DataLoader"  # the "kind" of its states (datapipe.state)
 
 _END = object()
 _T_co = TypeVar("_T_co", covariant=True)
@@ -545,13 +548,13 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
 
     def state_dict(self) -> dict:
-        """Position for exact resume: ``{"epoch", "batches", "num_workers", "generator_state",
+        """Position for exact resume (:mod:`datapipe.state`): ``{"kind", "epoch", "batches", "num_workers", "generator_state",
         "rng_state", "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``."""
         if self._pending is not None:
             return dict(self._pending.get("global") or self._pending)
         p = self._progress
         if p is None or p.epoch != self._epoch or p.finished:
-            return {"epoch": self._epoch, "batches": 0, "num_workers": self._workers_now(),
+            return {"kind": KIND, "epoch": self._epoch, "batches": 0, "num_workers": self._workers_now(),
                     "generator_state": None, "rng_state": None, "sampler_rng_state": None,
                     "sampler_epoch": None, "base_seed": None, "dataset": None}
         if p.resumed_from is not None and p.ds_last is None:  # a global state loaded, no batch since
@@ -563,7 +566,7 @@ class DataLoader(tud.DataLoader[_T_co]):
             ds = {**(p.ds_last or {}), "epoch": p.ds_epoch if p.ds_epoch is not None else p.epoch,
                   "num_workers": p.ds_num_workers, "workers": dict(p.workers),
                   "first_worker": p.next_worker}
-        return {"epoch": p.epoch, "batches": p.batches, "num_workers": p.num_workers,
+        return {"kind": KIND, "epoch": p.epoch, "batches": p.batches, "num_workers": p.num_workers,
                 "generator_state": p.generator_state, "rng_state": p.rng_state,
                 "sampler_rng_state": p.sampler_rng, "sampler_epoch": p.sampler_epoch,
                 "base_seed": p.base_seed, "dataset": ds}
@@ -639,6 +642,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         if elastic.is_global(state):
             self._load_global(state)
             return
+        check_state(state, KIND)
         missing = {"epoch", "batches", "num_workers"} - set(state)
         if missing:
             raise ValueError(f"not a loaders.DataLoader state (missing {sorted(missing)}); pass what state_dict() returned")

@@ -502,3 +502,10 @@ def test_gpu_loader_batches_and_resume():
     # torch's pin-memory thread pins the batches, so the prefetcher stages no copies of its own
     assert dl2.stats()["pinned_pool"]["allocations"] == 0
     dl2.close()
+
+
+def test_state_names_its_kind_and_another_kind_is_refused():
+    state = DataLoader(ToyStream(SHARDS), batch_size=2).state_dict()
+    assert state["kind"] == "DataLoader"  # datapipe.state: every state says what it is
+    with pytest.raises(ValueError, match="ImageLoader state, not a DataLoader state"):
+        DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({**state, "kind": "ImageLoader"})

@@ -290,7 +290,7 @@ def test_dali_reader_epochs_stay_aligned_with_one_pipeline(shards, drop_last):
     for epoch in range(3):
         dl.set_epoch(epoch)
         _, y = collect(dl)
-        pipes.add(id(dl._dali_pipe))
+        pipes.add(id(dl._source._pipe))
         if drop_last:
             assert len(y) == N // 7 * 7
         else:  # the same labels as the dataset, each sample once (epochs never spill into each other)
