@@ -403,6 +403,7 @@ def image_parts(args, urls, results) -> None:
         "il_hw09": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.9)), None),
         "il_hw0": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
         "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
+        "il_noaa": ("f32", lambda: tracked(image_loader(urls, args, antialias=False)), None),
         "il_threads4": ("f32", lambda: tracked(image_loader(urls, args, num_threads=4)), None),
         "il_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, dtype=torch.uint8, layout="NHWC")), None),
         "il_prio": ("f32", lambda: tracked(image_loader(urls, args)), hp),

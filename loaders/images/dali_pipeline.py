@@ -47,6 +47,7 @@ def build_image_pipeline(
     enable_checkpointing: bool = False,
     pad_labels: bool = False,
     checkpoint: str | None = None,
+    antialias: bool = True,
 ):
     """Build (not run) a DALI pipeline whose outputs are ``(images,)`` or, with ``reader``, ``(images, labels)``.
 
@@ -101,12 +102,12 @@ def build_image_pipeline(
                 num_attempts=100, **decoder_args,
             )
             images = fn.resize(images, device=op_device, resize_x=image_size, resize_y=image_size,
-                               interp_type=types.INTERP_LINEAR, antialias=True)
+                               interp_type=types.INTERP_LINEAR, antialias=antialias)
             mirror = fn.random.coin_flip(probability=0.5)
         else:
             images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB, **decoder_args)
             images = fn.resize(images, device=op_device, resize_shorter=resize_size or image_size,
-                               interp_type=types.INTERP_LINEAR, antialias=True)
+                               interp_type=types.INTERP_LINEAR, antialias=antialias)
             mirror = 0
         out_dtype = dali_dtype(dtype)
         if dtype == "uint8":  # raw pixels: no normalisation

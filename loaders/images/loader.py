@@ -79,6 +79,9 @@ class ImageLoader:
     cast and the normalisation (none with ``dtype=torch.uint8``). It needs the CPU cores to keep
     up (README). Default ``None``: decode where ``device`` is (``"gpu"`` on CUDA, nvImageCodec);
     ``"cpu"`` with ``device="cpu"`` gives the same images through the same uint8 path.
+
+    ``antialias=False`` resizes without DALI's low-pass filter when shrinking (less GPU time per
+    batch, slightly more aliasing; torchvision's PIL path filters, as the default here does).
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class ImageLoader:
         index_dir: str | None = None,
         stream_options: dict | None = None,
         decode_device: str | None = None,
+        antialias: bool = True,
     ):
         device = torch.device(device)
         if device.type not in ("cuda", "cpu"):
@@ -127,7 +131,8 @@ class ImageLoader:
         self.decode = DecodeOptions(
             image_size=int(image_size), resize_size=resize_size, dtype=dtype, layout=layout,
             mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std),
-            hw_decoder_load=float(hw_decoder_load), **DecodeOptions.resolve(device, decode_device, num_threads))
+            hw_decoder_load=float(hw_decoder_load), antialias=bool(antialias),
+            **DecodeOptions.resolve(device, decode_device, num_threads))
         self.augment = AugmentOptions(train=train, random_area=tuple(random_area),
                                       random_aspect_ratio=tuple(random_aspect_ratio))
         self.read = ReadOptions(
@@ -220,7 +225,7 @@ class ImageLoader:
             hw_decoder_load=dec.hw_decoder_load, random_area=aug.random_area,
             random_aspect_ratio=aug.random_aspect_ratio, resize_size=dec.resize_size,
             source=source, reader=reader, enable_checkpointing=reader is not None, checkpoint=checkpoint,
-            pad_labels=self.label_decoder is parse_label,
+            pad_labels=self.label_decoder is parse_label, antialias=dec.antialias,
         )
 
     # ---- epochs, length, state ----------------------------------------------------------------

@@ -34,6 +34,7 @@ class DecodeOptions:
     host_decode: bool = False  # decode_device="cpu" asked for: uint8 HWC on the host, normalised in torch
     num_threads: int = 1
     hw_decoder_load: float = 0.75
+    antialias: bool = True  # DALI's resize low-pass filters when it shrinks (costs GPU time)
 
     def __post_init__(self):
         if self.image_size < 1 or (self.resize_size is not None and self.resize_size < self.image_size):

@@ -481,3 +481,10 @@ def test_cpu_decode_on_cuda_matches_the_gpu_path(shards):
         tx, ty = collect(loader(shards, device="cuda", train=True, dtype=dtype, layout=layout, decode_device="cpu"))
         shape = (N // 8 * 8, 3, S, S) if layout == "NCHW" else (N // 8 * 8, S, S, 3)
         assert tx.is_cuda and tx.dtype == dtype and tx.shape == shape
+
+
+def test_antialias_off_gives_images_of_the_same_shape_that_differ(shards):
+    """``antialias=False`` changes DALI's resize filter only: same shapes and labels, other pixels."""
+    (a, la), (b, lb) = (next(iter(loader(shards, antialias=aa))) for aa in (True, False))
+    assert a.shape == b.shape and torch.equal(la, lb)
+    assert not torch.equal(a, b)
