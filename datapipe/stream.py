@@ -77,9 +77,10 @@ class ShardStream(torch.utils.data.IterableDataset):
     ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key (and the byte, for tar
     damage: any cut, a partial header, a file that is not a tar); ``"skip"`` drops the bad sample (or
     the unreadable rest of a shard, after every complete sample before it) and counts it in
-    ``stats()``; ``"warn"`` also logs; a callable (webdataset's handler model) gets the ``DataError`` and
-    raises to stop or returns to skip, counted like ``"skip"``. With ``world_size > 1`` a lost sample is replaced by a repeat
-    of one this worker delivered (counted in ``stats()["padded"]``), so ranks stay equal.
+    ``stats()``; ``"warn"`` also logs; a callable (webdataset's handler model) gets the ``DataError``
+    and raises to stop or returns to skip, counted like ``"skip"``. With ``world_size > 1`` a lost
+    sample is replaced by a repeat of one this worker delivered (counted in ``stats()["padded"]``),
+    so ranks stay equal.
 
     Remote reads retry transient failures ``retries`` times in a row with exponential backoff from
     ``backoff`` seconds, resuming at the byte they had reached (no sample twice); every remote wait
@@ -117,7 +118,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                      cache_limit=(cache_limit, (Integral, type(None))), zero_copy=(zero_copy, bool),
                      timeout=(timeout, (Real, type(None))), backoff=(backoff, Real))
         if not (isinstance(on_error, str) or callable(on_error)):
-            raise TypeError(f"on_error must be a handler name or a callable, got {type(on_error).__name__} {on_error!r}")
+            raise TypeError(f"on_error must be a handler name or a callable, got {type(on_error).__name__} "
+                            f"{on_error!r}")
         check_on_error(on_error)
         if shuffle_buffer < 0:
             raise ValueError("shuffle_buffer must be >= 0 (0 disables the sample shuffle buffer)")

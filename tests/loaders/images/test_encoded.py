@@ -42,7 +42,8 @@ def _labels(on_error, **kw):
 def test_bad_samples_counted_by_the_policy_or_a_callable():
     policy = ErrorPolicy("skip")
     assert _labels(policy) == [[0, 2], [4]]
-    assert policy.skipped == 2 and "cannot decode label" in policy.last_errors[0] and "no image" in policy.last_errors[1]
+    assert policy.skipped == 2
+    assert "cannot decode label" in policy.last_errors[0] and "no image" in policy.last_errors[1]
     seen, stats = [], {"skipped": 0, "last_errors": []}
     assert _labels(seen.append, stats=stats) == [[0, 2], [4]]  # a callable that returns: skip
     assert [e.key for e in seen] == ["1", "3"] and stats["skipped"] == 2 and len(stats["last_errors"]) == 2
