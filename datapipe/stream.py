@@ -508,30 +508,35 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _walk_segment(self, reader, shard: int, start: int, stop: int, cursor: "_Cursor", *,
                       look_past: bool) -> Iterator[Any]:
         """The shard's samples ``start <= i < stop`` as the tar reader finds them, LOST for the bad and
-        the missing ones; ``cursor`` follows the next ordinal expected. ``look_past``: at the shard's
-        end, read one sample further so that a shard longer than its count is reported."""
+        the missing ones; ``cursor`` is left at the next ordinal expected (also when an error stops the
+        walk). ``look_past``: at the shard's end, read one sample further so that a shard longer than
+        its count is reported."""
         url = self.urls[shard]
         past = stop + 1 if look_past and stop == self.counts[shard] else stop
-        for event in iter_samples(reader, url, start=start, stop=past, resync=not self._errors.raises,
-                                  zero_copy=self.zero_copy):
-            ordinal = event.ordinal
-            if ordinal is None:  # damage not tied to a position: the count at the end tells what it cost
-                self._errors(self._error(f"damaged tar data skipped: {event.error}", url, cursor.last_key), lost=0)
-                continue
-            if ordinal >= stop:
-                self._errors(self._error(f"shard holds more than the {self.counts[shard]} samples its manifest "
-                                         "lists", url, event.key), lost=0)
-                break
-            if ordinal > cursor.expected:
-                yield from self._lose(self._error("samples missing before this one", url, event.key),
-                                      ordinal - cursor.expected)
-                cursor.expected = ordinal
-            cursor.last_key = event.key
-            cursor.expected += 1
-            if event.sample is None:
-                yield from self._lose(self._error(f"bad sample: {event.error}", url, event.key), 1)
-                continue
-            yield event.sample
+        expected, last_key = start, None  # the cursor, kept in locals on this hot path
+        try:
+            for event in iter_samples(reader, url, start=start, stop=past, resync=not self._errors.raises,
+                                      zero_copy=self.zero_copy):
+                ordinal = event.ordinal
+                if ordinal is None:  # damage not tied to a position: the count at the end tells what it cost
+                    self._errors(self._error(f"damaged tar data skipped: {event.error}", url, last_key), lost=0)
+                    continue
+                if ordinal >= stop:
+                    self._errors(self._error(f"shard holds more than the {self.counts[shard]} samples its "
+                                             "manifest lists", url, event.key), lost=0)
+                    break
+                if ordinal > expected:
+                    yield from self._lose(self._error("samples missing before this one", url, event.key),
+                                          ordinal - expected)
+                    expected = ordinal
+                last_key = event.key
+                expected += 1
+                if event.sample is None:
+                    yield from self._lose(self._error(f"bad sample: {event.error}", url, event.key), 1)
+                    continue
+                yield event.sample
+        finally:
+            cursor.expected, cursor.last_key = expected, last_key
 
     def _error(self, message: str, url: str, key: str | None) -> DataError:
         return DataError(message, url=redact_url(url), key=key)

@@ -428,7 +428,7 @@ def _resync(reader) -> bool:
         reader.advance(BLOCK)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleEvent:
     """One sample position of a shard: the sample, or None where it was damaged (``error`` says why).
 
@@ -531,7 +531,12 @@ class _Grouping:
 
     def begin(self, key: str) -> None:
         """Start the next sample (``key``); it is kept only from ordinal ``start`` on."""
-        self.count_members()
+        if self.key is not None:  # count_members, inline: this runs once per sample
+            if self.members > 2:
+                self.multi = True
+            elif self.multi is None:
+                self.multi = False
+        self.members = 1
         self.ordinal += 1
         self.key = key
         self.damaged_key = None
