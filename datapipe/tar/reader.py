@@ -530,13 +530,7 @@ class _Grouping:
         self.members = 1
 
     def begin(self, key: str) -> None:
-        """Start the next sample (``key``); it is kept only from ordinal ``start`` on."""
-        if self.key is not None:  # count_members, inline: this runs once per sample
-            if self.members > 2:
-                self.multi = True
-            elif self.multi is None:
-                self.multi = False
-        self.members = 1
+        """Start the next sample (``key``), after ``count_members``; it is kept only from ordinal ``start`` on."""
         self.ordinal += 1
         self.key = key
         self.damaged_key = None
@@ -586,8 +580,8 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
         key = match.group(1)
         g.members += 1
         if key != g.key:  # the first member of the next sample: the one in progress is complete
+            g.count_members()
             if key == g.damaged_key:
-                g.count_members()
                 _skip_member(reader, name, size, header_offset, key)
                 continue
             if g.current is not None:
