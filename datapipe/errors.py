@@ -7,6 +7,7 @@ place, what was skipped and the last few errors, so no loss goes unreported.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Union
 
@@ -38,8 +39,8 @@ def skip(err: BaseException) -> None:
     """Handler ``"skip"``: drop the bad sample (counted by the policy)."""
 
 
-def warn(err: BaseException) -> None:
-    """Handler ``"warn"``: drop the bad sample and log a warning."""
+def warn(err: BaseException, *, log: logging.Logger = log) -> None:
+    """Handler ``"warn"``: drop the bad sample and log a warning (on ``log``, ``datapipe`` by default)."""
     log.warning("skipped: %s", err)
 
 
@@ -55,15 +56,26 @@ def check_on_error(on_error: OnError) -> OnError:
                      f"got {on_error!r}")
 
 
-class ErrorPolicy:
-    """Applies an ``on_error`` handler and counts what it let through: ``errors``, ``skipped``, ``last_errors``."""
+def remember(last_errors: list[str], err: BaseException) -> list[str]:
+    """``last_errors`` with ``err``'s message added, keeping the last ``LAST_ERRORS``."""
+    return (last_errors + [str(err)])[-LAST_ERRORS:]
 
-    def __init__(self, on_error: OnError = "raise"):
+
+class ErrorPolicy:
+    """Applies an ``on_error`` handler and counts what it let through: ``errors``, ``skipped``, ``last_errors``.
+
+    ``log``: the logger the ``"warn"`` handler writes to (the caller's own, so its name says who skipped).
+    """
+
+    def __init__(self, on_error: OnError = "raise", *, log: logging.Logger | None = None):
         self.on_error = check_on_error(on_error)
         self.handler = HANDLERS[on_error] if isinstance(on_error, str) else on_error
+        if self.handler is warn and log is not None:
+            self.handler = functools.partial(warn, log=log)
         self.errors = 0
         self.skipped = 0
         self.last_errors: list[str] = []
+        self.stopped: BaseException | None = None  # what the handler raised last: stop, never handle it again
 
     @property
     def raises(self) -> bool:
@@ -72,14 +84,22 @@ class ErrorPolicy:
 
     def __call__(self, err: BaseException, *, lost: int = 1) -> None:
         """Hand ``err`` to the handler; if it returns, count ``lost`` samples as skipped."""
-        self.handler(err)
+        try:
+            self.handler(err)
+        except BaseException as stop:
+            self.stopped = stop
+            raise
         self.note(err, lost=lost)
+
+    def __getstate__(self):
+        return {**self.__dict__, "stopped": None}  # a live exception (and its traceback) stays in its process
 
     def note(self, err: BaseException, *, lost: int = 0) -> None:
         """Count an error that was already handled (``lost`` samples dropped because of it)."""
         self.errors += 1
         self.skipped += lost
-        self.last_errors = (self.last_errors + [str(err)])[-LAST_ERRORS:]
+        self.last_errors = remember(self.last_errors, err)
 
     def stats(self) -> dict:
+        """``{"errors", "skipped", "last_errors"}`` (a copy)."""
         return {"errors": self.errors, "skipped": self.skipped, "last_errors": list(self.last_errors)}

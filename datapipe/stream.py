@@ -11,7 +11,7 @@ import torch.utils.data
 
 from datapipe.storage.cache import ShardCache
 from datapipe.tar.counts import _map, load_counts, stamp, store_counts
-from datapipe.errors import DataError
+from datapipe.errors import DataError, ErrorPolicy, OnError, check_on_error
 from datapipe.tar.manifest import read_manifest
 from datapipe.order import elastic
 from datapipe.order.plan import WorkerPlan, samples_per_rank, shard_order, worker_plan
@@ -22,8 +22,6 @@ from datapipe.storage.urls import expand_urls, is_local, redact_url
 
 log = logging.getLogger("datapipe.stream")
 
-ON_ERROR = ("raise", "skip", "warn")
-
 
 class _Lost:
     """A sample position that could not be read (kept so the shuffle buffer stays replayable)."""
@@ -32,6 +30,16 @@ class _Lost:
 
 
 LOST = _Lost()
+
+
+class _Cursor:
+    """Where the read of a segment stands: the next sample ordinal expected, the key of the last one seen."""
+
+    __slots__ = ("expected", "last_key")
+
+    def __init__(self, expected: int):
+        self.expected = expected
+        self.last_key: str | None = None
 
 
 def _check_types(**args: tuple[Any, type | tuple[type, ...]]) -> None:
@@ -69,8 +77,10 @@ class ShardStream(torch.utils.data.IterableDataset):
     ``on_error``: ``"raise"`` raises ``DataError`` naming the shard and key (and the byte, for tar
     damage: any cut, a partial header, a file that is not a tar); ``"skip"`` drops the bad sample (or
     the unreadable rest of a shard, after every complete sample before it) and counts it in
-    ``stats()``; ``"warn"`` also logs. With ``world_size > 1`` a lost sample is replaced by a repeat
-    of one this worker delivered (counted in ``stats()["padded"]``), so ranks stay equal.
+    ``stats()``; ``"warn"`` also logs; a callable (webdataset's handler model) gets the ``DataError``
+    and raises to stop or returns to skip, counted like ``"skip"``. With ``world_size > 1`` a lost
+    sample is replaced by a repeat of one this worker delivered (counted in ``stats()["padded"]``),
+    so ranks stay equal.
 
     Remote reads retry transient failures ``retries`` times in a row with exponential backoff from
     ``backoff`` seconds, resuming at the byte they had reached (no sample twice); every remote wait
@@ -89,7 +99,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         shuffle_buffer: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
-        on_error: str = "raise",
+        on_error: OnError = "raise",
         storage_options: dict | None = None,
         counts: dict[str, int] | list[int] | None = None,
         retries: int = 5,
@@ -102,13 +112,15 @@ class ShardStream(torch.utils.data.IterableDataset):
     ):
         _check_types(shuffle=(shuffle, bool), seed=(seed, Integral), shuffle_buffer=(shuffle_buffer, Integral),
                      rank=(rank, (Integral, type(None))), world_size=(world_size, (Integral, type(None))),
-                     on_error=(on_error, str), storage_options=(storage_options, (dict, type(None))),
+                     storage_options=(storage_options, (dict, type(None))),
                      counts=(counts, (dict, list, tuple, type(None))), retries=(retries, Integral),
                      allow_pipe=(allow_pipe, bool), cache_dir=(cache_dir, (str, os.PathLike, type(None))),
                      cache_limit=(cache_limit, (Integral, type(None))), zero_copy=(zero_copy, bool),
                      timeout=(timeout, (Real, type(None))), backoff=(backoff, Real))
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if not (isinstance(on_error, str) or callable(on_error)):
+            raise TypeError(f"on_error must be a handler name or a callable, got {type(on_error).__name__} "
+                            f"{on_error!r}")
+        check_on_error(on_error)
         if shuffle_buffer < 0:
             raise ValueError("shuffle_buffer must be >= 0 (0 disables the sample shuffle buffer)")
         if (rank is None) != (world_size is None):
@@ -147,9 +159,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._total: int | None = None
         self._positions: dict[int, dict[str, Any]] = {}
         self._num_workers = 0
-        self._stats = {"samples": 0, "skipped": 0, "errors": 0, "padded": 0, "retries": 0, "shards_opened": 0,
-                       "bytes_read": 0, "cache_hits": 0}
-        self._last_errors: list[str] = []
+        self._stats = {"samples": 0, "padded": 0, "retries": 0, "shards_opened": 0, "bytes_read": 0, "cache_hits": 0}
+        self._errors = ErrorPolicy(on_error, log=log)  # counts errors, skipped, last_errors
 
     # ---- counts -------------------------------------------------------------------------------
     def _given_counts(self, counts) -> list[int] | None:
@@ -231,9 +242,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         try:
             f, seekable, tee = self._open(url)
         except DataError as e:
-            if self.on_error == "raise":
-                raise
-            self._note_error(e)
+            self._errors(e, lost=0)
             return 0, None, None
         try:
             n, err = count_until_damage(reader_for(f, seekable=seekable))
@@ -248,10 +257,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         return n, damage, version
 
     def _damaged(self, url: str, damage: str) -> None:
-        if self.on_error == "raise":
-            raise DataError(damage, url=redact_url(url))
+        self._errors(DataError(damage, url=redact_url(url)), lost=0)
         self._damage[url] = damage
-        self._note_error(DataError(damage, url=redact_url(url)))
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch."""
@@ -330,7 +337,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
         ``resumed_from``: the shape (``world_size``, ``num_workers``) of the last state loaded, or None.
         """
-        return {**self._stats, "last_errors": list(self._last_errors), "resumed_from": self._loaded_shape}
+        return {**self._stats, **self._errors.stats(), "resumed_from": self._loaded_shape}
 
     # ---- iteration ----------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
@@ -462,13 +469,12 @@ class ShardStream(torch.utils.data.IterableDataset):
             pos += n
 
     def _read_segment(self, shard: int, start: int, stop: int) -> Iterator[Any]:
-        """Exactly ``stop - start`` items: samples, or LOST for those that could not be read."""
+        """Exactly ``stop - start`` items: samples, or LOST for those that could not be read.
+
+        Open the shard, walk its samples (``_walk_segment``), close it, then lose what it lacked. Every
+        error goes to the ``on_error`` policy: one it lets through loses the rest of the segment.
+        """
         url = self.urls[shard]
-        expected = start
-        last_key = None
-        resync = self.on_error != "raise"
-        damage = self._damage.get(url)
-        at_end = stop == self.counts[shard] and damage is None  # then look one past: a longer shard is reported
         try:
             f, seekable, tee = self._open(url)
         except DataError as e:
@@ -476,59 +482,72 @@ class ShardStream(torch.utils.data.IterableDataset):
             return
         self._stats["shards_opened"] += 1
         reader = reader_for(f, seekable=seekable)
+        cursor = _Cursor(start)
+        damaged = url in self._damage
         try:
-            for event in iter_samples(reader, url, start=start, stop=stop + 1 if at_end else stop, resync=resync,
+            yield from self._walk_segment(reader, shard, start, stop, cursor, look_past=not damaged)
+            if tee is not None and not damaged:
+                tee.finish()
+        except TarFormatError as e:
+            err = self._error(f"unreadable tar data at byte {e.offset}: {e}", url, e.key or cursor.last_key)
+            err.__cause__ = e
+            yield from self._lose(err, stop - cursor.expected)
+            cursor.expected = stop
+        except DataError as e:
+            if e is self._errors.stopped:
+                raise  # the policy's handler stopped the walk: not an error to handle again
+            yield from self._lose(e, stop - cursor.expected)
+            cursor.expected = stop
+        finally:
+            self._close(f, reader)
+        if cursor.expected < stop:
+            yield from self._lose(self._error(f"shard ends at byte {reader.offset} after {cursor.expected} samples, "
+                                              f"{stop} expected (truncated, or the manifest is wrong)",
+                                              url, cursor.last_key), stop - cursor.expected)
+
+    def _walk_segment(self, reader, shard: int, start: int, stop: int, cursor: "_Cursor", *,
+                      look_past: bool) -> Iterator[Any]:
+        """The shard's samples ``start <= i < stop`` as the tar reader finds them, LOST for the bad and
+        the missing ones; ``cursor`` is left at the next ordinal expected (also when an error stops the
+        walk). ``look_past``: at the shard's end, read one sample further so that a shard longer than
+        its count is reported."""
+        url = self.urls[shard]
+        past = stop + 1 if look_past and stop == self.counts[shard] else stop
+        expected, last_key = start, None  # the cursor, kept in locals on this hot path
+        try:
+            for event in iter_samples(reader, url, start=start, stop=past, resync=not self._errors.raises,
                                       zero_copy=self.zero_copy):
-                if event.ordinal is None:
-                    self._note_error(DataError(f"damaged tar data skipped: {event.error}", url=redact_url(url),
-                                               key=last_key))
+                ordinal = event.ordinal
+                if ordinal is None:  # damage not tied to a position: the count at the end tells what it cost
+                    self._errors(self._error(f"damaged tar data skipped: {event.error}", url, last_key), lost=0)
                     continue
-                if event.ordinal >= stop:
-                    err = DataError(f"shard holds more than the {self.counts[shard]} samples its manifest lists",
-                                    url=redact_url(url), key=event.key)
-                    if not resync:
-                        raise err
-                    self._note_error(err)
+                if ordinal >= stop:
+                    self._errors(self._error(f"shard holds more than the {self.counts[shard]} samples its "
+                                             "manifest lists", url, event.key), lost=0)
                     break
-                if event.ordinal > expected:
-                    gap = event.ordinal - expected
-                    yield from self._lose(DataError("samples missing before this one", url=redact_url(url),
-                                                    key=event.key), gap)
-                    expected = event.ordinal
+                if ordinal > expected:
+                    yield from self._lose(self._error("samples missing before this one", url, event.key),
+                                          ordinal - expected)
+                    expected = ordinal
                 last_key = event.key
                 expected += 1
                 if event.sample is None:
-                    err = DataError(f"bad sample: {event.error}", url=redact_url(url), key=event.key)
-                    if not resync:
-                        raise err
-                    yield from self._lose(err, 1)
+                    yield from self._lose(self._error(f"bad sample: {event.error}", url, event.key), 1)
                     continue
                 yield event.sample
-            if tee is not None and damage is None:
-                tee.finish()
-        except TarFormatError as e:
-            err = DataError(f"unreadable tar data at byte {e.offset}: {e}", url=redact_url(url), key=e.key or last_key)
-            if not resync:
-                raise err from e
-            yield from self._lose(err, stop - expected)
-            expected = stop
-        except DataError as e:
-            if not resync:
-                raise
-            yield from self._lose(e, stop - expected)
-            expected = stop
         finally:
-            self._stats["bytes_read"] += reader.offset
-            self._stats["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
-            if hasattr(reader, "close"):
-                reader.close()
-            f.close()
-        if expected < stop:
-            err = DataError(f"shard ends at byte {reader.offset} after {expected} samples, {stop} expected "
-                            "(truncated, or the manifest is wrong)", url=redact_url(url), key=last_key)
-            if not resync:
-                raise err
-            yield from self._lose(err, stop - expected)
+            cursor.expected, cursor.last_key = expected, last_key
+
+    def _error(self, message: str, url: str, key: str | None) -> DataError:
+        return DataError(message, url=redact_url(url), key=key)
+
+    def _close(self, f, reader) -> None:
+        """Close a shard, counting the bytes it gave and the retries its reads took."""
+        self._stats["bytes_read"] += reader.offset
+        self._stats["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
+        if hasattr(reader, "close"):
+            reader.close()
+        f.close()
 
     def _open(self, url: str):
         """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""
@@ -545,15 +564,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return f, seekable, (raw if hasattr(raw, "finish") else None)
 
     def _lose(self, err: DataError, n: int) -> Iterator[Any]:
-        if self.on_error == "raise":
-            raise err
-        self._note_error(err)
-        self._stats["skipped"] += n
+        """``n`` LOST positions because of ``err`` (after the policy let it through, counting them)."""
+        self._errors(err, lost=n)
         for _ in range(n):
             yield LOST
-
-    def _note_error(self, err: DataError) -> None:
-        self._stats["errors"] += 1
-        self._last_errors = (self._last_errors + [str(err)])[-10:]
-        if self.on_error == "warn":
-            log.warning("skipped: %s", err)

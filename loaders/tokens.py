@@ -9,8 +9,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from datapipe.errors import DataError
+from datapipe.errors import DataError, ErrorPolicy, OnError
 from datapipe.device.prefetch import DevicePrefetcher
+from datapipe.order.seeds import derive_seed
 from datapipe.stream import ShardStream
 
 log = logging.getLogger("datapipe.tokens")
@@ -44,6 +45,8 @@ class TokenLoader:
     out, so every rank yields the same number of batches; the few batches a rank drops at the end
     of the epoch are counted in ``stats()``.
     ``state_dict()`` is exact for the batches handed out, not the ones prefetched.
+    ``on_error`` (a handler name or a callable, as for ``ShardStream``) also rules bad documents.
+    ``seed`` orders the stream; the dynamic batcher shuffles with ``derive_seed(seed, 0, "token_budget")``.
     """
 
     def __init__(self, urls: str | list[str], *, seq_len: int, batch_size: int, device=None,
@@ -51,7 +54,7 @@ class TokenLoader:
                  token_key: str = "npy", token_dtype: str = "int32", text_key: str = "txt",
                  tokenizer: Callable[[str], Any] | None = None, shuffle: bool = True, seed: int = 0,
                  shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
-                 on_error: str = "raise", buffer_size: int = 2048, overflow: str = "split",
+                 on_error: OnError = "raise", buffer_size: int = 2048, overflow: str = "split",
                  eos_id: int | None = None, bos_id: int | None = None, pad_id: int = 0, algorithm: str = "bfd",
                  prefetch_depth: int = 2, sync_ranks: bool = True, stream_options: dict | None = None):
         if batching not in BATCHING:
@@ -69,6 +72,7 @@ class TokenLoader:
         self.text_key = text_key
         self.tokenizer = tokenizer
         self.on_error = on_error
+        self._errors = ErrorPolicy(on_error, log=log)  # bad documents (the stream counts its own)
         self.prefetch_depth = prefetch_depth
         self.sync_ranks = sync_ranks
         if batching == "packed":
@@ -81,10 +85,10 @@ class TokenLoader:
 
             self.batcher = TokenBudgetBatcher(max_tokens or seq_len * batch_size, buffer_size=buffer_size,
                                               max_batch_size=batch_size, pad_to_multiple_of=pad_to_multiple_of,
-                                              seed=seed, pad_id=pad_id)
+                                              seed=derive_seed(seed, 0, "token_budget"), pad_id=pad_id)
         self._delivered: dict[str, Any] | None = None  # snapshot after the last batch handed out
         self._resume: dict[str, Any] | None = None
-        self._stats = {"batches": 0, "tokens": 0, "bad_documents": 0, "dropped_tail_batches": 0,
+        self._stats = {"batches": 0, "tokens": 0, "dropped_tail_batches": 0,
                        "wait_s": 0.0, "elapsed_s": 0.0}
         self._group = None
 
@@ -104,11 +108,8 @@ class TokenLoader:
             return ids
         except Exception as e:
             err = DataError(f"bad document: {type(e).__name__}: {e}", url=sample.get("__url__"), key=sample.get("__key__"))
-            if self.on_error == "raise":
-                raise err from e
-            self._stats["bad_documents"] += 1
-            if self.on_error == "warn":
-                log.warning("skipped: %s", err)
+            err.__cause__ = e
+            self._errors(err)
             return None
 
     def _documents(self) -> Iterator[np.ndarray]:
@@ -251,6 +252,7 @@ class TokenLoader:
     def stats(self) -> dict:
         """Batches, tokens (real), tokens/s, consumer wait, plus the batcher's own counters (efficiency...)."""
         s = dict(self._stats)
+        s["bad_documents"] = self._errors.skipped
         s["tokens_per_s"] = s["tokens"] / s["elapsed_s"] if s["elapsed_s"] else 0.0
         s["wait_fraction"] = s["wait_s"] / s["elapsed_s"] if s["elapsed_s"] else 0.0
         s.update(self.batcher.stats())

@@ -428,7 +428,7 @@ def _resync(reader) -> bool:
         reader.advance(BLOCK)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleEvent:
     """One sample position of a shard: the sample, or None where it was damaged (``error`` says why).
 
@@ -468,6 +468,85 @@ def _damage_owner(err: TarFormatError, next_name: str | None, key_now: str | Non
     return guess, False
 
 
+class _Grouping:
+    """Where ``iter_samples`` stands in a shard: the sample being assembled, and what damage left behind."""
+
+    __slots__ = ("url", "start", "stop", "ordinal", "key", "current", "damaged_key", "damage_next", "members",
+                 "multi")
+
+    def __init__(self, url: str, start: int, stop: int | None):
+        self.url, self.start, self.stop = url, start, stop
+        self.ordinal = -1         # ordinal of the sample being assembled
+        self.key = None           # its key (None after damage)
+        self.current = None       # its dict, or None when it lies before ``start`` or was damaged
+        self.damaged_key = None   # a damaged sample's key: its further members are skipped
+        self.damage_next = False  # damage without a legible name: the next sample may have lost members too
+        self.members = 0          # members of the sample being assembled, plus the one being looked at
+        self.multi = None         # whether samples of this shard have several members (None: not known yet)
+
+    def in_range(self, i: int) -> bool:
+        return i >= self.start and (self.stop is None or i < self.stop)
+
+    def whole(self) -> SampleEvent:
+        """The event of the sample being assembled, once it is known to be complete."""
+        return SampleEvent(self.ordinal, self.key, self.current)
+
+    def drop(self, damaged_key: str | None = None) -> None:
+        """Give up the sample being assembled; members of ``damaged_key`` that follow are skipped."""
+        self.current, self.key, self.damaged_key = None, None, damaged_key
+
+    def damage(self, err: TarFormatError, next_name: str | None) -> list[SampleEvent]:
+        """Events for a damaged header that the reader resynchronised past (``next_name``: the member after it)."""
+        events = []
+        guess, whole = _damage_owner(err, next_name, self.key, self.multi)
+        if whole and self.current is not None:
+            # a damaged pax / long-name header belongs to the next member: the current sample is whole
+            events.append(self.whole())
+            self.current, self.key = None, None
+        if guess is not None and guess != self.key:
+            # the damaged header starts a new sample: the one in progress is complete
+            if self.current is not None:
+                events.append(self.whole())
+            self.ordinal += 1
+            self.key = guess
+        if self.key is not None:
+            if self.in_range(self.ordinal):
+                events.append(SampleEvent(self.ordinal, self.key, None, err))
+            self.damaged_key = self.key
+        else:
+            events.append(SampleEvent(None, None, None, err))
+        # without a legible name, the sample after the damage may have lost members too
+        self.damage_next = guess is None
+        self.current, self.key = None, None
+        return events
+
+    def count_members(self) -> None:
+        """A new key begins: learn from the sample just ended whether samples here have several members."""
+        if self.key is not None:
+            if self.members > 2:
+                self.multi = True
+            elif self.multi is None:
+                self.multi = False
+        self.members = 1
+
+    def begin(self, key: str) -> None:
+        """Start the next sample (``key``), after ``count_members``; it is kept only from ordinal ``start`` on."""
+        self.ordinal += 1
+        self.key = key
+        self.damaged_key = None
+        self.current = {"__key__": key, "__url__": self.url} if self.ordinal >= self.start else None
+
+    def lost_after_damage(self, key: str, header_offset: int) -> SampleEvent | None:
+        """The sample just begun follows illegible damage: count it as damaged (its event, if in range)."""
+        self.damage_next = False
+        event = None
+        if self.in_range(self.ordinal):
+            event = SampleEvent(self.ordinal, key, None,
+                                TarFormatError("sample follows unreadable tar data", header_offset, key))
+        self.drop(damaged_key=key)
+        return event
+
+
 def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
                  resync: bool = False, zero_copy: bool = False) -> Iterator[SampleEvent]:
     """Group tar members into webdataset samples, for sample ordinals ``start <= i < stop``.
@@ -477,50 +556,20 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
     parsing goes on at the next valid header; without it, ``TarFormatError`` propagates.
     ``zero_copy`` makes values memoryviews into the mapped file, where the reader allows it.
     """
-    ordinal = -1
-    key_now = None        # key of the sample being assembled (None after damage)
-    current = None        # its dict, or None when it lies before ``start``
-    damaged_key = None
-    damage_next = False
-    members = 0           # members of the sample in progress, plus the one being looked at
-    multi = None          # whether samples of this shard have several members (None: not known yet)
+    g = _Grouping(url, start, stop)
     errors: list[TarFormatError] = []
     read_data = reader.read_view if zero_copy and hasattr(reader, "read_view") else reader.read
     key_ext = _KEY_EXT.match
-
-    def in_range(i: int) -> bool:
-        return i >= start and (stop is None or i < stop)
-
     while True:
         try:
             m = next_member(reader, resync=resync, on_error=errors.append)
         except TarTruncated as e:
-            if e.complete and current is not None:  # cut inside the end-of-archive blocks: the last sample is whole
-                yield SampleEvent(ordinal, key_now, current)
+            if e.complete and g.current is not None:  # cut inside the end-of-archive blocks: the last sample is whole
+                yield g.whole()
             raise
-        if errors:
-            err = errors[-1]
+        if errors:  # the reader resynchronised past damage: settle which sample it hit
+            yield from g.damage(errors[-1], m[0] if m is not None else None)
             errors.clear()
-            guess, whole = _damage_owner(err, m[0] if m is not None else None, key_now, multi)
-            if whole and current is not None:
-                # a damaged pax / long-name header belongs to the next member: the current sample is whole
-                yield SampleEvent(ordinal, key_now, current)
-                current, key_now = None, None
-            if guess is not None and guess != key_now:
-                # the damaged header starts a new sample: the one in progress is complete
-                if current is not None:
-                    yield SampleEvent(ordinal, key_now, current)
-                ordinal += 1
-                key_now = guess
-            if key_now is not None:
-                if in_range(ordinal):
-                    yield SampleEvent(ordinal, key_now, None, err)
-                damaged_key = key_now
-            else:
-                yield SampleEvent(None, None, None, err)
-            # without a legible name, the sample after the damage may have lost members too
-            damage_next = guess is None
-            current, key_now = None, None
         if m is None:
             break
         name, size, header_offset = m
@@ -529,33 +578,24 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
             _skip_member(reader, name, size, header_offset)
             continue
         key = match.group(1)
-        members += 1
-        if key != key_now:
-            if key_now is not None:
-                if members > 2:
-                    multi = True
-                elif multi is None:
-                    multi = False
-            members = 1
-            if key == damaged_key:
+        g.members += 1
+        if key != g.key:  # the first member of the next sample: the one in progress is complete
+            g.count_members()
+            if key == g.damaged_key:
                 _skip_member(reader, name, size, header_offset, key)
                 continue
-            if current is not None:
-                yield SampleEvent(ordinal, key_now, current)
-            ordinal += 1
-            key_now = key
-            damaged_key = None
-            if stop is not None and ordinal >= stop:
+            if g.current is not None:
+                yield SampleEvent(g.ordinal, g.key, g.current)
+            g.begin(key)
+            if stop is not None and g.ordinal >= stop:
                 return
-            current = {"__key__": key, "__url__": url} if ordinal >= start else None
-            if damage_next:
-                damage_next = False
-                if in_range(ordinal):
-                    yield SampleEvent(ordinal, key, None,
-                                      TarFormatError("sample follows unreadable tar data", header_offset, key))
-                current, damaged_key, key_now = None, key, None
+            if g.damage_next:
+                event = g.lost_after_damage(key, header_offset)
+                if event is not None:
+                    yield event
                 _skip_member(reader, name, size, header_offset, key)
                 continue
+        current = g.current
         if current is None:
             _skip_member(reader, name, size, header_offset, key)
             continue
@@ -567,13 +607,13 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
         if pad and not reader.skip(pad):
             raise TarTruncated(f"tar stream ends inside the padding of member {name!r}", header_offset, key)
         if ext in current:
-            yield SampleEvent(ordinal, key, None,
+            yield SampleEvent(g.ordinal, key, None,
                               TarFormatError(f"duplicate file name {name!r} in sample", header_offset, key))
-            current, damaged_key, key_now = None, key, None
+            g.drop(damaged_key=key)
             continue
         current[ext] = data
-    if current is not None:
-        yield SampleEvent(ordinal, key_now, current)
+    if g.current is not None:
+        yield g.whole()
 
 
 def count_samples(reader) -> int:

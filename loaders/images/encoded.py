@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from datapipe.errors import DataError
+from datapipe.errors import DataError, ErrorPolicy, OnError, remember
 
 log = logging.getLogger("loaders.images")
 
@@ -72,11 +72,12 @@ def iter_raw_batches(
     image_exts: Sequence[str],
     label_key: str,
     label_decoder: Callable[[bytes], int],
-    on_error: str,
-    stats: dict,
+    on_error: OnError | ErrorPolicy,
+    stats: dict | None = None,
     state_fn: Callable[[], dict] | None = None,
 ) -> Iterator[RawBatch]:
-    """Group samples into batches of encoded images + int labels; bad samples raise or are skipped per ``on_error``."""
+    """Group samples into batches of encoded images + int labels; bad samples go to ``on_error``
+    (see ``handle_bad``: an ``ErrorPolicy`` counts them, else ``stats`` does)."""
     batch = RawBatch()
     for sample in samples:
         key, url = sample.get("__key__"), sample.get("__url__")
@@ -110,13 +111,20 @@ def iter_raw_batches(
         yield batch
 
 
-def handle_bad(err: DataError, on_error: str, stats: dict) -> None:
-    if on_error == "raise":
-        raise err
+def handle_bad(err: DataError, on_error: OnError | ErrorPolicy, stats: dict | None = None) -> None:
+    """A bad sample: ``on_error`` raises (stop) or lets it through, counted as one skipped.
+
+    ``on_error``: an :class:`~datapipe.errors.ErrorPolicy`, which counts it; or a handler name / callable,
+    with ``stats`` (a dict with ``"skipped"`` and ``"last_errors"``) counting it.
+    """
+    if isinstance(on_error, ErrorPolicy):
+        on_error(err)
+        return
+    if stats is None:
+        raise TypeError("handle_bad: give an ErrorPolicy as on_error, or a stats dict to count in")
+    ErrorPolicy(on_error, log=log).handler(err)
     stats["skipped"] += 1
-    stats["last_errors"] = (stats["last_errors"] + [str(err)])[-10:]
-    if on_error == "warn":
-        log.warning("skipped: %s", err)
+    stats["last_errors"] = remember(stats["last_errors"], err)
 
 
 def keep(item):
@@ -144,11 +152,10 @@ class EncodedBatches(torch.utils.data.IterableDataset):
         self.stream.load_state_dict(state)
 
     def __iter__(self):
-        stats = {"skipped": 0, "last_errors": []}
+        policy = ErrorPolicy(self.batching.get("on_error", "raise"), log=log)
         reported = 0
-        for raw in iter_raw_batches(iter(self.stream), stats=stats, **self.batching):
-            stats["skipped"] += self.stream.stats()["skipped"] - stats.get("stream_skipped", 0)
-            stats["stream_skipped"] = self.stream.stats()["skipped"]
+        for raw in iter_raw_batches(iter(self.stream), **{**self.batching, "on_error": policy}):
+            skipped = policy.skipped + self.stream.stats()["skipped"]  # bad images + what the stream lost
             sizes = [len(a) for a in raw.arrays]
             offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
             np.cumsum(sizes, out=offsets[1:])
@@ -156,7 +163,7 @@ class EncodedBatches(torch.utils.data.IterableDataset):
             view = data.numpy()
             for a, start, end in zip(raw.arrays, offsets[:-1], offsets[1:]):
                 view[start:end] = a
-            errors = stats["last_errors"][-(stats["skipped"] - reported):] if stats["skipped"] > reported else []
+            errors = policy.last_errors[-(skipped - reported):] if skipped > reported else []
             yield {"data": data, "offsets": torch.from_numpy(offsets), "labels": torch.tensor(raw.labels),
-                   "keys": raw.keys, "urls": raw.urls, "skipped": stats["skipped"] - reported, "errors": errors}
-            reported = stats["skipped"]
+                   "keys": raw.keys, "urls": raw.urls, "skipped": skipped - reported, "errors": errors}
+            reported = skipped

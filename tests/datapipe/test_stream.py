@@ -229,6 +229,31 @@ def test_bad_header_raise_skip_warn(tmp_path, caplog):
     assert "skipped" in caplog.text and bad_key in caplog.text
 
 
+def test_callable_on_error_handler_sees_each_error_once(tmp_path):
+    urls, samples = write_shards(tmp_path / "bad", [6, 4])
+    name, offset = _member_offsets(urls[0])[4]
+    _corrupt(urls[0], offset + 108, b"\xff\xfe garbage")
+    seen = []
+    handled = ShardStream(urls, on_error=seen.append)  # returns: skip, like "skip"
+    skip = ShardStream(urls, on_error="skip")
+    assert keys(handled) == keys(skip)
+    assert handled.stats()["skipped"] == skip.stats()["skipped"] == 1
+    assert len(seen) == handled.stats()["errors"] >= 1 and all(isinstance(e, DataError) for e in seen)
+    assert name.split(".")[0] in str(seen[0])
+
+    calls = []
+
+    def stop(err):  # raises: the run stops, and the error is not handed to it a second time
+        calls.append(err)
+        raise err
+
+    with pytest.raises(DataError, match="bad sample"):
+        list(ShardStream(urls, on_error=stop))
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match="on_error"):
+        ShardStream(urls, on_error=3)
+
+
 def test_illegible_header_drops_its_neighbours_and_counts_them(tmp_path):
     urls, samples = write_shards(tmp_path / "bad", [6])
     name, offset = _member_offsets(urls[0])[5]  # second member of sample 2, name destroyed

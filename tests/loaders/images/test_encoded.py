@@ -1,6 +1,9 @@
 import numpy as np
+import pytest
 
-from loaders.images.encoded import iter_raw_batches, looks_like_image, parse_ascii_ints
+from datapipe import DataError
+from datapipe.errors import ErrorPolicy
+from loaders.images.encoded import EncodedBatches, handle_bad, iter_raw_batches, looks_like_image, parse_ascii_ints
 
 
 def test_parse_ascii_ints_fast_path_and_its_refusals():
@@ -20,3 +23,54 @@ def test_raw_batches_skip_and_count_what_is_not_an_image():
     assert [b.labels for b in batches] == [[0, 1], [3, 4]]
     assert stats["skipped"] == 1 and "not an image" in stats["last_errors"][0]
     assert looks_like_image(jpeg) and not looks_like_image(b"short")
+
+
+def _samples():
+    jpeg = b"\xff\xd8\xff" + b"\0" * 20
+    samples = [{"__key__": str(i), "__url__": "u", "jpg": jpeg, "cls": str(i).encode()} for i in range(5)]
+    samples[1] = {**samples[1], "cls": b"one"}
+    samples[3] = {k: v for k, v in samples[3].items() if k != "jpg"}
+    return samples
+
+
+def _labels(on_error, **kw):
+    return [b.labels for b in iter_raw_batches(iter(_samples()), batch_size=2, drop_last=False, image_exts=("jpg",),
+                                               label_key="cls", label_decoder=lambda b: int(b), on_error=on_error,
+                                               **kw)]
+
+
+def test_bad_samples_counted_by_the_policy_or_a_callable():
+    policy = ErrorPolicy("skip")
+    assert _labels(policy) == [[0, 2], [4]]
+    assert policy.skipped == 2
+    assert "cannot decode label" in policy.last_errors[0] and "no image" in policy.last_errors[1]
+    seen, stats = [], {"skipped": 0, "last_errors": []}
+    assert _labels(seen.append, stats=stats) == [[0, 2], [4]]  # a callable that returns: skip
+    assert [e.key for e in seen] == ["1", "3"] and stats["skipped"] == 2 and len(stats["last_errors"]) == 2
+    with pytest.raises(DataError, match="cannot decode label"):
+        _labels(ErrorPolicy("raise"))
+    with pytest.raises(DataError, match="cannot decode label"):
+        _labels("raise", stats={"skipped": 0, "last_errors": []})
+    with pytest.raises(TypeError, match="ErrorPolicy"):
+        handle_bad(DataError("x"), "skip")
+
+
+class _Stream:
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+    def stats(self):
+        return {"skipped": 1}  # one sample the stream itself lost
+
+
+def test_encoded_batches_report_new_skips_with_each_batch():
+    ds = EncodedBatches(_Stream(_samples()), batch_size=2, drop_last=False, image_exts=("jpg",), label_key="cls",
+                        label_decoder=lambda b: int(b), on_error="skip")
+    out = list(ds)
+    assert [b["labels"].tolist() for b in out] == [[0, 2], [4]]
+    assert [b["skipped"] for b in out] == [2, 1]  # the stream's loss and label 1, then image 3
+    assert [len(b["errors"]) for b in out] == [1, 1]
+    assert "cannot decode label" in out[0]["errors"][0] and "no image" in out[1]["errors"][0]

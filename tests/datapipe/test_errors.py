@@ -1,0 +1,45 @@
+import logging
+import pickle
+
+import pytest
+
+from datapipe.errors import LAST_ERRORS, DataError, ErrorPolicy, check_on_error
+
+
+def test_named_handlers_count_in_one_place(caplog):
+    skip = ErrorPolicy("skip")
+    for i in range(LAST_ERRORS + 3):
+        skip(DataError(f"bad {i}"), lost=2)
+    assert skip.stats() == {"errors": LAST_ERRORS + 3, "skipped": 2 * (LAST_ERRORS + 3),
+                            "last_errors": [f"bad {i}" for i in range(3, LAST_ERRORS + 3)]}
+    raising = ErrorPolicy("raise")
+    assert raising.raises and not skip.raises
+    with pytest.raises(DataError, match="stop"):
+        raising(DataError("stop"))
+    assert raising.stats()["errors"] == 0 and raising.stopped is not None
+    with caplog.at_level(logging.WARNING):
+        ErrorPolicy("warn", log=logging.getLogger("datapipe.somewhere"))(DataError("odd"))
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [("datapipe.somewhere", "skipped: odd")]
+
+
+def test_callable_handler_and_bad_names():
+    seen = []
+    policy = ErrorPolicy(seen.append)
+    policy(DataError("x"), lost=0)
+    policy.note(DataError("y"), lost=1)  # already handled: counted, the handler is not asked
+    assert [str(e) for e in seen] == ["x"] and policy.stats()["errors"] == 2 and policy.stats()["skipped"] == 1
+    assert not policy.raises
+    with pytest.raises(ValueError, match="on_error"):
+        check_on_error("ignore")
+    with pytest.raises(ValueError, match="on_error"):
+        ErrorPolicy("ignore")
+
+
+def test_policy_pickles_for_worker_processes():
+    policy = ErrorPolicy("warn", log=logging.getLogger("datapipe.stream"))
+    with pytest.raises(DataError):
+        ErrorPolicy("raise")(DataError("z"))
+    policy.stopped = DataError("z")
+    copy = pickle.loads(pickle.dumps(policy))
+    copy(DataError("w"))
+    assert copy.stats()["last_errors"] == ["w"] and copy.stopped is None
