@@ -9,16 +9,17 @@ from typing import Any, Iterator
 
 import torch.utils.data
 
-from datapipe.storage.cache import ShardCache
-from datapipe.tar.counts import _map, load_counts, stamp, store_counts
 from datapipe.errors import DataError, ErrorPolicy, OnError, check_on_error
-from datapipe.tar.manifest import read_manifest
 from datapipe.order import elastic
 from datapipe.order.plan import WorkerPlan, samples_per_rank, shard_order, worker_plan
 from datapipe.order.shuffle import ShuffleBuffer, replay_positions
+from datapipe.state import check_state
+from datapipe.storage.cache import ShardCache
 from datapipe.storage.files import DEFAULT_TIMEOUT, RetryingFile, decompress, open_shard, with_timeouts
-from datapipe.tar.reader import TarFormatError, count_until_damage, iter_samples, reader_for
 from datapipe.storage.urls import expand_urls, is_local, redact_url
+from datapipe.tar.counts import _map, load_counts, stamp, store_counts
+from datapipe.tar.manifest import read_manifest
+from datapipe.tar.reader import TarFormatError, count_until_damage, iter_samples, reader_for
 
 log = logging.getLogger("datapipe.stream")
 
@@ -287,7 +288,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         """
         rank, world = self._rank_world()
         plan = self._epoch_plan if self._epoch_plan is not None and self._epoch_plan["epoch"] == self.epoch else None
-        return {"epoch": self.epoch, "seed": self.seed, "world_size": world, "rank": rank,
+        return {"kind": "ShardStream", "epoch": self.epoch, "seed": self.seed, "world_size": world, "rank": rank,
                 "num_workers": self._num_workers,
                 "workers": {w: dict(p) for w, p in self._positions.items()},
                 "shuffle_buffer": self.shuffle_buffer, "total": self._total,
@@ -316,9 +317,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                                 "first_worker": 0, "workers": {}, "reshape": reshape}
                 return
             state = state["ranks"][rank]
-        for key in ("epoch", "num_workers", "workers"):
-            if key not in state:
-                raise ValueError(f"not a ShardStream state: no {key!r} entry")
+        check_state(state, "ShardStream", keys=("epoch", "num_workers", "workers"))
         if reshape is None and state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}

@@ -9,9 +9,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from datapipe.errors import DataError, ErrorPolicy, OnError
 from datapipe.device.prefetch import DevicePrefetcher
+from datapipe.errors import DataError, ErrorPolicy, OnError
 from datapipe.order.seeds import derive_seed
+from datapipe.state import check_state
 from datapipe.stream import ShardStream
 
 log = logging.getLogger("datapipe.tokens")
@@ -210,7 +211,7 @@ class TokenLoader:
             snap = self._delivered["snapshot"]
             out = {"stream": snap["stream"], "batcher": self.batcher.state_dict(snap["batcher"]),
                    "batches": self._delivered["batches"]}
-        return {**out, "rank": rank, "world_size": world, "epoch": out["stream"]["epoch"]}
+        return {"kind": "TokenLoader", **out, "rank": rank, "world_size": world, "epoch": out["stream"]["epoch"]}
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """Resume after the last batch of ``state``: this rank's own state, or the global state of all ranks.
@@ -232,9 +233,7 @@ class TokenLoader:
                 state = state["ranks"][rank]
             else:
                 state = self._reshape(state, rank, world)
-        for key in ("stream", "batcher"):
-            if key not in state:
-                raise ValueError(f"not a TokenLoader state: no {key!r} entry")
+        check_state(state, "TokenLoader", keys=("stream", "batcher"))
         self._resume = state
 
     def _reshape(self, g: dict, rank: int, world: int) -> dict:

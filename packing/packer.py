@@ -229,6 +229,7 @@ class Packer:
         buf = [p[0] for p in st.buffer]
         ready = [p for row in st.ready for p in row]
         return {
+            "kind": "Packer",
             "seq_len": self.seq_len,
             "documents_consumed": st.consumed,
             "pieces_seen": st.seen,
@@ -253,6 +254,8 @@ class Packer:
         yields first (the source was restarted from the beginning); ``False``: the source is
         already positioned after them.
         """
+        if isinstance(state, dict) and state.get("kind", "Packer") != "Packer":
+            raise ValueError(f"this is a {state['kind']} state, not a Packer state: load it into a {state['kind']}")
         try:
             if int(state["seq_len"]) != self.seq_len:
                 raise ValueError(f"state is for seq_len {state['seq_len']}, this Packer has {self.seq_len}")

@@ -109,3 +109,21 @@ def test_public_names_exist():
         assert callable(getattr(loaders, name))
     for name in ("pack_lengths", "Packer", "TokenBudgetBatcher"):
         assert callable(getattr(packing, name))
+
+
+def test_every_stateful_stage_names_its_kind_and_refuses_another(tmp_path):
+    """The state contract (datapipe/state.py): states say what they are; a foreign one is refused clearly."""
+    import pytest
+
+    from datapipe import ShardStream, mix
+    from packing import Packer
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "d", [4, 4])
+    stream, mixed, packer = ShardStream(urls), mix([ShardStream(urls)], weights=[1.0]), Packer(16, buffer_size=4)
+    for stage, kind in ((stream, "ShardStream"), (mixed, "Mix"), (packer, "Packer")):
+        assert stage.state_dict()["kind"] == kind
+    with pytest.raises(ValueError, match="this is a Mix state, not a ShardStream state"):
+        stream.load_state_dict(mixed.state_dict())
+    with pytest.raises(ValueError, match="not a Packer state"):
+        packer.load_state_dict(stream.state_dict())

@@ -8,6 +8,7 @@ import torch.utils.data
 
 from datapipe.order import elastic
 from datapipe.order.seeds import derive_seed
+from datapipe.state import check_state
 
 STOP = ("first", "all", "restart")
 _MASK = (1 << 64) - 1
@@ -204,8 +205,8 @@ class Mix(torch.utils.data.IterableDataset):
             workers[self._logical] = {**{k: (list(v) if isinstance(v, list) else v) for k, v in p.items()},
                                       "sources": sources}
         rank, world = self._rank_world()
-        return {"epoch": self.epoch, "seed": self.seed, "num_workers": self._num_workers, "workers": workers,
-                "rank": rank, "world_size": world, "generation": self._generation}
+        return {"kind": "Mix", "epoch": self.epoch, "seed": self.seed, "num_workers": self._num_workers,
+                "workers": workers, "rank": rank, "world_size": world, "generation": self._generation}
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Resume: the next iteration yields exactly the rest of the saved epoch.
@@ -222,9 +223,7 @@ class Mix(torch.utils.data.IterableDataset):
             self._loaded_shape = elastic.shape(state)
             self._resume = {"global": state}
             return
-        for key in ("epoch", "num_workers", "workers"):
-            if key not in state:
-                raise ValueError(f"not a mix state: no {key!r} entry")
+        check_state(state, "Mix", keys=("epoch", "num_workers", "workers"))
         self.epoch = int(state["epoch"])
         if state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),

@@ -145,5 +145,5 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="iterator"):
         mix([iter([1])], weights=[1])
     m = mix([[1]], weights=[1])
-    with pytest.raises(ValueError, match="mix state"):
+    with pytest.raises(ValueError, match="not a Mix state"):
         m.load_state_dict({"epoch": 0})
