@@ -1,0 +1,112 @@
+"""The stream of one ``loaders.DataLoader`` pass: torch's batches tagged ``(batch, meta)`` on the producer
+side (the prefetch thread when ``device=`` is set), and the iterator ``iter(loader)`` returns on the
+consumer side, which times the consumer, strips the worker state and counts the pass's progress."""
+from __future__ import annotations
+
+from typing import Any
+
+from loaders.dataloader_progress import Progress, count_samples
+
+__all__ = ["Failed", "EpochSource", "LoaderIterator", "tagged_batches", "shutdown"]
+
+
+class Failed:
+    """A batch whose production raised: travels in place of the batch, re-raised by ``next()``."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def tagged_batches(torch_it, *, protocol: bool):
+    """Torch's batches as ``(batch, meta)`` (``meta``: the worker state with the worker-state
+    protocol, else None); a batch that raises becomes ``(None, Failed)``."""
+    box: list = []  # no local keeps the exception: its traceback holds this frame (a cycle)
+    while True:
+        try:
+            item = next(torch_it)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer, the pass goes on
+            box.append(e)
+        if box:
+            yield None, Failed(box.pop())
+            continue
+        yield item if protocol else (item, None)
+        item = None
+
+
+def shutdown(torch_iter) -> None:
+    """Shut the workers of one of torch's iterators down."""
+    stop = getattr(torch_iter, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
+
+
+class EpochSource:
+    """The iterable a loader's DevicePrefetcher re-iterates: the epoch stream set by the loader."""
+
+    def __init__(self):
+        self.stream = None
+
+    def __iter__(self):
+        stream, self.stream = self.stream, None
+        if stream is None:
+            raise RuntimeError("loaders.DataLoader: epoch stream consumed twice")
+        return stream
+
+
+class LoaderIterator:
+    """What ``iter(loader)`` returns: times the consumer, strips worker state, counts progress."""
+
+    def __init__(self, loader, it, progress: Progress):
+        self._loader = loader
+        self._it = it
+        self._p = progress
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Any:
+        p = self._p
+        if p.finished:
+            raise StopIteration
+        t0 = p.stats.asked()
+        try:
+            batch, meta = next(self._it)
+        except StopIteration:
+            p.stats.over(t0)
+            p.finished = True
+            self._loader._finish_epoch(p)
+            raise
+        except BaseException:  # the stream itself broke (not one batch): the pass is over
+            p.stats.over(t0)
+            p.finished = True
+            self.close()
+            raise
+        p.stats.got(t0)
+        p.batches += 1
+        if isinstance(meta, Failed):  # like torch: this batch raises, the pass goes on
+            # unlink: the prefetch thread may still hold this Failed, and the exception's traceback
+            # holds the consumer's frames (a cycle through a live thread is never collected)
+            exc, meta.exc, meta = meta.exc, None, None
+            try:
+                raise exc
+            finally:
+                exc = None  # no frame <-> traceback cycle: dropping the exception frees the iterator
+        loader = self._loader
+        p.stats.delivered(batch, count_samples(batch, auto_collation=loader._auto_collation,
+                                               batch_size=loader.batch_size))
+        if meta is not None:
+            p.workers.note(meta)
+        return batch
+
+    def close(self) -> None:
+        """Stop prefetching and shut the (non-persistent) workers of this iteration down."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+    def __len__(self) -> int:
+        return len(self._loader)
