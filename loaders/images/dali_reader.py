@@ -122,9 +122,8 @@ class SampleNumbers:
         """The URL-order numbers of the first ``n`` samples of a padded uint8 ``source_info`` batch."""
         rows = np.ascontiguousarray(info[:n])
         keys = rows.view(f"S{rows.shape[1]}").ravel().tolist()  # 'S' drops the zero padding
-        table = self.table
         try:
-            return np.fromiter((table[k] for k in keys), dtype=np.int64, count=n)
+            return np.array(list(map(self.table.__getitem__, keys)), dtype=np.int64)
         except KeyError as e:
             raise DataError(f"DALI read a sample its index files do not list: {e.args[0][:200]!r}") from None
 
