@@ -199,3 +199,51 @@ def remaining(global_state: dict, *, total: int, shuffle_buffer: int) -> tuple[t
     for s in ranks:
         done.extend(delivered(s, total=total, shuffle_buffer=shuffle_buffer))
     return tuple(subtract(base, normalize(done))), gens.pop()
+
+
+# ---- delivered bitmaps (ImageLoader's DALI reader) ---------------------------------------------
+def pack_bitmap(mask) -> bytes:
+    """A per-epoch bool array of delivered global sample numbers, packed 8 per byte (``np.packbits``)."""
+    import numpy as np
+
+    return np.packbits(np.asarray(mask, dtype=bool)).tobytes()
+
+
+def unpack_bitmap(data, total: int):
+    """The bool array of ``pack_bitmap`` bytes over ``total`` samples; a clear ValueError when it does not fit."""
+    import numpy as np
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"the delivered bitmap must be bytes (np.packbits), got {type(data).__name__}")
+    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    if raw.size != (total + 7) // 8:
+        raise ValueError(f"the delivered bitmap holds {raw.size} bytes, an epoch of {total} samples needs "
+                         f"{(total + 7) // 8}: a corrupt state, or one of other shards")
+    mask = np.unpackbits(raw, count=None)[: raw.size * 8].astype(bool)
+    if mask[total:].any():
+        raise ValueError("the delivered bitmap marks samples past the epoch's end: a corrupt state")
+    return mask[:total]
+
+
+def mask_ranges(mask) -> list[tuple[int, int]]:
+    """The sorted ``(start, stop)`` ranges of the True entries of a bool array."""
+    import numpy as np
+
+    m = np.concatenate(([False], np.asarray(mask, dtype=bool), [False])).view(np.int8)
+    edges = np.flatnonzero(np.diff(m))
+    return [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]
+
+
+def planned_state(remaining: Ranges, *, epoch: int, seed: int, world_size: int, total: int,
+                  shuffle_buffer: int, generation: int = 0) -> dict:
+    """A global ShardStream state taken on ``world_size`` ranks whose undelivered samples are ``remaining``.
+
+    Loading it on another shape plans exactly those sample numbers over the new shape (the rule
+    above), at generation ``generation + 1``: how a reader that records deliveries another way
+    (a bitmap) hands its rest of the epoch to ShardStream.
+    """
+    base = pack_ranges(normalize(remaining))
+    ranks = [{"epoch": int(epoch), "seed": int(seed), "world_size": int(world_size), "rank": r, "num_workers": 0,
+              "workers": {}, "shuffle_buffer": int(shuffle_buffer), "total": int(total),
+              "generation": int(generation), "base": base} for r in range(int(world_size))]
+    return {GLOBAL: 1, "world_size": int(world_size), "num_workers": 1, "epoch": int(epoch), "ranks": ranks}

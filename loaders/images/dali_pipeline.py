@@ -48,6 +48,7 @@ def build_image_pipeline(
     pad_labels: bool = False,
     checkpoint: str | None = None,
     antialias: bool = True,
+    source_info: bool = False,
 ):
     """Build (not run) a DALI pipeline whose outputs are ``(images,)`` or, with ``reader``, ``(images, labels)``.
 
@@ -56,7 +57,9 @@ def build_image_pipeline(
     ``reader`` holds ``fn.readers.webdataset`` arguments (``paths``, ``index_paths``, ``ext``,
     ``random_shuffle``, ``initial_fill``, ``shard_id``, ``num_shards``, ...); its second output
     (the raw label bytes; zero-padded to the batch's longest with ``pad_labels``) is returned as
-    the pipeline's second output.
+    the pipeline's second output. ``source_info`` (with ``reader``) adds a third, CPU output: each
+    sample's ``"<tar path>:<data offset>:<member name>"`` (DALI's ``source_info`` property of the
+    image read), zero-padded to one uint8 array per batch.
     """
     from nvidia.dali import fn, types
     from nvidia.dali.pipeline import Pipeline
@@ -84,9 +87,11 @@ def build_image_pipeline(
         )
     out_layout = "CHW" if layout == "NCHW" else "HWC"
     with pipe:
-        labels = None
+        labels = info = None
         if reader is not None:
             jpegs, labels = fn.readers.webdataset(name="Reader", **reader)
+            if source_info:  # which samples a batch holds (the elastic resume's record); CPU only
+                info = fn.pad(fn.get_property(jpegs, key="source_info"), fill_value=0)
         elif source is not None:
             jpegs = fn.external_source(source=source, name="jpegs", batch=True, dtype=types.UINT8,
                                        ndim=1, no_copy=True)
@@ -122,7 +127,7 @@ def build_image_pipeline(
         if labels is not None:
             if pad_labels:  # one dense (batch, longest) uint8 array instead of a ragged batch
                 labels = fn.pad(labels, fill_value=0)
-            pipe.set_outputs(images, labels)
+            pipe.set_outputs(images, labels, *([info] if info is not None else []))
         else:
             pipe.set_outputs(images)
     return pipe

@@ -3,7 +3,16 @@
 DALI reads, shuffles and partitions (contiguous ``samples_per_rank`` slices); resume is a DALI
 pipeline checkpoint (reader positions and random states) plus the batch count of the epoch. The
 reader's part of the loader's state: ``{"stream": the ShardStream's own state (epoch, rank, shape),
-"dali": {"checkpoint", "batch"}}``.
+"dali": {"checkpoint", "batch", "delivered", "samples", "shards"}}``.
+
+Elastic resume: each batch also carries DALI's ``source_info`` of its samples, mapped (one dict
+lookup each) through the index files to global sample numbers of the epoch plan
+(``datapipe.order.plan``: shard order, then sample order); the samples handed out so far form a
+per-epoch bitmap (``"delivered"``, ``np.packbits``). A global state taken on another
+``world_size`` resumes the epoch's complement (the union of the ranks' bitmaps, inverted)
+through ShardStream, planned over the new shape with the stream's rule (equal counts per rank,
+at most ``world_size - 1`` repeats): the rest of that epoch is read by the stream reader (state
+``{"stream", "dali": None, "elastic": True}``); the next epoch is DALI's again.
 """
 from __future__ import annotations
 
@@ -21,8 +30,9 @@ import numpy as np
 import torch
 
 from datapipe.errors import DataError
-from datapipe.order.plan import samples_per_rank
+from datapipe.order.plan import samples_per_rank, shard_order
 from loaders.images.encoded import parse_ascii_ints, parse_label
+from loaders.images.stream_reader import StreamReader
 
 
 def reader_error(error: RuntimeError, paths: list[str], batch: int) -> DataError:
@@ -73,6 +83,59 @@ def index_paths(paths: list[str], index_dir: str | None) -> list[str]:
     return out
 
 
+class SampleNumbers:
+    """DALI's ``source_info`` of a sample -> its number in the URL list's order (shards, then samples).
+
+    Built from the index files DALI reads: one entry per file of each sample, keyed by the bytes
+    ``"<path>:<data offset>:<member name>"`` DALI reports. ``order(urls_order)`` gives, per epoch,
+    the array mapping those numbers to the epoch plan's global numbers.
+    """
+
+    def __init__(self, paths: list[str], index_files: list[str], counts: list[int], shard_of_path: list[int]):
+        self.counts = list(counts)
+        starts = np.concatenate(([0], np.cumsum(self.counts)[:-1])).astype(np.int64)
+        self.table: dict[bytes, int] = {}
+        for path, index_file, shard in zip(paths, index_files, shard_of_path):
+            with open(index_file, encoding="utf-8") as f:
+                lines = f.read().split("\n")
+            samples = [line.split() for line in lines[1:] if line.strip()]
+            if len(samples) != self.counts[shard]:
+                raise ValueError(f"DALI index {index_file} lists {len(samples)} samples, the shard {path} holds "
+                                 f"{self.counts[shard]}: remove the stale index")
+            first = int(starts[shard])
+            for j, fields in enumerate(samples):
+                for k in range(0, len(fields) - 3, 4):  # <ext> <data_offset> <size> <member name>
+                    self.table[f"{path}:{fields[k + 1]}:{fields[k + 3]}".encode()] = first + j
+
+    def to_global(self, order: list[int]) -> np.ndarray:
+        """URL-order number -> the epoch plan's global number, for the epoch's shard ``order``."""
+        out = np.empty(sum(self.counts), dtype=np.int64)
+        pos = 0
+        starts = np.concatenate(([0], np.cumsum(self.counts)[:-1])).astype(np.int64)
+        for shard in order:
+            n = self.counts[shard]
+            out[starts[shard]:starts[shard] + n] = np.arange(pos, pos + n)
+            pos += n
+        return out
+
+    def lookup(self, info: np.ndarray, n: int) -> np.ndarray:
+        """The URL-order numbers of the first ``n`` samples of a padded uint8 ``source_info`` batch."""
+        rows = np.ascontiguousarray(info[:n])
+        keys = rows.view(f"S{rows.shape[1]}").ravel().tolist()  # 'S' drops the zero padding
+        try:
+            return np.array(list(map(self.table.__getitem__, keys)), dtype=np.int64)
+        except KeyError as e:
+            raise DataError(f"DALI read a sample its index files do not list: {e.args[0][:200]!r}") from None
+
+
+def fingerprint(urls: list[str], counts: list[int]) -> str:
+    """Names (basenames) and sample counts of the shards: a state's bitmap only fits these shards."""
+    import posixpath
+
+    text = "|".join(f"{posixpath.basename(u)}:{c}" for u, c in zip(urls, counts))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
 def _checkpoint(pipe, batch: int) -> dict:
     """(Producer thread) the DALI pipeline's state after its last ``outputs()`` (~0.2 ms)."""
     checkpoint = pipe.checkpoint()
@@ -95,22 +158,108 @@ class DaliReader:
         self._resume: dict | None = None  # {"checkpoint", "batch"} to restore on the next iteration
         self._pipe = None
         self._batch = 0  # batches of this epoch made
+        self._numbers: SampleNumbers | None = None  # source_info -> sample numbers (built with the pipeline)
+        self._delivered: np.ndarray | None = None  # this epoch's samples handed out (global numbers), this rank
+        self._rest = StreamReader(loader)  # reads the rest of an epoch resumed on another shape
+        self._rest_next = False  # the next iteration is such a rest (a global state was loaded)
+        self._rest_now = False  # this iteration is one
+
+    @property
+    def delivered(self):
+        """Something handed out since the last load (the loader then reports its own state, not the loaded one)."""
+        return self._rest.delivered if self._rest_now else self.handed_out
 
     # ---- state ------------------------------------------------------------------------------------
     def start(self) -> None:
-        pass
+        self._rest_now, self._rest_next = self._rest_next, False
+        if self._rest_now:
+            self._rest.start()
+            return
+        self._rest._pipe = None  # a rest's pipeline is not needed any more
+        if self._resume is None:
+            self._delivered = None  # a new epoch: nothing handed out
 
     def handed(self, position) -> None:
-        if position is not None:
-            self.handed_out = position
+        if self._rest_now:
+            self._rest.handed(position)
+            return
+        if position is None:
+            return
+        position = dict(position)
+        numbers = position.pop("numbers")
+        last = position.pop("last")
+        if self._delivered is None:
+            self._delivered = np.zeros(sum(self.stream.counts), dtype=bool)
+        if last:
+            self._delivered[:] = True  # the epoch is over on this rank (drop_last's rest included)
+        else:
+            self._delivered[numbers] = True
+        self.handed_out = position
+
+    def _identity(self) -> dict:
+        return {"samples": sum(self.stream.counts), "shards": fingerprint(self.stream.urls, self.stream.counts)}
 
     def state(self) -> dict:
-        return {"stream": self.stream.state_dict(), "dali": self.handed_out}
+        from datapipe.order import elastic
+
+        if self._rest_now or self._rest_next:
+            return {"stream": self._rest.state()["stream"], "dali": None, "elastic": True}
+        dali = None
+        if self.handed_out is not None:
+            dali = {**self.handed_out, **self._identity(),
+                    "delivered": elastic.pack_bitmap(self._delivered) if self._delivered is not None else None}
+        return {"stream": self.stream.state_dict(), "dali": dali}
+
+    def _bitmap(self, dali: dict) -> np.ndarray:
+        """The delivered bitmap of a rank's ``"dali"`` state, checked against these shards."""
+        from datapipe.order import elastic
+
+        mine = self._identity()
+        if dali.get("delivered") is None or "samples" not in dali:
+            raise ValueError("this DALI-reader state records no delivered samples (taken by an older version): "
+                             "resume it on the same world_size")
+        if dali["samples"] != mine["samples"] or dali.get("shards") != mine["shards"]:
+            raise ValueError(f"this DALI-reader state was taken over other shards ({dali['samples']} samples, "
+                             f"shards {dali.get('shards')}; these hold {mine['samples']}, shards {mine['shards']})")
+        return elastic.unpack_bitmap(dali["delivered"], mine["samples"])
 
     def load(self, state: dict) -> None:
-        self._resume = self.handed_out = state["dali"]
+        if state.get("elastic"):  # taken while reading the rest of an elastically resumed epoch
+            self._rest.load(state)
+            self._rest_next, self._resume, self.handed_out, self._delivered = True, None, None, None
+            return
+        self._rest_next = False
+        dali = state["dali"]
+        self._delivered = self._bitmap(dali) if dali is not None and dali.get("delivered") is not None else None
+        self._resume = self.handed_out = None if dali is None else {"checkpoint": dali["checkpoint"],
+                                                                     "batch": dali["batch"]}
         self._pipe = None
         self.stream.load_state_dict(state["stream"])
+
+    def load_merged(self, states: list[dict]) -> None:
+        """The rank states of a global state taken on another world size: the epoch's rest through ShardStream."""
+        from datapipe.order import elastic
+
+        kinds = {bool(r.get("elastic")) for r in states}
+        if kinds == {True}:  # taken during such a rest: ShardStream's own elastic resume
+            self._rest.load_merged(states)
+        elif kinds == {False}:
+            epochs = {int(r["epoch"]) for r in states}
+            if len(epochs) != 1:
+                raise ValueError(f"rank states disagree on the epoch: {sorted(epochs)}")
+            total = sum(self.stream.counts)
+            done = np.zeros(total, dtype=bool)
+            for r in states:
+                if r.get("dali") is not None:
+                    done |= self._bitmap(r["dali"])
+            stream = self.stream
+            g = elastic.planned_state(elastic.mask_ranges(~done), epoch=epochs.pop(), seed=stream.seed,
+                                      world_size=len(states), total=total, shuffle_buffer=stream.shuffle_buffer)
+            self._rest.load_merged([{"stream": s} for s in g["ranks"]])
+        else:
+            raise ValueError("this global state mixes DALI-reader rank states with elastic-rest ones")
+        self._rest_next, self._resume, self.handed_out, self._delivered = True, None, None, None
+        self._pipe = None
 
     # ---- batches ----------------------------------------------------------------------------------
     def _labels(self, labels_tl, n: int) -> list[int]:
@@ -133,23 +282,34 @@ class DaliReader:
         return labels
 
     def produce(self) -> Iterator:
-        """(Producer thread) DALI's webdataset reader -> ``((images, labels), {"checkpoint", "batch"})``."""
+        """(Producer thread) DALI's webdataset reader -> ``((images, labels), position)``.
+
+        ``position``: ``{"checkpoint", "batch"}`` plus the batch's global sample numbers and whether
+        it ends the epoch (taken into the delivered bitmap when handed out). The rest of an epoch
+        resumed on another shape comes from the stream reader instead.
+        """
         from datapipe.storage.urls import local_path
+
+        if self._rest_now:
+            yield from self._rest.produce()
+            return
 
         lo = self.loader
         read = lo.read
         batch_size = lo.batch_size
         paths = [local_path(u) for u in self.stream.urls]
         counts = self.stream.counts
-        paths = [paths[i] for i, c in enumerate(counts) if c > 0]
+        shards = [i for i, c in enumerate(counts) if c > 0]
+        paths = [paths[i] for i in shards]
         rank, world = lo._rank_world()
         per_rank = samples_per_rank(sum(counts), world)
         steps = per_rank // batch_size if read.drop_last else math.ceil(per_rank / batch_size)
         # pad_last_batch: every rank's DALI epoch is ceil(per_rank / batch) batches (the last one padded
         # by repeating a sample), so epochs stay aligned with ours and one pipeline serves them all
         dali_steps = math.ceil(per_rank / batch_size)
+        indexes = index_paths(paths, read.index_dir)
         reader = dict(
-            paths=paths, index_paths=index_paths(paths, read.index_dir),
+            paths=paths, index_paths=indexes,
             ext=[";".join(read.image_exts), read.label_key],
             missing_component_behavior="error", random_shuffle=read.shuffle,
             initial_fill=max(1, read.shuffle_buffer), shard_id=rank, num_shards=world, stick_to_shard=True,
@@ -164,13 +324,17 @@ class DaliReader:
         elif self._pipe is not None and self._batch not in (0, steps):
             self._pipe = None  # the last epoch was left unfinished: its batches are still in flight
         if self._pipe is None:
-            pipe = lo._pipeline(reader=reader, checkpoint=checkpoint)
+            self._numbers = SampleNumbers(paths, indexes, counts, shards)
+            pipe = lo._pipeline(reader=reader, checkpoint=checkpoint, source_info=True)
             try:
                 pipe.build()
             except RuntimeError as e:  # e.g. a sample without an image (DALI checks the index)
                 raise reader_error(e, paths, first) from e
             self._pipe = pipe
         pipe = self._pipe
+        numbers = self._numbers
+        to_global = numbers.to_global(shard_order(len(counts), shuffle=self.stream.shuffle, seed=self.stream.seed,
+                                                  epoch=lo.epoch))
         stream = torch.cuda.current_stream(lo.device) if lo._dali_cuda else None
         seconds = lo._seconds
         self._batch = first
@@ -178,7 +342,7 @@ class DaliReader:
         for _ in range(first, steps):
             t0 = time.perf_counter()
             try:
-                images_tl, labels_tl = pipe.run(stream)
+                images_tl, labels_tl, info_tl = pipe.run(stream)
             except RuntimeError as e:
                 self._pipe = None  # a failed pipeline is not valid any more
                 raise reader_error(e, paths, self._batch) from e
@@ -187,10 +351,12 @@ class DaliReader:
             left -= n
             images = lo._to_torch(images_tl, stream, zero_copy=pipe.exec_dynamic)[:n]
             labels = self._labels(labels_tl, n)
+            taken = to_global[numbers.lookup(np.asarray(info_tl.as_tensor()), n)]
             seconds["dali"] += t1 - t0
             seconds["copy"] += time.perf_counter() - t1
             self._batch += 1
             if self._batch == steps:  # drop_last: the partial batch DALI still holds
                 for _ in range(dali_steps - steps):
                     pipe.run(stream)
-            yield lo._prepare(images, labels), _checkpoint(pipe, self._batch)
+            position = {**_checkpoint(pipe, self._batch), "numbers": taken, "last": self._batch == steps}
+            yield lo._prepare(images, labels), position

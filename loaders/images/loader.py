@@ -209,7 +209,8 @@ class ImageLoader:
     def _rank_world(self) -> tuple[int, int]:
         return self.stream._rank_world()
 
-    def _pipeline(self, *, source=None, reader=None, batch_size=None, depth=None, seed=None, checkpoint=None):
+    def _pipeline(self, *, source=None, reader=None, batch_size=None, depth=None, seed=None, checkpoint=None,
+                  source_info=False):
         from loaders.images.dali_pipeline import build_image_pipeline
 
         rank, _ = self._rank_world()
@@ -225,7 +226,7 @@ class ImageLoader:
             hw_decoder_load=dec.hw_decoder_load, random_area=aug.random_area,
             random_aspect_ratio=aug.random_aspect_ratio, resize_size=dec.resize_size,
             source=source, reader=reader, enable_checkpointing=reader is not None, checkpoint=checkpoint,
-            pad_labels=self.label_decoder is parse_label, antialias=dec.antialias,
+            pad_labels=self.label_decoder is parse_label, antialias=dec.antialias, source_info=source_info,
         )
 
     # ---- epochs, length, state ----------------------------------------------------------------
@@ -257,8 +258,8 @@ class ImageLoader:
 
         A collective under torch.distributed (every rank calls it at the same step); without it this
         process must be the whole job. ``load_state_dict`` resumes it on any ``world_size`` (and
-        ``read_workers``) with ``reader="stream"``; a DALI-reader state resumes on the same
-        ``world_size`` only.
+        ``read_workers``); with ``reader="dali"`` another ``world_size`` reads the rest of that epoch
+        through ShardStream (the samples no rank's delivered bitmap holds), then DALI again.
         """
         from datapipe.order import elastic
 
@@ -273,14 +274,14 @@ class ImageLoader:
             raise ValueError(f"this state was saved with reader={sorted(map(str, readers))}, this loader has "
                              f"reader={self.reader!r}")
         rank, world = self._rank_world()
+        if self.reader == "dali" and world == state["world_size"]:
+            self.load_state_dict(ranks[rank])  # each rank its own DALI checkpoint: bit-exact
+            return
         if self.reader == "dali":
-            if world != state["world_size"]:
-                raise ValueError(
-                    f"a DALI-reader state (reader='dali', or 'auto' on local shards) taken on world_size="
-                    f"{state['world_size']} cannot resume on world_size={world}: DALI's reader shuffles inside "
-                    "DALI, so its checkpoint does not say which samples were delivered. Resume on the same "
-                    "world_size, or use reader='stream' for elastic jobs (it resumes on any shape).")
-            self.load_state_dict(ranks[rank])
+            self._source.load_merged(ranks)  # the epoch's undelivered samples, planned over this shape
+            self.epoch = int(state["epoch"])
+            self._global = state
+            self._resumed = True
             return
         if ("loader" in ranks[0]) != bool(self.read.read_workers):
             raise ValueError("this state was saved with a different read_workers setting (0 vs > 0)")
@@ -294,7 +295,7 @@ class ImageLoader:
 
         ``state``: this rank's ``state_dict()``, or a global state (``global_state_dict()``, or the
         list of every rank's ``state_dict()``): on the same shape each rank takes its own state
-        back (exact); with ``reader="stream"`` another ``world_size`` / ``read_workers`` plans the
+        back (exact); another ``world_size`` (or, with ``reader="stream"``, ``read_workers``) plans the
         epoch's undelivered samples over the new shape (``datapipe.order.elastic``).
         """
         from datapipe.order import elastic
@@ -302,6 +303,10 @@ class ImageLoader:
         self._global = None
         if isinstance(state, (list, tuple)):
             state = elastic.merge_states(list(state))
+        if (self.reader == "dali" and self._rank_world()[1] != 1 and isinstance(state, dict)
+                and not elastic.is_global(state)
+                and isinstance(state.get("stream"), dict) and state["stream"].get("world_size") == 1):
+            state = elastic.merge_states([state])  # one rank was the whole job: its state is the global one
         if elastic.is_global(state):
             self._load_global(state)
             return
