@@ -20,8 +20,9 @@ for part in "$@"; do
   case $part in
   tests)
     step gpu tests
-    timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/datapipe/device/test_prefetch.py tests/loaders/test_dataloader.py \
-      tests/loaders/images/test_loader.py tests/loaders/test_tokens.py tests/datapipe/device/test_handoff.py 2>&1 \
+    timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/datapipe/device tests/loaders/test_dataloader.py \
+      tests/loaders/test_dataloader_compat.py tests/loaders/images/test_loader.py tests/loaders/test_tokens.py \
+      tests/tools/bench/test_cli.py tests/tools/doctor/test_report.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -25 | tee -a "$log" ;;
   images)
     step images benchmark
@@ -52,7 +53,7 @@ for part in "$@"; do
     done ;;
   ceiling)  # the decode_device="cpu" run: CEILING_ARGS="--steps 50 --ceiling-steps 30 --warmup 6 --only imageloader,il_cpu,dali_hand,il_cpu_u8,standalone,dl_ours,dl_torch,profile,tokens,tokens_llama"
     step ceiling: training at its data-free ceiling
-    timeout 480 python bench/ceiling.py --data "$DATA" --out "$OUT" ${CEILING_ARGS:-} 2>&1 | grep -v "^    {" \
+    timeout ${CEILING_TIMEOUT:-480} ${CEILING_PREFIX:-} python bench/ceiling.py --data "$DATA" --out "$OUT" ${CEILING_ARGS:-} 2>&1 | grep -v "^    {" \
       | tail -40 | tee -a "$log" ;;
   elastic2)
     step elastic resume: ImageLoader + ResNet-50 on 2 GPUs, SIGKILL, resume on 1 GPU, then on 2
