@@ -402,6 +402,8 @@ def image_parts(args, urls, results) -> None:
         "il_hw1": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=1.0)), None),
         "il_hw09": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.9)), None),
         "il_hw0": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
+        "il_hw0_t12": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)), None),
+        "il_hw05": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.5)), None),
         "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
         "il_noaa": ("f32", lambda: tracked(image_loader(urls, args, antialias=False)), None),
         "il_threads4": ("f32", lambda: tracked(image_loader(urls, args, num_threads=4)), None),
