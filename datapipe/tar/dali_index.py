@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import posixpath
-import sys
 import tarfile
 import uuid
 from collections.abc import Sequence
