@@ -72,15 +72,12 @@ def is_permanent(e: BaseException) -> bool:
         return True
     if not isinstance(e, _PERMANENT):
         return False
-    cause, seen = e.__cause__ or e.__context__, 0
-    while cause is not None and seen < 10:
+    for cause in _chain(e.__cause__ or e.__context__):
         status = getattr(cause, "status", None)
         if isinstance(status, int) and (status >= 500 or status == 429):
             return False
-        if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__ in (
-                "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError"):
+        if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__ in _CONNECTION_ERRORS:
             return False
-        cause, seen = cause.__cause__ or cause.__context__, seen + 1
     return True
 
 
