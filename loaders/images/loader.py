@@ -25,7 +25,7 @@ from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import on_side_stream
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
-from loaders.images.dali_reader import DaliReader, reader_error  # noqa: F401 - reader_error: the old name's home
+from loaders.images.dali_reader import DaliReader
 from loaders.images.encoded import parse_label
 from loaders.images.options import DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions, ReadOptions
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
