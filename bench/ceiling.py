@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import endless, table, to_device, write_result  # noqa: E402
+from bench.common import endless, sync, table, to_device, write_result  # noqa: E402
 from bench.models import PackedLM  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
 
@@ -57,11 +57,6 @@ STD = (0.229, 0.224, 0.225)
 DEFAULT_ONLY = ("imageloader,il_cpu,dali_hand,il_cpu_u8,imageloader2,il_cpu2,dali_hand2,standalone,torch_pil,dl_ours,"
                 "dl_torch,tokens,tokens_llama,memory,profile")
 # the variants measured once (bench/results/ceiling_variants.json): il_hw1,il_hw09,il_depth1,il_prio,il_stream
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---- the steps ------------------------------------------------------------------------------------

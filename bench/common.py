@@ -38,3 +38,11 @@ def to_device(batches, device):
 
     for x, y in batches:
         yield x.to(device, non_blocking=True), torch.as_tensor(y).to(device, non_blocking=True)
+
+
+def sync(device) -> None:
+    """Wait for ``device``'s queued work (a ``torch.device`` or its name; nothing to wait for on CPU)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.common import table, to_device, write_result  # noqa: E402
+from bench.common import sync, table, to_device, write_result  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
@@ -183,11 +183,6 @@ def endless(make):
 
 
 # ---- measurements -------------------------------------------------------------------------------
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def throughput(batches, *, steps: int, warmup: int, device: str) -> dict:
     it = iter(batches)
     t_first = time.perf_counter()

@@ -24,16 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import sync, table, write_result  # noqa: E402
 from datapipe import DevicePrefetcher  # noqa: E402
 from loaders import DataLoader  # noqa: E402
 
 MB = 1 << 20
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- (a) bandwidth --------------------
@@ -49,10 +44,10 @@ def bandwidth(device: torch.device, size_mb: int, iters: int) -> list[dict]:
 
     def timed(fn):
         fn()  # warm-up (allocations, pool)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     if device.type == "cuda":
@@ -134,11 +129,11 @@ class Step:
     def _time(self, reps):
         x = self.w
         self(torch.zeros(1, device=self.device))
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         for _ in range(reps):
             self(torch.zeros(1, device=self.device))
-        _sync(self.device)
+        sync(self.device)
         del x
         return (time.perf_counter() - t0) / reps
 

@@ -43,7 +43,6 @@ from loaders.dataloader_iter import EpochSource, LoaderIterator, shutdown, tagge
 from loaders.dataloader_progress import Progress, stats as pass_stats
 from loaders.dataloader_resume import (IndexSampler, Plan, as_loadable, check_local, fresh_state, from_global,
                                        pass_state)
-from loaders.dataloader_resume import KIND  # noqa: F401 - the "kind" of its states, as before
 from loaders.dataloader_workers import StatefulCollate, has_protocol
 
 __all__ = ["DataLoader"]

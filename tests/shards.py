@@ -3,8 +3,6 @@ import os
 
 import webdataset
 
-from datapipe import ShardWriter
-
 
 def make_samples(n, *, prefix="s", size=64, seed=0):
     rnd = __import__("random").Random(seed)
@@ -18,7 +16,7 @@ def write_shards(directory, counts, *, manifest=True, gzip=False, prefix="s"):
     """Shards of the given sample counts with the real webdataset writer (+ a datapipe manifest)."""
     os.makedirs(directory, exist_ok=True)
     ext = "tar.gz" if gzip else "tar"
-    urls, samples, i = [], [], 0
+    urls, samples = [], []
     entries = []
     for shard, n in enumerate(counts):
         path = os.path.join(directory, f"shard-{shard:06d}.{ext}")
@@ -29,7 +27,6 @@ def write_shards(directory, counts, *, manifest=True, gzip=False, prefix="s"):
         urls.append(path)
         samples += batch
         entries.append({"name": os.path.basename(path), "count": n, "bytes": os.path.getsize(path), "sha256": ""})
-        i += n
     if manifest:
         from datapipe.tar.manifest import make_manifest, write_manifest
 

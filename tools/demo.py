@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 
 log = logging.getLogger("datapipe.demo")  # the CLI lives in datapipe; the demo needs the loaders

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import logging
+import os
 import subprocess
 import time
 import traceback
@@ -23,6 +25,16 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem that holds ``url`` and the path of ``url`` on it (``storage_options`` passed on)."""
     return fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+
+def write_json(url: str, obj, storage_options: dict | None = None, *, sort_keys: bool = False) -> None:
+    """Write ``obj`` as JSON to ``url`` atomically (a temporary name, then rename)."""
+    fs, path = filesystem(url, storage_options)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with fs.open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=sort_keys)
+        f.write("\n")
+    fs.mv(tmp, path)
 
 
 # credential problems (botocore, google-auth, azure): retrying cannot fix them
@@ -60,15 +72,12 @@ def is_permanent(e: BaseException) -> bool:
         return True
     if not isinstance(e, _PERMANENT):
         return False
-    cause, seen = e.__cause__ or e.__context__, 0
-    while cause is not None and seen < 10:
+    for cause in _chain(e.__cause__ or e.__context__):
         status = getattr(cause, "status", None)
         if isinstance(status, int) and (status >= 500 or status == 429):
             return False
-        if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__ in (
-                "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError", "ServerTimeoutError"):
+        if isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__name__ in _CONNECTION_ERRORS:
             return False
-        cause, seen = cause.__cause__ or cause.__context__, seen + 1
     return True
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import fsspec
 
+from datapipe.storage.files import filesystem, write_json
 from datapipe.storage.urls import is_local, redact_url
 
 log = logging.getLogger("datapipe.tar.counts")
@@ -114,14 +115,10 @@ def store_counts(entries: dict[str, dict], *, storage_options: dict | None = Non
         for url, options, must in targets:
             try:
                 merged = {**_read_json(url, options), **shards}
-                fs, path = fsspec.core.url_to_fs(url, **(options or {}))
-                parent = posixpath.dirname(path)
+                parent = posixpath.dirname(filesystem(url, options)[1])
                 if options is None and parent:
                     os.makedirs(parent, exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with fs.open(tmp, "w") as f:
-                    json.dump({"format": FORMAT, "version": 1, "shards": merged}, f, indent=1, sort_keys=True)
-                fs.mv(tmp, path)
+                write_json(url, {"format": FORMAT, "version": 1, "shards": merged}, options, sort_keys=True)
                 written.append(url)
                 break
             except Exception as e:  # e.g. a read-only file system, or storage that cannot write (HTTP)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import posixpath
-import sys
 import tarfile
 import uuid
 from collections.abc import Sequence
+
+from datapipe.storage.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
         with fsspec.open(tar_path_or_url, "rb", **options) as f:
             lines = index_lines(f)
     except (OSError, tarfile.TarError, ValueError, EOFError) as e:
-        raise DataError(f"cannot index shard: {e}", url=_redact(tar_path_or_url)) from e
+        raise DataError(f"cannot index shard: {e}", url=redact_url(tar_path_or_url)) from e
     fs, path = fsspec.core.url_to_fs(index_path, **options)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     parent = posixpath.dirname(path)
@@ -86,14 +87,6 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
         out.write("\n".join(lines) + "\n")
     fs.mv(tmp, path)
     return index_path
-
-
-def _redact(url: str) -> str:
-    try:
-        from datapipe.storage.urls import redact_url
-    except ImportError:  # pragma: no cover
-        return url
-    return redact_url(url)
 
 
 def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_existing: bool = False,
@@ -122,7 +115,7 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
         fs, p = fsspec.core.url_to_fs(index_dir)
         if fs.exists(p) and not fs.isdir(p):
             log.error("--index-dir %s is a file, not a directory: give a directory (it is created if missing)",
-                      _redact(index_dir))
+                      redact_url(index_dir))
             return 2
     failed = 0
     for url in urls:
@@ -136,12 +129,12 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
                 continue
         try:
             write_dali_index(url, target)
-            log.info("indexed %s -> %s", _redact(url), target)
+            log.info("indexed %s -> %s", redact_url(url), target)
         except DataError as e:
             log.error("%s", e)
             failed += 1
         except OSError as e:
-            log.error("cannot write the index %s: %s", _redact(target), e)
+            log.error("cannot write the index %s: %s", redact_url(target), e)
             failed += 1
     if failed:
         log.error("%d of %d shards could not be indexed", failed, len(urls))
@@ -156,7 +149,7 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
             return 1
         damaged = [u for u, e in entries.items() if e["damage"]]
         for url in damaged:
-            log.error("%s (%s)", entries[url]["damage"], _redact(url))
+            log.error("%s (%s)", entries[url]["damage"], redact_url(url))
         log.info("stored the sample counts of %d shards (%d samples): streams over them no longer count them",
                  len(entries), sum(e["count"] for e in entries.values()))
         return 1 if damaged else 0

@@ -30,13 +30,10 @@ def make_manifest(shards: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 
 def write_manifest(directory: str, manifest: dict[str, Any], *, storage_options: dict | None = None) -> str:
     """Write ``<directory>/manifest.json`` atomically (temporary name, then rename)."""
+    from datapipe.storage.files import write_json
+
     url = manifest_url(directory)
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    tmp = path + ".tmp"
-    with fs.open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
-    fs.mv(tmp, path)
+    write_json(url, manifest, storage_options)
     return url
 
 

@@ -6,11 +6,10 @@
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 from typing import Any
 
-from datapipe.storage.files import filesystem
+from datapipe.storage.files import filesystem, write_json  # noqa: F401 - write_json: the jobs' name for it
 
 JOB_DIR = ".datapipe-job"
 
@@ -23,16 +22,6 @@ def join_url(directory: str, *names: str) -> str:
 def marker_url(job: dict, index: int) -> str:
     """Where partition ``index``'s done marker lives."""
     return join_url(job["job_dir"], "done", f"p{index:06d}.json")
-
-
-def write_json(url: str, obj: Any, options: dict) -> None:
-    """Write JSON atomically (temporary name, then rename)."""
-    fs, path = filesystem(url, options)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with fs.open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    fs.mv(tmp, path)
 
 
 def read_json(url: str, options: dict) -> Any | None:

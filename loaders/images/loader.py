@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from datapipe.errors import ErrorPolicy
+from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import on_side_stream
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
-from loaders.images.dali_reader import DaliReader, reader_error  # noqa: F401 - reader_error: the old name's home
+from loaders.images.dali_reader import DaliReader
 from loaders.images.encoded import parse_label
 from loaders.images.options import DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions, ReadOptions
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
@@ -329,7 +329,7 @@ class ImageLoader:
         out = {k: v for k, v in self._stats.items() if k != "last_errors"}
         out["skipped"] = self._stats["skipped"] + self._errors.skipped + stream.get("skipped", 0)
         out["last_errors"] = (stream.get("last_errors", []) + self._stats["last_errors"]
-                              + self._errors.last_errors)[-10:]
+                              + self._errors.last_errors)[-LAST_ERRORS:]
         out["stream"] = stream
         out["seconds"] = {k: round(v, 4) for k, v in self._seconds.items()}
         return out

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from datapipe.errors import DataError
+from datapipe.errors import LAST_ERRORS, DataError
 from datapipe.device.handoff import started, threaded
 from datapipe.order.seeds import derive_seed
 from loaders.images.encoded import EncodedBatches, RawBatch, iter_raw_batches, keep
@@ -243,7 +243,7 @@ class WorkerStreamReader(StreamReader):
             for packed in it:
                 stats["skipped"] += packed["skipped"]
                 if packed["errors"]:
-                    stats["last_errors"] = (stats["last_errors"] + packed["errors"])[-10:]
+                    stats["last_errors"] = (stats["last_errors"] + packed["errors"])[-LAST_ERRORS:]
                 data = packed["data"].numpy()
                 bounds = packed["offsets"].tolist()
                 raw = RawBatch(arrays=[data[a:b] for a, b in zip(bounds[:-1], bounds[1:])],

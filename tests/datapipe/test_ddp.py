@@ -3,7 +3,6 @@ with rank / world size taken from torch.distributed. Every rank takes the same n
 all_reduce per step would hang otherwise) and the union of what they read is every sample."""
 import datetime
 import json
-import os
 import time
 
 import pytest

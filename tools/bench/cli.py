@@ -12,7 +12,6 @@ tables, JSON) and the storage command. The command line is :mod:`tools.bench.loa
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
