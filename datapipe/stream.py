@@ -19,7 +19,9 @@ from datapipe.storage.files import DEFAULT_TIMEOUT, RetryingFile, decompress, op
 from datapipe.storage.urls import expand_urls, is_local, redact_url
 from datapipe.tar.counts import _map, load_counts, stamp, store_counts
 from datapipe.tar.manifest import read_manifest
-from datapipe.tar.reader import TarFormatError, count_until_damage, iter_samples, reader_for
+from datapipe.tar.blocks import reader_for
+from datapipe.tar.headers import TarFormatError
+from datapipe.tar.reader import count_until_damage, iter_samples
 
 log = logging.getLogger("datapipe.stream")
 
