@@ -3,44 +3,23 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 from numbers import Integral, Real
 from typing import Any, Iterator
 
 import torch.utils.data
 
-from datapipe.errors import DataError, ErrorPolicy, OnError, check_on_error
+from datapipe.errors import ErrorPolicy, OnError, check_on_error
 from datapipe.order import elastic
 from datapipe.order.plan import WorkerPlan, samples_per_rank, shard_order, worker_plan
 from datapipe.order.shuffle import ShuffleBuffer, replay_positions
+from datapipe.segments import LOST, SegmentReading
+from datapipe.shard_counts import ShardCounts
 from datapipe.state import check_state
 from datapipe.storage.cache import ShardCache
-from datapipe.storage.files import DEFAULT_TIMEOUT, RetryingFile, decompress, open_shard, with_timeouts
-from datapipe.storage.urls import expand_urls, is_local, redact_url
-from datapipe.tar.counts import _map, load_counts, stamp, store_counts
-from datapipe.tar.manifest import read_manifest
-from datapipe.tar.reader import TarFormatError, count_until_damage, iter_samples, reader_for
+from datapipe.storage.files import DEFAULT_TIMEOUT, with_timeouts
+from datapipe.storage.urls import expand_urls
 
 log = logging.getLogger("datapipe.stream")
-
-
-class _Lost:
-    """A sample position that could not be read (kept so the shuffle buffer stays replayable)."""
-
-    __slots__ = ()
-
-
-LOST = _Lost()
-
-
-class _Cursor:
-    """Where the read of a segment stands: the next sample ordinal expected, the key of the last one seen."""
-
-    __slots__ = ("expected", "last_key")
-
-    def __init__(self, expected: int):
-        self.expected = expected
-        self.last_key: str | None = None
 
 
 def _check_types(**args: tuple[Any, type | tuple[type, ...]]) -> None:
@@ -62,7 +41,7 @@ def default_rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-class ShardStream(torch.utils.data.IterableDataset):
+class ShardStream(ShardCounts, SegmentReading, torch.utils.data.IterableDataset):
     """An iterable dataset of WebDataset samples (``__key__``, ``__url__``, one bytes value per extension).
 
     Every sample is read exactly once per epoch over all ranks x DataLoader workers, and every rank
@@ -163,103 +142,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._stats = {"samples": 0, "padded": 0, "retries": 0, "shards_opened": 0, "bytes_read": 0, "cache_hits": 0}
         self._errors = ErrorPolicy(on_error, log=log)  # counts errors, skipped, last_errors
 
-    # ---- counts -------------------------------------------------------------------------------
-    def _given_counts(self, counts) -> list[int] | None:
-        if counts is None:
-            return None
-        if isinstance(counts, dict):
-            missing = [u for u in self.urls if u not in counts]
-            if missing:
-                raise ValueError(f"counts has no entry for {redact_url(missing[0])}")
-            return [int(counts[u]) for u in self.urls]
-        if len(counts) != len(self.urls):
-            raise ValueError(f"counts has {len(counts)} entries for {len(self.urls)} shards")
-        return [int(c) for c in counts]
-
+    # ---- storage (counts: datapipe.shard_counts; segment reads: datapipe.segments) ---------
     def _options(self, url: str) -> dict:
         return with_timeouts(url, self.storage_options, self.timeout)
-
-    def _manifest_entries(self) -> dict[str, dict]:
-        """The manifest entry (count, sha256, ...) of each URL that a manifest beside it lists."""
-        if self._manifest is None:
-            entries: dict[str, dict] = {}
-            by_dir: dict[str, list[str]] = {}
-            for url in self.urls:
-                if not url.startswith("pipe:"):
-                    by_dir.setdefault(posixpath.dirname(url), []).append(url)
-            for directory, dir_urls in by_dir.items():
-                manifest = read_manifest(directory, storage_options=self._options(dir_urls[0]), retries=self.retries,
-                                         backoff=self.backoff)
-                if manifest is None:
-                    continue
-                known = {s["name"]: s for s in manifest["shards"]}
-                for url in dir_urls:
-                    entry = known.get(posixpath.basename(url))
-                    if entry is not None:
-                        entries[url] = entry
-            self._manifest = entries
-        return self._manifest
-
-    def _checksum(self, url: str) -> str | None:
-        entry = self._manifest_entries().get(url) if self._cache is not None else None
-        return (entry or {}).get("sha256") or None
-
-    @property
-    def counts(self) -> list[int]:
-        """Samples per shard: from the manifest, else from the count cache, else counted once (and cached).
-
-        A damaged shard without a manifest counts its complete samples before the damage.
-        """
-        if self._counts is None:
-            known = {u: int(e["count"]) for u, e in self._manifest_entries().items()}
-            missing = [u for u in self.urls if u not in known and not u.startswith("pipe:")]
-            cached = load_counts(missing, storage_options=self._options(missing[0])) if missing else {}
-            for url, entry in cached.items():
-                known[url] = entry["count"]
-                if entry.get("damage"):
-                    self._damaged(url, entry["damage"])
-            missing = [u for u in self.urls if u not in known]
-            if missing:
-                log.warning("no manifest lists %d of %d shards: counting their samples once (write shards with "
-                            "datapipe.ShardWriter, or run `datapipe index` on them once to store their counts)",
-                            len(missing), len(self.urls))
-                results = _map(self._count_shard, missing, desc="counting samples")
-                fresh = {}
-                for url, (n, damage, stamp) in zip(missing, results):
-                    known[url] = n
-                    if stamp is not None:
-                        fresh[url] = {"count": n, "damage": damage, "stamp": stamp}
-                if fresh:
-                    store_counts(fresh, storage_options=self._options(missing[0]))
-            self._counts = [known[u] for u in self.urls]
-        return self._counts
-
-    def _count_shard(self, url: str) -> tuple[int, str | None, dict | None]:
-        """``(complete samples, damage message or None, the shard's stamp for the cache or None)``."""
-        try:
-            version = None if url.startswith("pipe:") else stamp(url, self._options(url))
-        except Exception:
-            version = None
-        try:
-            f, seekable, tee = self._open(url)
-        except DataError as e:
-            self._errors(e, lost=0)
-            return 0, None, None
-        try:
-            n, err = count_until_damage(reader_for(f, seekable=seekable))
-            if err is None and tee is not None:
-                tee.finish()
-        finally:
-            f.close()
-        if err is None:
-            return n, None, version
-        damage = f"shard damaged at byte {err.offset}: {err} ({n} complete samples before it are read)"
-        self._damaged(url, damage)
-        return n, damage, version
-
-    def _damaged(self, url: str, damage: str) -> None:
-        self._errors(DataError(damage, url=redact_url(url)), lost=0)
-        self._damage[url] = damage
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch."""
@@ -444,126 +329,3 @@ class ShardStream(torch.utils.data.IterableDataset):
         if owed:
             log.warning("%d samples of this rank were lost and none was delivered to repeat: this rank yields "
                         "fewer samples than the others", owed)
-
-    def _read_items(self, plan: WorkerPlan, first: int) -> Iterator[Any]:
-        """The plan's samples (or LOST) from position ``first`` on."""
-        pos = 0
-        for seg in plan.segments:
-            n = len(seg)
-            if pos + n > first:
-                yield from self._read_segment(seg.shard, seg.start + max(0, first - pos), seg.stop)
-            pos += n
-
-    def _read_positions(self, plan: WorkerPlan, first: int) -> Iterator[tuple[int, Any]]:
-        """``(position, sample or LOST)`` for the plan's positions from ``first`` on."""
-        pos = 0
-        for seg in plan.segments:
-            n = len(seg)
-            if pos + n <= first:
-                pos += n
-                continue
-            skip = max(0, first - pos)
-            for offset, item in enumerate(self._read_segment(seg.shard, seg.start + skip, seg.stop)):
-                yield pos + skip + offset, item
-            pos += n
-
-    def _read_segment(self, shard: int, start: int, stop: int) -> Iterator[Any]:
-        """Exactly ``stop - start`` items: samples, or LOST for those that could not be read.
-
-        Open the shard, walk its samples (``_walk_segment``), close it, then lose what it lacked. Every
-        error goes to the ``on_error`` policy: one it lets through loses the rest of the segment.
-        """
-        url = self.urls[shard]
-        try:
-            f, seekable, tee = self._open(url)
-        except DataError as e:
-            yield from self._lose(e, stop - start)
-            return
-        self._stats["shards_opened"] += 1
-        reader = reader_for(f, seekable=seekable)
-        cursor = _Cursor(start)
-        damaged = url in self._damage
-        try:
-            yield from self._walk_segment(reader, shard, start, stop, cursor, look_past=not damaged)
-            if tee is not None and not damaged:
-                tee.finish()
-        except TarFormatError as e:
-            err = self._error(f"unreadable tar data at byte {e.offset}: {e}", url, e.key or cursor.last_key)
-            err.__cause__ = e
-            yield from self._lose(err, stop - cursor.expected)
-            cursor.expected = stop
-        except DataError as e:
-            if e is self._errors.stopped:
-                raise  # the policy's handler stopped the walk: not an error to handle again
-            yield from self._lose(e, stop - cursor.expected)
-            cursor.expected = stop
-        finally:
-            self._close(f, reader)
-        if cursor.expected < stop:
-            yield from self._lose(self._error(f"shard ends at byte {reader.offset} after {cursor.expected} samples, "
-                                              f"{stop} expected (truncated, or the manifest is wrong)",
-                                              url, cursor.last_key), stop - cursor.expected)
-
-    def _walk_segment(self, reader, shard: int, start: int, stop: int, cursor: "_Cursor", *,
-                      look_past: bool) -> Iterator[Any]:
-        """The shard's samples ``start <= i < stop`` as the tar reader finds them, LOST for the bad and
-        the missing ones; ``cursor`` is left at the next ordinal expected (also when an error stops the
-        walk). ``look_past``: at the shard's end, read one sample further so that a shard longer than
-        its count is reported."""
-        url = self.urls[shard]
-        past = stop + 1 if look_past and stop == self.counts[shard] else stop
-        expected, last_key = start, None  # the cursor, kept in locals on this hot path
-        try:
-            for event in iter_samples(reader, url, start=start, stop=past, resync=not self._errors.raises,
-                                      zero_copy=self.zero_copy):
-                ordinal = event.ordinal
-                if ordinal is None:  # damage not tied to a position: the count at the end tells what it cost
-                    self._errors(self._error(f"damaged tar data skipped: {event.error}", url, last_key), lost=0)
-                    continue
-                if ordinal >= stop:
-                    self._errors(self._error(f"shard holds more than the {self.counts[shard]} samples its "
-                                             "manifest lists", url, event.key), lost=0)
-                    break
-                if ordinal > expected:
-                    yield from self._lose(self._error("samples missing before this one", url, event.key),
-                                          ordinal - expected)
-                    expected = ordinal
-                last_key = event.key
-                expected += 1
-                if event.sample is None:
-                    yield from self._lose(self._error(f"bad sample: {event.error}", url, event.key), 1)
-                    continue
-                yield event.sample
-        finally:
-            cursor.expected, cursor.last_key = expected, last_key
-
-    def _error(self, message: str, url: str, key: str | None) -> DataError:
-        return DataError(message, url=redact_url(url), key=key)
-
-    def _close(self, f, reader) -> None:
-        """Close a shard, counting the bytes it gave and the retries its reads took."""
-        self._stats["bytes_read"] += reader.offset
-        self._stats["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
-        if hasattr(reader, "close"):
-            reader.close()
-        f.close()
-
-    def _open(self, url: str):
-        """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""
-        if self._cache is None or is_local(url) or url.startswith("pipe:"):
-            f, seekable = open_shard(url, storage_options=self._options(url), retries=self.retries,
-                                     allow_pipe=self.allow_pipe, backoff=self.backoff)
-            return f, seekable, None
-        options = self._options(url)
-        raw, hit = self._cache.open(url, lambda: RetryingFile(url, storage_options=options, retries=self.retries,
-                                                              backoff=self.backoff),
-                                    sha256=self._checksum(url))
-        self._stats["cache_hits"] += hit
-        f, seekable = decompress(url, raw, seekable=raw.seekable())
-        return f, seekable, (raw if hasattr(raw, "finish") else None)
-
-    def _lose(self, err: DataError, n: int) -> Iterator[Any]:
-        """``n`` LOST positions because of ``err`` (after the policy let it through, counting them)."""
-        self._errors(err, lost=n)
-        for _ in range(n):
-            yield LOST

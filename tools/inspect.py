@@ -13,7 +13,9 @@ import fsspec
 from datapipe.errors import DataError
 from datapipe.tar.manifest import read_manifest
 from datapipe.storage.files import open_shard
-from datapipe.tar.reader import BLOCK, TarFormatError, _checksum_ok, iter_samples, reader_for
+from datapipe.tar.blocks import reader_for
+from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
+from datapipe.tar.reader import iter_samples
 from datapipe.storage.urls import expand_urls, redact_url
 
 

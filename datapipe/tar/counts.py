@@ -133,7 +133,8 @@ def count_shard(url: str, *, storage_options: dict | None = None, retries: int =
     the damage that stopped the count (a message naming the byte), or None. Unreadable: ``DataError``."""
     from datapipe.errors import DataError
     from datapipe.storage.files import open_shard
-    from datapipe.tar.reader import count_until_damage, reader_for
+    from datapipe.tar.blocks import reader_for
+    from datapipe.tar.reader import count_until_damage
 
     version = stamp(url, storage_options)
     f, seekable = open_shard(url, storage_options=storage_options, retries=retries)

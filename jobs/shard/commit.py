@@ -58,7 +58,8 @@ def _idx(path: str) -> str:
 def _merge_tails(job: dict, tails: list[dict]) -> list[dict]:
     """Concatenate small part shards, in order, into full shards under ``merged/``; returns their entries."""
     from datapipe.storage.files import open_shard
-    from datapipe.tar.reader import iter_samples, reader_for
+    from datapipe.tar.blocks import reader_for
+    from datapipe.tar.reader import iter_samples
     from datapipe.tar.writer import ShardWriter
 
     opts = job["storage_options"]

@@ -521,7 +521,9 @@ def _iter_parquet(part: dict) -> Iterator[Record]:
 def _iter_tar(part: dict) -> Iterator[Record]:
     from datapipe.errors import DataError
     from datapipe.storage.files import open_shard
-    from datapipe.tar.reader import TarFormatError, iter_samples, reader_for
+    from datapipe.tar.blocks import reader_for
+    from datapipe.tar.headers import TarFormatError
+    from datapipe.tar.reader import iter_samples
 
     url = part["url"]
     try:

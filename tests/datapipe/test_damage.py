@@ -19,7 +19,7 @@ import webdataset
 
 from datapipe import DataError, ShardStream
 from datapipe.tar.manifest import make_manifest, write_manifest
-from datapipe.tar.reader import split_key
+from datapipe.tar.headers import split_key
 from tests.servers import http_server
 
 NAMES = ["a000", "a001", "b/long-" + "x" * 110 + "-002", "a003", "a004"]  # one name needs a long-name header

@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datapipe import DataError, ShardStream
-from datapipe.tar.reader import BLOCK, BlockReader, TarFormatError, _checksum_ok, iter_samples
+from datapipe.tar.blocks import BlockReader
+from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
+from datapipe.tar.reader import iter_samples
 
 N = 8
 FUZZ = settings(derandomize=True, max_examples=120, deadline=None, database=None,

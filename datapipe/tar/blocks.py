@@ -1,0 +1,189 @@
+"""Byte sources for tar parsing: large sequential block reads, or a memory map of a local file.
+
+``reader_for`` picks one; both offer ``peek`` / ``read`` / ``skip`` / ``advance`` and track ``offset``.
+"""
+from __future__ import annotations
+
+import io
+import mmap
+import os
+
+MAX_READ = 32 << 20  # largest single read request: a bogus huge size must not allocate its size up front
+
+
+class BlockReader:
+    """Sequential reads from a file object in large blocks, with cheap skips (seek when possible)."""
+
+    def __init__(self, f, *, block_size: int = 4 << 20, seekable: bool | None = None):
+        self.f = f
+        self.block_size = block_size
+        self.buf = b""
+        self.pos = 0
+        self.offset = 0  # stream offset of buf[pos]
+        if seekable is None:
+            try:
+                seekable = bool(f.seekable())
+            except (AttributeError, OSError, ValueError):
+                seekable = False
+        self.seekable = seekable
+        self.size = _file_size(f) if seekable else None  # total bytes, when known (members must fit in it)
+
+    def _fill(self, n: int) -> bool:
+        """Make at least ``n`` bytes available at ``pos``; False at end of stream."""
+        have = len(self.buf) - self.pos
+        if have >= n:
+            return True
+        parts = [self.buf[self.pos:]] if have else []
+        want = max(n - have, self.block_size)
+        while have < n:
+            chunk = self.f.read(want)
+            if not chunk:
+                break
+            parts.append(chunk)
+            have += len(chunk)
+            want = max(n - have, 0) or self.block_size
+        self.buf = b"".join(parts) if len(parts) != 1 else parts[0]
+        self.pos = 0
+        return have >= n
+
+    def peek(self, n: int) -> bytes | None:
+        """The next ``n`` bytes without consuming them, or None near the end."""
+        if not self._fill(n):
+            return None
+        return self.buf[self.pos:self.pos + n]
+
+    def read(self, n: int) -> bytes | None:
+        """Exactly ``n`` bytes, or None if the stream ends first (a truncated stream)."""
+        have = len(self.buf) - self.pos
+        if n - have > self.block_size // 4:
+            # a large member: read its remainder straight into the result, skipping the block buffer
+            head = self.buf[self.pos:] if have else b""
+            rest = _read_exactly(self.f, n - have)
+            self.buf, self.pos = b"", 0
+            data = head + rest if head else rest
+            self.offset += len(data)
+            return data if len(data) == n else None
+        if not self._fill(n):
+            return None
+        start = self.pos
+        self.pos += n
+        self.offset += n
+        if start == 0 and n == len(self.buf):
+            return self.buf
+        return self.buf[start:start + n]
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        self.offset += n
+
+    def skip(self, n: int) -> bool:
+        """Advance ``n`` bytes without returning them; False if the stream ends first."""
+        have = len(self.buf) - self.pos
+        if n <= have:
+            self.pos += n
+            self.offset += n
+            return True
+        rest = n - have
+        self.buf, self.pos = b"", 0
+        self.offset += have
+        if self.seekable:
+            target = self.f.tell() + rest
+            size = _file_size(self.f)
+            if size is not None and target > size:
+                self.offset += max(size - self.f.tell(), 0)
+                self.f.seek(0, 2)
+                return False
+            self.f.seek(target)
+            self.offset += rest
+            return True
+        while rest > 0:
+            chunk = self.f.read(min(rest, self.block_size))
+            if not chunk:
+                return False
+            rest -= len(chunk)
+            self.offset += len(chunk)
+        return True
+
+
+def _read_exactly(f, n: int) -> bytes:
+    """Up to ``n`` bytes (fewer at the end), in requests of at most ``MAX_READ`` bytes each."""
+    data = f.read(min(n, MAX_READ))
+    if len(data) == n or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        chunk = f.read(min(n - got, MAX_READ))
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+class MmapReader:
+    """The reader interface over a memory-mapped local file: slices copy once, skips are free."""
+
+    def __init__(self, f):
+        self.f = f
+        size = os.fstat(f.fileno()).st_size
+        self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        if size:
+            self.mm.madvise(mmap.MADV_SEQUENTIAL)
+        self.size = size
+        self.offset = 0
+        self.seekable = True
+
+    def peek(self, n: int) -> bytes | None:
+        return self.mm[self.offset:self.offset + n] if self.offset + n <= self.size else None
+
+    def read(self, n: int) -> bytes | None:
+        end = self.offset + n
+        if end > self.size:
+            self.offset = self.size
+            return None
+        data = self.mm[self.offset:end]
+        self.offset = end
+        return data
+
+    def read_view(self, n: int) -> memoryview | None:
+        """Like ``read`` but a zero-copy view into the mapping (it stays mapped while views live)."""
+        end = self.offset + n
+        if end > self.size:
+            self.offset = self.size
+            return None
+        self._views = True
+        view = memoryview(self.mm)[self.offset:end]
+        self.offset = end
+        return view
+
+    def skip(self, n: int) -> bool:
+        self.offset += n
+        if self.offset > self.size:
+            self.offset = self.size
+            return False
+        return True
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    def close(self) -> None:
+        if self.size and not getattr(self, "_views", False):
+            self.mm.close()  # with views handed out, the mapping closes when the last one goes
+
+
+def _file_size(f) -> int | None:
+    size = getattr(f, "size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def reader_for(f, *, seekable: bool | None = None):
+    """The fastest reader for ``f``: memory-mapped for a plain local file, else block reads."""
+    if isinstance(f, io.FileIO):
+        return MmapReader(f)
+    return BlockReader(f, seekable=seekable)

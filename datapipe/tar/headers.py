@@ -1,0 +1,245 @@
+"""Tar headers: ustar, GNU long names and pax paths / sizes, checksums, end-of-archive and truncation.
+
+``next_member`` parses headers up to the next regular file, optionally resynchronising past damage.
+"""
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Callable
+
+from datapipe.tar.blocks import MmapReader
+
+BLOCK = 512
+_ZERO_BLOCK = bytes(BLOCK)
+_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_SKIP_META = re.compile(r"__[^/]*__($|/)")
+
+
+class TarFormatError(Exception):
+    """A tar header or member that cannot be parsed. ``offset`` is the byte offset of the problem."""
+
+    def __init__(self, message: str, offset: int, key: str | None = None, name: str | None = None):
+        super().__init__(message)
+        self.offset = offset
+        self.key = key
+        self.name = name  # the member name the damaged header seems to hold, when it is legible
+
+
+def split_key(name: str) -> tuple[str | None, str | None]:
+    """webdataset's rule: the key is everything up to the first dot of the last path component."""
+    m = _KEY_EXT.match(name)
+    if not m:
+        return None, None
+    return m.group(1), m.group(2).lower()
+
+
+def is_meta(name: str) -> bool:
+    return ("/" not in name and name.startswith("__") and name.endswith("__")) or bool(_SKIP_META.match(name))
+
+
+def _octal(field: bytes) -> int:
+    try:  # the common case: octal digits, then NUL / space padding (the header checksum guards the rest)
+        value = int(field.rstrip(b"\0 "), 8)
+        if value >= 0:
+            return value
+    except ValueError:
+        pass
+    if field and field[0] & 0x80:  # GNU base-256
+        value = int.from_bytes(field[1:], "big")
+        return value
+    text = field.split(b"\0", 1)[0].strip()
+    if not text:
+        return 0
+    value = int(text, 8)
+    if value < 0 or not text.isdigit():  # int() also takes signs and underscores
+        raise ValueError(f"invalid octal number {text!r}")
+    return value
+
+
+def _bad_number(text: str) -> int:
+    raise ValueError(f"invalid number {text[:20]!r}")
+
+
+def _checksum_ok(header: bytes) -> bool:
+    """The tar header checksum (byte sum with the checksum field as spaces), via C-speed adler32.
+
+    adler32's low half is ``1 + byte sum`` modulo 65521; the byte sum of a header is below
+    2 x 65521, so comparing modulo 65521 is exact but for one impossible-in-practice alias.
+    """
+    try:
+        stored = _octal(header[148:156])
+    except ValueError:
+        return False
+    byte_sum = ((zlib.adler32(header) & 0xFFFF) - 1) % 65521
+    unsigned = (byte_sum - sum(header[148:156]) + 256) % 65521
+    return stored % 65521 == unsigned
+
+
+def _name(header: bytes) -> str:
+    name = header[0:100].split(b"\0", 1)[0]
+    if header[257:262] == b"ustar":
+        prefix = header[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+def _legible_name(header: bytes) -> str | None:
+    """The name field of a damaged header, if it still looks like a sample member's name."""
+    raw = header[0:100].split(b"\0", 1)[0]
+    try:
+        name = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if not name or not name.isprintable():
+        return None
+    return name
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """``key=value`` records of a pax header; ValueError if they are malformed."""
+    records, pos = {}, 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        field = data[pos:space]
+        if not field.isdigit():
+            raise ValueError(f"bad pax record length {field[:20]!r}")
+        length = int(field)
+        if length <= 0:
+            break
+        key, _, value = data[space + 1:pos + length - 1].partition(b"=")
+        records[key.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return records
+
+
+_REGULAR = (b"0", b"\0", b"7")
+
+
+def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatError], None] | None = None
+                ) -> tuple[str, int, int] | None:
+    """Parse headers up to the next regular file; returns ``(name, size, header_offset)`` or None at the end.
+
+    The reader is left at the member's data; the caller must consume ``padded(size)`` bytes.
+    Extension headers (GNU long names, pax ``path`` / ``size``) are applied; other entry types
+    are skipped. A bad header (checksum, size field, pax records, a size past the end of a file
+    of known size) raises ``TarFormatError`` unless ``resync`` is set, in which case ``on_error``
+    is told and the reader scans forward for the next valid header.
+    """
+    long_name = None
+    pax = None
+    limit = getattr(reader, "size", None)
+    while True:
+        header_offset = reader.offset
+        header = reader.read(BLOCK)
+        if header is None:
+            raise truncated(reader, header_offset)
+        if header == _ZERO_BLOCK:
+            _check_end(reader)
+            return None  # end of archive
+        err = None
+        if not _checksum_ok(header):
+            err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
+        else:
+            try:
+                size = _octal(header[124:136])
+                typeflag = header[156:157]
+                if typeflag in _REGULAR:
+                    if pax is not None:
+                        name = pax.get("path") or long_name or _name(header)
+                        if "size" in pax:
+                            size = int(pax["size"]) if pax["size"].isdigit() else _bad_number(pax["size"])
+                    else:
+                        name = long_name or _name(header)
+                    if limit is not None and header_offset + BLOCK + size > limit:
+                        err = TarFormatError(f"tar member of {size} bytes runs past the end of the file "
+                                             f"({limit} bytes)", header_offset, name=name)
+                    else:
+                        return name, size, header_offset
+                elif typeflag in (b"L", b"x", b"K", b"g"):
+                    if size > 1 << 24:
+                        raise ValueError(f"tar extension header of {size} bytes is too large")
+                    data = reader.read(padded(size))
+                    if data is None:
+                        raise TarFormatError("tar stream ends inside an extension header", header_offset)
+                    if typeflag == b"L":
+                        long_name = bytes(data[:size]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                    elif typeflag == b"x":
+                        pax = _pax_records(bytes(data[:size]))
+                    continue
+                else:
+                    long_name = pax = None
+                    if not reader.skip(padded(size)):
+                        raise TarFormatError("tar stream ends inside a non-file entry", header_offset)
+                    continue
+            except ValueError as e:
+                err = TarFormatError(f"bad tar header: {e}", header_offset, name=_legible_name(header))
+        if not resync:
+            raise err
+        on_error(err)
+        long_name = pax = None
+        if not _resync(reader):
+            return None
+
+
+class TarTruncated(TarFormatError):
+    """The shard ends before its end-of-archive blocks: nothing after ``offset`` can be read.
+
+    ``complete`` is True when it ends inside the end-of-archive blocks (every member before is whole).
+    """
+
+    complete = False
+
+
+_LFS_POINTER = b"version https://git-lfs"
+
+
+def truncated(reader, offset: int) -> TarTruncated:
+    """The error for a stream that ends at or after ``offset`` inside a header (or before any header)."""
+    left = _bytes_left(reader, offset)
+    if offset == 0 and left == 0:
+        return TarTruncated("not a tar file: the file is empty", 0)
+    if offset == 0:
+        head = bytes(reader.mm[:len(_LFS_POINTER)]) if isinstance(reader, MmapReader) else bytes(reader.buf[:64])
+        if head.startswith(_LFS_POINTER):
+            return TarTruncated(f"not a tar file: a Git LFS pointer of {left} bytes (run `git lfs pull` "
+                                "to fetch the real shard)", 0)
+        return TarTruncated(f"not a tar file: {left} bytes, shorter than one tar header", 0)
+    if left:
+        return TarTruncated(f"shard ends at byte {offset + left} inside a tar header (truncated)", offset)
+    return TarTruncated(f"shard ends at byte {offset} without the end-of-archive blocks (truncated)", offset)
+
+
+def _bytes_left(reader, offset: int) -> int:
+    """Bytes that were there after ``offset`` when a read of a whole block there failed."""
+    if isinstance(reader, MmapReader):
+        return max(0, reader.size - offset)
+    return max(0, len(reader.buf) - reader.pos)
+
+
+def _check_end(reader) -> None:
+    """After the first end-of-archive block: the second must follow, else the shard was cut there."""
+    offset = reader.offset
+    if reader.read(BLOCK) is None:
+        err = TarTruncated(f"shard ends at byte {offset + _bytes_left(reader, offset)} inside the "
+                           "end-of-archive blocks (truncated)", offset)
+        err.complete = True
+        raise err
+
+
+def padded(size: int) -> int:
+    return (size + BLOCK - 1) & ~(BLOCK - 1)
+
+
+def _resync(reader) -> bool:
+    """Scan forward block by block for a header with a valid checksum; leave the reader before it."""
+    while True:
+        block = reader.peek(BLOCK)
+        if block is None:
+            return False
+        if block != _ZERO_BLOCK and _checksum_ok(block):
+            return True
+        reader.advance(BLOCK)
