@@ -77,10 +77,10 @@ class ShardCounts:
                             len(missing), len(self.urls))
                 results = _map(self._count_shard, missing, desc="counting samples")
                 fresh = {}
-                for url, (n, damage, stamp) in zip(missing, results):
+                for url, (n, damage, mark) in zip(missing, results):
                     known[url] = n
-                    if stamp is not None:
-                        fresh[url] = {"count": n, "damage": damage, "stamp": stamp}
+                    if mark is not None:
+                        fresh[url] = {"count": n, "damage": damage, "stamp": mark}
                 if fresh:
                     store_counts(fresh, storage_options=self._options(missing[0]))
             self._counts = [known[u] for u in self.urls]

@@ -1,4 +1,3 @@
-import gzip
 import io
 import logging
 import os
@@ -8,8 +7,8 @@ import pytest
 import torch
 import webdataset
 
-from datapipe import DataError, ShardStream, ShardWriter
-from tests.shards import make_samples, write_shards
+from datapipe import DataError, ShardStream
+from tests.shards import write_shards
 from tests.resume import assert_resumes_identically
 from tests.servers import http_server
 
@@ -48,7 +47,6 @@ def test_webdataset_key_rules_dots_and_multipart_extensions(tmp_path):
 
 
 def test_long_names_pax_and_gnu(tmp_path):
-    path = str(tmp_path / "long.tar")
     long_dir = "d" * 150
     for fmt, name in [(tarfile.GNU_FORMAT, "gnu.tar"), (tarfile.PAX_FORMAT, "pax.tar")]:
         p = str(tmp_path / name)
