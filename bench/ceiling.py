@@ -6,12 +6,10 @@ replaying one cached device batch (no loader); each loaded measurement sits betw
 measurements of the same input format, so drift shows (``ceiling_before`` / ``ceiling_after``)
 and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
 
-- ``imageloader``: ``loaders.ImageLoader`` defaults (``cpu_share="auto"``); ``il_*``: one option
-  changed (variants); ``il_share0``: no CPU/GPU split (the default before ``cpu_share``),
-  ``il_share<NN>``: NN% of every batch decoded on the CPU;
+- ``imageloader``: ``loaders.ImageLoader`` defaults; ``il_*``: one option changed (variants);
   ``il_cpu``: ``decode_device="cpu"`` (DALI decodes/augments on the CPU, pinned copy, normalise
   on the GPU), ``il_cpu_u8``: the same delivering uint8 NHWC (the step normalises);
-  ``standalone``: the decode rate of ``imageloader``, ``il_share0``/``50`` and ``il_cpu`` alone (no training step);
+  ``standalone``: the decode rate of ``imageloader`` and ``il_cpu`` alone (no training step);
 - ``dali_hand``: the hand-written DALI loop (readers.webdataset + mixed image_random_crop + resize
   + crop_mirror_normalize, DALIGenericIterator, in the training thread, labels fixed);
 - ``torch_pil``: torch DataLoader + webdataset + PIL (torchvision transforms);
@@ -56,8 +54,8 @@ from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
-DEFAULT_ONLY = ("imageloader,il_share0,dali_hand,il_share50,imageloader2,il_share0b,dali_hand2,standalone,torch_pil,"
-                "dl_ours,dl_torch,tokens,tokens_llama,memory,profile")
+DEFAULT_ONLY = ("imageloader,il_cpu,dali_hand,il_cpu_u8,imageloader2,il_cpu2,dali_hand2,standalone,torch_pil,dl_ours,"
+                "dl_torch,tokens,tokens_llama,memory,profile")
 # the variants measured once (bench/results/ceiling_variants.json): il_hw1,il_hw09,il_depth1,il_prio,il_stream
 
 
@@ -374,11 +372,7 @@ def _loader_stats(gen) -> dict:
     if loader is not None and hasattr(loader, "stats"):
         try:
             s = loader.stats()
-            out = {"loader_seconds": {k: round(v, 3) for k, v in s.get("seconds", {}).items()}}
-            if "cpu_share" in s:  # ImageLoader's CPU/GPU split at the end, and how "auto" moved it
-                out.update(cpu_share=s["cpu_share"], cpu_share_history=s.get("cpu_share_history"),
-                           num_threads=getattr(loader, "num_threads", None))
-            return out
+            return {"loader_seconds": {k: round(v, 3) for k, v in s.get("seconds", {}).items()}}
         except Exception:  # noqa: BLE001
             return {}
     return {}
@@ -412,12 +406,6 @@ def image_parts(args, urls, results) -> None:
         "il_prio": ("f32", lambda: tracked(image_loader(urls, args)), hp),
         "il_stream": ("f32", lambda: tracked(image_loader(urls, args, reader="stream")), None),
         "il_cpu": ("f32", lambda: tracked(image_loader(urls, args, decode_device="cpu")), None),
-        "il_share0": ("f32", lambda: tracked(image_loader(urls, args, cpu_share=0.0)), None),
-        "il_share0b": ("f32", lambda: tracked(image_loader(urls, args, cpu_share=0.0)), None),
-        "il_share25": ("f32", lambda: tracked(image_loader(urls, args, cpu_share=0.25)), None),
-        "il_share40": ("f32", lambda: tracked(image_loader(urls, args, cpu_share=0.4)), None),
-        "il_share50": ("f32", lambda: tracked(image_loader(urls, args, cpu_share=0.5)), None),
-        "il_share60": ("f32", lambda: tracked(image_loader(urls, args, cpu_share=0.6)), None),
         "il_cpu2": ("f32", lambda: tracked(image_loader(urls, args, decode_device="cpu")), None),
         "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
                                                              layout="NHWC")), None),
@@ -429,8 +417,7 @@ def image_parts(args, urls, results) -> None:
             loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream)
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
-        for name, options in (("imageloader", {}), ("il_share0", {"cpu_share": 0.0}), ("il_share50", {"cpu_share": 0.5}),
-                              ("il_cpu", {"decode_device": "cpu"})):
+        for name, options in (("imageloader", {}), ("il_cpu", {"decode_device": "cpu"})):
             LOADERS.clear()
             try:
                 results["standalone"][name] = standalone(image_loader(urls, args, **options), args)
@@ -512,8 +499,6 @@ def profile(urls, args, step, ceilings) -> dict:
     base = run(replay(ceilings.batches["f32"]))
     out = {"ceiling_device_ms_per_step": round(sum(base.values()) / n, 2)}
     candidates = [("imageloader", lambda: tracked(image_loader(urls, args))),
-                  ("il_share0", lambda: tracked(image_loader(urls, args, cpu_share=0.0))),
-                  ("il_share50", lambda: tracked(image_loader(urls, args, cpu_share=0.5))),
                   ("dali_hand", lambda: dali_hand(urls, args))]
     if any(n.startswith("il_cpu") for n in args.only):
         candidates.append(("il_cpu", lambda: tracked(image_loader(urls, args, decode_device="cpu"))))

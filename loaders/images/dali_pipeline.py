@@ -49,7 +49,6 @@ def build_image_pipeline(
     checkpoint: str | None = None,
     antialias: bool = True,
     source_info: bool = False,
-    host_share=None,
 ):
     """Build (not run) a DALI pipeline whose outputs are ``(images,)`` or, with ``reader``, ``(images, labels)``.
 
@@ -60,15 +59,15 @@ def build_image_pipeline(
     (the raw label bytes; zero-padded to the batch's longest with ``pad_labels``) is returned as
     the pipeline's second output. ``source_info`` (with ``reader``) adds a third, CPU output: each
     sample's ``"<tar path>:<data offset>:<member name>"`` (DALI's ``source_info`` property of the
-    image read), zero-padded to one uint8 array per batch. ``host_share`` (a
-    ``loaders.images.host_share.HostShare``) splits each batch: the images its predicates mark are
-    decoded and resized on the CPU (then copied to the GPU), the rest as ``device`` says; DALI's
-    conditional execution merges them back in order.
+    image read), zero-padded to one uint8 array per batch.
     """
-    from nvidia.dali import pipeline_def
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import Pipeline
 
     gpu = device == "cuda"
-    pipeline_args = dict(
+    decoder_device = "mixed" if gpu else "cpu"
+    op_device = "gpu" if gpu else "cpu"
+    pipe = Pipeline(
         batch_size=batch_size,
         num_threads=num_threads,
         device_id=device_id if gpu else None,
@@ -79,110 +78,56 @@ def build_image_pipeline(
         enable_checkpointing=enable_checkpointing or checkpoint is not None,
         **({"checkpoint": checkpoint} if checkpoint is not None else {}),
     )
-    graph = _Graph(
-        batch_size=batch_size, image_size=image_size, train=train, gpu=gpu, dtype=dtype, layout=layout,
-        mean=mean, std=std, hw_decoder_load=hw_decoder_load, random_area=random_area,
-        random_aspect_ratio=random_aspect_ratio, resize_size=resize_size, antialias=antialias,
-    )
-    split = host_share is not None
-    return pipeline_def(enable_conditionals=split)(graph.outputs)(
-        source=source, reader=reader, pad_labels=pad_labels, source_info=source_info, host_share=host_share,
-        **pipeline_args)
-
-
-class _Graph:
-    """The operators of the pipeline, with the options they share; ``outputs`` builds the graph."""
-
-    def __init__(self, *, batch_size, image_size, train, gpu, dtype, layout, mean, std, hw_decoder_load,
-                 random_area, random_aspect_ratio, resize_size, antialias):
-        self.batch_size, self.image_size, self.train, self.gpu = batch_size, image_size, train, gpu
-        self.dtype, self.layout, self.mean, self.std = dtype, layout, mean, std
-        self.hw_decoder_load, self.random_area, self.random_aspect_ratio = hw_decoder_load, random_area, random_aspect_ratio
-        self.resize_size, self.antialias = resize_size, antialias
-
-    def outputs(self, source, reader, pad_labels, source_info, host_share):
-        """(Inside ``pipeline_def``) encoded images -> decoded, resized, flipped and normalised."""
-        from nvidia.dali import fn, types
-
-        labels = info = on_cpu = None
+    decoder_args = {}
+    if gpu:
+        decoder_args = dict(
+            device_memory_padding=_DEVICE_MEMORY_PADDING,
+            host_memory_padding=_HOST_MEMORY_PADDING,
+            hw_decoder_load=hw_decoder_load,
+        )
+    out_layout = "CHW" if layout == "NCHW" else "HWC"
+    with pipe:
+        labels = info = None
         if reader is not None:
             jpegs, labels = fn.readers.webdataset(name="Reader", **reader)
             if source_info:  # which samples a batch holds (the elastic resume's record); CPU only
                 info = fn.pad(fn.get_property(jpegs, key="source_info"), fill_value=0)
-            if host_share is not None:
-                on_cpu = fn.external_source(source=host_share.predicates, batch=True, dtype=types.BOOL, ndim=0,
-                                            name="on_cpu")
         elif source is not None:
-            if host_share is not None:  # one predicate per image actually fed (the last batch may be short)
-                jpegs, on_cpu = fn.external_source(source=_with_predicates(source, host_share), num_outputs=2,
-                                                   batch=True, dtype=[types.UINT8, types.BOOL], ndim=[1, 0])
-            else:
-                jpegs = fn.external_source(source=source, name="jpegs", batch=True, dtype=types.UINT8,
-                                           ndim=1, no_copy=True)
+            jpegs = fn.external_source(source=source, name="jpegs", batch=True, dtype=types.UINT8,
+                                       ndim=1, no_copy=True)
         else:
             jpegs = fn.external_source(name="jpegs", batch=True, dtype=types.UINT8, ndim=1)
-        if on_cpu is not None:
-            if on_cpu:  # DALI's conditional: only this batch's CPU images run here, order kept on merge
-                images = self.decoded(jpegs, on_gpu=False)
-                if self.gpu:
-                    images = images.gpu()
-            else:
-                images = self.decoded(jpegs, on_gpu=self.gpu)
-        else:
-            images = self.decoded(jpegs, on_gpu=self.gpu)
-        images = self.normalised(images)
-        if labels is None:
-            return images
-        if pad_labels:  # one dense (batch, longest) uint8 array instead of a ragged batch
-            labels = fn.pad(labels, fill_value=0)
-        return (images, labels, info) if info is not None else (images, labels)
-
-    def decoded(self, jpegs, *, on_gpu: bool):
-        """Decode (train: random-resized-crop ROI) and resize to uint8 HWC, on the GPU or the CPU."""
-        from nvidia.dali import fn, types
-
-        decoder_device, op_device = ("mixed", "gpu") if on_gpu else ("cpu", "cpu")
-        decoder_args = {}
-        if on_gpu:
-            decoder_args = dict(device_memory_padding=_DEVICE_MEMORY_PADDING, host_memory_padding=_HOST_MEMORY_PADDING,
-                                hw_decoder_load=self.hw_decoder_load)
-        if self.train:
-            if on_gpu:
+        if train:
+            if gpu:
                 decoder_args.update(preallocate_width_hint=_HW_PREALLOC_WIDTH,
                                     preallocate_height_hint=_HW_PREALLOC_HEIGHT)
             images = fn.decoders.image_random_crop(
                 jpegs, device=decoder_device, output_type=types.RGB,
-                random_area=list(self.random_area), random_aspect_ratio=list(self.random_aspect_ratio),
+                random_area=list(random_area), random_aspect_ratio=list(random_aspect_ratio),
                 num_attempts=100, **decoder_args,
             )
-            return fn.resize(images, device=op_device, resize_x=self.image_size, resize_y=self.image_size,
-                             interp_type=types.INTERP_LINEAR, antialias=self.antialias)
-        images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB, **decoder_args)
-        return fn.resize(images, device=op_device, resize_shorter=self.resize_size or self.image_size,
-                         interp_type=types.INTERP_LINEAR, antialias=self.antialias)
-
-    def normalised(self, images):
-        """Center crop to the output size, flip (train), normalise, cast and lay out."""
-        from nvidia.dali import fn
-
-        mirror = fn.random.coin_flip(probability=0.5) if self.train else 0
-        if self.dtype == "uint8":  # raw pixels: no normalisation
+            images = fn.resize(images, device=op_device, resize_x=image_size, resize_y=image_size,
+                               interp_type=types.INTERP_LINEAR, antialias=antialias)
+            mirror = fn.random.coin_flip(probability=0.5)
+        else:
+            images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB, **decoder_args)
+            images = fn.resize(images, device=op_device, resize_shorter=resize_size or image_size,
+                               interp_type=types.INTERP_LINEAR, antialias=antialias)
+            mirror = 0
+        out_dtype = dali_dtype(dtype)
+        if dtype == "uint8":  # raw pixels: no normalisation
             norm = dict(mean=[0.0], std=[1.0])
         else:
-            norm = dict(mean=list(self.mean), std=list(self.std))
-        return fn.crop_mirror_normalize(
-            images, device="gpu" if self.gpu else "cpu", dtype=dali_dtype(self.dtype),
-            output_layout="CHW" if self.layout == "NCHW" else "HWC",
-            crop=(self.image_size, self.image_size), crop_pos_x=0.5, crop_pos_y=0.5, rounding="truncate",
-            mirror=mirror, **norm,
+            norm = dict(mean=list(mean), std=list(std))
+        images = fn.crop_mirror_normalize(
+            images, device=op_device, dtype=out_dtype, output_layout=out_layout,
+            crop=(image_size, image_size), crop_pos_x=0.5, crop_pos_y=0.5, rounding="truncate", mirror=mirror,
+            **norm,
         )
-
-
-def _with_predicates(source: Callable, host_share):
-    """An external source giving ``(encoded images, HostShare predicates)`` for each batch of ``source``."""
-
-    def both():
-        jpegs = source()
-        return jpegs, host_share.predicates_for(len(jpegs))
-
-    return both
+        if labels is not None:
+            if pad_labels:  # one dense (batch, longest) uint8 array instead of a ragged batch
+                labels = fn.pad(labels, fill_value=0)
+            pipe.set_outputs(images, labels, *([info] if info is not None else []))
+        else:
+            pipe.set_outputs(images)
+    return pipe

@@ -80,13 +80,6 @@ class ImageLoader:
     up (README). Default ``None``: decode where ``device`` is (``"gpu"`` on CUDA, nvImageCodec);
     ``"cpu"`` with ``device="cpu"`` gives the same images through the same uint8 path.
 
-    ``cpu_share`` (GPU decoding only) moves part of every batch's decode/crop/resize onto cores
-    that would otherwise idle, so fewer of the loader's kernels compete with training on the GPU:
-    a number in [0, 1] fixes the share; ``"auto"`` (default) starts at a quarter of the batch and
-    keeps DALI's CPU threads about 75% busy (their CPU time, from ``/proc``), backing off when the
-    training loop waits; it splits only with >= 4 spare cores per process (``LOCAL_WORLD_SIZE``
-    counted) and then takes those cores as ``num_threads``. ``stats()["cpu_share"]`` shows it.
-
     ``antialias=False`` resizes without DALI's low-pass filter when shrinking (less GPU time per
     batch, slightly more aliasing; torchvision's PIL path filters, as the default here does).
     """
@@ -125,7 +118,6 @@ class ImageLoader:
         stream_options: dict | None = None,
         decode_device: str | None = None,
         antialias: bool = True,
-        cpu_share: float | str = "auto",
     ):
         device = torch.device(device)
         if device.type not in ("cuda", "cpu"):
@@ -140,7 +132,7 @@ class ImageLoader:
             image_size=int(image_size), resize_size=resize_size, dtype=dtype, layout=layout,
             mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std),
             hw_decoder_load=float(hw_decoder_load), antialias=bool(antialias),
-            **DecodeOptions.resolve(device, decode_device, num_threads, cpu_share))
+            **DecodeOptions.resolve(device, decode_device, num_threads))
         self.augment = AugmentOptions(train=train, random_area=tuple(random_area),
                                       random_aspect_ratio=tuple(random_aspect_ratio))
         self.read = ReadOptions(
@@ -159,7 +151,6 @@ class ImageLoader:
         self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
         self._resumed = False
         self._side_stream = None  # the producer's CUDA stream, the same every epoch
-        self.host_share = None  # the latest pipeline's CPU/GPU split (loaders.images.host_share)
 
         from datapipe.stream import ShardStream
 
@@ -184,7 +175,6 @@ class ImageLoader:
     decode_device = _option("decode", "decode_device", "Where DALI decodes: 'gpu' or 'cpu'.")
     num_threads = _option("decode", "num_threads")
     hw_decoder_load = _option("decode", "hw_decoder_load")
-    cpu_share = _option("decode", "cpu_share", "The share of each batch decoded on the CPU (GPU decoding), or 'auto'.")
     train = _option("augment", "train")
     random_area = _option("augment", "random_area")
     random_aspect_ratio = _option("augment", "random_aspect_ratio")
@@ -237,19 +227,7 @@ class ImageLoader:
             random_aspect_ratio=aug.random_aspect_ratio, resize_size=dec.resize_size,
             source=source, reader=reader, enable_checkpointing=reader is not None, checkpoint=checkpoint,
             pad_labels=self.label_decoder is parse_label, antialias=dec.antialias, source_info=source_info,
-            host_share=self._new_host_share(batch_size),
         )
-
-    def _new_host_share(self, batch_size: int | None):
-        """The CPU/GPU split of a new pipeline's batches (None: no split); ``self.host_share`` is the latest."""
-        from loaders.images.host_share import HostShare
-
-        share = self.decode.cpu_share
-        if not self._dali_cuda or share == 0 or (batch_size or self.batch_size) != self.batch_size:
-            return None  # CPU pipelines and the one-image probes don't split
-        seconds = self._seconds  # not self: the pipeline holds this HostShare, no cycle back to the loader
-        self.host_share = HostShare(self.batch_size, share, waited=lambda: seconds["wait"])
-        return self.host_share
 
     # ---- epochs, length, state ----------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -354,9 +332,6 @@ class ImageLoader:
                               + self._errors.last_errors)[-LAST_ERRORS:]
         out["stream"] = stream
         out["seconds"] = {k: round(v, 4) for k, v in self._seconds.items()}
-        if self.host_share is not None:  # where the CPU/GPU split stands (and how "auto" moved it)
-            out["cpu_share"] = round(self.host_share.share, 3)
-            out["cpu_share_history"] = list(self.host_share.history[-20:])
         return out
 
     # ---- iteration ----------------------------------------------------------------------------

@@ -35,7 +35,6 @@ class DecodeOptions:
     num_threads: int = 1
     hw_decoder_load: float = 0.75
     antialias: bool = True  # DALI's resize low-pass filters when it shrinks (costs GPU time)
-    cpu_share: float | str = 0.0  # resolved: the share of each GPU-decoded batch decoded on the CPU, or "auto"
 
     def __post_init__(self):
         if self.image_size < 1 or (self.resize_size is not None and self.resize_size < self.image_size):
@@ -50,9 +49,8 @@ class DecodeOptions:
             raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
 
     @staticmethod
-    def resolve(device: torch.device, decode_device: str | None, num_threads: int | None,
-                cpu_share: float | str = "auto") -> dict:
-        """``decode_device``, ``host_decode``, ``cpu_share`` and ``num_threads`` as the loader uses them."""
+    def resolve(device: torch.device, decode_device: str | None, num_threads: int | None) -> dict:
+        """``decode_device``, ``host_decode`` and ``num_threads`` as the loader uses them (defaults filled)."""
         if decode_device not in (None, "gpu", "cpu"):
             raise ValueError(f"decode_device must be None, 'gpu' or 'cpu', got {decode_device!r}")
         if decode_device == "gpu" and device.type != "cuda":
@@ -60,27 +58,13 @@ class DecodeOptions:
         host_decode = decode_device == "cpu"
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if cpu_share != "auto" and not (isinstance(cpu_share, (int, float)) and 0 <= cpu_share <= 1):
-            raise ValueError(f"cpu_share must be 'auto' or a number in [0, 1], got {cpu_share!r}")
-        gpu_decode = device.type == "cuda" and not host_decode
-        spare = spare_cores()
-        if not gpu_decode or (cpu_share == "auto" and spare < MIN_SPARE_FOR_SPLIT):
-            cpu_share = 0.0  # nothing to split (all on the CPU already), or no cores to split onto
-        if num_threads is None and device.type == "cuda" and (host_decode or cpu_share):
-            num_threads = spare  # DALI's CPU threads do the decoding: every core but the two Python threads'
-        return {"decode_device": "gpu" if gpu_decode else "cpu", "host_decode": host_decode, "cpu_share": cpu_share,
+        if num_threads is None and host_decode and device.type == "cuda":
+            from datapipe.device.autotune import usable_cores
+
+            num_threads = max(1, usable_cores() - 2)  # one core each for the training and producer threads
+        return {"decode_device": decode_device or ("gpu" if device.type == "cuda" else "cpu"),
+                "host_decode": host_decode,
                 "num_threads": int(num_threads or max(1, min(8, os.cpu_count() or 1)))}
-
-
-MIN_SPARE_FOR_SPLIT = 4  # cpu_share="auto" splits only with at least this many spare cores per process
-
-
-def spare_cores() -> int:
-    """Cores per training process on this host (``LOCAL_WORLD_SIZE``), minus one each for its two Python threads."""
-    from datapipe.device.autotune import usable_cores
-
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, usable_cores() // local - 2)
 
 
 @dataclass(frozen=True)

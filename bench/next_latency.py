@@ -1,0 +1,121 @@
+"""Where a loader's ``next()`` time goes when the batch is already made (a diagnostic for bench/ceiling.py).
+
+The ceiling benchmark's loaded loops spend 0.3-0.7 ms per step in ``next()`` although the producer
+thread is ahead. This times each ``next()`` of TokenLoader (small causal LM step) and ImageLoader
+(ResNet-50 step) in the same loop as bench/ceiling.py, split into the producer handoff's parts
+(queue get, event wait + record_stream, slot release) and the rest (generator layers, freeing the
+previous batch), with variants: ``switch``: ``sys.setswitchinterval(1e-4)`` (is it the GIL
+handoff?), ``free_first``: the previous batch dropped before ``next()``.
+
+    python bench/next_latency.py --out bench/results     # on the GPU machine
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import write_result  # noqa: E402
+from datapipe.device import handoff  # noqa: E402
+
+PARTS = {"get": [], "handoff": [], "release": [], "queued": []}
+
+
+def _timed_next(self):
+    """Producer.__next__ with its parts timed (the same steps, in the same order)."""
+    if self._done:
+        raise StopIteration
+    PARTS["queued"].append(self._queue.qsize())
+    t0 = time.perf_counter()
+    item = self._queue.get()
+    t1 = time.perf_counter()
+    if item is handoff._END or isinstance(item, handoff._Failure):
+        self._done = True
+        raise StopIteration
+    if self._handoff is not None:
+        item = self._handoff(item)
+    t2 = time.perf_counter()
+    self._slots.release()
+    t3 = time.perf_counter()
+    PARTS["get"].append(t1 - t0)
+    PARTS["handoff"].append(t2 - t1)
+    PARTS["release"].append(t3 - t2)
+    return item
+
+
+def run(loader, step, *, steps: int, warmup: int, free_first: bool) -> dict:
+    for v in PARTS.values():
+        v.clear()
+    it = iter(loader)
+    waits = []
+    batch = None
+    for i in range(warmup + steps):
+        if i == warmup:
+            waits.clear()
+            for v in PARTS.values():
+                v.clear()
+            start = time.perf_counter()
+        if free_first:
+            batch = None
+        t0 = time.perf_counter()
+        batch = next(it)
+        waits.append(time.perf_counter() - t0)
+        step(batch)
+        torch.cuda.current_stream().synchronize()
+    wall = time.perf_counter() - start
+    close = getattr(it, "close", None)
+    if close:
+        close()
+    ms = lambda xs: round(float(np.median(xs)) * 1e3, 3) if len(xs) else None  # noqa: E731
+    return {"step_ms": round(wall / steps * 1e3, 2), "next_ms_p50": ms(waits),
+            "next_ms_p90": round(float(np.percentile(waits, 90)) * 1e3, 3),
+            "get_ms_p50": ms(PARTS["get"]), "handoff_ms_p50": ms(PARTS["handoff"]),
+            "release_ms_p50": ms(PARTS["release"]),
+            "queued_min": int(min(PARTS["queued"])) if PARTS["queued"] else None}
+
+
+def main(argv=None) -> dict:
+    from bench.ceiling import ImageStep, TokenStep
+    from bench.scaling import ensure_tokens
+    from loaders import ImageLoader, TokenLoader
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="/tmp/datapipe-bench-images")
+    ap.add_argument("--tokens-dir", default="/tmp/datapipe-scaling-tokens")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    handoff.Producer.__next__ = _timed_next
+    results = {}
+    urls = ensure_tokens(args.tokens_dir, 20000, 0)
+    tstep = TokenStep(device, 4096)
+    from bench.images import ensure_dataset
+
+    images, _ = ensure_dataset(args.data, 20000, workers=os.cpu_count() or 1, per_shard=256)
+    torch.backends.cudnn.benchmark = True
+    istep = ImageStep(device, "resnet50")
+    default_switch = sys.getswitchinterval()
+    for variant in ("default", "free_first", "switch"):
+        sys.setswitchinterval(1e-4 if variant == "switch" else default_switch)
+        for name, make, step in (
+            ("tokens", lambda: TokenLoader(urls, seq_len=4096, batch_size=4, device=device), tstep),
+            ("images", lambda: ImageLoader(images, batch_size=256, device=device), istep),
+        ):
+            results[f"{name}_{variant}"] = r = run(make(), step, steps=args.steps, warmup=args.warmup,
+                                                   free_first=variant == "free_first")
+            print(f"{name}_{variant}: {r}", file=sys.stderr, flush=True)
+    sys.setswitchinterval(default_switch)
+    write_result("next_latency", {"config": vars(args), "results": results}, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
