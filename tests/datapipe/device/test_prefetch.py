@@ -281,3 +281,60 @@ def test_gpu_error_propagates():
     with pytest.raises(KeyError, match="bad sample 3"):
         list(DevicePrefetcher(_failing_source(), device="cuda"))
     assert _wait_no_threads() == []
+
+
+def _mixed_leaves():
+    return [torch.arange(12, dtype=torch.int64).view(3, 4), torch.tensor([True, False, True]),
+            torch.randn(5).half(), torch.tensor(2.5), torch.empty(0, 7), torch.arange(20.0).view(4, 5).t(),
+            torch.randint(0, 255, (33,), dtype=torch.uint8)]
+
+
+def test_flat_layout_packs_every_dtype_aligned_and_views_back():
+    from datapipe.device.prefetch import ALIGN, _view, flat_layout, staging_bytes
+
+    leaves = _mixed_leaves()
+    offsets, total = flat_layout(leaves)
+    assert all(o % ALIGN == 0 for o in offsets) and offsets == sorted(offsets)
+    flat = torch.empty(staging_bytes(total), dtype=torch.uint8)
+    for t, o in zip(leaves, offsets):
+        _view(flat, o, t).copy_(t)
+    for t, o in zip(leaves, offsets):
+        back = _view(flat, o, t)
+        assert back.dtype == t.dtype and back.shape == t.shape and back.is_contiguous() and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 1000, 4096, 10**6, 3 * 2**20 + 5])
+def test_staging_bytes_rounds_up_by_at_most_an_eighth(n):
+    from datapipe.device.prefetch import ALIGN, staging_bytes
+
+    size = staging_bytes(n)
+    assert n <= size <= max(ALIGN, n * 1.125 + ALIGN) and size % ALIGN == 0
+    assert staging_bytes(n + 1) >= size  # monotone: a slightly larger batch never gets a smaller buffer
+
+
+@pytest.mark.gpu
+def test_gpu_batch_leaves_share_one_allocation_and_survive_reuse():
+    """Unpinned leaves come over as views of one device block; freeing batches while the consumer's
+    stream still reads them never lets the next batch's copy overwrite them (record_stream once)."""
+    n = 12
+    batches = [{"leaves": [t + i if t.dtype not in (torch.bool,) else t for t in _mixed_leaves()], "i": i,
+                "big": torch.full((512, 1024), float(i))} for i in range(n)]
+    pinned = torch.arange(8.0).pin_memory()
+    for b in batches:
+        b["pinned"] = pinned
+        b["again"] = b["big"]  # the same tensor twice
+    pf = DevicePrefetcher(batches, device="cuda", depth=2)
+    copies = []
+    for b in pf:
+        storages = {t.untyped_storage().data_ptr() for t in b["leaves"] + [b["big"]]}
+        assert len(storages) == 1 and b["again"].untyped_storage().data_ptr() in storages
+        assert b["pinned"].untyped_storage().data_ptr() not in storages
+        torch.cuda._sleep(20_000_000)  # the consumer's stream lags: its reads below run late
+        copies.append((b["i"], [t.clone() for t in b["leaves"]], b["big"].clone()))
+        del b  # freed while those clones are still queued
+    torch.cuda.synchronize()
+    for i, leaves, big in copies:
+        ref = batches[i]
+        assert all(torch.equal(x.cpu(), r) for x, r in zip(leaves, ref["leaves"]))
+        assert torch.all(big == float(i)).item(), i
+    pf.close()
