@@ -153,13 +153,9 @@ def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], devi
     """
     stream = torch.cuda.current_stream(device)
     stream.wait_event(event)
-    kept = set()
     for t in tensors:
         if t.is_cuda:
-            block = t.untyped_storage().data_ptr()  # views of one batch allocation: recorded once
-            if block not in kept:
-                kept.add(block)
-                t.record_stream(stream)
+            t.record_stream(stream)
 
 
 def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0,

@@ -1,12 +1,10 @@
 """Device prefetch: nested batches -> reused pinned host buffers -> device, on a side CUDA stream.
 
 ``DevicePrefetcher(iterable, device="cuda")`` runs a background thread (a
-:class:`datapipe.device.handoff.Producer`) that pulls batches from ``iterable``, copies the CPU
-tensor leaves into one pinned buffer taken from a bounded pool keyed by size (a single leaf: by
-``(shape, dtype)``; a tensor that is already pinned is copied directly), issues the host-to-device
-copy with ``non_blocking=True`` on a dedicated side stream and records an event. The leaves of
-one batch are views of one device allocation: a leaf kept after the rest of its batch is dropped
-keeps the whole batch's device memory. The consumer's
+:class:`datapipe.device.handoff.Producer`) that pulls batches from ``iterable``, copies every CPU
+tensor leaf into a pinned buffer taken from a bounded pool keyed by
+``(shape, dtype)`` (a tensor that is already pinned is copied directly), issues the host-to-device
+copy with ``non_blocking=True`` on a dedicated side stream and records an event. The consumer's
 current stream waits on that event and the device tensors are ``record_stream``-ed on it, so the
 caching allocator never recycles them early. A pinned buffer is reused only after the event of
 the copy that read it has completed. On the CPU (``device="cpu"`` or ``None``) the same class is a
@@ -188,30 +186,8 @@ class _PinnedPool:
                     "allocations": self.allocations, "reuses": self.reuses, "waits": self.waits}
 
 
-ALIGN = 256  # byte alignment of each leaf inside a batch's one staging buffer (any dtype can view it)
-
-
-def staging_bytes(nbytes: int) -> int:
-    """A flat staging buffer's size for ``nbytes``: rounded up to 1/8 of its power of two (<= 12.5% spare).
-
-    Batches whose sizes vary a little (dynamic token batches, ragged labels) then reuse the same
-    pinned buffers instead of making a new pool key each.
-    """
-    if nbytes <= ALIGN:
-        return ALIGN
-    step = max(ALIGN, (1 << (nbytes.bit_length() - 1)) // 8)
-    return -(-nbytes // step) * step
-
-
 class _CudaTransfer:
-    """Stage one batch through the pool and issue its copies on the side stream (producer thread).
-
-    The batch's CPU tensors that are not pinned go into one pinned buffer (each leaf at a
-    256-byte-aligned offset) and over in one host-to-device copy; the device leaves are views of
-    that one allocation, so the consumer's handoff and the allocator's free handle one block per
-    batch instead of one per leaf (bench/results/next_latency.json). Pinned and device tensors are
-    copied on their own, as before.
-    """
+    """Stage one batch through the pool and issue its copies on the side stream (producer thread)."""
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream, pool: _PinnedPool):
         self.device = device
@@ -231,46 +207,12 @@ class _CudaTransfer:
             self.pool.release(entry, self.stream)
         return out
 
-    def _coalesced(self, host: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """``id(tensor) -> device view`` for the unpinned CPU leaves, staged and copied as one buffer."""
-        offsets, total = flat_layout(host)
-        entry = self.pool.acquire((staging_bytes(total),), torch.uint8)
-        try:
-            flat = entry[0]
-            for t, start in zip(host, offsets):
-                _view(flat, start, t).copy_(t)
-            on_device = flat[:total].to(self.device, non_blocking=True)
-        finally:
-            self.pool.release(entry, self.stream)
-        return {id(t): _view(on_device, start, t) for t, start in zip(host, offsets)}
-
     def __call__(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            host, seen = [], set()
-            for t in _tensors(batch):
-                if t.device.type == "cpu" and not t.is_pinned() and id(t) not in seen:
-                    seen.add(id(t))
-                    host.append(t)
-            views = self._coalesced(host) if len(host) > 1 else {}
-            out = map_tensors(lambda t: views[id(t)] if id(t) in views else self._leaf(t), batch)
+            out = map_tensors(self._leaf, batch)
             done = torch.cuda.Event()
             done.record(self.stream)
         return out, done
-
-
-def flat_layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Byte offsets of ``tensors`` packed one after another in a flat buffer (``ALIGN``-aligned), and its size."""
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-(t.numel() * t.element_size()) // ALIGN) * ALIGN
-    return offsets, total
-
-
-def _view(flat: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``flat`` from ``start`` as a contiguous tensor of ``like``'s dtype and shape."""
-    nbytes = like.numel() * like.element_size()
-    return flat[start:start + nbytes].view(like.dtype).view(like.shape)
 
 
 class _PrefetchIterator(Producer):
