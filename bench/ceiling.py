@@ -284,9 +284,11 @@ T0 = time.perf_counter()
 
 
 def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, results: dict, stream=None,
-           steps=None) -> None:
-    """Ceiling, loaded, ceiling: one row of results."""
+           steps=None, pace: float | None = None) -> None:
+    """Ceiling, loaded, ceiling: one row of results. ``pace``: the producers' DATAPIPE_PACE for this row."""
     print(f"[{name}] ...", file=sys.stderr, flush=True)
+    if pace:
+        os.environ["DATAPIPE_PACE"] = str(pace)
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     try:
@@ -308,6 +310,7 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
         if gen is not None and hasattr(gen, "close"):
             gen.close()
         gen = it = None
+        os.environ.pop("DATAPIPE_PACE", None)
     exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)
@@ -410,11 +413,13 @@ def image_parts(args, urls, results) -> None:
         "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
                                                              layout="NHWC")), None),
     }
+    variants["imageloader_paced"] = variants["imageloader"]
     for name in only:
         if name in variants and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[name]
             LOADERS.clear()
-            loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream)
+            loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream,
+                   pace=PACE if name.endswith("_paced") else None)
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
         for name, options in (("imageloader", {}), ("il_cpu", {"decode_device": "cpu"})):
@@ -428,7 +433,7 @@ def image_parts(args, urls, results) -> None:
     if "torch_pil" in only and time.perf_counter() - T0 < args.budget_s:
         loaded("torch_pil", lambda: torch_pil(urls, args), "f32", ceilings, step, args, count, results,
                steps=max(10, args.steps // 3))
-    for name in ("dl_ours", "dl_torch"):
+    for name in ("dl_ours", "dl_torch", "dl_ours_paced"):
         if name not in only or time.perf_counter() - T0 > args.budget_s:
             continue
         from loaders import DataLoader
@@ -437,12 +442,13 @@ def image_parts(args, urls, results) -> None:
         common = dict(batch_size=args.batch_size, num_workers=args.dl_workers, shuffle=True, drop_last=True,
                       persistent_workers=True, prefetch_factor=2)
         LOADERS.clear()
-        if name == "dl_ours":
+        if name.startswith("dl_ours"):
             make = lambda: tracked(DataLoader(ds, device=args.device, **common))  # noqa: E731
         else:
             make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
-        loaded(name, make, "u8nchw", ceilings, step, args, count, results)
+        loaded(name, make, "u8nchw", ceilings, step, args, count, results,
+               pace=PACE if name.endswith("_paced") else None)
     if "profile" in only and args.device.type == "cuda" and time.perf_counter() - T0 < args.budget_s:
         try:
             results["profile"] = profile(urls, args, step, ceilings)
@@ -518,6 +524,21 @@ def profile(urls, args, step, ceilings) -> dict:
     return out
 
 
+PACE = 0.5  # the *_paced rows: producers hold their next item until half the consumer's step has passed
+
+
+class TokenBatches(torch.utils.data.IterableDataset):
+    """TokenLoader's packed host batches, as a dataset a DataLoader worker can run."""
+
+    def __init__(self, urls, seq_len: int, batch_size: int):
+        self.urls, self.seq_len, self.batch_size = urls, seq_len, batch_size
+
+    def __iter__(self):
+        from loaders import TokenLoader
+
+        yield from TokenLoader(self.urls, seq_len=self.seq_len, batch_size=self.batch_size, device=None)
+
+
 def token_part(args, results) -> None:
     from bench.scaling import ensure_tokens
     from loaders import TokenLoader
@@ -531,9 +552,18 @@ def token_part(args, results) -> None:
         loader = TokenLoader(urls, seq_len=args.seq_len, batch_size=args.token_batch, device=args.device)
         return tracked(loader)
 
-    if "tokens" in args.only:
-        LOADERS.clear()
-        loaded("tokens", make, "tokens", ceilings, step, args, count, results)
+    def in_worker():  # the packing in one worker process; this process only pins and copies
+        from loaders import DataLoader
+
+        dataset = TokenBatches(urls, args.seq_len, args.token_batch)
+        return tracked(DataLoader(dataset, batch_size=None, num_workers=1, device=args.device,
+                                  persistent_workers=True, prefetch_factor=4))
+
+    for name, maker in (("tokens", make), ("tokens_paced", make), ("tokens_worker", in_worker), ("tokens2", make)):
+        if name in args.only and time.perf_counter() - T0 < args.budget_s + 60:
+            LOADERS.clear()
+            loaded(name, maker, "tokens", ceilings, step, args, count, results,
+                   pace=PACE if name.endswith("_paced") else None)
     if "tokens_llama" in args.only and time.perf_counter() - T0 < args.budget_s + 90:
         del step, ceilings
         try:

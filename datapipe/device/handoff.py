@@ -10,8 +10,10 @@ GPU work runs on its own stream and the consumer's stream waits for it with an e
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -23,13 +25,53 @@ _POLL_S = 0.05
 _END = object()
 
 
+class _Pacer:
+    """Holds the producer's next item back until ``fraction`` of the consumer's step has passed.
+
+    The consumer's ``next()`` frees a slot at the start of its step, exactly when its own thread
+    launches that step's work; a producer starting at once competes with it for the GIL. With a
+    batch still queued there is slack: the producer waits until ``fraction`` of the consumer's
+    period (smoothed time between two ``next()`` calls) after the last take.
+    """
+
+    MAX_DELAY_S = 0.5
+
+    def __init__(self, fraction: float):
+        self.fraction = fraction
+        self.taken: float | None = None
+        self.period: float | None = None
+
+    def took(self) -> None:
+        """(Consumer) an item was just taken."""
+        now = time.perf_counter()
+        if self.taken is not None:
+            gap = now - self.taken
+            self.period = gap if self.period is None else 0.8 * self.period + 0.2 * gap
+        self.taken = now
+
+    def hold(self, queued: int, stop: threading.Event) -> None:
+        """(Producer) wait, if an item is still queued, until the consumer is ``fraction`` into its step."""
+        taken, period = self.taken, self.period
+        if queued < 1 or taken is None or period is None:
+            return
+        delay = taken + self.fraction * min(period, self.MAX_DELAY_S) - time.perf_counter()
+        if delay > 0:
+            stop.wait(delay)
+
+
+def _pace_from_env() -> float | None:
+    value = os.environ.get("DATAPIPE_PACE", "")
+    return float(value) if value else None
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
 
 
 def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaphore, stop: threading.Event,
-             setup: Callable[[], None] | None, transform: Callable[[Any], Any] | None) -> None:
+             setup: Callable[[], None] | None, transform: Callable[[Any], Any] | None,
+             pacer: _Pacer | None = None) -> None:
     """Producer thread body: take a slot, pull, transform, put; end with _END or a _Failure; stop on request.
 
     Runs ``setup()`` first and closes the iterator at the end, both in this thread. It holds no
@@ -48,6 +90,8 @@ def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaph
         it = iter(iterable)
         try:
             while take_slot():
+                if pacer is not None:
+                    pacer.hold(out.qsize(), stop)
                 try:
                     item = next(it)
                 except StopIteration:
@@ -88,8 +132,10 @@ class Producer(Iterator):
         self._note = note
         self._join_s = join_s
         self._done = False
+        pace = _pace_from_env()
+        self._pacer = _Pacer(pace) if pace else None
         self._thread = threading.Thread(
-            target=_produce, args=(iterable, self._queue, self._slots, self._stop, setup, transform),
+            target=_produce, args=(iterable, self._queue, self._slots, self._stop, setup, transform, self._pacer),
             name=name, daemon=True,
         )
         self._thread.start()
@@ -122,6 +168,8 @@ class Producer(Iterator):
             raise exc  # same object: keeps the producer's traceback frames
         if self._handoff is not None:
             item = self._handoff(item)
+        if self._pacer is not None:
+            self._pacer.took()
         self._slots.release()  # after the handoff: the producer's next item starts now
         return item
 
