@@ -21,6 +21,10 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
   Hugging Face Llama (random init from a LlamaConfig, bf16 weights, sdpa, AdamW,
   ``packing.batch.hf_inputs``).
 
+Pacing: rows ending ``_unpaced`` run with ``DATAPIPE_PACE=0`` (the producers start their next
+batch as soon as a slot frees, as before pacing), ``_pace07`` with 0.7; the others with the
+library's default (0.5). ``tokens_worker``: the packing in one DataLoader worker process.
+
 Loaders with worker processes are shut down, and the process waits for its children to exit
 (``workers_exit_s``), before the ceiling after them is measured.
 
@@ -287,7 +291,7 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
            steps=None, pace: float | None = None) -> None:
     """Ceiling, loaded, ceiling: one row of results. ``pace``: the producers' DATAPIPE_PACE for this row."""
     print(f"[{name}] ...", file=sys.stderr, flush=True)
-    if pace:
+    if pace is not None:
         os.environ["DATAPIPE_PACE"] = str(pace)
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
@@ -413,13 +417,12 @@ def image_parts(args, urls, results) -> None:
         "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
                                                              layout="NHWC")), None),
     }
-    variants["imageloader_paced"] = variants["imageloader"]
+    variants["imageloader_unpaced"] = variants["imageloader_pace07"] = variants["imageloader"]
     for name in only:
         if name in variants and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[name]
             LOADERS.clear()
-            loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream,
-                   pace=PACE if name.endswith("_paced") else None)
+            loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
         for name, options in (("imageloader", {}), ("il_cpu", {"decode_device": "cpu"})):
@@ -433,7 +436,7 @@ def image_parts(args, urls, results) -> None:
     if "torch_pil" in only and time.perf_counter() - T0 < args.budget_s:
         loaded("torch_pil", lambda: torch_pil(urls, args), "f32", ceilings, step, args, count, results,
                steps=max(10, args.steps // 3))
-    for name in ("dl_ours", "dl_torch", "dl_ours_paced"):
+    for name in ("dl_ours", "dl_torch", "dl_ours_unpaced"):
         if name not in only or time.perf_counter() - T0 > args.budget_s:
             continue
         from loaders import DataLoader
@@ -447,8 +450,7 @@ def image_parts(args, urls, results) -> None:
         else:
             make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
-        loaded(name, make, "u8nchw", ceilings, step, args, count, results,
-               pace=PACE if name.endswith("_paced") else None)
+        loaded(name, make, "u8nchw", ceilings, step, args, count, results, pace=row_pace(name))
     if "profile" in only and args.device.type == "cuda" and time.perf_counter() - T0 < args.budget_s:
         try:
             results["profile"] = profile(urls, args, step, ceilings)
@@ -524,7 +526,13 @@ def profile(urls, args, step, ceilings) -> dict:
     return out
 
 
-PACE = 0.5  # the *_paced rows: producers hold their next item until half the consumer's step has passed
+ROW_PACE = {"_unpaced": 0.0, "_pace07": 0.7}  # rows named so override the producers' pacing (default 0.5)
+
+
+def row_pace(name: str) -> float | None:
+    """The DATAPIPE_PACE a row runs with: its suffix's, else None (the library's default)."""
+    return next((v for k, v in ROW_PACE.items() if name.endswith(k)), None)
+
 
 
 class TokenBatches(torch.utils.data.IterableDataset):
@@ -559,11 +567,11 @@ def token_part(args, results) -> None:
         return tracked(DataLoader(dataset, batch_size=None, num_workers=1, device=args.device,
                                   persistent_workers=True, prefetch_factor=4))
 
-    for name, maker in (("tokens", make), ("tokens_paced", make), ("tokens_worker", in_worker), ("tokens2", make)):
+    for name, maker in (("tokens", make), ("tokens_unpaced", make), ("tokens_pace07", make),
+                        ("tokens_worker", in_worker), ("tokens2", make)):
         if name in args.only and time.perf_counter() - T0 < args.budget_s + 60:
             LOADERS.clear()
-            loaded(name, maker, "tokens", ceilings, step, args, count, results,
-                   pace=PACE if name.endswith("_paced") else None)
+            loaded(name, maker, "tokens", ceilings, step, args, count, results, pace=row_pace(name))
     if "tokens_llama" in args.only and time.perf_counter() - T0 < args.budget_s + 90:
         del step, ceilings
         try:

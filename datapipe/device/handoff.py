@@ -36,14 +36,15 @@ class _Pacer:
 
     MAX_DELAY_S = 0.5
 
-    def __init__(self, fraction: float):
+    def __init__(self, fraction: float, clock: Callable[[], float] = time.perf_counter):
         self.fraction = fraction
+        self.clock = clock
         self.taken: float | None = None
         self.period: float | None = None
 
     def took(self) -> None:
         """(Consumer) an item was just taken."""
-        now = time.perf_counter()
+        now = self.clock()
         if self.taken is not None:
             gap = now - self.taken
             self.period = gap if self.period is None else 0.8 * self.period + 0.2 * gap
@@ -54,14 +55,25 @@ class _Pacer:
         taken, period = self.taken, self.period
         if queued < 1 or taken is None or period is None:
             return
-        delay = taken + self.fraction * min(period, self.MAX_DELAY_S) - time.perf_counter()
+        delay = taken + self.fraction * min(period, self.MAX_DELAY_S) - self.clock()
         if delay > 0:
             stop.wait(delay)
 
 
-def _pace_from_env() -> float | None:
-    value = os.environ.get("DATAPIPE_PACE", "")
-    return float(value) if value else None
+PACE = 0.5  # default of the producers that feed a training loop (DevicePrefetcher, on_side_stream)
+
+
+def resolve_pace(pace: float | None) -> float | None:
+    """The pacing fraction to use: ``DATAPIPE_PACE`` (``0`` turns it off) overrides ``pace``; None or 0: off."""
+    value = os.environ.get("DATAPIPE_PACE", "").strip()
+    if value:
+        try:
+            pace = float(value)
+        except ValueError:
+            raise ValueError(f"DATAPIPE_PACE={value!r}: use a fraction in [0, 1) (0 turns pacing off)") from None
+    if pace is not None and not 0 <= pace < 1:
+        raise ValueError(f"pace={pace!r}: use a fraction in [0, 1) of the consumer's step, or None")
+    return pace or None
 
 
 class _Failure:
@@ -119,12 +131,15 @@ class Producer(Iterator):
     handoff (whose CUDA calls release the GIL, and a producer woken right then would hold the
     consumer up). An exception of the producer is re-raised by ``next()`` (same object, its
     traceback kept; ``note`` is added to it). ``close()`` (or dropping the iterator) stops the
-    thread, which closes ``iterable``'s iterator in that thread.
+    thread, which closes ``iterable``'s iterator in that thread. ``pace`` (a fraction, see
+    :class:`_Pacer`; ``DATAPIPE_PACE`` overrides it): while an item is still queued, the next one
+    starts only that far into the consumer's step, not while its thread launches the step.
     """
 
     def __init__(self, iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
                  setup: Callable[[], None] | None = None, transform: Callable[[Any], Any] | None = None,
-                 handoff: Callable[[Any], Any] | None = None, note: str | None = None, join_s: float = 60.0):
+                 handoff: Callable[[Any], Any] | None = None, note: str | None = None, join_s: float = 60.0,
+                 pace: float | None = None):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the slots: depth items ahead
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = threading.Event()
@@ -132,7 +147,7 @@ class Producer(Iterator):
         self._note = note
         self._join_s = join_s
         self._done = False
-        pace = _pace_from_env()
+        pace = resolve_pace(pace)
         self._pacer = _Pacer(pace) if pace else None
         self._thread = threading.Thread(
             target=_produce, args=(iterable, self._queue, self._slots, self._stop, setup, transform, self._pacer),
@@ -227,7 +242,8 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
 
 
 def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, device: torch.device,
-                   depth: int, stream: torch.cuda.Stream | None = None) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+                   depth: int, stream: torch.cuda.Stream | None = None,
+                   pace: float | None = PACE) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
     """Items ``(tensors, meta)`` made in a background thread, ahead of the consumer.
 
     On CUDA the producer's current stream is a side stream of ``device``: whatever it enqueues
@@ -236,6 +252,7 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
     and ``record_stream`` so their memory is not reused while the consumer still reads it.
     Pass the same ``stream`` every epoch: the caching allocator keeps its blocks per stream, so a
     new side stream per epoch strands the last one's cached blocks (2 MB more reserved each epoch).
+    Paced (``pace``, see :class:`Producer`) by default: it feeds a training loop.
     """
     cuda = device.type == "cuda"
 
@@ -253,7 +270,7 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
         return tensors, meta
 
     producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
-                        transform=mark if cuda else None, handoff=handoff if cuda else None)
+                        transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace)
     try:
         yield from producer
     finally:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from datapipe.device.handoff import Producer, wait_and_keep
+from datapipe.device.handoff import PACE, Producer, resolve_pace, wait_and_keep
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -229,7 +229,7 @@ class _PrefetchIterator(Producer):
             setup = handoff = None
             transform = lambda batch: map_tensors(lambda t: t.to(device), batch)  # noqa: E731
         super().__init__(owner.iterable, depth=owner.depth, name="datapipe-prefetch", setup=setup,
-                         transform=transform, handoff=handoff, join_s=30.0,
+                         transform=transform, handoff=handoff, join_s=30.0, pace=owner.pace,
                          note="(raised while producing a batch in the DevicePrefetcher thread)")
 
 
@@ -251,11 +251,14 @@ class DevicePrefetcher:
     ``max_pinned_bytes`` in total, if given) that lives across epochs and is freed by ``close()``.
     A source tensor that is already pinned is copied directly, so its owner must not overwrite it
     until the consumer's stream has used the batch. An exception raised by ``iterable`` is
-    re-raised by ``next()`` in the consumer (same object, producer traceback kept).
+    re-raised by ``next()`` in the consumer (same object, producer traceback kept). ``pace``
+    (default 0.5; None turns it off; ``DATAPIPE_PACE`` overrides): while a batch is still queued,
+    the next one is made only half-way into the consumer's step, so the producer thread does not
+    compete for the GIL with the training thread while it launches the step (README, "Pacing").
     """
 
     def __init__(self, iterable: Iterable, *, device: str | torch.device | int | None,
-                 depth: int = 2, max_pinned_bytes: int | None = None):
+                 depth: int = 2, max_pinned_bytes: int | None = None, pace: float | None = PACE):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth={depth!r}: pass an int >= 1 (batches prepared ahead of the consumer)")
         if max_pinned_bytes is not None and max_pinned_bytes <= 0:
@@ -263,6 +266,7 @@ class DevicePrefetcher:
         self.iterable = iterable
         self.device = resolve_device(device)
         self.depth = depth
+        self.pace = resolve_pace(pace)
         self.max_pinned_bytes = max_pinned_bytes
         self.stream = None
         self._pool = None

@@ -106,3 +106,72 @@ def test_the_producer_waits_for_the_handoff_before_making_more():
 
     assert list(threaded(gen(), depth=1, handoff=handoff)) == list(range(6))
     assert handed == list(range(6))
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class _Stop:
+    """A stop event whose wait only records the delay asked for."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, delay):
+        self.waits.append(round(delay, 6))
+        return False
+
+
+def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
+    from datapipe.device.handoff import _Pacer
+
+    clock, stop = _Clock(), _Stop()
+    pacer = _Pacer(0.5, clock=clock)
+    pacer.hold(1, stop)  # no take seen yet: nothing to pace by
+    for t in (0.0, 0.1, 0.2):  # the consumer takes one item every 100 ms
+        clock.now = t
+        pacer.took()
+    assert abs(pacer.period - 0.1) < 1e-9
+    clock.now = 0.201  # the producer got its slot right after the take
+    pacer.hold(1, stop)
+    assert stop.waits == [0.049]  # until half-way into the step
+    pacer.hold(0, stop)  # nothing queued: the consumer would wait for it, so no hold
+    clock.now = 0.3
+    pacer.hold(1, stop)  # already past the point: no hold
+    assert stop.waits == [0.049]
+    clock.now = 0.2
+    pacer.period = 60.0  # a long pause (evaluation, checkpointing): the hold stays capped
+    pacer.hold(1, stop)
+    assert stop.waits[-1] == 0.5 * _Pacer.MAX_DELAY_S
+
+
+def test_paced_producer_times_the_consumer_and_delivers_everything(monkeypatch):
+    from datapipe.device.handoff import Producer
+
+    monkeypatch.delenv("DATAPIPE_PACE", raising=False)
+    producer = Producer(iter(range(20)), depth=2, pace=0.5)
+    assert list(producer) == list(range(20))
+    assert producer._pacer is not None and producer._pacer.period is not None
+    assert Producer(iter(()), depth=2)._pacer is None  # off unless asked for
+
+
+def test_pace_setting_and_environment_override(monkeypatch):
+    from datapipe.device.handoff import resolve_pace
+
+    monkeypatch.delenv("DATAPIPE_PACE", raising=False)
+    assert resolve_pace(0.5) == 0.5 and resolve_pace(None) is None and resolve_pace(0) is None
+    monkeypatch.setenv("DATAPIPE_PACE", "0")
+    assert resolve_pace(0.5) is None  # the environment turns it off
+    monkeypatch.setenv("DATAPIPE_PACE", "0.7")
+    assert resolve_pace(None) == 0.7
+    monkeypatch.setenv("DATAPIPE_PACE", "fast")
+    with pytest.raises(ValueError, match="DATAPIPE_PACE"):
+        resolve_pace(0.5)
+    monkeypatch.delenv("DATAPIPE_PACE")
+    with pytest.raises(ValueError, match="pace"):
+        resolve_pace(1.5)
