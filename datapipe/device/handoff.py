@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,29 +30,41 @@ class _Pacer:
     """Holds the producer's next item back until ``fraction`` of the consumer's step has passed.
 
     The consumer's ``next()`` frees a slot at the start of its step, exactly when its own thread
-    launches that step's work; a producer starting at once competes with it for the GIL. With a
-    batch still queued there is slack: the producer waits until ``fraction`` of the consumer's
-    period (smoothed time between two ``next()`` calls) after the last take.
+    launches that step's work; a producer starting at once competes with it for the GIL. With an
+    item still queued there is slack: the producer waits until ``fraction`` of the consumer's
+    period after the last take. The period is the median of the last ``SAMPLES`` gaps between
+    takes (a pause for evaluation or a checkpoint does not move it), and after any take that
+    found nothing ready the producer does not hold at all for ``2 * SAMPLES`` items.
     """
 
     MAX_DELAY_S = 0.5
+    SAMPLES = 8
 
     def __init__(self, fraction: float, clock: Callable[[], float] = time.perf_counter):
         self.fraction = fraction
         self.clock = clock
         self.taken: float | None = None
         self.period: float | None = None
+        self.calm = 0  # items left to make without holding (after the consumer had to wait)
+        self._gaps: deque[float] = deque(maxlen=self.SAMPLES)
 
-    def took(self) -> None:
-        """(Consumer) an item was just taken."""
+    def took(self, waited: bool = False) -> None:
+        """(Consumer) an item was just taken; ``waited``: none was ready when it asked."""
         now = self.clock()
         if self.taken is not None:
-            gap = now - self.taken
-            self.period = gap if self.period is None else 0.8 * self.period + 0.2 * gap
+            self._gaps.append(now - self.taken)
+            if len(self._gaps) >= 3:
+                gaps = sorted(self._gaps)
+                self.period = gaps[len(gaps) // 2]
         self.taken = now
+        if waited:
+            self.calm = 2 * self.SAMPLES
 
     def hold(self, queued: int, stop: threading.Event) -> None:
         """(Producer) wait, if an item is still queued, until the consumer is ``fraction`` into its step."""
+        if self.calm > 0:
+            self.calm -= 1
+            return
         taken, period = self.taken, self.period
         if queued < 1 or taken is None or period is None:
             return
@@ -158,6 +171,7 @@ class Producer(Iterator):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        waited = self._pacer is not None and self._queue.empty()
         while True:
             try:
                 item = self._queue.get(timeout=_POLL_S)
@@ -184,7 +198,7 @@ class Producer(Iterator):
         if self._handoff is not None:
             item = self._handoff(item)
         if self._pacer is not None:
-            self._pacer.took()
+            self._pacer.took(waited)
         self._slots.release()  # after the handoff: the producer's next item starts now
         return item
 

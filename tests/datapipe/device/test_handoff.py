@@ -127,27 +127,55 @@ class _Stop:
         return False
 
 
+def _taking(pacer, clock, times, waited=()):
+    for t in times:
+        clock.now = t
+        pacer.took(t in waited)
+
+
 def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
     from datapipe.device.handoff import _Pacer
 
     clock, stop = _Clock(), _Stop()
     pacer = _Pacer(0.5, clock=clock)
-    pacer.hold(1, stop)  # no take seen yet: nothing to pace by
-    for t in (0.0, 0.1, 0.2):  # the consumer takes one item every 100 ms
-        clock.now = t
-        pacer.took()
+    _taking(pacer, clock, [0.0, 0.1])
+    pacer.hold(1, stop)  # one gap is not yet a period: no hold
+    assert stop.waits == []
+    _taking(pacer, clock, [0.2, 0.3])  # one take every 100 ms
     assert abs(pacer.period - 0.1) < 1e-9
-    clock.now = 0.201  # the producer got its slot right after the take
+    clock.now = 0.301  # the producer got its slot right after the take
     pacer.hold(1, stop)
     assert stop.waits == [0.049]  # until half-way into the step
     pacer.hold(0, stop)  # nothing queued: the consumer would wait for it, so no hold
-    clock.now = 0.3
+    clock.now = 0.4
     pacer.hold(1, stop)  # already past the point: no hold
     assert stop.waits == [0.049]
-    clock.now = 0.2
-    pacer.period = 60.0  # a long pause (evaluation, checkpointing): the hold stays capped
+
+
+def test_a_pause_does_not_stretch_the_period():
+    from datapipe.device.handoff import _Pacer
+
+    clock, stop = _Clock(), _Stop()
+    pacer = _Pacer(0.5, clock=clock)
+    _taking(pacer, clock, [0.0, 0.1, 0.2, 0.3, 60.3, 60.4, 60.5])  # a minute of evaluation in between
+    assert abs(pacer.period - 0.1) < 1e-9
+    clock.now = 60.5
     pacer.hold(1, stop)
-    assert stop.waits[-1] == 0.5 * _Pacer.MAX_DELAY_S
+    assert stop.waits == [0.05]
+
+
+def test_a_consumer_that_waited_turns_holding_off_for_a_while():
+    from datapipe.device.handoff import _Pacer
+
+    clock, stop = _Clock(), _Stop()
+    pacer = _Pacer(0.5, clock=clock)
+    _taking(pacer, clock, [0.0, 0.1, 0.2, 0.3], waited={0.3})
+    for _ in range(2 * _Pacer.SAMPLES):
+        pacer.hold(1, stop)
+    assert stop.waits == []
+    clock.now = 0.3
+    pacer.hold(1, stop)
+    assert stop.waits == [0.05]
 
 
 def test_paced_producer_times_the_consumer_and_delivers_everything(monkeypatch):
