@@ -31,7 +31,8 @@ Loaders with worker processes are shut down, and the process waits for its child
 Where the rest goes: ``wait_fraction`` (host blocked in ``next()``), ``contention`` = 1 - ratio -
 wait (the step itself ran slower: the loader's GPU work and host threads), and, profiled with
 torch.profiler over a few steps, ``loader_device_ms_per_step``: device time of kernels and copies
-whose names the ceiling's profile does not have (the loader's own). ``memory`` runs 100 short
+whose names the ceiling's profile does not have (the loader's own); ``producer``: the loader's
+producer thread's CPU time per batch (an upper bound on its share of the GIL). ``memory`` runs 100 short
 ImageLoader epochs and records ``torch.cuda.memory_reserved()`` per epoch.
 
     python bench/ceiling.py                      # the H200 run: bench/results/ceiling.json
@@ -382,7 +383,10 @@ def _loader_stats(gen) -> dict:
     if loader is not None and hasattr(loader, "stats"):
         try:
             s = loader.stats()
-            return {"loader_seconds": {k: round(v, 3) for k, v in s.get("seconds", {}).items()}}
+            out = {"loader_seconds": {k: round(v, 3) for k, v in s.get("seconds", {}).items()}}
+            if "producer" in s:  # the producer thread's CPU time per batch (bounds its share of the GIL)
+                out["producer"] = s["producer"]
+            return out
         except Exception:  # noqa: BLE001
             return {}
     return {}

@@ -109,6 +109,7 @@ def stats(p: Progress | None, *, epoch: int, num_workers: int, prefetch_depth: i
                wait_fraction=min(1.0, s.wait_s / elapsed) if elapsed > 0 else 0.0)
     if prefetcher is not None:
         out["pinned_pool"] = prefetcher.pool_stats()
+        out["producer"] = prefetcher.producer_stats()
     if not math.isfinite(out["samples_per_s"]):
         out["samples_per_s"] = 0.0
     return out

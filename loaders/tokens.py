@@ -92,6 +92,7 @@ class TokenLoader:
         self._stats = {"batches": 0, "tokens": 0, "dropped_tail_batches": 0,
                        "wait_s": 0.0, "elapsed_s": 0.0}
         self._group = None
+        self._producer = None  # the last pass's ProducerMeter
 
     # ---- documents --------------------------------------------------------------------------
     def _document(self, sample: dict) -> np.ndarray | None:
@@ -141,6 +142,7 @@ class TokenLoader:
             self._stats["batches"] = 0
         group = self._sync_group()
         prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
+        self._producer = prefetcher.meter
         it = iter(prefetcher)
         start = time.perf_counter()
 
@@ -256,4 +258,6 @@ class TokenLoader:
         s["wait_fraction"] = s["wait_s"] / s["elapsed_s"] if s["elapsed_s"] else 0.0
         s.update(self.batcher.stats())
         s["stream"] = self.stream.stats()
+        if self._producer is not None:  # the producer thread's CPU time (this pass)
+            s["producer"] = self._producer.stats()
         return s

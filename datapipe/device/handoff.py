@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Producer", "on_side_stream", "started", "threaded", "wait_and_keep"]
+__all__ = ["Producer", "ProducerMeter", "on_side_stream", "started", "threaded", "wait_and_keep"]
 
 _POLL_S = 0.05
 _END = object()
@@ -89,6 +89,25 @@ def resolve_pace(pace: float | None) -> float | None:
     return pace or None
 
 
+class ProducerMeter:
+    """CPU seconds a producer thread spent making items (``time.thread_time``), and the items made.
+
+    An upper bound on that thread's share of the GIL: C code that releases the GIL while it works
+    (copies, DALI, numpy on large arrays) counts too.
+    """
+
+    __slots__ = ("cpu_s", "items")
+
+    def __init__(self):
+        self.cpu_s = 0.0
+        self.items = 0
+
+    def stats(self) -> dict:
+        """``cpu_s``, ``batches`` and ``cpu_ms_per_batch``."""
+        per = 1e3 * self.cpu_s / self.items if self.items else 0.0
+        return {"cpu_s": round(self.cpu_s, 4), "batches": self.items, "cpu_ms_per_batch": round(per, 3)}
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -96,7 +115,7 @@ class _Failure:
 
 def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaphore, stop: threading.Event,
              setup: Callable[[], None] | None, transform: Callable[[Any], Any] | None,
-             pacer: _Pacer | None = None) -> None:
+             pacer: _Pacer | None = None, meter: ProducerMeter | None = None) -> None:
     """Producer thread body: take a slot, pull, transform, put; end with _END or a _Failure; stop on request.
 
     Runs ``setup()`` first and closes the iterator at the end, both in this thread. It holds no
@@ -117,6 +136,7 @@ def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaph
             while take_slot():
                 if pacer is not None:
                     pacer.hold(out.qsize(), stop)
+                cpu0 = time.thread_time()
                 try:
                     item = next(it)
                 except StopIteration:
@@ -124,6 +144,9 @@ def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaph
                     return
                 if transform is not None:
                     item = transform(item)
+                if meter is not None:
+                    meter.cpu_s += time.thread_time() - cpu0
+                    meter.items += 1
                 if stop.is_set():
                     return
                 out.put(item)
@@ -147,12 +170,14 @@ class Producer(Iterator):
     thread, which closes ``iterable``'s iterator in that thread. ``pace`` (a fraction, see
     :class:`_Pacer`; ``DATAPIPE_PACE`` overrides it): while an item is still queued, the next one
     starts only that far into the consumer's step, not while its thread launches the step.
+    ``meter`` (a :class:`ProducerMeter`, shared across epochs if the caller keeps one) counts the
+    thread's CPU time per item.
     """
 
     def __init__(self, iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
                  setup: Callable[[], None] | None = None, transform: Callable[[Any], Any] | None = None,
                  handoff: Callable[[Any], Any] | None = None, note: str | None = None, join_s: float = 60.0,
-                 pace: float | None = None):
+                 pace: float | None = None, meter: ProducerMeter | None = None):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the slots: depth items ahead
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = threading.Event()
@@ -162,8 +187,10 @@ class Producer(Iterator):
         self._done = False
         pace = resolve_pace(pace)
         self._pacer = _Pacer(pace) if pace else None
+        self.meter = meter if meter is not None else ProducerMeter()
         self._thread = threading.Thread(
-            target=_produce, args=(iterable, self._queue, self._slots, self._stop, setup, transform, self._pacer),
+            target=_produce,
+            args=(iterable, self._queue, self._slots, self._stop, setup, transform, self._pacer, self.meter),
             name=name, daemon=True,
         )
         self._thread.start()
@@ -256,8 +283,8 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
 
 
 def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, device: torch.device,
-                   depth: int, stream: torch.cuda.Stream | None = None,
-                   pace: float | None = PACE) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+                   depth: int, stream: torch.cuda.Stream | None = None, pace: float | None = PACE,
+                   meter: ProducerMeter | None = None) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
     """Items ``(tensors, meta)`` made in a background thread, ahead of the consumer.
 
     On CUDA the producer's current stream is a side stream of ``device``: whatever it enqueues
@@ -284,7 +311,8 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
         return tensors, meta
 
     producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
-                        transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace)
+                        transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace,
+                        meter=meter)
     try:
         yield from producer
     finally:

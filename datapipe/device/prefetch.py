@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from datapipe.device.handoff import PACE, Producer, resolve_pace, wait_and_keep
+from datapipe.device.handoff import PACE, Producer, ProducerMeter, resolve_pace, wait_and_keep
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -229,7 +229,7 @@ class _PrefetchIterator(Producer):
             setup = handoff = None
             transform = lambda batch: map_tensors(lambda t: t.to(device), batch)  # noqa: E731
         super().__init__(owner.iterable, depth=owner.depth, name="datapipe-prefetch", setup=setup,
-                         transform=transform, handoff=handoff, join_s=30.0, pace=owner.pace,
+                         transform=transform, handoff=handoff, join_s=30.0, pace=owner.pace, meter=owner.meter,
                          note="(raised while producing a batch in the DevicePrefetcher thread)")
 
 
@@ -267,6 +267,7 @@ class DevicePrefetcher:
         self.device = resolve_device(device)
         self.depth = depth
         self.pace = resolve_pace(pace)
+        self.meter = ProducerMeter()  # the producer threads' CPU time, over every epoch
         self.max_pinned_bytes = max_pinned_bytes
         self.stream = None
         self._pool = None
@@ -287,6 +288,10 @@ class DevicePrefetcher:
 
     def __len__(self) -> int:
         return len(self.iterable)
+
+    def producer_stats(self) -> dict:
+        """The producer threads' CPU time (``cpu_s``, ``batches``, ``cpu_ms_per_batch``), all epochs."""
+        return self.meter.stats()
 
     def pool_stats(self) -> dict:
         """Pinned pool counters: buffers, bytes, keys, allocations, reuses, waits (zeros on CPU)."""

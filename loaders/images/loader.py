@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
-from datapipe.device.handoff import on_side_stream
+from datapipe.device.handoff import ProducerMeter, on_side_stream
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
 from loaders.images.dali_reader import DaliReader
@@ -151,6 +151,7 @@ class ImageLoader:
         self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
         self._resumed = False
         self._side_stream = None  # the producer's CUDA stream, the same every epoch
+        self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
         from datapipe.stream import ShardStream
 
@@ -332,6 +333,7 @@ class ImageLoader:
                               + self._errors.last_errors)[-LAST_ERRORS:]
         out["stream"] = stream
         out["seconds"] = {k: round(v, 4) for k, v in self._seconds.items()}
+        out["producer"] = self._producer.stats()
         return out
 
     # ---- iteration ----------------------------------------------------------------------------
@@ -353,7 +355,7 @@ class ImageLoader:
         if self.device.type == "cuda" and self._side_stream is None:  # one for all epochs (see on_side_stream)
             self._side_stream = torch.cuda.Stream(self.device)
         items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth,
-                               stream=self._side_stream)
+                               stream=self._side_stream, meter=self._producer)
         try:
             while True:
                 t0 = time.perf_counter()

@@ -365,6 +365,7 @@ def test_stats_counts():
     assert s["elapsed_s"] > 0 and 0.0 <= s["wait_fraction"] <= 1.0 and s["wait_s"] <= s["elapsed_s"]
     assert s["samples_per_s"] == pytest.approx(N / s["elapsed_s"])
     assert {"autotune", "num_workers", "prefetch_depth", "batches_per_s"} <= set(s)
+    assert s["producer"]["batches"] == n  # the prefetch thread's CPU time, per batch it made
 
 
 @pytest.mark.parametrize("produce,consume,avail,cap", [

@@ -106,6 +106,7 @@ def test_bad_documents_raise_or_are_counted(tmp_path):
     loader = TokenLoader(urls, seq_len=16, batch_size=2, on_error="skip")
     assert sum(len(real_tokens(b)) for b in loader) == 15
     assert loader.stats()["bad_documents"] == 1
+    assert loader.stats()["producer"]["batches"] == loader.stats()["batches"]
     seen = []
     handled = TokenLoader(urls, seq_len=16, batch_size=2, on_error=seen.append)  # a handler that returns: skip
     assert sum(len(real_tokens(b)) for b in handled) == 15 and handled.stats()["bad_documents"] == 1

@@ -203,3 +203,23 @@ def test_pace_setting_and_environment_override(monkeypatch):
     monkeypatch.delenv("DATAPIPE_PACE")
     with pytest.raises(ValueError, match="pace"):
         resolve_pace(1.5)
+
+
+def test_producer_meter_counts_the_threads_cpu_time_per_item():
+    import time
+
+    from datapipe.device.handoff import Producer, ProducerMeter
+
+    def busy_items(n):
+        for i in range(n):
+            end = time.thread_time() + 0.005  # 5 ms of this thread's CPU per item
+            while time.thread_time() < end:
+                pass
+            yield i
+
+    meter = ProducerMeter()
+    assert list(Producer(busy_items(6), depth=2, meter=meter)) == list(range(6))
+    assert meter.items == 6 and meter.cpu_s >= 0.025
+    assert list(Producer(busy_items(2), depth=2, meter=meter)) == [0, 1]  # a kept meter adds up epochs
+    stats = meter.stats()
+    assert stats["batches"] == 8 and stats["cpu_ms_per_batch"] >= 4.0

@@ -281,3 +281,11 @@ def test_gpu_error_propagates():
     with pytest.raises(KeyError, match="bad sample 3"):
         list(DevicePrefetcher(_failing_source(), device="cuda"))
     assert _wait_no_threads() == []
+
+
+def test_producer_stats_count_every_epochs_batches():
+    pf = DevicePrefetcher([torch.ones(3)] * 5, device=None)
+    for _ in range(2):
+        assert len(list(pf)) == 5
+    stats = pf.producer_stats()
+    assert stats["batches"] == 10 and stats["cpu_s"] >= 0.0 and set(stats) == {"cpu_s", "batches", "cpu_ms_per_batch"}

@@ -69,6 +69,8 @@ def test_eval_shapes_labels_and_order(shards):
     assert dl.stats()["samples"] == N and dl.stats()["skipped"] == 0
     seconds = dl.stats()["seconds"]  # where next() spent its time
     assert set(seconds) == {"wait", "read", "dali", "copy"} and min(seconds.values()) >= 0 and seconds["dali"] > 0
+    producer = dl.stats()["producer"]  # the producer thread's CPU time (bounds its share of the GIL)
+    assert producer["batches"] == 5 and producer["cpu_s"] > 0
 
 
 def test_eval_matches_a_pil_reference(shards):
