@@ -541,7 +541,6 @@ def row_pace(name: str) -> float | None:
     return next((v for k, v in ROW_PACE.items() if name.endswith(k)), None)
 
 
-
 class TokenBatches(torch.utils.data.IterableDataset):
     """TokenLoader's packed host batches, as a dataset a DataLoader worker can run."""
 

@@ -130,10 +130,6 @@ class DataLoader(tud.DataLoader[_T_co]):
 
     def _torch_iter(self, workers: int, p: Progress, *, skip: int = 0, replay: bool = False):
         """One of torch's iterators (``super().__iter__``: persistent workers reused as torch does)."""
-        if workers and torch.cuda.is_available() and torch.cuda.is_initialized():
-            # free cyclic garbage holding CUDA objects now: a forked worker that collected it
-            # would call into CUDA, which aborts a forked child
-            gc.collect()
         self.num_workers = workers
         rng = p.rng
         self._plan = Plan(skip, rng.sampler_rng if replay else None, rng)
@@ -142,6 +138,14 @@ class DataLoader(tud.DataLoader[_T_co]):
         collate = self.collate_fn
         if self._protocol:
             self.collate_fn = StatefulCollate(collate, self.dataset)
+        if workers:
+            # workers fork here, and none may collect the parent's cyclic garbage: a CUDA object's or a
+            # DALI pipeline's destructor would call into CUDA or into DALI threads that exist only in
+            # the parent, and crash the worker. Collect what we can now (CUDA: as before), and freeze
+            # the rest out of the children's collector for the fork
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                gc.collect()
+            gc.freeze()
         try:
             if replay and rng.rng_state is not None:
                 with torch.random.fork_rng(devices=[]):
@@ -151,6 +155,8 @@ class DataLoader(tud.DataLoader[_T_co]):
                 rng.rng_state = torch.get_rng_state()
                 it = super().__iter__()
         finally:
+            if workers:
+                gc.unfreeze()
             self.collate_fn = collate
             self._plan = Plan()
         rng.base_seed = getattr(it, "_base_seed", None)

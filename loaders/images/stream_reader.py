@@ -8,7 +8,6 @@ or ``{"loader": loaders.DataLoader state}``.
 """
 from __future__ import annotations
 
-import gc
 import time
 import weakref
 from collections import deque
@@ -51,21 +50,6 @@ class _Feed:
             self.seconds["read"] += time.perf_counter() - t0
         self.fifo.append(raw)
         return raw.arrays
-
-
-def fork_frozen(start):
-    """``start()`` (which forks worker processes) with the garbage collector's objects frozen.
-
-    A child must not collect the parent's garbage: an unreachable DALI pipeline left in a cycle
-    would run its destructor there, against DALI threads that exist only in the parent (a
-    segfault in the worker). Frozen objects are never collected in the child; the parent
-    unfreezes them after the fork.
-    """
-    gc.freeze()
-    try:
-        return start()
-    finally:
-        gc.unfreeze()
 
 
 class StreamReader:
@@ -253,7 +237,7 @@ class WorkerStreamReader(StreamReader):
             self._resume = None
         else:
             loader.set_epoch(lo.epoch)
-        it = fork_frozen(lambda: iter(loader))
+        it = iter(loader)  # the workers fork here (loaders.DataLoader keeps them from collecting our garbage)
         stats = lo._stats
         try:
             for packed in it:
