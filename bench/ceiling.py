@@ -23,7 +23,9 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
 
 Pacing: rows ending ``_unpaced`` run with ``DATAPIPE_PACE=0`` (the producers start their next
 batch as soon as a slot frees, as before pacing), ``_pace07`` with 0.7; the others with the
-library's default (0.5). ``tokens_worker``: the packing in one DataLoader worker process.
+library's default (0.5). Rows ending ``_noretire``: the training thread frees the batches it is
+done with (as before ``datapipe.device.handoff.Retirer`` moved that to the producer thread).
+``tokens_worker``: the packing in one DataLoader worker process.
 
 Loaders with worker processes are shut down, and the process waits for its children to exit
 (``workers_exit_s``), before the ceiling after them is measured.
@@ -55,6 +57,7 @@ from torch import nn  # noqa: E402
 
 from bench.common import endless, sync, table, to_device, write_result  # noqa: E402
 from bench.models import PackedLM  # noqa: E402
+from datapipe.device import handoff  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
@@ -289,6 +292,7 @@ def _clone(batch):
 
 
 T0 = time.perf_counter()
+_HANDED = handoff.Retirer.handed
 
 
 def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, results: dict, stream=None,
@@ -297,6 +301,8 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"[{name}] ...", file=sys.stderr, flush=True)
     if pace is not None:
         os.environ["DATAPIPE_PACE"] = str(pace)
+    if name.endswith("_noretire"):  # the training thread frees handed-out batches itself (before Retirer)
+        handoff.Retirer.handed = lambda self, item: None
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     try:
@@ -319,6 +325,7 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
             gen.close()
         gen = it = None
         os.environ.pop("DATAPIPE_PACE", None)
+        handoff.Retirer.handed = _HANDED
     exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)
@@ -424,7 +431,8 @@ def image_parts(args, urls, results) -> None:
         "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
                                                              layout="NHWC")), None),
     }
-    variants["imageloader_unpaced"] = variants["imageloader_pace07"] = variants["imageloader"]
+    for suffix in ("_unpaced", "_pace07", "_noretire"):
+        variants["imageloader" + suffix] = variants["imageloader"]
     for name in only:
         if name in variants and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[name]
@@ -443,7 +451,7 @@ def image_parts(args, urls, results) -> None:
     if "torch_pil" in only and time.perf_counter() - T0 < args.budget_s:
         loaded("torch_pil", lambda: torch_pil(urls, args), "f32", ceilings, step, args, count, results,
                steps=max(10, args.steps // 3))
-    for name in ("dl_ours", "dl_torch", "dl_ours_unpaced"):
+    for name in ("dl_ours", "dl_torch", "dl_ours_unpaced", "dl_ours_noretire"):
         if name not in only or time.perf_counter() - T0 > args.budget_s:
             continue
         from loaders import DataLoader
@@ -574,7 +582,7 @@ def token_part(args, results) -> None:
                                   persistent_workers=True, prefetch_factor=4))
 
     for name, maker in (("tokens", make), ("tokens_unpaced", make), ("tokens_pace07", make),
-                        ("tokens_worker", in_worker), ("tokens2", make)):
+                        ("tokens_noretire", make), ("tokens_worker", in_worker), ("tokens2", make)):
         if name in args.only and time.perf_counter() - T0 < args.budget_s + 60:
             LOADERS.clear()
             loaded(name, maker, "tokens", ceilings, step, args, count, results, pace=row_pace(name))

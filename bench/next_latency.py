@@ -2,10 +2,11 @@
 
 The ceiling benchmark's loaded loops spend 0.3-0.7 ms per step in ``next()`` although the producer
 thread is ahead. This times each ``next()`` of TokenLoader (small causal LM step) and ImageLoader
-(ResNet-50 step) in the same loop as bench/ceiling.py, split into the producer handoff's parts
-(queue get, event wait + record_stream, slot release) and the rest (generator layers, freeing the
-previous batch), with variants: ``switch``: ``sys.setswitchinterval(1e-4)`` (is it the GIL
-handoff?), ``free_first``: the previous batch dropped before ``next()``.
+(ResNet-50 step) in the same loop as bench/ceiling.py, with the producer handoff (event wait +
+record_stream) timed apart from the rest (queue, generator layers, freeing the previous batch),
+with variants: ``free_in_consumer``: the training thread frees handed-out batches itself (as
+before ``datapipe.device.handoff.Retirer``), ``switch``: ``sys.setswitchinterval(1e-4)`` (is it
+the GIL handoff?), ``free_first``: the previous batch dropped before ``next()``.
 
     python bench/next_latency.py --out bench/results     # on the GPU machine
 """
@@ -24,29 +25,25 @@ import torch  # noqa: E402
 from bench.common import write_result  # noqa: E402
 from datapipe.device import handoff  # noqa: E402
 
-PARTS = {"get": [], "handoff": [], "release": [], "queued": []}
+PARTS = {"handoff": [], "queued": []}
+_NEXT = handoff.Producer.__next__
+_HANDED = handoff.Retirer.handed
 
 
 def _timed_next(self):
-    """Producer.__next__ with its parts timed (the same steps, in the same order)."""
-    if self._done:
-        raise StopIteration
+    """Producer.__next__ with its handoff (event wait + record_stream) timed and the queue length noted."""
+    inner = self._handoff
+    if inner is not None and not getattr(inner, "timed", False):
+        def timed(item):
+            t0 = time.perf_counter()
+            out = inner(item)
+            PARTS["handoff"].append(time.perf_counter() - t0)
+            return out
+
+        timed.timed = True
+        self._handoff = timed
     PARTS["queued"].append(self._queue.qsize())
-    t0 = time.perf_counter()
-    item = self._queue.get()
-    t1 = time.perf_counter()
-    if item is handoff._END or isinstance(item, handoff._Failure):
-        self._done = True
-        raise StopIteration
-    if self._handoff is not None:
-        item = self._handoff(item)
-    t2 = time.perf_counter()
-    self._slots.release()
-    t3 = time.perf_counter()
-    PARTS["get"].append(t1 - t0)
-    PARTS["handoff"].append(t2 - t1)
-    PARTS["release"].append(t3 - t2)
-    return item
+    return _NEXT(self)
 
 
 def run(loader, step, *, steps: int, warmup: int, free_first: bool) -> dict:
@@ -75,8 +72,7 @@ def run(loader, step, *, steps: int, warmup: int, free_first: bool) -> dict:
     ms = lambda xs: round(float(np.median(xs)) * 1e3, 3) if len(xs) else None  # noqa: E731
     return {"step_ms": round(wall / steps * 1e3, 2), "next_ms_p50": ms(waits),
             "next_ms_p90": round(float(np.percentile(waits, 90)) * 1e3, 3),
-            "get_ms_p50": ms(PARTS["get"]), "handoff_ms_p50": ms(PARTS["handoff"]),
-            "release_ms_p50": ms(PARTS["release"]),
+            "handoff_ms_p50": ms(PARTS["handoff"]),
             "queued_min": int(min(PARTS["queued"])) if PARTS["queued"] else None}
 
 
@@ -103,8 +99,10 @@ def main(argv=None) -> dict:
     torch.backends.cudnn.benchmark = True
     istep = ImageStep(device, "resnet50")
     default_switch = sys.getswitchinterval()
-    for variant in ("default", "free_first", "switch"):
+    for variant in ("default", "free_in_consumer", "free_first", "switch"):
         sys.setswitchinterval(1e-4 if variant == "switch" else default_switch)
+        # free_in_consumer: handed-out batches freed by the training thread, as before handoff.Retirer
+        handoff.Retirer.handed = (lambda self, item: None) if variant == "free_in_consumer" else _HANDED
         for name, make, step in (
             ("tokens", lambda: TokenLoader(urls, seq_len=4096, batch_size=4, device=device), tstep),
             ("images", lambda: ImageLoader(images, batch_size=256, device=device), istep),

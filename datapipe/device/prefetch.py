@@ -5,9 +5,10 @@
 tensor leaf into a pinned buffer taken from a bounded pool keyed by
 ``(shape, dtype)`` (a tensor that is already pinned is copied directly), issues the host-to-device
 copy with ``non_blocking=True`` on a dedicated side stream and records an event. The consumer's
-current stream waits on that event and the device tensors are ``record_stream``-ed on it, so the
-caching allocator never recycles them early. A pinned buffer is reused only after the event of
-the copy that read it has completed. On the CPU (``device="cpu"`` or ``None``) the same class is a
+current stream waits on that event and the device tensors made there are ``record_stream``-ed on
+it, so the caching allocator never recycles them early; batches the consumer is done with are
+freed in the producer thread (``handoff.Retirer``). A pinned buffer is reused only after the
+event of the copy that read it has completed. On the CPU (``device="cpu"`` or ``None``) the same class is a
 plain background-thread prefetch.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from datapipe.device.handoff import PACE, Producer, ProducerMeter, resolve_pace, wait_and_keep
+from datapipe.device.handoff import PACE, Producer, ProducerMeter, Retirer, resolve_pace, wait_and_keep
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -56,17 +57,6 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
             object.__setattr__(new, f.name, map_tensors(fn, getattr(obj, f.name)))
         return new
     return obj
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def visit(t):
-        found.append(t)
-        return t
-
-    map_tensors(visit, obj)
-    return found
 
 
 def resolve_device(device: str | torch.device | int | None) -> torch.device:
@@ -193,26 +183,30 @@ class _CudaTransfer:
         self.device = device
         self.stream = stream
         self.pool = pool
+        self._made: list[torch.Tensor] = []
 
     def _leaf(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cpu":
-            return t.to(self.device, non_blocking=True)
-        if t.is_pinned():
-            return t.to(self.device, non_blocking=True)
-        entry = self.pool.acquire(t.shape, t.dtype)
-        try:
-            entry[0].copy_(t)
-            out = entry[0].to(self.device, non_blocking=True)
-        finally:
-            self.pool.release(entry, self.stream)
+        if t.device.type != "cpu" or t.is_pinned():
+            out = t.to(self.device, non_blocking=True)
+        else:
+            entry = self.pool.acquire(t.shape, t.dtype)
+            try:
+                entry[0].copy_(t)
+                out = entry[0].to(self.device, non_blocking=True)
+            finally:
+                self.pool.release(entry, self.stream)
+        if out is not t:
+            self._made.append(out)
         return out
 
-    def __call__(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
+    def __call__(self, batch: Any) -> tuple[Any, torch.cuda.Event, list[torch.Tensor]]:
+        """``(batch on the device, event after its copies, the device tensors made here)``."""
+        self._made = []
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             out = map_tensors(self._leaf, batch)
             done = torch.cuda.Event()
             done.record(self.stream)
-        return out, done
+        return out, done, self._made
 
 
 class _PrefetchIterator(Producer):
@@ -230,13 +224,14 @@ class _PrefetchIterator(Producer):
             transform = lambda batch: map_tensors(lambda t: t.to(device), batch)  # noqa: E731
         super().__init__(owner.iterable, depth=owner.depth, name="datapipe-prefetch", setup=setup,
                          transform=transform, handoff=handoff, join_s=30.0, pace=owner.pace, meter=owner.meter,
-                         note="(raised while producing a batch in the DevicePrefetcher thread)")
+                         note="(raised while producing a batch in the DevicePrefetcher thread)",
+                         retire=Retirer(device) if device.type == "cuda" else None)
 
 
 def _handoff(device: torch.device) -> Callable[[tuple[Any, torch.cuda.Event]], Any]:
     def handoff(item):  # in the consumer's thread, before the slot is freed
-        batch, done = item
-        wait_and_keep(done, _tensors(batch), device)
+        batch, done, made = item
+        wait_and_keep(done, made, device)
         return batch
 
     return handoff

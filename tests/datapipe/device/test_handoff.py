@@ -223,3 +223,67 @@ def test_producer_meter_counts_the_threads_cpu_time_per_item():
     assert list(Producer(busy_items(2), depth=2, meter=meter)) == [0, 1]  # a kept meter adds up epochs
     stats = meter.stats()
     assert stats["batches"] == 8 and stats["cpu_ms_per_batch"] >= 4.0
+
+
+class _Marker:
+    def __init__(self):
+        self.passed = False
+
+    def query(self):
+        return self.passed
+
+
+def test_retirer_keeps_the_last_items_and_frees_older_ones_once_their_fence_passed():
+    import weakref
+
+    from datapipe.device.handoff import Retirer
+
+    markers = []
+
+    def fence():
+        markers.append(_Marker())
+        return markers[-1]
+
+    class Batch:
+        pass
+
+    r = Retirer(torch.device("cpu"), keep=2, fence=fence)
+    alive = []
+    for _ in range(4):
+        b = Batch()
+        alive.append(weakref.ref(b))
+        r.handed(b)
+        del b
+    assert len(markers) == 2  # batches 0 and 1 retired, 2 and 3 kept
+    r.bury()
+    assert all(ref() is not None for ref in alive)  # fences not passed: nothing freed yet
+    markers[0].passed = True
+    r.bury()
+    assert alive[0]() is None and alive[1]() is not None  # freed in order, only once passed
+    markers[1].passed = True
+    r.bury()
+    assert alive[1]() is None and alive[2]() is not None and alive[3]() is not None
+    r.clear()
+    assert all(ref() is None for ref in alive)
+
+
+def test_producer_frees_retired_items_in_its_own_thread():
+    import weakref
+
+    from datapipe.device.handoff import Producer, Retirer
+
+    freed_in = []
+
+    class Batch:
+        def __del__(self):
+            freed_in.append(threading.current_thread().name)
+
+    passed = _Marker()
+    passed.passed = True
+    producer = Producer((Batch() for _ in range(8)), depth=1, name="producer-under-test",
+                        retire=Retirer(torch.device("cpu"), keep=2, fence=lambda: passed))
+    refs = [weakref.ref(b) for b in producer]
+    assert len(refs) == 8
+    producer.close()
+    assert freed_in[:5] == ["producer-under-test"] * 5  # the first items: freed by the producer
+    assert all(r() is None for r in refs)

@@ -289,3 +289,19 @@ def test_producer_stats_count_every_epochs_batches():
         assert len(list(pf)) == 5
     stats = pf.producer_stats()
     assert stats["batches"] == 10 and stats["cpu_s"] >= 0.0 and set(stats) == {"cpu_s", "batches", "cpu_ms_per_batch"}
+
+
+@pytest.mark.gpu
+def test_gpu_handed_out_batches_are_freed_by_the_producer_not_kept():
+    """Retired batches are dropped once the consumer's stream is past them: memory stays bounded."""
+    mb4 = 1 << 20  # float32 elements: 4 MB a batch
+    pf = DevicePrefetcher((torch.full((mb4,), float(i)) for i in range(40)), device="cuda", depth=2)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    peak, total = 0, 0.0
+    for i, b in enumerate(pf):
+        total += b.sum().item() / mb4  # a read on the consumer's stream (and a sync)
+        peak = max(peak, torch.cuda.memory_allocated() - base)
+    assert total == sum(range(40))
+    assert peak <= 8 * 4 * mb4  # queued + in flight + kept + retired, not one per batch
+    pf.close()
