@@ -10,6 +10,8 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
   ``il_cpu``: ``decode_device="cpu"`` (DALI decodes/augments on the CPU, pinned copy, normalise
   on the GPU), ``il_cpu_u8``: the same delivering uint8 NHWC (the step normalises);
   ``standalone``: the decode rate of ``imageloader`` and ``il_cpu`` alone (no training step);
+- ``kernels``: each ImageLoader variant of ``KERNEL_VARIANTS`` alone (no training), its device time
+  per batch from the torch profiler, kernels apart from copies;
 - ``dali_hand``: the hand-written DALI loop (readers.webdataset + mixed image_random_crop + resize
   + crop_mirror_normalize, DALIGenericIterator, in the training thread, labels fixed);
 - ``torch_pil``: torch DataLoader + webdataset + PIL (torchvision transforms);
@@ -422,6 +424,10 @@ def image_parts(args, urls, results) -> None:
         "il_hw05": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.5)), None),
         "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
         "il_noaa": ("f32", lambda: tracked(image_loader(urls, args, antialias=False)), None),
+        "il_ycc": ("f32", lambda: tracked(image_loader(urls, args, color_after_resize=True)), None),
+        "il_ycc2": ("f32", lambda: tracked(image_loader(urls, args, color_after_resize=True)), None),
+        "il_ycc_hw0": ("f32", lambda: tracked(image_loader(urls, args, color_after_resize=True,
+                                                           hw_decoder_load=0.0)), None),
         "il_threads4": ("f32", lambda: tracked(image_loader(urls, args, num_threads=4)), None),
         "il_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, dtype=torch.uint8, layout="NHWC")), None),
         "il_prio": ("f32", lambda: tracked(image_loader(urls, args)), hp),
@@ -466,6 +472,8 @@ def image_parts(args, urls, results) -> None:
             make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
         loaded(name, make, "u8nchw", ceilings, step, args, count, results, pace=row_pace(name))
+    if "kernels" in only and args.device.type == "cuda":
+        results["kernels"] = loader_kernels(urls, args)
     if "profile" in only and args.device.type == "cuda" and time.perf_counter() - T0 < args.budget_s:
         try:
             results["profile"] = profile(urls, args, step, ceilings)
@@ -496,6 +504,47 @@ def _kernels(prof) -> dict[str, float]:
     for e in prof.events():
         if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
             out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    return out
+
+
+KERNEL_VARIANTS = {"imageloader": {}, "il_ycc": {"color_after_resize": True}, "il_hw0": {"hw_decoder_load": 0.0},
+                   "il_ycc_hw0": {"color_after_resize": True, "hw_decoder_load": 0.0},
+                   "il_hw1": {"hw_decoder_load": 1.0}, "il_ycc_hw1": {"color_after_resize": True, "hw_decoder_load": 1.0}}
+
+
+def loader_kernels(urls, args, batches: int = 20) -> dict:
+    """Each ImageLoader variant alone (no training step): its device time per batch, kernels apart from copies."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    out = {}
+    for name, options in KERNEL_VARIANTS.items():
+        it = iter(endless(image_loader(urls, args, **options)))
+        try:
+            for _ in range(6):
+                next(it)
+            sync(args.device)
+            t0 = time.perf_counter()
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(batches):
+                    next(it)
+                sync(args.device)
+            wall = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            out[name] = {"error": repr(e)[:300]}
+            continue
+        finally:
+            it.close()
+        k = _kernels(prof)
+        copies = sum(v for key, v in k.items() if key.startswith(("Memcpy", "Memset")))
+        top = sorted(((key, v) for key, v in k.items() if not key.startswith(("Memcpy", "Memset"))),
+                     key=lambda kv: -kv[1])[:6]
+        out[name] = {"kernel_ms_per_batch": round((sum(k.values()) - copies) / batches, 3),
+                     "copy_ms_per_batch": round(copies / batches, 3),
+                     "images_per_s_profiled": round(batches * args.batch_size / wall, 1),
+                     "top": [(key[:70], round(v / batches, 3)) for key, v in top]}
+        print(f"    kernels {name}: {out[name]}", file=sys.stderr, flush=True)
     return out
 
 
@@ -692,7 +741,7 @@ def main(argv=None) -> dict:
             for k, v in results.items() if isinstance(v, dict) and "rate" in v]
     print(table(rows, ["loader", "rate", "ceiling", "ceiling_before", "ceiling_after", "ceiling_ratio",
                        "wait_fraction", "contention", "cpu_cores_used"]))
-    for k in ("memory", "profile", "standalone"):
+    for k in ("memory", "profile", "standalone", "kernels"):
         if k in results:
             print(k, results[k])
     print(f"wrote {path} ({time.perf_counter() - T0:.0f} s)")
