@@ -24,8 +24,9 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
   ``packing.batch.hf_inputs``).
 
 Pacing: rows ending ``_unpaced`` run with ``DATAPIPE_PACE=0`` (the producers start their next
-batch as soon as a slot frees, as before pacing), ``_pace07`` with 0.7; the others with the
-library's default (0.5). Rows ending ``_noretire``: the training thread frees the batches it is
+batch as soon as a slot frees, as before pacing), ``_pace05`` / ``_pace07`` / ``_pace085`` with
+that fraction; the others with the library's default (ImageLoader 0.7, DevicePrefetcher 0.5); any
+image variant takes these suffixes (``il_hw0_pace085``). Rows ending ``_noretire``: the training thread frees the batches it is
 done with (as before ``datapipe.device.handoff.Retirer`` moved that to the producer thread).
 ``tokens_worker``: the packing in one DataLoader worker process.
 
@@ -57,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import endless, sync, table, to_device, write_result  # noqa: E402
+from bench.common import GpuSampler, endless, sync, table, to_device, write_result  # noqa: E402
 from bench.models import PackedLM  # noqa: E402
 from datapipe.device import handoff  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
@@ -172,6 +173,7 @@ def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count
         for i in range(warmup + steps):
             if i == warmup:
                 sync(device)
+                sampler = GpuSampler(device)
                 waits, units, start = [], 0, time.perf_counter()
                 ru = resource.getrusage(resource.RUSAGE_SELF)
                 cpu0 = ru.ru_utime + ru.ru_stime
@@ -183,8 +185,9 @@ def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count
                 torch.cuda.current_stream(device).synchronize()  # the training stream, not the loader's
             units += count(batch)
         wall = time.perf_counter() - start
+    gpu = sampler.stop()
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"rate": units / wall, "wait_fraction": sum(waits) / wall, "step_ms": wall / steps * 1e3,
+    return {**gpu, "rate": units / wall, "wait_fraction": sum(waits) / wall, "step_ms": wall / steps * 1e3,
             **{f"wait_ms_{k}": v for k, v in percentiles(waits, qs=(50, 90), scale=1e3).items()},
             "seconds": wall, "cpu_cores_used": round((ru.ru_utime + ru.ru_stime - cpu0) / wall, 2)}
 
@@ -270,6 +273,7 @@ class Ceilings:
         self.step, self.args, self.count = step, args, count
         self.batches: dict[str, object] = {}
         self.last: dict[str, float] = {}
+        self.gpu: dict[str, dict] = {}  # the last ceiling measurement's SM clock and power, per format
         self.history: list[dict] = []
 
     def cache(self, fmt: str, batch) -> None:
@@ -283,7 +287,9 @@ class Ceilings:
         r = timed(replay(self.batches[fmt]), self.step, steps=self.args.ceiling_steps, warmup=warmup,
                   device=self.args.device, count=self.count)
         self.last[fmt] = r["rate"]
-        self.history.append({"format": fmt, "rate": round(r["rate"], 1), "t": round(time.perf_counter() - T0, 1)})
+        self.gpu[fmt] = {k: r[k] for k in ("sm_mhz", "power_w") if k in r}
+        self.history.append({"format": fmt, "rate": round(r["rate"], 1), "t": round(time.perf_counter() - T0, 1),
+                             **self.gpu[fmt]})
         return r["rate"]
 
 
@@ -339,6 +345,8 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
         "wait_fraction": round(r["wait_fraction"], 4), "contention": round(max(0.0, 1 - ratio - r["wait_fraction"]), 4),
         "step_ms": round(r["step_ms"], 2), "wait_ms_p50": round(r["wait_ms_p50"], 2),
         "wait_ms_p90": round(r["wait_ms_p90"], 2), "cpu_cores_used": r["cpu_cores_used"], "input": fmt,
+        **{k: r[k] for k in ("sm_mhz", "power_w") if k in r},
+        **{f"ceiling_{k}": v for k, v in ceilings.gpu.get(fmt, {}).items()},
         **exited, **stats,
     }
     print(f"    {results[name]}", file=sys.stderr, flush=True)
@@ -437,11 +445,10 @@ def image_parts(args, urls, results) -> None:
         "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
                                                              layout="NHWC")), None),
     }
-    for suffix in ("_unpaced", "_pace07", "_noretire"):
-        variants["imageloader" + suffix] = variants["imageloader"]
     for name in only:
-        if name in variants and time.perf_counter() - T0 < args.budget_s:
-            fmt, make, stream = variants[name]
+        base = row_base(name)
+        if base in variants and time.perf_counter() - T0 < args.budget_s:
+            fmt, make, stream = variants[base]
             LOADERS.clear()
             loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
@@ -590,7 +597,15 @@ def profile(urls, args, step, ceilings) -> dict:
     return out
 
 
-ROW_PACE = {"_unpaced": 0.0, "_pace07": 0.7}  # rows named so override the producers' pacing (default 0.5)
+ROW_PACE = {"_unpaced": 0.0, "_pace05": 0.5, "_pace07": 0.7, "_pace085": 0.85}  # rows named so override the pacing
+
+
+ROW_SUFFIXES = (*ROW_PACE, "_noretire")
+
+
+def row_base(name: str) -> str:
+    """The variant a row runs: its name less a pacing or ``_noretire`` suffix (``il_hw0_pace07`` -> ``il_hw0``)."""
+    return next((name[:-len(k)] for k in ROW_SUFFIXES if name.endswith(k)), name)
 
 
 def row_pace(name: str) -> float | None:
@@ -735,12 +750,11 @@ def main(argv=None) -> dict:
             traceback.print_exc()
             results["memory"] = {"error": repr(e)[:500]}
     path = write_result("ceiling", out, args.out)
-    rows = [{"loader": k, **{c: v.get(c) for c in ("rate", "ceiling", "ceiling_before", "ceiling_after",
-                                                    "ceiling_ratio", "wait_fraction", "contention",
-                                                    "cpu_cores_used")}}
+    columns = ["rate", "ceiling", "ceiling_before", "ceiling_after", "ceiling_ratio", "wait_fraction", "contention",
+               "cpu_cores_used", "sm_mhz", "ceiling_sm_mhz", "power_w", "ceiling_power_w"]
+    rows = [{"loader": k, **{c: v.get(c) for c in columns}}
             for k, v in results.items() if isinstance(v, dict) and "rate" in v]
-    print(table(rows, ["loader", "rate", "ceiling", "ceiling_before", "ceiling_after", "ceiling_ratio",
-                       "wait_fraction", "contention", "cpu_cores_used"]))
+    print(table(rows, ["loader", *columns]))
     for k in ("memory", "profile", "standalone", "kernels"):
         if k in results:
             print(k, results[k])

@@ -46,3 +46,41 @@ def sync(device) -> None:
 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class GpuSampler:
+    """SM clock (MHz) and board power (W) of one GPU, sampled by ``nvidia-smi`` every 100 ms while open.
+
+    ``stop()`` returns their means (``{}`` without nvidia-smi or a CUDA device): a loader that makes
+    the GPU draw more power can slow training through the clock, not only through SM time.
+    """
+
+    def __init__(self, device):
+        import shutil
+        import subprocess
+
+        self.proc = None
+        if getattr(device, "type", None) == "cuda" and shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "-i", str(device.index or 0), "--query-gpu=clocks.sm,power.draw",
+                 "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {}
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=5)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+            return {}
+        rows = []
+        for line in out.splitlines():
+            try:
+                rows.append([float(x) for x in line.split(",")])
+            except ValueError:
+                continue
+        if not rows:
+            return {}
+        return {"sm_mhz": round(sum(r[0] for r in rows) / len(rows)), "power_w": round(sum(r[1] for r in rows) / len(rows), 1)}
