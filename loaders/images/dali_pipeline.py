@@ -49,7 +49,6 @@ def build_image_pipeline(
     checkpoint: str | None = None,
     antialias: bool = True,
     source_info: bool = False,
-    color_after_resize: bool = False,
 ):
     """Build (not run) a DALI pipeline whose outputs are ``(images,)`` or, with ``reader``, ``(images, labels)``.
 
@@ -60,10 +59,7 @@ def build_image_pipeline(
     (the raw label bytes; zero-padded to the batch's longest with ``pad_labels``) is returned as
     the pipeline's second output. ``source_info`` (with ``reader``) adds a third, CPU output: each
     sample's ``"<tar path>:<data offset>:<member name>"`` (DALI's ``source_info`` property of the
-    image read), zero-padded to one uint8 array per batch. ``color_after_resize``: decode to
-    YCbCr (JPEG's own colour space) and convert to RGB after the resize, on the small output
-    image instead of the decoded crop (resize and the colour transform are both linear, so the
-    images differ only by rounding).
+    image read), zero-padded to one uint8 array per batch.
     """
     from nvidia.dali import fn, types
     from nvidia.dali.pipeline import Pipeline
@@ -90,7 +86,6 @@ def build_image_pipeline(
             hw_decoder_load=hw_decoder_load,
         )
     out_layout = "CHW" if layout == "NCHW" else "HWC"
-    decoded_type = types.YCbCr if color_after_resize else types.RGB
     with pipe:
         labels = info = None
         if reader is not None:
@@ -107,7 +102,7 @@ def build_image_pipeline(
                 decoder_args.update(preallocate_width_hint=_HW_PREALLOC_WIDTH,
                                     preallocate_height_hint=_HW_PREALLOC_HEIGHT)
             images = fn.decoders.image_random_crop(
-                jpegs, device=decoder_device, output_type=decoded_type,
+                jpegs, device=decoder_device, output_type=types.RGB,
                 random_area=list(random_area), random_aspect_ratio=list(random_aspect_ratio),
                 num_attempts=100, **decoder_args,
             )
@@ -115,13 +110,10 @@ def build_image_pipeline(
                                interp_type=types.INTERP_LINEAR, antialias=antialias)
             mirror = fn.random.coin_flip(probability=0.5)
         else:
-            images = fn.decoders.image(jpegs, device=decoder_device, output_type=decoded_type, **decoder_args)
+            images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB, **decoder_args)
             images = fn.resize(images, device=op_device, resize_shorter=resize_size or image_size,
                                interp_type=types.INTERP_LINEAR, antialias=antialias)
             mirror = 0
-        if color_after_resize:
-            images = fn.color_space_conversion(images, device=op_device, image_type=types.YCbCr,
-                                               output_type=types.RGB)
         out_dtype = dali_dtype(dtype)
         if dtype == "uint8":  # raw pixels: no normalisation
             norm = dict(mean=[0.0], std=[1.0])

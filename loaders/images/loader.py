@@ -87,9 +87,6 @@ class ImageLoader:
 
     ``antialias=False`` resizes without DALI's low-pass filter when shrinking (less GPU time per
     batch, slightly more aliasing; torchvision's PIL path filters, as the default here does).
-    ``color_after_resize=True`` decodes to YCbCr and converts to RGB after the resize: the colour
-    conversion runs on the 224x224 output instead of the decoded crop (the same images up to
-    rounding).
     """
 
     def __init__(
@@ -126,7 +123,6 @@ class ImageLoader:
         stream_options: dict | None = None,
         decode_device: str | None = None,
         antialias: bool = True,
-        color_after_resize: bool = False,
     ):
         device = torch.device(device)
         if device.type not in ("cuda", "cpu"):
@@ -140,8 +136,7 @@ class ImageLoader:
         self.decode = DecodeOptions(
             image_size=int(image_size), resize_size=resize_size, dtype=dtype, layout=layout,
             mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std),
-            hw_decoder_load=float(hw_decoder_load), antialias=bool(antialias),
-            color_after_resize=bool(color_after_resize), **DecodeOptions.resolve(device, decode_device, num_threads))
+            hw_decoder_load=float(hw_decoder_load), antialias=bool(antialias), **DecodeOptions.resolve(device, decode_device, num_threads))
         self.augment = AugmentOptions(train=train, random_area=tuple(random_area),
                                       random_aspect_ratio=tuple(random_aspect_ratio))
         self.read = ReadOptions(
@@ -237,7 +232,6 @@ class ImageLoader:
             random_aspect_ratio=aug.random_aspect_ratio, resize_size=dec.resize_size,
             source=source, reader=reader, enable_checkpointing=reader is not None, checkpoint=checkpoint,
             pad_labels=self.label_decoder is parse_label, antialias=dec.antialias, source_info=source_info,
-            color_after_resize=dec.color_after_resize,
         )
 
     # ---- epochs, length, state ----------------------------------------------------------------

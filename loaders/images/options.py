@@ -35,7 +35,6 @@ class DecodeOptions:
     num_threads: int = 1
     hw_decoder_load: float = 0.75
     antialias: bool = True  # DALI's resize low-pass filters when it shrinks (costs GPU time)
-    color_after_resize: bool = False  # decode to YCbCr, convert to RGB on the resized image
 
     def __post_init__(self):
         if self.image_size < 1 or (self.resize_size is not None and self.resize_size < self.image_size):
