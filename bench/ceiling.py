@@ -9,7 +9,7 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
 - ``imageloader``: ``loaders.ImageLoader`` defaults; ``il_*``: one option changed (variants);
   ``il_cpu``: ``decode_device="cpu"`` (DALI decodes/augments on the CPU, pinned copy, normalise
   on the GPU), ``il_cpu_u8``: the same delivering uint8 NHWC (the step normalises);
-  ``standalone``: the decode rate of ``imageloader`` and ``il_cpu`` alone (no training step);
+  ``standalone``: the decode rate of the ``STANDALONE`` variants alone (no training step);
 - ``kernels``: each ImageLoader variant of ``KERNEL_VARIANTS`` alone (no training), its device time
   per batch from the torch profiler, kernels apart from copies;
 - ``dali_hand``: the hand-written DALI loop (readers.webdataset + mixed image_random_crop + resize
@@ -449,7 +449,7 @@ def image_parts(args, urls, results) -> None:
             loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
-        for name, options in (("imageloader", {}), ("il_cpu", {"decode_device": "cpu"})):
+        for name, options in STANDALONE.items():
             LOADERS.clear()
             try:
                 results["standalone"][name] = standalone(image_loader(urls, args, **options), args)
@@ -484,6 +484,12 @@ def image_parts(args, urls, results) -> None:
             traceback.print_exc()
             results["profile"] = {"error": repr(e)[:500]}
     results["ceiling_history"] = ceilings.history
+
+
+# the loaders timed alone (part "standalone"): can each feed a faster step?
+STANDALONE = {"imageloader": {}, "il_hw0": {"hw_decoder_load": 0.0},
+              "il_hw0_t12": {"hw_decoder_load": 0.0, "num_threads": 12},
+              "il_hw0_t14": {"hw_decoder_load": 0.0, "num_threads": 14}, "il_cpu": {"decode_device": "cpu"}}
 
 
 def standalone(loader, args, batches: int = 30) -> dict:

@@ -33,6 +33,8 @@ from datapipe.units import percentiles
 WAIT_HIGH = 0.10  # above this share of wall time the input pipeline is a bottleneck
 WAIT_LOW = 0.02  # below it, input is not the bottleneck
 PADDING_HIGH = 0.20
+CEILING_LOW = 0.98  # below this share of the data-free ceiling the loader costs the step visibly
+HYBRID_DECODE_CORES = 8  # ImageLoader(hw_decoder_load=0.0) kept ResNet-50 fed on an H200 with 8 DALI threads
 
 
 def _torch():
@@ -107,8 +109,8 @@ def inspect_batch(batch) -> dict[str, Any]:
 def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     """Advice from measurements ``m`` (the report's fields); each item states the number that triggered it.
 
-    Keys used: ``wait_fraction``, ``cores``, ``cuda``, ``loader`` (the loader waited on most:
-    ``num_workers``), ``batch``
+    Keys used: ``wait_fraction``, ``cores``, ``cuda``, ``ceiling_ratio``, ``loader`` (the loader
+    waited on most: ``num_workers``, ``hw_decoder_load``), ``batch``
     (``batch_size``, ``unpinned_host_tensors``, ``images_on_host``, ``jpeg_bytes``,
     ``padding_fraction``), ``rates`` (``capacity_batches_per_s``, ``consumption_batches_per_s``).
     """
@@ -149,6 +151,15 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                             f"consumes, yet the loop waited {wait:.0%} of the time: batches arrive late; prefetch more "
                             "(prefetch_factor, DevicePrefetcher depth) or keep workers alive (persistent_workers=True)",
                 capacity_batches_per_s=cap, consumption_batches_per_s=need, wait_fraction=wait)
+    ratio = m.get("ceiling_ratio")
+    hw = (m.get("loader") or {}).get("hw_decoder_load")
+    if cuda and hw and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and cores >= HYBRID_DECODE_CORES + 2:
+        add("hybrid_decode", f"the loop runs at {ratio:.1%} of its data-free ceiling yet waits for data only {wait:.1%} "
+                             f"of the time: the loader's GPU work slows the step. With {cores} cores, try "
+                             "ImageLoader(hw_decoder_load=0.0): nvJPEG's CUDA decoder with the Huffman stage on "
+                             "the CPU instead of the hardware decoder (ResNet-50 on an H200: 0.979-0.981 of the "
+                             "ceiling vs 0.974; README, Performance) if the CPU still keeps up",
+            ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
     unpinned = batch.get("unpinned_host_tensors") or 0
     if cuda and unpinned:
         add("pin_memory", f"{unpinned} tensor(s) per batch arrive in pageable host memory while a CUDA device is "
@@ -287,8 +298,10 @@ class Doctor:
         entry = next((e for e, o in zip(self._loaders, self._loader_objs) if o is loader), None)
         if entry is None:
             workers = getattr(loader, "num_workers", None)
+            hw = getattr(getattr(loader, "decode", None), "hw_decoder_load", None)  # an ImageLoader's
             entry = {"type": f"{type(loader).__module__}.{type(loader).__qualname__}",
                      "num_workers": workers if isinstance(workers, int) else None,
+                     "hw_decoder_load": hw if isinstance(hw, float) else None,
                      "pin_memory": getattr(loader, "pin_memory", None), "batches": 0,
                      "reiterable": it is not loader, "wait_s": 0.0, "compute_s": 0.0, "startup_wait_s": 0.0,
                      "iterations": 0}
