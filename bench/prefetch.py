@@ -165,7 +165,12 @@ def train(loader_iter, step: Step, device: torch.device, steps: int, warmup: int
 
 
 def training(device: torch.device, *, workers: int, batch: int, shape: tuple, step_s: float, dim: int,
-             steps: int, warmup: int) -> list[dict]:
+             steps: int, warmup: int, repeats: int = 1) -> list[dict]:
+    """Each case: torch's DataLoader, ours, and ours freeing batches in the training thread (as before
+    ``handoff.Retirer``), in turn, ``repeats`` times."""
+    from datapipe.device import handoff
+
+    handed = handoff.Retirer.handed
     step = Step(device, step_s, dim)
     rows = []
     n = (steps + warmup + 2) * batch
@@ -174,19 +179,26 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
         ds = CostlyImages(n, shape, batch_cost / batch)
         common = dict(batch_size=batch, num_workers=workers, shuffle=True)
         extra = {"persistent_workers": False, "prefetch_factor": 2} if workers else {}
-        torch_loader = torch.utils.data.DataLoader(
-            ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
-        r = train(torch_loader, step, device, steps, warmup, move=True)
-        rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
-        ours = DataLoader(ds, device=device, **common, **extra)
-        r = train(ours, step, device, steps, warmup, move=False)
-        ours.close()
-        rows.append({"case": case, "loader": "loaders.DataLoader(device)", **r})
         ideal = min(1 / step.seconds, workers / batch_cost if workers else 1 / (batch_cost + step.seconds))
-        for row in rows[-2:]:
-            row.update(step_ms=round(step.seconds * 1e3, 2), batch_cpu_ms=round(batch_cost * 1e3, 1),
-                       workers=workers, ideal_steps_per_s=round(ideal, 2),
-                       samples_per_s=round(row["steps_per_s"] * batch, 1))
+        for repeat in range(repeats):
+            torch_loader = torch.utils.data.DataLoader(
+                ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
+            r = train(torch_loader, step, device, steps, warmup, move=True)
+            rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
+            for name, retire in (("loaders.DataLoader(device)", True),
+                                 ("loaders.DataLoader(device), frees in the training thread", False)):
+                handoff.Retirer.handed = handed if retire else (lambda self, item: None)
+                try:
+                    ours = DataLoader(ds, device=device, **common, **extra)
+                    r = train(ours, step, device, steps, warmup, move=False)
+                    ours.close()
+                finally:
+                    handoff.Retirer.handed = handed
+                rows.append({"case": case, "loader": name, **r})
+            for row in rows[-3:]:
+                row.update(step_ms=round(step.seconds * 1e3, 2), batch_cpu_ms=round(batch_cost * 1e3, 1),
+                           workers=workers, ideal_steps_per_s=round(ideal, 2), repeat=repeat,
+                           samples_per_s=round(row["steps_per_s"] * batch, 1))
     return rows
 
 
@@ -202,6 +214,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dim", type=int, default=8192, help="matmul size of the GPU step")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke check")
     ap.add_argument("--out", default=None, help="directory for prefetch.json (default bench/results)")
     args = ap.parse_args(argv)
@@ -212,14 +225,15 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     bw = [r for size in args.sizes_mb for r in bandwidth(device, size, args.iters)]
     tr = training(device, workers=args.workers, batch=args.batch, shape=tuple(args.image),
-                  step_s=args.step_ms / 1e3, dim=args.dim, steps=args.steps, warmup=args.warmup)
+                  step_s=args.step_ms / 1e3, dim=args.dim, steps=args.steps, warmup=args.warmup,
+                  repeats=args.repeats)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "cpu_count": os.cpu_count(), "args": vars(args), "bandwidth": bw, "training": tr,
               "target": "DevicePrefetcher >= 0.85 x pinned ceiling"}
     path = write_result("prefetch", result, args.out)
     print(table(bw, ["size_mb", "method", "gb_per_s", "vs_pinned"]))
     print()
-    print(table(tr, ["case", "loader", "workers", "step_ms", "batch_cpu_ms", "steps_per_s",
+    print(table(tr, ["case", "loader", "repeat", "workers", "step_ms", "batch_cpu_ms", "steps_per_s",
                      "ideal_steps_per_s", "wait_fraction", "samples_per_s"]))
     print(f"\nwrote {path}")
     return result
