@@ -123,7 +123,9 @@ class Retirer:
     def __init__(self, device: torch.device, keep: int = 2, fence: Callable[[], Any] | None = None):
         self.device = device
         self.keep = keep
-        self.fence = fence or self._cuda_fence  # returns a marker with .query(): True once passed
+        self.fence = fence  # returns a marker with .query(): True once passed; None: a CUDA event
+        # (not a bound method of self: that cycle would leave the batches to the cyclic collector,
+        # which may then run in a forked DataLoader worker and free CUDA memory there: abort)
         self._recent: deque = deque()
         self._dead: deque = deque()  # (item, marker); appended by the consumer, drained by the producer
 
@@ -136,7 +138,7 @@ class Retirer:
         """(Consumer thread) ``item`` was just handed out."""
         self._recent.append(item)
         if len(self._recent) > self.keep:
-            self._dead.append((self._recent.popleft(), self.fence()))
+            self._dead.append((self._recent.popleft(), self.fence() if self.fence else self._cuda_fence()))
 
     def bury(self) -> None:
         """(Producer thread) drop the retired items the consumer's stream is done with."""

@@ -287,3 +287,32 @@ def test_producer_frees_retired_items_in_its_own_thread():
     producer.close()
     assert freed_in[:5] == ["producer-under-test"] * 5  # the first items: freed by the producer
     assert all(r() is None for r in refs)
+
+
+def test_a_retirer_and_its_items_go_with_their_last_reference_not_the_cyclic_collector():
+    """A cycle would free device batches whenever gc runs, also in a forked worker (where CUDA aborts)."""
+    import gc
+    import weakref
+
+    from datapipe.device.handoff import Retirer
+
+    class Batch:
+        pass
+
+    gc.disable()
+    try:
+        r = Retirer(torch.device("cpu"), keep=1, fence=lambda: _Marker())
+        b = Batch()
+        items = weakref.ref(b)
+        r.handed(b)
+        r.handed(Batch())
+        del b
+        ref = weakref.ref(r)
+        del r
+        assert ref() is None and items() is None
+        r = Retirer(torch.device("cuda"))  # the default fence is not stored as a bound method
+        ref = weakref.ref(r)
+        del r
+        assert ref() is None
+    finally:
+        gc.enable()
