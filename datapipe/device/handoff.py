@@ -116,7 +116,7 @@ class Retirer:
     its ``next()``. The consumer's ``next()`` keeps the last ``keep`` items alive (the training loop
     still holds the previous one while it asks for the next); older ones go to the producer
     thread with an event recorded on the consumer's stream, and that thread drops them once the
-    event has passed (their last reads are done), before it makes its next item. A batch the
+    event has passed (their last reads are done), after it delivered its next item. A batch the
     caller still references is freed whenever the caller lets go of it, as before.
     """
 
@@ -181,8 +181,6 @@ def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaph
                 if pacer is not None:
                     pacer.hold(out.qsize(), stop)
                 cpu0 = time.thread_time()
-                if retirer is not None:
-                    retirer.bury()
                 try:
                     item = next(it)
                 except StopIteration:
@@ -196,6 +194,9 @@ def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaph
                 if stop.is_set():
                     return
                 out.put(item)
+                del item
+                if retirer is not None:  # off the critical path: the item is delivered already
+                    retirer.bury()
         finally:
             close = getattr(it, "close", None)
             if close is not None:
