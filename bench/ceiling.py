@@ -26,8 +26,9 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
 Pacing: rows ending ``_unpaced`` run with ``DATAPIPE_PACE=0`` (the producers start their next
 batch as soon as a slot frees, as before pacing), ``_pace05`` / ``_pace07`` / ``_pace085`` with
 that fraction; the others with the library's default (ImageLoader 0.7, DevicePrefetcher 0.5); any
-image variant takes these suffixes (``il_hw0_pace085``). Rows ending ``_noretire``: the training thread frees the batches it is
-done with (as before ``datapipe.device.handoff.Retirer`` moved that to the producer thread).
+image variant takes these suffixes (``il_hw0_pace085``). Rows ending ``_noretire``: the training
+thread frees the batches it is done with (as before ``datapipe.device.handoff.Retirer`` moved that
+to the producer thread).
 ``tokens_worker``: the packing in one DataLoader worker process.
 
 Loaders with worker processes are shut down, and the process waits for its children to exit

@@ -83,4 +83,5 @@ class GpuSampler:
                 continue
         if not rows:
             return {}
-        return {"sm_mhz": round(sum(r[0] for r in rows) / len(rows)), "power_w": round(sum(r[1] for r in rows) / len(rows), 1)}
+        n = len(rows)
+        return {"sm_mhz": round(sum(r[0] for r in rows) / n), "power_w": round(sum(r[1] for r in rows) / n, 1)}

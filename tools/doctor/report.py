@@ -153,9 +153,10 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                 capacity_batches_per_s=cap, consumption_batches_per_s=need, wait_fraction=wait)
     ratio = m.get("ceiling_ratio")
     hw = (m.get("loader") or {}).get("hw_decoder_load")
-    if cuda and hw and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and cores >= HYBRID_DECODE_CORES + 2:
-        add("hybrid_decode", f"the loop runs at {ratio:.1%} of its data-free ceiling yet waits for data only {wait:.1%} "
-                             f"of the time: the loader's GPU work slows the step. With {cores} cores, try "
+    spare = cores >= HYBRID_DECODE_CORES + 2
+    if cuda and hw and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and spare:
+        add("hybrid_decode", f"the loop runs at {ratio:.1%} of its data-free ceiling yet waits for data only "
+                             f"{wait:.1%} of the time: the loader's GPU work slows the step. With {cores} cores, try "
                              "ImageLoader(hw_decoder_load=0.0): nvJPEG's CUDA decoder with the Huffman stage on "
                              "the CPU instead of the hardware decoder (ResNet-50 on an H200: 0.979-0.981 of the "
                              "ceiling vs 0.974; README, Performance) if the CPU still keeps up",
