@@ -354,7 +354,7 @@ def test_many_epochs_hold_no_growing_set_of_objects(shards, reader):
     objects0, threads0, _ = epochs(3, 0)
     _, _, rss0 = epochs(3, 3)
     objects1, threads1, rss1 = epochs(12, 6)
-    assert threads1 == threads0
+    assert threads1 <= threads0  # fewer: a thread of an earlier test's dropped loader finished meanwhile
     assert objects1 - objects0 < 2000  # a per-epoch leak of the pipeline, streams or batches would be 10k+
     assert rss1 - rss0 < 64 * 1024  # KB
 
