@@ -26,7 +26,6 @@ The parts: this module is the loader (torch's hooks, the pass, epochs, the publi
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 import weakref
@@ -138,14 +137,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         collate = self.collate_fn
         if self._protocol:
             self.collate_fn = StatefulCollate(collate, self.dataset)
-        if workers:
-            # workers fork here, and none may collect the parent's cyclic garbage: a CUDA object's or a
-            # DALI pipeline's destructor would call into CUDA or into DALI threads that exist only in
-            # the parent, and crash the worker. Collect what we can now (CUDA: as before), and freeze
-            # the rest out of the children's collector for the fork
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                gc.collect()
-            gc.freeze()
+        # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
             if replay and rng.rng_state is not None:
                 with torch.random.fork_rng(devices=[]):
@@ -155,8 +147,6 @@ class DataLoader(tud.DataLoader[_T_co]):
                 rng.rng_state = torch.get_rng_state()
                 it = super().__iter__()
         finally:
-            if workers:
-                gc.unfreeze()
             self.collate_fn = collate
             self._plan = Plan()
         rng.base_seed = getattr(it, "_base_seed", None)

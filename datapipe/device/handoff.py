@@ -20,6 +20,10 @@ from typing import Any
 
 import torch
 
+from datapipe.device import forks
+
+forks.install()  # a forked worker must not free this module's device batches (see forks)
+
 __all__ = ["Producer", "ProducerMeter", "Retirer", "on_side_stream", "started", "threaded", "wait_and_keep"]
 
 _POLL_S = 0.05

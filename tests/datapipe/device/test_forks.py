@@ -1,0 +1,64 @@
+import gc
+import os
+
+import pytest
+
+import datapipe.device.handoff  # noqa: F401  (installs the fork hooks, as every loader does)
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+class _Cyclic:
+    """Garbage in a reference cycle whose destructor says, through a pipe, in which process it ran."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.me = self
+
+    def __del__(self):
+        os.write(self.fd, b"C" if os.getpid() != PARENT else b"P")
+
+
+PARENT = os.getpid()
+
+
+def _fork_and_collect() -> bytes:
+    """A cycle is dropped, then a child forks and runs the collector; what its destructor reported."""
+    read, write = os.pipe()
+    gc.disable()  # the cycle stays uncollected in the parent until the fork, as between two gc runs
+    try:
+        _Cyclic(write)
+        pid = os.fork()
+        if pid == 0:  # the child: collect, report, leave at once
+            gc.collect()
+            os._exit(0)
+        os.waitpid(pid, 0)
+    finally:
+        gc.enable()
+    gc.collect()  # the parent's own collection: its destructor runs here
+    os.close(write)
+    out = b""
+    while chunk := os.read(read, 16):
+        out += chunk
+    os.close(read)
+    return out
+
+
+def test_a_forked_child_never_collects_the_parents_garbage():
+    assert _fork_and_collect() == b"P"  # freed once, in the parent; never in the child
+
+
+def test_the_parent_is_thawed_after_the_fork_and_a_users_freeze_is_kept():
+    assert gc.get_freeze_count() == 0
+    _fork_and_collect()
+    assert gc.get_freeze_count() == 0  # frozen only around the fork
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert gc.get_freeze_count() == frozen  # the process's own freeze is left as it was
+    finally:
+        gc.unfreeze()
