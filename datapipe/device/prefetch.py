@@ -250,6 +250,9 @@ class DevicePrefetcher:
     (default 0.5; None turns it off; ``DATAPIPE_PACE`` overrides): while a batch is still queued,
     the next one is made only half-way into the consumer's step, so the producer thread does not
     compete for the GIL with the training thread while it launches the step (README, "Pacing").
+    On CUDA the last two batches handed out stay referenced and older ones are freed in the
+    producer thread once the consumer's stream is past them (``handoff.Retirer``): up to two more
+    batches on the device than the caller holds, and none of the freeing in the caller's ``next()``.
     """
 
     def __init__(self, iterable: Iterable, *, device: str | torch.device | int | None,
