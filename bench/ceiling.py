@@ -59,9 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import GpuSampler, endless, sync, table, to_device, write_result  # noqa: E402
+from bench.common import GpuSampler, endless, retiring, sync, table, to_device, write_result  # noqa: E402
 from bench.models import PackedLM  # noqa: E402
-from datapipe.device import handoff  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
@@ -301,7 +300,6 @@ def _clone(batch):
 
 
 T0 = time.perf_counter()
-_HANDED = handoff.Retirer.handed
 
 
 def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, results: dict, stream=None,
@@ -310,31 +308,30 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"[{name}] ...", file=sys.stderr, flush=True)
     if pace is not None:
         os.environ["DATAPIPE_PACE"] = str(pace)
-    if name.endswith("_noretire"):  # the training thread frees handed-out batches itself (before Retirer)
-        handoff.Retirer.handed = lambda self, item: None
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
-    try:
-        gen = make()
-        it = iter(gen)
-        first = next(it)
-        ceilings.cache(fmt, first)
-        before = ceilings.last.get(fmt) or ceilings.measure(fmt)
-        r = timed(it, step, steps=steps or args.steps, warmup=args.warmup, device=args.device, count=count,
-                  stream=stream)
-        stats = _loader_stats(gen)
-    except Exception as e:  # one broken candidate must not cost the others' numbers
-        traceback.print_exc()
-        results[name] = {"error": repr(e)[:500]}
-        gen = it = None
-        shutdown_workers(ignore=children, timeout=20)
-        return
-    finally:
-        if gen is not None and hasattr(gen, "close"):
-            gen.close()
-        gen = it = None
-        os.environ.pop("DATAPIPE_PACE", None)
-        handoff.Retirer.handed = _HANDED
+    # rows ending _noretire: the training thread frees handed-out batches itself (before Retirer)
+    with retiring(not name.endswith("_noretire")):
+        try:
+            gen = make()
+            it = iter(gen)
+            first = next(it)
+            ceilings.cache(fmt, first)
+            before = ceilings.last.get(fmt) or ceilings.measure(fmt)
+            r = timed(it, step, steps=steps or args.steps, warmup=args.warmup, device=args.device, count=count,
+                      stream=stream)
+            stats = _loader_stats(gen)
+        except Exception as e:  # one broken candidate must not cost the others' numbers
+            traceback.print_exc()
+            results[name] = {"error": repr(e)[:500]}
+            gen = it = None
+            shutdown_workers(ignore=children, timeout=20)
+            return
+        finally:
+            if gen is not None and hasattr(gen, "close"):
+                gen.close()
+            gen = it = None
+            os.environ.pop("DATAPIPE_PACE", None)
     exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)

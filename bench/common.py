@@ -5,6 +5,7 @@ scripts here and ``datapipe bench`` write results alike.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -46,6 +47,21 @@ def sync(device) -> None:
 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def retiring(on: bool = True):
+    """With ``on=False``, loaders made inside free the batches they handed out in the training thread
+    (as before ``datapipe.device.handoff.Retirer``): the A/B switch of the benchmarks."""
+    from datapipe.device import handoff
+
+    handed = handoff.Retirer.handed
+    if not on:
+        handoff.Retirer.handed = lambda self, item: None
+    try:
+        yield
+    finally:
+        handoff.Retirer.handed = handed
 
 
 class GpuSampler:

@@ -22,12 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import write_result  # noqa: E402
+from bench.common import retiring, write_result  # noqa: E402
 from datapipe.device import handoff  # noqa: E402
 
 PARTS = {"handoff": [], "queued": []}
 _NEXT = handoff.Producer.__next__
-_HANDED = handoff.Retirer.handed
 
 
 def _timed_next(self):
@@ -101,14 +100,13 @@ def main(argv=None) -> dict:
     default_switch = sys.getswitchinterval()
     for variant in ("default", "free_in_consumer", "free_first", "switch"):
         sys.setswitchinterval(1e-4 if variant == "switch" else default_switch)
-        # free_in_consumer: handed-out batches freed by the training thread, as before handoff.Retirer
-        handoff.Retirer.handed = (lambda self, item: None) if variant == "free_in_consumer" else _HANDED
         for name, make, step in (
             ("tokens", lambda: TokenLoader(urls, seq_len=4096, batch_size=4, device=device), tstep),
             ("images", lambda: ImageLoader(images, batch_size=256, device=device), istep),
         ):
-            results[f"{name}_{variant}"] = r = run(make(), step, steps=args.steps, warmup=args.warmup,
-                                                   free_first=variant == "free_first")
+            with retiring(variant != "free_in_consumer"):  # free_in_consumer: as before handoff.Retirer
+                results[f"{name}_{variant}"] = r = run(make(), step, steps=args.steps, warmup=args.warmup,
+                                                       free_first=variant == "free_first")
             print(f"{name}_{variant}: {r}", file=sys.stderr, flush=True)
     sys.setswitchinterval(default_switch)
     write_result("next_latency", {"config": vars(args), "results": results}, args.out)

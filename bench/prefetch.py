@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from bench.common import sync, table, write_result  # noqa: E402
+from bench.common import retiring, sync, table, write_result  # noqa: E402
 from datapipe import DevicePrefetcher  # noqa: E402
 from loaders import DataLoader  # noqa: E402
 
@@ -168,9 +168,6 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
              steps: int, warmup: int, repeats: int = 1) -> list[dict]:
     """Each case: torch's DataLoader, ours, and ours freeing batches in the training thread (as before
     ``handoff.Retirer``), in turn, ``repeats`` times."""
-    from datapipe.device import handoff
-
-    handed = handoff.Retirer.handed
     step = Step(device, step_s, dim)
     rows = []
     n = (steps + warmup + 2) * batch
@@ -187,13 +184,10 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
             rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
             for name, retire in (("loaders.DataLoader(device)", True),
                                  ("loaders.DataLoader(device), frees in the training thread", False)):
-                handoff.Retirer.handed = handed if retire else (lambda self, item: None)
-                try:
+                with retiring(retire):
                     ours = DataLoader(ds, device=device, **common, **extra)
                     r = train(ours, step, device, steps, warmup, move=False)
                     ours.close()
-                finally:
-                    handoff.Retirer.handed = handed
                 rows.append({"case": case, "loader": name, **r})
             for row in rows[-3:]:
                 row.update(step_ms=round(step.seconds * 1e3, 2), batch_cpu_ms=round(batch_cost * 1e3, 1),

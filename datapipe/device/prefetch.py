@@ -183,30 +183,32 @@ class _CudaTransfer:
         self.device = device
         self.stream = stream
         self.pool = pool
-        self._made: list[torch.Tensor] = []
 
     def _leaf(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu" or t.is_pinned():
-            out = t.to(self.device, non_blocking=True)
-        else:
-            entry = self.pool.acquire(t.shape, t.dtype)
-            try:
-                entry[0].copy_(t)
-                out = entry[0].to(self.device, non_blocking=True)
-            finally:
-                self.pool.release(entry, self.stream)
-        if out is not t:
-            self._made.append(out)
-        return out
+            return t.to(self.device, non_blocking=True)
+        entry = self.pool.acquire(t.shape, t.dtype)
+        try:
+            entry[0].copy_(t)
+            return entry[0].to(self.device, non_blocking=True)
+        finally:
+            self.pool.release(entry, self.stream)
 
     def __call__(self, batch: Any) -> tuple[Any, torch.cuda.Event, list[torch.Tensor]]:
         """``(batch on the device, event after its copies, the device tensors made here)``."""
-        self._made = []
+        made: list[torch.Tensor] = []
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            out = self._leaf(t)
+            if out is not t:
+                made.append(out)
+            return out
+
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            out = map_tensors(self._leaf, batch)
+            out = map_tensors(leaf, batch)
             done = torch.cuda.Event()
             done.record(self.stream)
-        return out, done, self._made
+        return out, done, made
 
 
 class _PrefetchIterator(Producer):

@@ -237,7 +237,7 @@ class WorkerStreamReader(StreamReader):
             self._resume = None
         else:
             loader.set_epoch(lo.epoch)
-        it = iter(loader)  # the workers fork here (loaders.DataLoader keeps them from collecting our garbage)
+        it = iter(loader)  # the workers fork here (datapipe.device.forks keeps them from collecting our garbage)
         stats = lo._stats
         try:
             for packed in it:
