@@ -428,6 +428,7 @@ def image_parts(args, urls, results) -> None:
         "il_hw0": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
         "il_hw0_t12": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)), None),
         "il_hw05": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.5)), None),
+        "il_hw03": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.3)), None),
         "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
         "il_noaa": ("f32", lambda: tracked(image_loader(urls, args, antialias=False)), None),
         "il_threads4": ("f32", lambda: tracked(image_loader(urls, args, num_threads=4)), None),
@@ -485,7 +486,8 @@ def image_parts(args, urls, results) -> None:
 
 
 # the loaders timed alone (part "standalone"): can each feed a faster step?
-STANDALONE = {"imageloader": {}, "il_hw0": {"hw_decoder_load": 0.0},
+STANDALONE = {"imageloader": {}, "il_hw0": {"hw_decoder_load": 0.0}, "il_hw05": {"hw_decoder_load": 0.5},
+              "il_hw03": {"hw_decoder_load": 0.3},
               "il_hw0_t12": {"hw_decoder_load": 0.0, "num_threads": 12},
               "il_hw0_t14": {"hw_decoder_load": 0.0, "num_threads": 14}, "il_cpu": {"decode_device": "cpu"}}
 

@@ -3,7 +3,7 @@
 # (../shared/device/stage-gpu-wheels.sh). Each argument is a part; results and logs go to $OUT.
 #   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
 #   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
-# Other parts: ceiling prefetch packing read.
+# Other parts: ceiling anatomy prefetch packing read.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-suite}
@@ -55,6 +55,10 @@ for part in "$@"; do
     step ceiling: training at its data-free ceiling
     timeout ${CEILING_TIMEOUT:-480} ${CEILING_PREFIX:-} python bench/ceiling.py --data "$DATA" --out "$OUT" ${CEILING_ARGS:-} 2>&1 | grep -v "^    {" \
       | tail -40 | tee -a "$log" ;;
+  anatomy)
+    step step anatomy: where the step time goes with each feed
+    timeout ${ANATOMY_TIMEOUT:-300} python bench/step_anatomy.py --data "$DATA" --out "$OUT" ${ANATOMY_ARGS:-} 2>&1 \
+      | tail -30 | tee -a "$log" ;;
   elastic2)
     step elastic resume: ImageLoader + ResNet-50 on 2 GPUs, SIGKILL, resume on 1 GPU, then on 2
     timeout 300 python bench/elastic_gpu.py --out "$OUT" 2>&1 | tail -40 | tee -a "$log" ;;

@@ -1,0 +1,251 @@
+"""Where a training step's time goes with a loader feeding it: one profiled window per feed, from a trace.
+
+bench/ceiling.py says how far each loader keeps the ResNet-50 step below its data-free ceiling; this
+says why. For each feed (the cached batch, ImageLoader variants, the hand-written DALI loop) it
+profiles a window of steps (torch.profiler, CPU + CUDA, every thread of the process) and splits
+the step, per step:
+
+- ``train_busy_ms``: time the training thread's kernels kept the GPU busy (their union); against
+  the cached batch's, the training kernels' own slowdown (SM and memory contention);
+- ``train_idle_ms``: the rest of the step, the GPU idle for training (``next()``, launch gaps);
+  ``first_kernel_ms``: from the step's start to its first training kernel;
+- ``slowdown_overlapped_ms`` / ``slowdown_alone_ms``: the training kernels' extra time against the
+  cached batch's same kernel (matched by position in the step), split by whether a loader kernel
+  ran at the same time: contention shows in the first, clocks or memory in both;
+- ``loader_kernel_ms`` / ``loader_copy_ms``: GPU time of the kernels and copies no training call
+  launched, and their top names;
+- ``train_api``: the training thread's CUDA API time per step (and inside ``next()``), by call;
+  ``other_api``: the other threads' (DALI's workers, the producer) calls, with the longest one,
+  so synchronising calls (allocations, device syncs) show.
+
+    python bench/step_anatomy.py                         # on the GPU machine: bench/results/step_anatomy.json
+    python bench/step_anatomy.py --feeds ceiling,imageloader,il_hw0 --steps 12
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STEP = "anatomy_step"
+NEXT = "anatomy_next"
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+API_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(intervals, lo: float = float("-inf"), hi: float = float("inf")) -> float:
+    return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
+
+
+def _overlaps(intervals, s: float, e: float) -> bool:
+    return any(a < e and b > s for a, b in intervals)
+
+
+def analyse(events: list[dict], reference: dict | None = None) -> dict:
+    """Per-step split of a chrome trace's events (``traceEvents`` of torch.profiler's export).
+
+    The steps are the ``anatomy_step`` annotations (one thread: the training thread); GPU work is
+    the training's when the API call that launched it (same ``correlation``) ran on that thread.
+    ``reference``: the ``kernels`` of the cached batch's analysis, to match kernels by position.
+    """
+    steps = sorted((e for e in events if e.get("name") == STEP and e.get("ph") == "X"), key=lambda e: e["ts"])
+    if not steps:
+        raise ValueError(f"no {STEP!r} annotations in the trace")
+    tid = steps[0]["tid"]
+    nexts = [e for e in events if e.get("name") == NEXT and e.get("tid") == tid]
+    api = [e for e in events if e.get("cat") in API_CATS and e.get("ph") == "X"]
+    train_corr = {e["args"]["correlation"] for e in api if e["tid"] == tid and "correlation" in e.get("args", {})}
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and e.get("ph") == "X"]
+    train = sorted((e for e in gpu if e.get("args", {}).get("correlation") in train_corr), key=lambda e: e["ts"])
+    loader = [e for e in gpu if e.get("args", {}).get("correlation") not in train_corr]
+    loader_kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in loader if e["cat"] == "kernel"])
+    train_union = _union([(e["ts"], e["ts"] + e["dur"]) for e in train])
+
+    per_step = defaultdict(list)
+    kernels_by_step = []
+    for st in steps:
+        lo, hi = st["ts"], st["ts"] + st["dur"]
+        mine = [e for e in train if lo <= e["ts"] < hi]
+        kernels_by_step.append([(e["name"], e["dur"], _overlaps(loader_kernels, e["ts"], e["ts"] + e["dur"]))
+                                for e in mine if e["cat"] == "kernel"])
+        busy = _length(train_union, lo, hi)
+        per_step["step_ms"].append(st["dur"] / 1e3)
+        per_step["train_busy_ms"].append(busy / 1e3)
+        per_step["train_idle_ms"].append((st["dur"] - busy) / 1e3)
+        per_step["first_kernel_ms"].append(((mine[0]["ts"] - lo) if mine else st["dur"]) / 1e3)
+        per_step["loader_overlap_ms"].append(_length(_union(
+            [(max(s, lo), min(e, hi)) for s, e in loader_kernels if e > lo and s < hi]), lo, hi) / 1e3)
+    for n in nexts:
+        per_step["next_ms"].append(n["dur"] / 1e3)
+    out = {k: round(statistics.median(v), 3) for k, v in per_step.items() if v}
+    out["steps"] = len(steps)
+
+    n = len(steps)
+    span_lo, span_hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    in_span = [e for e in loader if span_lo <= e["ts"] < span_hi]
+    by_name: dict[str, float] = defaultdict(float)
+    for e in in_span:
+        by_name[e["name"][:80]] += e["dur"]
+    out["loader_kernel_ms"] = round(sum(e["dur"] for e in in_span if e["cat"] == "kernel") / n / 1e3, 3)
+    out["loader_copy_ms"] = round(sum(e["dur"] for e in in_span if e["cat"] != "kernel") / n / 1e3, 3)
+    out["loader_top"] = [(k, round(v / n / 1e3, 3)) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]]
+
+    def api_table(calls, within=None) -> dict:
+        acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        for e in calls:
+            if within is not None and not any(a <= e["ts"] < b for a, b in within):
+                continue
+            a = acc[e["name"]]
+            a[0] += 1
+            a[1] += e["dur"]
+            a[2] = max(a[2], e["dur"])
+        rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:10]
+        return {k: {"calls_per_step": round(c / n, 2), "ms_per_step": round(t / n / 1e3, 4), "max_ms": round(m / 1e3, 3)}
+                for k, (c, t, m) in rows}
+
+    span = [(span_lo, span_hi)]
+    out["train_api"] = api_table([e for e in api if e["tid"] == tid], span)
+    out["train_api_in_next"] = api_table([e for e in api if e["tid"] == tid],
+                                         [(e["ts"], e["ts"] + e["dur"]) for e in nexts])
+    out["other_api"] = api_table([e for e in api if e["tid"] != tid], span)
+
+    out["kernels"] = kernels_by_step
+    if reference:
+        extra_over, extra_alone, matched = [], [], 0
+        ref = reference["kernels"]
+        for ks in kernels_by_step:
+            if len(ks) != len(ref):
+                continue
+            matched += 1
+            over = alone = 0.0
+            for (name, dur, overlapped), (rname, rdur) in zip(ks, ref):
+                if name != rname:
+                    break
+                if overlapped:
+                    over += dur - rdur
+                else:
+                    alone += dur - rdur
+            extra_over.append(over / 1e3)
+            extra_alone.append(alone / 1e3)
+        if matched:
+            out["slowdown_overlapped_ms"] = round(statistics.median(extra_over), 3)
+            out["slowdown_alone_ms"] = round(statistics.median(extra_alone), 3)
+        out["steps_matched"] = matched
+    return out
+
+
+def reference_kernels(analysis: dict) -> dict:
+    """The cached batch's kernels per position in the step: (name, median duration) for the matching."""
+    runs = [ks for ks in analysis["kernels"] if ks]
+    length = statistics.mode(len(ks) for ks in runs)
+    runs = [ks for ks in runs if len(ks) == length]
+    return {"kernels": [(runs[0][i][0], statistics.median(ks[i][1] for ks in runs)) for i in range(length)]}
+
+
+def profiled(feed, step, *, steps: int, warmup: int) -> list[dict]:
+    """Run ``warmup`` then ``steps`` annotated steps under the profiler; the trace's events."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    it = iter(feed)
+    for _ in range(warmup):
+        step(next(it))
+        torch.cuda.current_stream().synchronize()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with record_function(STEP):
+                with record_function(NEXT):
+                    batch = next(it)
+                step(batch)
+                torch.cuda.current_stream().synchronize()
+        torch.cuda.synchronize()
+    close = getattr(it, "close", None)
+    if close:
+        close()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+
+
+def main(argv=None) -> dict:
+    import torch
+
+    from bench.ceiling import ImageStep, dali_hand, image_loader, replay
+    from bench.common import endless, write_result
+    from bench.images import ensure_dataset
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="/tmp/datapipe-bench-images")
+    p.add_argument("--num-images", type=int, default=20000)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=15)
+    p.add_argument("--feeds", default="ceiling,imageloader,il_hw0,il_hw1,dali_hand")
+    p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = p.parse_args(argv)
+    args.device = torch.device("cuda")
+    torch.backends.cudnn.benchmark = True
+    urls, _ = ensure_dataset(args.data, args.num_images, workers=os.cpu_count() or 1, per_shard=256)
+    step = ImageStep(args.device, "resnet50")
+    feeds = {
+        "imageloader": lambda: endless(image_loader(urls, args)),
+        "il_hw0": lambda: endless(image_loader(urls, args, hw_decoder_load=0.0)),
+        "il_hw1": lambda: endless(image_loader(urls, args, hw_decoder_load=1.0)),
+        "il_hw05": lambda: endless(image_loader(urls, args, hw_decoder_load=0.5)),
+        "dali_hand": lambda: dali_hand(urls, args),
+    }
+    it = iter(image_loader(urls, args))
+    cached = tuple(t.clone() for t in next(it))  # the data-free feed replays this batch
+    it.close()
+    results: dict = {}
+    reference = None
+    for name in [f for f in args.feeds.split(",") if f]:
+        t0 = time.perf_counter()
+        feed = replay(cached) if name == "ceiling" else feeds[name]()
+        try:
+            events = profiled(feed, step, steps=args.steps, warmup=args.warmup)
+        finally:
+            close = getattr(feed, "close", None)
+            if close:
+                close()
+        r = analyse(events, reference)
+        if name == "ceiling":
+            reference = reference_kernels(r)
+        r.pop("kernels")
+        results[name] = r
+        print(f"[{name}] {time.perf_counter() - t0:.0f} s: {json.dumps(r)[:1500]}", file=sys.stderr, flush=True)
+    out = {"gpu": torch.cuda.get_device_name(args.device), "cpu_count": os.cpu_count(),
+           "config": {k: str(v) for k, v in vars(args).items()}, "results": results}
+    path = write_result("step_anatomy", out, args.out)
+    cols = ("step_ms", "next_ms", "first_kernel_ms", "train_busy_ms", "train_idle_ms", "slowdown_overlapped_ms",
+            "slowdown_alone_ms", "loader_kernel_ms", "loader_copy_ms", "loader_overlap_ms")
+    print("feed".ljust(12) + "".join(c[:14].rjust(15) for c in cols))
+    for name, r in results.items():
+        print(name.ljust(12) + "".join(str(r.get(c, "-")).rjust(15) for c in cols))
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""bench/step_anatomy.py's trace analysis, on a hand-made trace (the profiling itself needs a GPU)."""
+import pytest
+
+from bench.step_anatomy import NEXT, STEP, analyse, reference_kernels
+
+
+def _x(name, cat, ts, dur, tid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def _trace(kernel_durs, loader=None, train_tid=1, slow_api=0):
+    """Steps of 100 us: next() 10 us, then one launch per kernel on the training thread."""
+    events, corr = [], 0
+    for i, durs in enumerate(kernel_durs):
+        t = 1000 * i
+        events += [_x(STEP, "user_annotation", t, 100, train_tid), _x(NEXT, "user_annotation", t, 10, train_tid)]
+        if slow_api:
+            events.append(_x("cudaStreamWaitEvent", "cuda_runtime", t + 1, slow_api, train_tid, correlation=-1))
+        start = t + 20
+        for k, d in enumerate(durs):
+            corr += 1
+            events.append(_x("cudaLaunchKernel", "cuda_runtime", t + 11 + k, 1, train_tid, correlation=corr))
+            events.append(_x(f"k{k}", "kernel", start, d, 99, correlation=corr))
+            start += d
+    for ts, dur in loader or []:
+        corr += 1
+        events.append(_x("cudaLaunchKernel", "cuda_runtime", ts - 5, 2, 7, correlation=corr))
+        events.append(_x("dali_kernel", "kernel", ts, dur, 99, correlation=corr))
+        events.append(_x("cudaFree", "cuda_runtime", ts - 3, 40, 7, correlation=corr + 10**6))
+    return events
+
+
+def test_splits_the_step_into_busy_idle_and_next():
+    r = analyse(_trace([[30, 20]] * 3))
+    assert r["steps"] == 3
+    assert r["step_ms"] == pytest.approx(0.1)
+    assert r["train_busy_ms"] == pytest.approx(0.05)
+    assert r["train_idle_ms"] == pytest.approx(0.05)
+    assert r["first_kernel_ms"] == pytest.approx(0.02)
+    assert r["next_ms"] == pytest.approx(0.01)
+    assert r["loader_kernel_ms"] == 0
+
+
+def test_loader_kernels_are_those_no_training_call_launched_and_slowdown_splits_by_overlap():
+    ref = reference_kernels(analyse(_trace([[30, 20]] * 3)))
+    # each step: k0 took 40 (10 more) while a loader kernel ran beside it; k1 took 25 (5 more) alone
+    loaded = _trace([[40, 25]] * 3, loader=[(1000 * i + 25, 10) for i in range(3)])
+    r = analyse(loaded, ref)
+    assert r["loader_kernel_ms"] == pytest.approx(0.01)
+    assert r["loader_overlap_ms"] == pytest.approx(0.01)
+    assert r["slowdown_overlapped_ms"] == pytest.approx(0.01)
+    assert r["slowdown_alone_ms"] == pytest.approx(0.005)
+    assert r["loader_top"][0][0] == "dali_kernel"
+    assert r["other_api"]["cudaFree"]["max_ms"] == pytest.approx(0.04)
+    assert "cudaFree" not in r["train_api"]
+
+
+def test_api_time_inside_next_is_reported_apart():
+    r = analyse(_trace([[30]] * 2, slow_api=8))
+    assert r["train_api_in_next"]["cudaStreamWaitEvent"]["ms_per_step"] == pytest.approx(0.008)
+    assert "cudaLaunchKernel" not in r["train_api_in_next"]
+
+
+def test_a_trace_without_steps_is_an_error():
+    with pytest.raises(ValueError, match="anatomy_step"):
+        analyse([_x("k", "kernel", 0, 1, 99)])
