@@ -308,6 +308,8 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"[{name}] ...", file=sys.stderr, flush=True)
     if pace is not None:
         os.environ["DATAPIPE_PACE"] = str(pace)
+    row_env = {k: v for key, env in ROW_ENV.items() if key in row_base(name) for k, v in env.items()}
+    os.environ.update(row_env)
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     # rows ending _noretire: the training thread frees handed-out batches itself (before Retirer)
@@ -332,6 +334,8 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
                 gen.close()
             gen = it = None
             os.environ.pop("DATAPIPE_PACE", None)
+            for k in row_env:
+                os.environ.pop(k, None)
     exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)
@@ -429,6 +433,9 @@ def image_parts(args, urls, results) -> None:
         "il_hw0_t12": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)), None),
         "il_hw05": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.5)), None),
         "il_hw03": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.3)), None),
+        "il_hostout": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "il_ckpt8": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "il_hostout_ckpt8": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
         "il_noaa": ("f32", lambda: tracked(image_loader(urls, args, antialias=False)), None),
         "il_threads4": ("f32", lambda: tracked(image_loader(urls, args, num_threads=4)), None),
@@ -604,6 +611,8 @@ ROW_PACE = {"_unpaced": 0.0, "_pace05": 0.5, "_pace07": 0.7, "_pace085": 0.85}  
 
 
 ROW_SUFFIXES = (*ROW_PACE, "_noretire")
+# EXPERIMENT: variants whose names hold these parts run with these environment switches
+ROW_ENV = {"hostout": {"DATAPIPE_EXP_HOST_OUTPUTS": "1"}, "ckpt8": {"DATAPIPE_EXP_CKPT_EVERY": "8"}}
 
 
 def row_base(name: str) -> str:

@@ -58,23 +58,34 @@ def _overlaps(intervals, s: float, e: float) -> bool:
     return any(a < e and b > s for a, b in intervals)
 
 
-def analyse(events: list[dict], reference: dict | None = None) -> dict:
+SYNCING = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMalloc", "cudaFree",
+           "cudaHostAlloc", "cudaFreeHost", "cudaMallocHost", "cudaHostRegister", "cudaHostUnregister")
+
+
+def analyse(events: list[dict], reference: dict | None = None, threads: dict | None = None) -> dict:
     """Per-step split of a chrome trace's events (``traceEvents`` of torch.profiler's export).
 
-    The steps are the ``anatomy_step`` annotations (one thread: the training thread); GPU work is
-    the training's when the API call that launched it (same ``correlation``) ran on that thread.
-    ``reference``: the ``kernels`` of the cached batch's analysis, to match kernels by position.
+    The steps are the ``anatomy_step`` annotations of the training thread. The training streams
+    are those its launches went to; GPU work on them is the training's (autograd's backward
+    thread launches there too), the rest the loader's. ``reference``: the ``kernels`` of the
+    cached batch's analysis, to match kernels by position. ``threads``: thread id -> name.
     """
-    steps = sorted((e for e in events if e.get("name") == STEP and e.get("ph") == "X"), key=lambda e: e["ts"])
+    names = {int(k): v for k, v in (threads or {}).items()}
+    steps = sorted((e for e in events if e.get("name") == STEP and e.get("ph") == "X"
+                    and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"no {STEP!r} annotations in the trace")
     tid = steps[0]["tid"]
-    nexts = [e for e in events if e.get("name") == NEXT and e.get("tid") == tid]
+    nexts = [e for e in events if e.get("name") == NEXT and e.get("tid") == tid and e.get("cat") == "user_annotation"]
     api = [e for e in events if e.get("cat") in API_CATS and e.get("ph") == "X"]
-    train_corr = {e["args"]["correlation"] for e in api if e["tid"] == tid and "correlation" in e.get("args", {})}
+    main_corr = {e["args"]["correlation"] for e in api if e["tid"] == tid and "correlation" in e.get("args", {})}
     gpu = [e for e in events if e.get("cat") in GPU_CATS and e.get("ph") == "X"]
-    train = sorted((e for e in gpu if e.get("args", {}).get("correlation") in train_corr), key=lambda e: e["ts"])
-    loader = [e for e in gpu if e.get("args", {}).get("correlation") not in train_corr]
+    train_streams = {e.get("args", {}).get("stream") for e in gpu
+                     if e["cat"] == "kernel" and e.get("args", {}).get("correlation") in main_corr}
+    train = sorted((e for e in gpu if e.get("args", {}).get("stream") in train_streams), key=lambda e: e["ts"])
+    loader = [e for e in gpu if e.get("args", {}).get("stream") not in train_streams]
+    train_corr = {e.get("args", {}).get("correlation") for e in train}
+    train_tids = {tid} | {e["tid"] for e in api if e.get("args", {}).get("correlation") in train_corr}
     loader_kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in loader if e["cat"] == "kernel"])
     train_union = _union([(e["ts"], e["ts"] + e["dur"]) for e in train])
 
@@ -96,6 +107,7 @@ def analyse(events: list[dict], reference: dict | None = None) -> dict:
         per_step["next_ms"].append(n["dur"] / 1e3)
     out = {k: round(statistics.median(v), 3) for k, v in per_step.items() if v}
     out["steps"] = len(steps)
+    out["train_streams"] = sorted(str(s) for s in train_streams)
 
     n = len(steps)
     span_lo, span_hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
@@ -121,10 +133,20 @@ def analyse(events: list[dict], reference: dict | None = None) -> dict:
                 for k, (c, t, m) in rows}
 
     span = [(span_lo, span_hi)]
-    out["train_api"] = api_table([e for e in api if e["tid"] == tid], span)
+    out["train_api"] = api_table([e for e in api if e["tid"] in train_tids], span)
     out["train_api_in_next"] = api_table([e for e in api if e["tid"] == tid],
                                          [(e["ts"], e["ts"] + e["dur"]) for e in nexts])
-    out["other_api"] = api_table([e for e in api if e["tid"] != tid], span)
+    out["other_api"] = api_table([e for e in api if e["tid"] not in train_tids], span)
+    syncing: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for e in api:
+        if e["name"] in SYNCING and span_lo <= e["ts"] < span_hi:
+            a = syncing[f"{e['name']} @ {names.get(e['tid'], 'main' if e['tid'] == tid else e['tid'])}"]
+            a[0] += 1
+            a[1] += e["dur"]
+            a[2] = max(a[2], e["dur"])
+    out["syncing_calls"] = {k: {"calls_per_step": round(c / n, 2), "ms_per_step": round(t / n / 1e3, 3),
+                                "max_ms": round(m / 1e3, 3)}
+                            for k, (c, t, m) in sorted(syncing.items(), key=lambda kv: -kv[1][1])}
 
     out["kernels"] = kernels_by_step
     if reference:
@@ -159,8 +181,65 @@ def reference_kernels(analysis: dict) -> dict:
     return {"kernels": [(runs[0][i][0], statistics.median(ks[i][1] for ks in runs)) for i in range(length)]}
 
 
-def profiled(feed, step, *, steps: int, warmup: int) -> list[dict]:
-    """Run ``warmup`` then ``steps`` annotated steps under the profiler; the trace's events."""
+# the loader's calls timed one by one (``--probe``): one that syncs the device shows as a long max
+PROBES = ("nvidia.dali.pipeline:Pipeline.run", "nvidia.dali.pipeline:Pipeline.checkpoint",
+          "loaders.images.loader:ImageLoader._to_torch", "loaders.images.loader:ImageLoader._prepare",
+          "loaders.images.dali_reader:DaliReader._labels", "loaders.images.dali_reader:SampleNumbers.lookup",
+          "loaders.images.dali_reader:DaliReader.handed", "datapipe.device.handoff:Retirer.bury",
+          "datapipe.device.handoff:wait_and_keep", "numpy:asarray")
+
+
+class CallTimer:
+    """Wraps functions named ``module:attr.path`` and records each call's duration and thread while on."""
+
+    def __init__(self, targets=PROBES):
+        import importlib
+        import threading
+
+        self.calls: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        self.on = False
+        self._undo = []
+        for target in targets:
+            module, path = target.split(":")
+            try:
+                owner = importlib.import_module(module)
+                *parents, attr = path.split(".")
+                for name in parents:
+                    owner = getattr(owner, name)
+                original = getattr(owner, attr)
+            except (ImportError, AttributeError):
+                continue
+
+            def wrapper(*a, _orig=original, _key=path, **k):
+                if not self.on:
+                    return _orig(*a, **k)
+                t0 = time.perf_counter()
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    self.calls[_key].append((time.perf_counter() - t0, threading.current_thread().name))
+
+            setattr(owner, attr, wrapper)
+            self._undo.append((owner, attr, original))
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+    def summary(self, steps: int) -> dict:
+        out = {}
+        for key, calls in self.calls.items():
+            ms = sorted(d * 1e3 for d, _ in calls)
+            out[key] = {"calls_per_step": round(len(ms) / steps, 2), "p50_ms": round(ms[len(ms) // 2], 3),
+                        "max_ms": round(ms[-1], 3), "ms_per_step": round(sum(ms) / steps, 3),
+                        "threads": sorted({t for _, t in calls})[:3]}
+        return out
+
+
+def profiled(feed, step, *, steps: int, warmup: int, timer: CallTimer | None = None) -> tuple[list[dict], dict]:
+    """Run ``warmup`` then ``steps`` annotated steps under the profiler: the trace's events, thread names."""
+    import threading
+
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -169,6 +248,8 @@ def profiled(feed, step, *, steps: int, warmup: int) -> list[dict]:
         step(next(it))
         torch.cuda.current_stream().synchronize()
     torch.cuda.synchronize()
+    if timer is not None:
+        timer.on = True
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             with record_function(STEP):
@@ -177,6 +258,9 @@ def profiled(feed, step, *, steps: int, warmup: int) -> list[dict]:
                 step(batch)
                 torch.cuda.current_stream().synchronize()
         torch.cuda.synchronize()
+    if timer is not None:
+        timer.on = False
+    threads = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     close = getattr(it, "close", None)
     if close:
         close()
@@ -184,7 +268,7 @@ def profiled(feed, step, *, steps: int, warmup: int) -> list[dict]:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return json.load(f)["traceEvents"]
+            return json.load(f)["traceEvents"], threads
 
 
 def main(argv=None) -> dict:
@@ -202,6 +286,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--feeds", default="ceiling,imageloader,il_hw0,il_hw1,dali_hand")
+    p.add_argument("--probe", action="store_true", help="time the loader's own calls one by one (PROBES)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
     args.device = torch.device("cuda")
@@ -214,7 +299,10 @@ def main(argv=None) -> dict:
         "il_hw1": lambda: endless(image_loader(urls, args, hw_decoder_load=1.0)),
         "il_hw05": lambda: endless(image_loader(urls, args, hw_decoder_load=0.5)),
         "dali_hand": lambda: dali_hand(urls, args),
+        "il_hostout": lambda: endless(image_loader(urls, args)),
+        "il_ckpt8": lambda: endless(image_loader(urls, args)),
     }
+    env = {"il_hostout": {"DATAPIPE_EXP_HOST_OUTPUTS": "1"}, "il_ckpt8": {"DATAPIPE_EXP_CKPT_EVERY": "8"}}
     it = iter(image_loader(urls, args))
     cached = tuple(t.clone() for t in next(it))  # the data-free feed replays this batch
     it.close()
@@ -223,13 +311,21 @@ def main(argv=None) -> dict:
     for name in [f for f in args.feeds.split(",") if f]:
         t0 = time.perf_counter()
         feed = replay(cached) if name == "ceiling" else feeds[name]()
+        timer = CallTimer() if args.probe and name != "ceiling" else None
+        os.environ.update(env.get(name, {}))
         try:
-            events = profiled(feed, step, steps=args.steps, warmup=args.warmup)
+            events, threads = profiled(feed, step, steps=args.steps, warmup=args.warmup, timer=timer)
         finally:
             close = getattr(feed, "close", None)
             if close:
                 close()
-        r = analyse(events, reference)
+            if timer is not None:
+                timer.restore()
+            for k in env.get(name, {}):
+                os.environ.pop(k, None)
+        r = analyse(events, reference, threads)
+        if timer is not None:
+            r["calls"] = timer.summary(args.steps)
         if name == "ceiling":
             reference = reference_kernels(r)
         r.pop("kernels")

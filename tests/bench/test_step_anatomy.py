@@ -9,7 +9,10 @@ def _x(name, cat, ts, dur, tid=1, **args):
 
 
 def _trace(kernel_durs, loader=None, train_tid=1, slow_api=0):
-    """Steps of 100 us: next() 10 us, then one launch per kernel on the training thread."""
+    """Steps of 100 us: next() 10 us, then one launch per kernel on the training thread (stream 7).
+
+    ``loader``: (start, duration) of kernels a thread 7 launched on stream 20, each after a 40 us cudaFree.
+    """
     events, corr = [], 0
     for i, durs in enumerate(kernel_durs):
         t = 1000 * i
@@ -20,12 +23,12 @@ def _trace(kernel_durs, loader=None, train_tid=1, slow_api=0):
         for k, d in enumerate(durs):
             corr += 1
             events.append(_x("cudaLaunchKernel", "cuda_runtime", t + 11 + k, 1, train_tid, correlation=corr))
-            events.append(_x(f"k{k}", "kernel", start, d, 99, correlation=corr))
+            events.append(_x(f"k{k}", "kernel", start, d, 99, correlation=corr, stream=7))
             start += d
     for ts, dur in loader or []:
         corr += 1
         events.append(_x("cudaLaunchKernel", "cuda_runtime", ts - 5, 2, 7, correlation=corr))
-        events.append(_x("dali_kernel", "kernel", ts, dur, 99, correlation=corr))
+        events.append(_x("dali_kernel", "kernel", ts, dur, 98, correlation=corr, stream=20))
         events.append(_x("cudaFree", "cuda_runtime", ts - 3, 40, 7, correlation=corr + 10**6))
     return events
 
@@ -41,7 +44,7 @@ def test_splits_the_step_into_busy_idle_and_next():
     assert r["loader_kernel_ms"] == 0
 
 
-def test_loader_kernels_are_those_no_training_call_launched_and_slowdown_splits_by_overlap():
+def test_loader_kernels_are_those_off_the_training_streams_and_slowdown_splits_by_overlap():
     ref = reference_kernels(analyse(_trace([[30, 20]] * 3)))
     # each step: k0 took 40 (10 more) while a loader kernel ran beside it; k1 took 25 (5 more) alone
     loaded = _trace([[40, 25]] * 3, loader=[(1000 * i + 25, 10) for i in range(3)])
@@ -53,6 +56,19 @@ def test_loader_kernels_are_those_no_training_call_launched_and_slowdown_splits_
     assert r["loader_top"][0][0] == "dali_kernel"
     assert r["other_api"]["cudaFree"]["max_ms"] == pytest.approx(0.04)
     assert "cudaFree" not in r["train_api"]
+    assert r["syncing_calls"]["cudaFree @ 7"]["calls_per_step"] == 1
+
+
+def test_kernels_another_thread_launches_on_the_training_stream_are_the_trainings():
+    """autograd's backward thread launches on the training stream: its kernels are no loader's."""
+    events = _trace([[30, 20]] * 2)
+    for e in events:
+        if e["cat"] == "cuda_runtime" and e["name"] == "cudaLaunchKernel" and e["args"]["correlation"] % 2 == 0:
+            e["tid"] = 5  # the second kernel of each step launched by another thread
+    r = analyse(events, threads={5: "autograd"})
+    assert r["loader_kernel_ms"] == 0
+    assert r["train_busy_ms"] == pytest.approx(0.05)
+    assert "cudaLaunchKernel" not in r["other_api"]
 
 
 def test_api_time_inside_next_is_reported_apart():
