@@ -62,6 +62,25 @@ SYNCING = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchroni
            "cudaHostAlloc", "cudaFreeHost", "cudaMallocHost", "cudaHostRegister", "cudaHostUnregister")
 
 
+PHASES = ("start", "q1", "q2", "q3", "q4", "end")
+
+
+def _idle_by_phase(busy: list[tuple[float, float]], lo: float, hi: float) -> dict[str, float]:
+    """The training streams' idle time (ms) in one step: before its first kernel (``start``), in each
+    quarter of the step between kernels (``q1``..``q4``, by where the gap starts), after its last (``end``)."""
+    inside = [(max(s, lo), min(e, hi)) for s, e in busy if e > lo and s < hi]
+    out = dict.fromkeys(PHASES, 0.0)
+    if not inside:
+        out["start"] = (hi - lo) / 1e3
+        return out
+    out["start"] = (inside[0][0] - lo) / 1e3
+    out["end"] = (hi - inside[-1][1]) / 1e3
+    for (_, e), (s, _) in zip(inside, inside[1:]):
+        quarter = min(3, int(4 * (e - lo) / (hi - lo)))
+        out[f"q{quarter + 1}"] += (s - e) / 1e3
+    return out
+
+
 def analyse(events: list[dict], reference: dict | None = None, threads: dict | None = None) -> dict:
     """Per-step split of a chrome trace's events (``traceEvents`` of torch.profiler's export).
 
@@ -97,6 +116,8 @@ def analyse(events: list[dict], reference: dict | None = None, threads: dict | N
         kernels_by_step.append([(e["name"], e["dur"], _overlaps(loader_kernels, e["ts"], e["ts"] + e["dur"]))
                                 for e in mine if e["cat"] == "kernel"])
         busy = _length(train_union, lo, hi)
+        for phase, ms in _idle_by_phase(train_union, lo, hi).items():
+            per_step[f"idle_{phase}_ms"].append(ms)
         per_step["step_ms"].append(st["dur"] / 1e3)
         per_step["train_busy_ms"].append(busy / 1e3)
         per_step["train_idle_ms"].append((st["dur"] - busy) / 1e3)
@@ -186,7 +207,9 @@ PROBES = ("nvidia.dali.pipeline:Pipeline.run", "nvidia.dali.pipeline:Pipeline.ch
           "loaders.images.loader:ImageLoader._to_torch", "loaders.images.loader:ImageLoader._prepare",
           "loaders.images.dali_reader:DaliReader._labels", "loaders.images.dali_reader:SampleNumbers.lookup",
           "loaders.images.dali_reader:DaliReader.handed", "datapipe.device.handoff:Retirer.bury",
-          "datapipe.device.handoff:wait_and_keep", "numpy:asarray")
+          "datapipe.device.handoff:wait_and_keep", "numpy:asarray", "torch.cuda:current_stream",
+          "torch.cuda:Stream.wait_event", "torch:Tensor.record_stream", "datapipe.device.handoff:Retirer.handed",
+          "datapipe.device.handoff:_Pacer.took", "threading:Semaphore.release")
 
 
 class CallTimer:
@@ -236,7 +259,8 @@ class CallTimer:
         return out
 
 
-def profiled(feed, step, *, steps: int, warmup: int, timer: CallTimer | None = None) -> tuple[list[dict], dict]:
+def profiled(feed, step, *, steps: int, warmup: int, timer: CallTimer | None = None,
+             save: str | None = None) -> tuple[list[dict], dict]:
     """Run ``warmup`` then ``steps`` annotated steps under the profiler: the trace's events, thread names."""
     import threading
 
@@ -267,6 +291,12 @@ def profiled(feed, step, *, steps: int, warmup: int, timer: CallTimer | None = N
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
+        if save:  # the trace itself, for a closer look (chrome://tracing, Perfetto)
+            import gzip
+            import shutil
+
+            with open(path, "rb") as f, gzip.open(save, "wb") as g:
+                shutil.copyfileobj(f, g)
         with open(path) as f:
             return json.load(f)["traceEvents"], threads
 
@@ -287,6 +317,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--feeds", default="ceiling,imageloader,il_hw0,il_hw1,dali_hand")
     p.add_argument("--probe", action="store_true", help="time the loader's own calls one by one (PROBES)")
+    p.add_argument("--save-traces", default="", help="comma list of feeds whose traces to keep (gzip, in --out)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
     args.device = torch.device("cuda")
@@ -314,7 +345,11 @@ def main(argv=None) -> dict:
         timer = CallTimer() if args.probe and name != "ceiling" else None
         os.environ.update(env.get(name, {}))
         try:
-            events, threads = profiled(feed, step, steps=args.steps, warmup=args.warmup, timer=timer)
+            save = None
+            if name in args.save_traces.split(","):
+                os.makedirs(args.out or "bench/results", exist_ok=True)
+                save = os.path.join(args.out or "bench/results", f"trace_{name}.json.gz")
+            events, threads = profiled(feed, step, steps=args.steps, warmup=args.warmup, timer=timer, save=save)
         finally:
             close = getattr(feed, "close", None)
             if close:
@@ -334,8 +369,8 @@ def main(argv=None) -> dict:
     out = {"gpu": torch.cuda.get_device_name(args.device), "cpu_count": os.cpu_count(),
            "config": {k: str(v) for k, v in vars(args).items()}, "results": results}
     path = write_result("step_anatomy", out, args.out)
-    cols = ("step_ms", "next_ms", "first_kernel_ms", "train_busy_ms", "train_idle_ms", "slowdown_overlapped_ms",
-            "slowdown_alone_ms", "loader_kernel_ms", "loader_copy_ms", "loader_overlap_ms")
+    cols = ("step_ms", "next_ms", "train_busy_ms", "train_idle_ms", *(f"idle_{p}_ms" for p in PHASES),
+            "slowdown_overlapped_ms", "slowdown_alone_ms", "loader_kernel_ms", "loader_copy_ms")
     print("feed".ljust(12) + "".join(c[:14].rjust(15) for c in cols))
     for name, r in results.items():
         print(name.ljust(12) + "".join(str(r.get(c, "-")).rjust(15) for c in cols))

@@ -42,6 +42,17 @@ def test_splits_the_step_into_busy_idle_and_next():
     assert r["first_kernel_ms"] == pytest.approx(0.02)
     assert r["next_ms"] == pytest.approx(0.01)
     assert r["loader_kernel_ms"] == 0
+    # idle: 20 us before the first kernel, 50 us after the last, none between
+    assert r["idle_start_ms"] == pytest.approx(0.02)
+    assert r["idle_end_ms"] == pytest.approx(0.03)
+    assert r["idle_q1_ms"] == r["idle_q2_ms"] == 0
+
+
+def test_idle_between_kernels_is_placed_in_the_quarter_of_the_step_it_starts_in():
+    from bench.step_anatomy import _idle_by_phase
+
+    out = _idle_by_phase([(10, 20), (30, 40), (80, 90)], 0, 100)
+    assert out == pytest.approx({"start": 0.01, "q1": 0.01, "q2": 0.04, "q3": 0, "q4": 0, "end": 0.01})
 
 
 def test_loader_kernels_are_those_off_the_training_streams_and_slowdown_splits_by_overlap():
