@@ -440,6 +440,8 @@ def image_parts(args, urls, results) -> None:
         "il_hostout": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_ckpt8": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_switch": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "il_copyout": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "il_copyout2": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_hostout_ckpt8": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
         "il_noaa": ("f32", lambda: tracked(image_loader(urls, args, antialias=False)), None),
@@ -617,7 +619,8 @@ ROW_PACE = {"_unpaced": 0.0, "_pace05": 0.5, "_pace07": 0.7, "_pace085": 0.85}  
 
 ROW_SUFFIXES = (*ROW_PACE, "_noretire")
 # EXPERIMENT: variants whose names hold these parts run with these environment switches
-ROW_ENV = {"hostout": {"DATAPIPE_EXP_HOST_OUTPUTS": "1"}, "ckpt8": {"DATAPIPE_EXP_CKPT_EVERY": "8"}}
+ROW_ENV = {"hostout": {"DATAPIPE_EXP_HOST_OUTPUTS": "1"}, "ckpt8": {"DATAPIPE_EXP_CKPT_EVERY": "8"},
+           "copyout": {"DATAPIPE_EXP_COPY_OUT": "1"}}
 
 
 def row_base(name: str) -> str:

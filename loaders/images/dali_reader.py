@@ -342,6 +342,7 @@ class DaliReader:
         # EXPERIMENT (bench/step_anatomy.py): which call syncs the device each batch
         host_outputs = os.environ.get("DATAPIPE_EXP_HOST_OUTPUTS") == "1"
         ckpt_every = int(os.environ.get("DATAPIPE_EXP_CKPT_EVERY", "1"))
+        copy_out = os.environ.get("DATAPIPE_EXP_COPY_OUT") == "1"
         for _ in range(first, steps):
             t0 = time.perf_counter()
             try:
@@ -352,7 +353,7 @@ class DaliReader:
             t1 = time.perf_counter()
             n = min(batch_size, left)
             left -= n
-            images = lo._to_torch(images_tl, stream, zero_copy=pipe.exec_dynamic)[:n]
+            images = lo._to_torch(images_tl, stream, zero_copy=pipe.exec_dynamic and not copy_out)[:n]
             labels = self._labels(labels_tl, n)
             taken = to_global[numbers.lookup(np.asarray(info_tl.as_tensor()), n)]
             seconds["dali"] += t1 - t0
