@@ -24,7 +24,7 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
   ``packing.batch.hf_inputs``).
 
 Pacing: rows ending ``_unpaced`` run with ``DATAPIPE_PACE=0`` (the producers start their next
-batch as soon as a slot frees, as before pacing), ``_pace05`` / ``_pace07`` / ``_pace085`` with
+batch as soon as a slot frees, as before pacing), ``_pace01`` ... ``_pace085`` with
 that fraction; the others with the library's default (ImageLoader 0.7, DevicePrefetcher 0.5); any
 image variant takes these suffixes (``il_hw0_pace085``). Rows ending ``_noretire``: the training
 thread frees the batches it is done with (as before ``datapipe.device.handoff.Retirer`` moved that
@@ -614,7 +614,8 @@ def profile(urls, args, step, ceilings) -> dict:
     return out
 
 
-ROW_PACE = {"_unpaced": 0.0, "_pace05": 0.5, "_pace07": 0.7, "_pace085": 0.85}  # rows named so override the pacing
+ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_pace05": 0.5, "_pace07": 0.7,
+            "_pace085": 0.85}  # rows named so override the pacing
 
 
 ROW_SUFFIXES = (*ROW_PACE, "_noretire")
