@@ -67,7 +67,10 @@ MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 DEFAULT_ONLY = ("imageloader,il_cpu,dali_hand,il_cpu_u8,imageloader2,il_cpu2,dali_hand2,standalone,torch_pil,dl_ours,"
                 "dl_torch,tokens,tokens_llama,memory,profile")
-# the variants measured once (bench/results/ceiling_variants.json): il_hw1,il_hw09,il_depth1,il_prio,il_stream
+# the variants measured once (bench/results/ceiling_variants.json): il_hw1,il_hw09,il_depth1,il_prio,il_stream;
+# bench/results/ceiling_host_experiments.json: DALI outputs in host order, a DALI checkpoint every 8 batches,
+# outputs copied out of DALI (no DLPack export), DALI_USE_VMM=0 / DALI_USE_CUDA_MALLOC_ASYNC=1, a 0.5 ms GIL
+# switch interval, pacing at 0.1-0.3: none helped (README, "Where the rest goes")
 
 
 # ---- the steps ------------------------------------------------------------------------------------
@@ -308,11 +311,6 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"[{name}] ...", file=sys.stderr, flush=True)
     if pace is not None:
         os.environ["DATAPIPE_PACE"] = str(pace)
-    row_env = {k: v for key, env in ROW_ENV.items() if key in row_base(name) for k, v in env.items()}
-    os.environ.update(row_env)
-    switch = sys.getswitchinterval()
-    if "switch" in row_base(name):  # EXPERIMENT: a shorter GIL switch interval (5 ms -> 0.5 ms)
-        sys.setswitchinterval(5e-4)
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     # rows ending _noretire: the training thread frees handed-out batches itself (before Retirer)
@@ -337,9 +335,6 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
                 gen.close()
             gen = it = None
             os.environ.pop("DATAPIPE_PACE", None)
-            for k in row_env:
-                os.environ.pop(k, None)
-            sys.setswitchinterval(switch)
     exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)
@@ -437,12 +432,6 @@ def image_parts(args, urls, results) -> None:
         "il_hw0_t12": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)), None),
         "il_hw05": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.5)), None),
         "il_hw03": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.3)), None),
-        "il_hostout": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "il_ckpt8": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "il_switch": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "il_copyout": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "il_copyout2": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "il_hostout_ckpt8": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_depth1": ("f32", lambda: tracked(image_loader(urls, args, prefetch_queue_depth=1)), None),
         "il_noaa": ("f32", lambda: tracked(image_loader(urls, args, antialias=False)), None),
         "il_threads4": ("f32", lambda: tracked(image_loader(urls, args, num_threads=4)), None),
@@ -619,9 +608,7 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 
 ROW_SUFFIXES = (*ROW_PACE, "_noretire")
-# EXPERIMENT: variants whose names hold these parts run with these environment switches
-ROW_ENV = {"hostout": {"DATAPIPE_EXP_HOST_OUTPUTS": "1"}, "ckpt8": {"DATAPIPE_EXP_CKPT_EVERY": "8"},
-           "copyout": {"DATAPIPE_EXP_COPY_OUT": "1"}}
+
 
 
 def row_base(name: str) -> str:

@@ -330,10 +330,7 @@ def main(argv=None) -> dict:
         "il_hw1": lambda: endless(image_loader(urls, args, hw_decoder_load=1.0)),
         "il_hw05": lambda: endless(image_loader(urls, args, hw_decoder_load=0.5)),
         "dali_hand": lambda: dali_hand(urls, args),
-        "il_hostout": lambda: endless(image_loader(urls, args)),
-        "il_ckpt8": lambda: endless(image_loader(urls, args)),
     }
-    env = {"il_hostout": {"DATAPIPE_EXP_HOST_OUTPUTS": "1"}, "il_ckpt8": {"DATAPIPE_EXP_CKPT_EVERY": "8"}}
     it = iter(image_loader(urls, args))
     cached = tuple(t.clone() for t in next(it))  # the data-free feed replays this batch
     it.close()
@@ -343,7 +340,6 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         feed = replay(cached) if name == "ceiling" else feeds[name]()
         timer = CallTimer() if args.probe and name != "ceiling" else None
-        os.environ.update(env.get(name, {}))
         try:
             save = None
             if name in args.save_traces.split(","):
@@ -356,8 +352,6 @@ def main(argv=None) -> dict:
                 close()
             if timer is not None:
                 timer.restore()
-            for k in env.get(name, {}):
-                os.environ.pop(k, None)
         r = analyse(events, reference, threads)
         if timer is not None:
             r["calls"] = timer.summary(args.steps)

@@ -24,7 +24,8 @@ from datapipe.device import forks
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
-__all__ = ["Producer", "ProducerMeter", "Retirer", "on_side_stream", "started", "threaded", "wait_and_keep"]
+__all__ = ["CurrentStream", "Producer", "ProducerMeter", "Retirer", "on_side_stream", "started", "threaded",
+           "wait_and_keep"]
 
 _POLL_S = 0.05
 _END = object()
@@ -112,6 +113,30 @@ class ProducerMeter:
         return {"cpu_s": round(self.cpu_s, 4), "batches": self.items, "cpu_ms_per_batch": round(per, 3)}
 
 
+class CurrentStream:
+    """``torch.cuda.current_stream(device)`` for a consumer that asks every step, without the cost.
+
+    ``torch.cuda.current_stream`` builds a new Stream object on each call (a device switch and
+    back): 0.04 ms per call on the H200 host while DALI runs (``bench/step_anatomy.py --probe``),
+    twice in each ``next()``. This asks torch only for the calling thread's current stream id
+    and returns the same Stream object while that id stays the same (a ``torch.cuda.stream()``
+    context switches it, and the next call follows).
+    """
+
+    def __init__(self, device: torch.device):
+        self.index = device.index
+        self._key = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def __call__(self) -> torch.cuda.Stream:
+        index = torch.cuda.current_device() if self.index is None else self.index
+        key = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)
+        if key != self._key:
+            self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._key = key
+        return self._stream
+
+
 class Retirer:
     """Frees handed-out device batches in the producer thread, not in the training thread.
 
@@ -124,18 +149,21 @@ class Retirer:
     caller still references is freed whenever the caller lets go of it, as before.
     """
 
-    def __init__(self, device: torch.device, keep: int = 2, fence: Callable[[], Any] | None = None):
+    def __init__(self, device: torch.device, keep: int = 2, fence: Callable[[], Any] | None = None,
+                 stream: CurrentStream | None = None):
         self.device = device
         self.keep = keep
         self.fence = fence  # returns a marker with .query(): True once passed; None: a CUDA event
         # (not a bound method of self: that cycle would leave the batches to the cyclic collector,
         # which may then run in a forked DataLoader worker and free CUDA memory there: abort)
+        self.stream = stream or CurrentStream(device)  # the consumer's stream (shared with its handoff)
         self._recent: deque = deque()
         self._dead: deque = deque()  # (item, marker); appended by the consumer, drained by the producer
+        self._spare: deque = deque()  # CUDA events that passed, recorded again (creating one is an API call)
 
     def _cuda_fence(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event = self._spare.pop() if self._spare else torch.cuda.Event()
+        event.record(self.stream())
         return event
 
     def handed(self, item: Any) -> None:
@@ -148,11 +176,14 @@ class Retirer:
         """(Producer thread) drop the retired items the consumer's stream is done with."""
         dead = self._dead
         while dead and dead[0][1].query():
-            dead.popleft()
+            _, marker = dead.popleft()
+            if self.fence is None and len(self._spare) < 2 * self.keep:
+                self._spare.append(marker)
 
     def clear(self) -> None:
         self._recent.clear()
         self._dead.clear()
+        self._spare.clear()
 
 
 class _Failure:
@@ -306,13 +337,15 @@ class Producer(Iterator):
             pass
 
 
-def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], device: torch.device,
+                  stream: torch.cuda.Stream | None = None) -> None:
     """(Consumer thread) make the current stream wait for ``event`` and ``record_stream`` the CUDA tensors.
 
     No host sync; the caching allocator will not reuse the tensors' memory while the consumer's
-    stream may still read it.
+    stream may still read it. ``stream``: the consumer's current stream, if the caller has it.
     """
-    stream = torch.cuda.current_stream(device)
+    if stream is None:
+        stream = torch.cuda.current_stream(device)
     stream.wait_event(event)
     for t in tensors:
         if t.is_cuda:
@@ -354,23 +387,27 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
     items are freed in the producer thread (:class:`Retirer`), not in the consumer's.
     """
     cuda = device.type == "cuda"
+    side = [stream]
+    consumer = CurrentStream(device) if cuda else None
 
     def setup() -> None:  # in the producer thread
-        torch.cuda.set_stream(stream or torch.cuda.Stream(device))  # this thread's current stream from now on
+        if side[0] is None:
+            side[0] = torch.cuda.Stream(device)
+        torch.cuda.set_stream(side[0])  # this thread's current stream from now on
 
     def mark(item):  # in the producer thread, after the item's work was enqueued
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
+        event.record(side[0])
         return item, event
 
     def handoff(marked):  # in the consumer's thread, before the producer may go on
         (tensors, meta), event = marked
-        wait_and_keep(event, tensors, device)
+        wait_and_keep(event, tensors, device, consumer())
         return tensors, meta
 
     producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
                         transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace,
-                        meter=meter, retire=Retirer(device) if cuda else None)
+                        meter=meter, retire=Retirer(device, stream=consumer) if cuda else None)
     try:
         yield from producer
     finally:

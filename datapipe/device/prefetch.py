@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from datapipe.device.handoff import PACE, Producer, ProducerMeter, Retirer, resolve_pace, wait_and_keep
+from datapipe.device.handoff import PACE, CurrentStream, Producer, ProducerMeter, Retirer, resolve_pace, wait_and_keep
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -217,23 +217,25 @@ class _PrefetchIterator(Producer):
     def __init__(self, owner: DevicePrefetcher):
         self._owner = owner  # keeps the pool alive while this epoch runs (``for b in DevicePrefetcher(...)``)
         device = owner.device
+        consumer = None
         if device.type == "cuda":
             setup = lambda: torch.cuda.set_device(device)  # noqa: E731
             transform = _CudaTransfer(device, owner.stream, owner._pool)
-            handoff = _handoff(device)
+            consumer = CurrentStream(device)
+            handoff = _handoff(device, consumer)
         else:
             setup = handoff = None
             transform = lambda batch: map_tensors(lambda t: t.to(device), batch)  # noqa: E731
         super().__init__(owner.iterable, depth=owner.depth, name="datapipe-prefetch", setup=setup,
                          transform=transform, handoff=handoff, join_s=30.0, pace=owner.pace, meter=owner.meter,
                          note="(raised while producing a batch in the DevicePrefetcher thread)",
-                         retire=Retirer(device) if device.type == "cuda" else None)
+                         retire=Retirer(device, stream=consumer) if device.type == "cuda" else None)
 
 
-def _handoff(device: torch.device) -> Callable[[tuple[Any, torch.cuda.Event]], Any]:
+def _handoff(device: torch.device, consumer: CurrentStream) -> Callable[[tuple[Any, torch.cuda.Event]], Any]:
     def handoff(item):  # in the consumer's thread, before the slot is freed
         batch, done, made = item
-        wait_and_keep(done, made, device)
+        wait_and_keep(done, made, device, consumer())
         return batch
 
     return handoff

@@ -339,21 +339,17 @@ class DaliReader:
         seconds = lo._seconds
         self._batch = first
         left = per_rank - first * batch_size
-        # EXPERIMENT (bench/step_anatomy.py): which call syncs the device each batch
-        host_outputs = os.environ.get("DATAPIPE_EXP_HOST_OUTPUTS") == "1"
-        ckpt_every = int(os.environ.get("DATAPIPE_EXP_CKPT_EVERY", "1"))
-        copy_out = os.environ.get("DATAPIPE_EXP_COPY_OUT") == "1"
         for _ in range(first, steps):
             t0 = time.perf_counter()
             try:
-                images_tl, labels_tl, info_tl = pipe.run(None if host_outputs else stream)
+                images_tl, labels_tl, info_tl = pipe.run(stream)
             except RuntimeError as e:
                 self._pipe = None  # a failed pipeline is not valid any more
                 raise reader_error(e, paths, self._batch) from e
             t1 = time.perf_counter()
             n = min(batch_size, left)
             left -= n
-            images = lo._to_torch(images_tl, stream, zero_copy=pipe.exec_dynamic and not copy_out)[:n]
+            images = lo._to_torch(images_tl, stream, zero_copy=pipe.exec_dynamic)[:n]
             labels = self._labels(labels_tl, n)
             taken = to_global[numbers.lookup(np.asarray(info_tl.as_tensor()), n)]
             seconds["dali"] += t1 - t0
@@ -362,7 +358,5 @@ class DaliReader:
             if self._batch == steps:  # drop_last: the partial batch DALI still holds
                 for _ in range(dali_steps - steps):
                     pipe.run(stream)
-            ckpt = (_checkpoint(pipe, self._batch) if self._batch % ckpt_every == 0
-                    else {"checkpoint": None, "batch": self._batch})
-            position = {**ckpt, "numbers": taken, "last": self._batch == steps}
+            position = {**_checkpoint(pipe, self._batch), "numbers": taken, "last": self._batch == steps}
             yield lo._prepare(images, labels), position

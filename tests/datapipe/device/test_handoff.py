@@ -91,6 +91,38 @@ def test_side_stream_work_is_finished_before_the_consumer_reads_it():
         assert x.sum().item() == (i + 1) * (1 << 20)  # consumer stream waits on the producer's event
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_current_stream_follows_the_threads_stream_and_reuses_its_object():
+    from datapipe.device.handoff import CurrentStream
+
+    device = torch.device("cuda")
+    current = CurrentStream(device)
+    first = current()
+    assert first == torch.cuda.current_stream(device)
+    assert current() is first  # the same stream: the same object, no new Stream built
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        assert current() == side
+    assert current() == first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_retirer_records_passed_events_again_instead_of_making_new_ones():
+    from datapipe.device.handoff import Retirer
+
+    r = Retirer(torch.device("cuda"), keep=2)
+    events = {}  # id -> event, held so no id is reused
+    for i in range(20):
+        r.handed(torch.full((4,), i, device="cuda"))
+        events.update({id(marker): marker for _, marker in r._dead})
+        torch.cuda.synchronize()
+        r.bury()
+    assert not r._dead  # every fence passed after the synchronize: all retired batches freed
+    assert len(events) <= 2  # 18 batches retired through one or two events
+
+
 def test_the_producer_waits_for_the_handoff_before_making_more():
     made, handed = [], []
 
