@@ -130,7 +130,10 @@ class CurrentStream:
 
     def __call__(self) -> torch.cuda.Stream:
         index = torch.cuda.current_device() if self.index is None else self.index
-        key = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)
+        query = getattr(torch._C, "_cuda_getCurrentStream", None)
+        if query is None:  # a torch without it: the plain call
+            return torch.cuda.current_stream(index)
+        key = query(index)  # (stream id, device index, device type)
         if key != self._key:
             self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
             self._key = key
