@@ -156,10 +156,11 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     spare = cores >= HYBRID_DECODE_CORES + 2
     if cuda and hw and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and spare:
         add("hybrid_decode", f"the loop runs at {ratio:.1%} of its data-free ceiling yet waits for data only "
-                             f"{wait:.1%} of the time: the loader's GPU work slows the step. With {cores} cores, try "
-                             "ImageLoader(hw_decoder_load=0.0): nvJPEG's CUDA decoder with the Huffman stage on "
-                             "the CPU instead of the hardware decoder (ResNet-50 on an H200: 0.979-0.981 of the "
-                             "ceiling vs 0.974; README, Performance) if the CPU still keeps up",
+                             f"{wait:.1%} of the time: the loader slows the step itself (its kernels, and its CUDA calls "
+                             f"beside the step's launches). With {cores} cores, try ImageLoader(hw_decoder_load=0.0): "
+                             "nvJPEG's CUDA decoder with the Huffman stage on the CPU instead of the hardware "
+                             "decoder (ResNet-50 on an H200: 0.978-0.981 of the ceiling vs 0.974; README, "
+                             "\"Where the rest goes\") if the CPU still keeps up",
             ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
     unpinned = batch.get("unpinned_host_tensors") or 0
     if cuda and unpinned:

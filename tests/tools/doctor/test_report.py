@@ -280,6 +280,7 @@ def test_hybrid_decode_advice_when_the_loader_costs_the_step_without_waits():
 
     advice = next(a for a in advise(m()) if a["id"] == "hybrid_decode")
     assert "97.0%" in advice["advice"] and "hw_decoder_load=0.0" in advice["advice"]
+    assert "With 16 cores" in advice["advice"]
     assert advice["trigger"]["hw_decoder_load"] == 0.75
     assert "hybrid_decode" not in _ids(m(ratio=0.985))  # at the ceiling already
     assert "hybrid_decode" not in _ids(m(wait=0.05))  # waiting for data: decoding slower would hurt
