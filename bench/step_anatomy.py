@@ -8,7 +8,10 @@ the step, per step:
 - ``train_busy_ms``: time the training thread's kernels kept the GPU busy (their union); against
   the cached batch's, the training kernels' own slowdown (SM and memory contention);
 - ``train_idle_ms``: the rest of the step, the GPU idle for training (``next()``, launch gaps);
-  ``first_kernel_ms``: from the step's start to its first training kernel;
+  ``first_kernel_ms``: from the step's start to its first training kernel; ``idle_<phase>_ms``: that
+  idle time by where in the step it falls; ``idle_host_late_ms`` / ``idle_queued_ms``: gaps between
+  training kernels whose next kernel's launch call had not yet returned (the host was late) or had
+  (it waited on the GPU); ``blocked_launch_ms``: training launch calls that took over 0.2 ms;
 - ``slowdown_overlapped_ms`` / ``slowdown_alone_ms``: the training kernels' extra time against the
   cached batch's same kernel (matched by position in the step), split by whether a loader kernel
   ran at the same time: contention shows in the first, clocks or memory in both;
@@ -63,6 +66,8 @@ SYNCING = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchroni
 
 
 PHASES = ("start", "q1", "q2", "q3", "q4", "end")
+GAP_US = 50  # idle gaps between training kernels longer than this are attributed (host late / queued)
+BLOCKED_US = 200  # a kernel launch call longer than this was blocked (a launch takes 5-20 us)
 
 
 def _idle_by_phase(busy: list[tuple[float, float]], lo: float, hi: float) -> dict[str, float]:
@@ -108,11 +113,27 @@ def analyse(events: list[dict], reference: dict | None = None, threads: dict | N
     loader_kernels = _union([(e["ts"], e["ts"] + e["dur"]) for e in loader if e["cat"] == "kernel"])
     train_union = _union([(e["ts"], e["ts"] + e["dur"]) for e in train])
 
+    launch_of = {e["args"]["correlation"]: e for e in api if "correlation" in e.get("args", {})}
     per_step = defaultdict(list)
     kernels_by_step = []
     for st in steps:
         lo, hi = st["ts"], st["ts"] + st["dur"]
         mine = [e for e in train if lo <= e["ts"] < hi]
+        late = queued = 0.0
+        for a, b in zip(mine, mine[1:]):
+            gap = b["ts"] - max(a["ts"] + a["dur"], lo)
+            if gap <= GAP_US:
+                continue
+            call = launch_of.get(b.get("args", {}).get("correlation"))
+            if call is not None and call["ts"] + call["dur"] > a["ts"] + a["dur"]:
+                late += gap  # its launch call had not returned when the GPU ran out: the host was late
+            else:
+                queued += gap  # launched in time, started late: waiting on the GPU (other work, events)
+        per_step["idle_host_late_ms"].append(late / 1e3)
+        per_step["idle_queued_ms"].append(queued / 1e3)
+        per_step["blocked_launch_ms"].append(sum(
+            e["dur"] for e in api if e["tid"] in train_tids and lo <= e["ts"] < hi and "Launch" in e["name"]
+            and e["dur"] > BLOCKED_US) / 1e3)
         kernels_by_step.append([(e["name"], e["dur"], _overlaps(loader_kernels, e["ts"], e["ts"] + e["dur"]))
                                 for e in mine if e["cat"] == "kernel"])
         busy = _length(train_union, lo, hi)
@@ -126,7 +147,8 @@ def analyse(events: list[dict], reference: dict | None = None, threads: dict | N
             [(max(s, lo), min(e, hi)) for s, e in loader_kernels if e > lo and s < hi]), lo, hi) / 1e3)
     for n in nexts:
         per_step["next_ms"].append(n["dur"] / 1e3)
-    out = {k: round(statistics.median(v), 3) for k, v in per_step.items() if v}
+    out = {k: round(statistics.median(v), 3) for k, v in per_step.items() if v}  # per step, the median
+    out["mean"] = {k: round(statistics.fmean(v), 3) for k, v in per_step.items() if v}  # rare stalls show here
     out["steps"] = len(steps)
     out["train_streams"] = sorted(str(s) for s in train_streams)
 
@@ -364,6 +386,7 @@ def main(argv=None) -> dict:
            "config": {k: str(v) for k, v in vars(args).items()}, "results": results}
     path = write_result("step_anatomy", out, args.out)
     cols = ("step_ms", "next_ms", "train_busy_ms", "train_idle_ms", *(f"idle_{p}_ms" for p in PHASES),
+            "idle_host_late_ms", "idle_queued_ms", "blocked_launch_ms",
             "slowdown_overlapped_ms", "slowdown_alone_ms", "loader_kernel_ms", "loader_copy_ms")
     print("feed".ljust(12) + "".join(c[:14].rjust(15) for c in cols))
     for name, r in results.items():

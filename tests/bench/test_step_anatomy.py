@@ -91,3 +91,18 @@ def test_api_time_inside_next_is_reported_apart():
 def test_a_trace_without_steps_is_an_error():
     with pytest.raises(ValueError, match="anatomy_step"):
         analyse([_x("k", "kernel", 0, 1, 99)])
+
+
+def test_gaps_are_split_into_host_late_and_queued_and_blocked_launches_are_counted():
+    ev = [_x(STEP, "user_annotation", 0, 400), _x(NEXT, "user_annotation", 0, 5)]
+    # (kernel start, duration, launch call start, launch call duration)
+    for corr, (ks, kd, ls, ld) in enumerate([(20, 30, 10, 1),      # A
+                                             (120, 20, 90, 25),    # B: its launch returned at 115, A ended at 50
+                                             (220, 20, 60, 1),     # C: launched long before, started 80 us late
+                                             (250, 10, 241, 300)]):  # D: a launch call blocked 300 us
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", ls, ld, correlation=corr))
+        ev.append(_x(f"k{corr}", "kernel", ks, kd, 99, correlation=corr, stream=7))
+    r = analyse(ev)
+    assert r["idle_host_late_ms"] == pytest.approx(0.07)  # A -> B
+    assert r["idle_queued_ms"] == pytest.approx(0.08)  # B -> C; C -> D is 10 us, under the threshold
+    assert r["blocked_launch_ms"] == pytest.approx(0.3)
