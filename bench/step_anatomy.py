@@ -114,6 +114,7 @@ def analyse(events: list[dict], reference: dict | None = None, threads: dict | N
     train_union = _union([(e["ts"], e["ts"] + e["dur"]) for e in train])
 
     launch_of = {e["args"]["correlation"]: e for e in api if "correlation" in e.get("args", {})}
+    blocked = [e for e in api if e["tid"] in train_tids and "Launch" in e["name"] and e["dur"] > BLOCKED_US]
     per_step = defaultdict(list)
     kernels_by_step = []
     for st in steps:
@@ -131,9 +132,7 @@ def analyse(events: list[dict], reference: dict | None = None, threads: dict | N
                 queued += gap  # launched in time, started late: waiting on the GPU (other work, events)
         per_step["idle_host_late_ms"].append(late / 1e3)
         per_step["idle_queued_ms"].append(queued / 1e3)
-        per_step["blocked_launch_ms"].append(sum(
-            e["dur"] for e in api if e["tid"] in train_tids and lo <= e["ts"] < hi and "Launch" in e["name"]
-            and e["dur"] > BLOCKED_US) / 1e3)
+        per_step["blocked_launch_ms"].append(sum(e["dur"] for e in blocked if lo <= e["ts"] < hi) / 1e3)
         kernels_by_step.append([(e["name"], e["dur"], _overlaps(loader_kernels, e["ts"], e["ts"] + e["dur"]))
                                 for e in mine if e["cat"] == "kernel"])
         busy = _length(train_union, lo, hi)
@@ -143,8 +142,7 @@ def analyse(events: list[dict], reference: dict | None = None, threads: dict | N
         per_step["train_busy_ms"].append(busy / 1e3)
         per_step["train_idle_ms"].append((st["dur"] - busy) / 1e3)
         per_step["first_kernel_ms"].append(((mine[0]["ts"] - lo) if mine else st["dur"]) / 1e3)
-        per_step["loader_overlap_ms"].append(_length(_union(
-            [(max(s, lo), min(e, hi)) for s, e in loader_kernels if e > lo and s < hi]), lo, hi) / 1e3)
+        per_step["loader_overlap_ms"].append(_length(loader_kernels, lo, hi) / 1e3)
     for n in nexts:
         per_step["next_ms"].append(n["dur"] / 1e3)
     out = {k: round(statistics.median(v), 3) for k, v in per_step.items() if v}  # per step, the median

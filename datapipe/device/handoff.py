@@ -340,15 +340,13 @@ class Producer(Iterator):
             pass
 
 
-def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], device: torch.device,
-                  stream: torch.cuda.Stream | None = None) -> None:
-    """(Consumer thread) make the current stream wait for ``event`` and ``record_stream`` the CUDA tensors.
+def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """(Consumer thread) make ``stream`` (the consumer's current one) wait for ``event`` and
+    ``record_stream`` the CUDA tensors on it.
 
     No host sync; the caching allocator will not reuse the tensors' memory while the consumer's
-    stream may still read it. ``stream``: the consumer's current stream, if the caller has it.
+    stream may still read it.
     """
-    if stream is None:
-        stream = torch.cuda.current_stream(device)
     stream.wait_event(event)
     for t in tensors:
         if t.is_cuda:
@@ -390,22 +388,20 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
     items are freed in the producer thread (:class:`Retirer`), not in the consumer's.
     """
     cuda = device.type == "cuda"
-    side = [stream]
+    side = (stream or torch.cuda.Stream(device)) if cuda else None
     consumer = CurrentStream(device) if cuda else None
 
     def setup() -> None:  # in the producer thread
-        if side[0] is None:
-            side[0] = torch.cuda.Stream(device)
-        torch.cuda.set_stream(side[0])  # this thread's current stream from now on
+        torch.cuda.set_stream(side)  # this thread's current stream from now on
 
     def mark(item):  # in the producer thread, after the item's work was enqueued
         event = torch.cuda.Event()
-        event.record(side[0])
+        event.record(side)
         return item, event
 
     def handoff(marked):  # in the consumer's thread, before the producer may go on
         (tensors, meta), event = marked
-        wait_and_keep(event, tensors, device, consumer())
+        wait_and_keep(event, tensors, consumer())
         return tensors, meta
 
     producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,

@@ -222,7 +222,7 @@ class _PrefetchIterator(Producer):
             setup = lambda: torch.cuda.set_device(device)  # noqa: E731
             transform = _CudaTransfer(device, owner.stream, owner._pool)
             consumer = CurrentStream(device)
-            handoff = _handoff(device, consumer)
+            handoff = _handoff(consumer)
         else:
             setup = handoff = None
             transform = lambda batch: map_tensors(lambda t: t.to(device), batch)  # noqa: E731
@@ -232,10 +232,10 @@ class _PrefetchIterator(Producer):
                          retire=Retirer(device, stream=consumer) if device.type == "cuda" else None)
 
 
-def _handoff(device: torch.device, consumer: CurrentStream) -> Callable[[tuple[Any, torch.cuda.Event]], Any]:
+def _handoff(consumer: CurrentStream) -> Callable[[tuple[Any, torch.cuda.Event]], Any]:
     def handoff(item):  # in the consumer's thread, before the slot is freed
         batch, done, made = item
-        wait_and_keep(done, made, device, consumer())
+        wait_and_keep(done, made, consumer())
         return batch
 
     return handoff
