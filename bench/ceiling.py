@@ -48,6 +48,7 @@ ImageLoader epochs and records ``torch.cuda.memory_reserved()`` per epoch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -353,6 +354,27 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"    {results[name]}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def wait_mode_row(name: str, ceilings: Ceilings, device: torch.device, results: dict):
+    """Run row ``name`` with the CUDA context in its wait mode (``row_wait``; None: unchanged); its
+    ceilings are measured in that mode too, and the next row measures its own again."""
+    mode = row_wait(name)
+    if mode is None or device.type != "cuda":
+        yield
+        return
+    from datapipe.device.wait_mode import set_wait_mode
+
+    previous = set_wait_mode(mode, device)
+    ceilings.last.clear()
+    try:
+        yield
+    finally:
+        set_wait_mode(previous, device)
+        ceilings.last.clear()
+        if isinstance(results.get(name), dict):
+            results[name]["wait_mode"] = mode
+
+
 LOADERS: list = []
 
 
@@ -448,7 +470,8 @@ def image_parts(args, urls, results) -> None:
         if base in variants and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[base]
             LOADERS.clear()
-            loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
+            with wait_mode_row(name, ceilings, args.device, results):
+                loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
         for name, options in STANDALONE.items():
@@ -462,8 +485,8 @@ def image_parts(args, urls, results) -> None:
     if "torch_pil" in only and time.perf_counter() - T0 < args.budget_s:
         loaded("torch_pil", lambda: torch_pil(urls, args), "f32", ceilings, step, args, count, results,
                steps=max(10, args.steps // 3))
-    for name in ("dl_ours", "dl_torch", "dl_ours_unpaced", "dl_ours_noretire"):
-        if name not in only or time.perf_counter() - T0 > args.budget_s:
+    for name in only:
+        if row_base(name) not in ("dl_ours", "dl_torch") or time.perf_counter() - T0 > args.budget_s:
             continue
         from loaders import DataLoader
 
@@ -476,7 +499,8 @@ def image_parts(args, urls, results) -> None:
         else:
             make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
-        loaded(name, make, "u8nchw", ceilings, step, args, count, results, pace=row_pace(name))
+        with wait_mode_row(name, ceilings, args.device, results):
+            loaded(name, make, "u8nchw", ceilings, step, args, count, results, pace=row_pace(name))
     if "kernels" in only and args.device.type == "cuda":
         results["kernels"] = loader_kernels(urls, args)
     if "profile" in only and args.device.type == "cuda" and time.perf_counter() - T0 < args.budget_s:
@@ -607,13 +631,20 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
             "_pace085": 0.85}  # rows named so override the pacing
 
 
-ROW_SUFFIXES = (*ROW_PACE, "_noretire")
+ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
+
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire")
 
 
 
 def row_base(name: str) -> str:
     """The variant a row runs: its name less a pacing or ``_noretire`` suffix (``il_hw0_pace07`` -> ``il_hw0``)."""
     return next((name[:-len(k)] for k in ROW_SUFFIXES if name.endswith(k)), name)
+
+
+def row_wait(name: str) -> str | None:
+    """The CUDA wait mode a row runs in (``datapipe.device.wait_mode``): its suffix's, else None (unchanged)."""
+    return next((v for k, v in ROW_WAIT.items() if name.endswith(k)), None)
 
 
 def row_pace(name: str) -> float | None:

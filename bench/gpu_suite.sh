@@ -64,7 +64,8 @@ for part in "$@"; do
     timeout 300 python bench/elastic_gpu.py --out "$OUT" 2>&1 | tail -40 | tee -a "$log" ;;
   prefetch)
     step prefetch benchmark
-    timeout 150 python bench/prefetch.py --device cuda --out "$OUT" 2>&1 | tail -25 | tee -a "$log" ;;
+    timeout ${PREFETCH_TIMEOUT:-240} python bench/prefetch.py --device cuda --out "$OUT" ${PREFETCH_ARGS:-} 2>&1 \
+      | tail -25 | tee -a "$log" ;;
   packing)
     step packing benchmark
     timeout 200 python bench/packing.py --device cuda --out "$OUT/packing.json" ${PACKING_ARGS:-} 2>&1 | tail -40 | tee -a "$log" ;;

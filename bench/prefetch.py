@@ -7,7 +7,9 @@
     host sync as ``loss.item()`` does), fed by ``torch.utils.data.DataLoader(pin_memory=True)`` +
     ``.to(cuda, non_blocking=True)`` vs ``loaders.DataLoader(device="cuda")`` with the same workers,
     from a dataset whose per-batch CPU cost is known: one case the host keeps up with, one it
-    cannot. Reports data-wait fraction and throughput.
+    cannot. Each round measures the ceiling, the same loop fed one cached device batch, before and
+    after the loaders, and each loader's rate is reported as a ratio to it (``ceiling_ratio``), with
+    the data-wait fraction; ``workers_alone_batches_per_s`` checks the workers' own rate (no step).
 
     python bench/prefetch.py --device cuda          # the H200 run, writes bench/results/prefetch.json
     python bench/prefetch.py --quick                # CPU smoke check
@@ -24,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from bench.common import retiring, sync, table, write_result  # noqa: E402
+from bench.common import sync, table, write_result  # noqa: E402
 from datapipe import DevicePrefetcher  # noqa: E402
 from loaders import DataLoader  # noqa: E402
 
@@ -97,18 +99,19 @@ def bandwidth(device: torch.device, size_mb: int, iters: int) -> list[dict]:
 # ---------------------------------------------------------------- (b) training loop ----------------
 
 class CostlyImages(Dataset):
-    """Synthetic uint8 images; each sample burns ``sample_cost_s`` of CPU (known per-batch cost)."""
+    """uint8 images (copies of a random pool made once); each sample burns ``sample_cost_s`` of CPU,
+    so a batch's CPU cost in a worker is what the case says, plus the copy and the collate."""
 
     def __init__(self, n: int, shape: tuple, sample_cost_s: float):
-        self.n, self.shape, self.cost = n, shape, sample_cost_s
+        self.n, self.cost = n, sample_cost_s
+        self.pool = torch.randint(0, 255, (16, *shape), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         end = time.perf_counter() + self.cost
-        g = torch.Generator().manual_seed(i)
-        x = torch.randint(0, 255, self.shape, dtype=torch.uint8, generator=g)
+        x = self.pool[i % len(self.pool)].clone()
         while time.perf_counter() < end:
             pass
         return x, i % 1000
@@ -127,14 +130,12 @@ class Step:
         self.seconds = self._time(3)
 
     def _time(self, reps):
-        x = self.w
         self(torch.zeros(1, device=self.device))
         sync(self.device)
         t0 = time.perf_counter()
         for _ in range(reps):
             self(torch.zeros(1, device=self.device))
         sync(self.device)
-        del x
         return (time.perf_counter() - t0) / reps
 
     def __call__(self, batch):
@@ -147,7 +148,6 @@ class Step:
 
 def train(loader_iter, step: Step, device: torch.device, steps: int, warmup: int, move: bool) -> dict:
     wait = 0.0
-    done = 0
     it = iter(loader_iter)
     t_start = None
     for i in range(warmup + steps):
@@ -159,40 +159,68 @@ def train(loader_iter, step: Step, device: torch.device, steps: int, warmup: int
             x = x.to(device, non_blocking=True)
         wait += time.perf_counter() - t0
         step(x)
-        done += 1
     wall = time.perf_counter() - t_start
     return {"steps_per_s": round(steps / wall, 2), "wait_fraction": round(wait / wall, 3), "wall_s": round(wall, 3)}
 
 
+def cached(batch):
+    """The data-free feed: one batch already on the device, forever."""
+    while True:
+        yield batch
+
+
+def alone(loader, batches: int, warmup: int) -> float:
+    """Batches per second the loader delivers with no training step: can its workers keep up at all?"""
+    it = iter(loader)
+    for _ in range(warmup):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    rate = batches / (time.perf_counter() - t0)
+    del it
+    return round(rate, 2)
+
+
 def training(device: torch.device, *, workers: int, batch: int, shape: tuple, step_s: float, dim: int,
              steps: int, warmup: int, repeats: int = 1) -> list[dict]:
-    """Each case: torch's DataLoader, ours, and ours freeing batches in the training thread (as before
-    ``handoff.Retirer``), in turn, ``repeats`` times."""
+    """Per case and round: the ceiling (the same loop fed one cached device batch), torch's
+    DataLoader(pin_memory) and ours, in turn; each loader's rate as a ratio to the ceilings
+    measured right before and after its round. Per case, the workers' rate with no step at all."""
     step = Step(device, step_s, dim)
     rows = []
     n = (steps + warmup + 2) * batch
+    device_batch = (torch.zeros(batch, *shape, dtype=torch.uint8, device=device), None)
     for case, factor in (("host keeps up", 0.5), ("host cannot keep up", 2.0)):
         batch_cost = factor * workers * step.seconds  # CPU seconds per batch
         ds = CostlyImages(n, shape, batch_cost / batch)
         common = dict(batch_size=batch, num_workers=workers, shuffle=True)
         extra = {"persistent_workers": False, "prefetch_factor": 2} if workers else {}
         ideal = min(1 / step.seconds, workers / batch_cost if workers else 1 / (batch_cost + step.seconds))
+        worker_rate = alone(torch.utils.data.DataLoader(ds, **common, **extra), batches=max(10, steps // 2),
+                            warmup=max(2, workers))
+        ceilings = [train(cached(device_batch), step, device, steps, warmup, move=False)["steps_per_s"]]
         for repeat in range(repeats):
+            round_rows = []
             torch_loader = torch.utils.data.DataLoader(
                 ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
             r = train(torch_loader, step, device, steps, warmup, move=True)
-            rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
-            for name, retire in (("loaders.DataLoader(device)", True),
-                                 ("loaders.DataLoader(device), frees in the training thread", False)):
-                with retiring(retire):
-                    ours = DataLoader(ds, device=device, **common, **extra)
-                    r = train(ours, step, device, steps, warmup, move=False)
-                    ours.close()
-                rows.append({"case": case, "loader": name, **r})
-            for row in rows[-3:]:
+            round_rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
+            ours = DataLoader(ds, device=device, **common, **extra)
+            r = train(ours, step, device, steps, warmup, move=False)
+            ours.close()
+            round_rows.append({"case": case, "loader": "loaders.DataLoader(device)", **r})
+            ceilings.append(train(cached(device_batch), step, device, steps, warmup, move=False)["steps_per_s"])
+            ceiling = (ceilings[-2] + ceilings[-1]) / 2
+            for row in round_rows:
                 row.update(step_ms=round(step.seconds * 1e3, 2), batch_cpu_ms=round(batch_cost * 1e3, 1),
                            workers=workers, ideal_steps_per_s=round(ideal, 2), repeat=repeat,
+                           ceiling_steps_per_s=round(ceiling, 2),
+                           ceiling_ratio=round(row["steps_per_s"] / ceiling, 4),
+                           of_ideal=round(row["steps_per_s"] / min(ideal, ceiling), 4),
+                           workers_alone_batches_per_s=worker_rate,
                            samples_per_s=round(row["steps_per_s"] * batch, 1))
+            rows += round_rows
     return rows
 
 
@@ -227,8 +255,8 @@ def main(argv=None) -> dict:
     path = write_result("prefetch", result, args.out)
     print(table(bw, ["size_mb", "method", "gb_per_s", "vs_pinned"]))
     print()
-    print(table(tr, ["case", "loader", "repeat", "workers", "step_ms", "batch_cpu_ms", "steps_per_s",
-                     "ideal_steps_per_s", "wait_fraction", "samples_per_s"]))
+    print(table(tr, ["case", "loader", "repeat", "batch_cpu_ms", "workers_alone_batches_per_s", "steps_per_s",
+                     "ceiling_steps_per_s", "ceiling_ratio", "of_ideal", "wait_fraction"]))
     print(f"\nwrote {path}")
     return result
 
