@@ -567,3 +567,44 @@ def test_dali_reader_foreign_or_corrupt_bitmap_is_a_clear_error(numbered, shards
     with pytest.raises(ValueError, match="other shards"):
         foreign.load_state_dict(states)
 
+
+
+def _thread_cores() -> dict[int, str]:
+    """Each thread of this process: its allowed cores as the kernel lists them."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                out[int(tid)] = next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
+        except (OSError, StopIteration):
+            pass
+    return out
+
+
+def test_reserve_cores_defaults_and_checks(shards):
+    assert loader(shards).reserve_cores == 0  # on the CPU nothing is reserved unless asked
+    assert loader(shards, reserve_cores=3).reserve_cores == 3
+    with pytest.raises(ValueError, match="reserve_cores"):
+        loader(shards, reserve_cores=-1)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or not hasattr(os, "sched_getaffinity"),
+                    reason="needs Linux thread affinity")
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_reserved_cores_keep_the_loaders_threads_off_them(shards, monkeypatch, reader):
+    import loaders.images.loader as module
+
+    mine = os.sched_getaffinity(0)
+    one = min(mine)
+    monkeypatch.setattr(module, "loader_cores", lambda reserve: [one] if reserve else None)  # any machine
+    before = _thread_cores()
+    lo = loader(shards, reserve_cores=1, reader=reader)
+    it = iter(lo)
+    first = next(it)
+    new = {tid: cores for tid, cores in _thread_cores().items() if tid not in before}
+    assert new, "the loader started no threads"
+    assert set(new.values()) == {str(one)}, new  # the producer and every DALI thread it started
+    assert os.sched_getaffinity(0) == mine  # this (the training) thread keeps every core
+    rest = collect(it)
+    plain = collect(iter(loader(shards, reserve_cores=0, reader=reader)))
+    assert torch.equal(torch.cat([first[0], rest[0]]), plain[0])
