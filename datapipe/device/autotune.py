@@ -12,7 +12,7 @@ from typing import Any
 
 logger = logging.getLogger("datapipe.device.autotune")
 
-__all__ = ["usable_cores", "loader_cores", "confine_thread", "available_memory", "batch_nbytes", "choose_num_workers", "choose_depth",
+__all__ = ["usable_cores", "available_memory", "batch_nbytes", "choose_num_workers", "choose_depth",
            "adapt"]
 
 WAIT_THRESHOLD = 0.05  # consumer waiting more than this fraction of wall time -> grow at the epoch boundary
@@ -25,31 +25,6 @@ def usable_cores() -> int:
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
     return max(1, n)
-
-
-def loader_cores(reserve: int) -> list[int] | None:
-    """The usable cores less the ``reserve`` lowest-numbered ones (kept free for the training
-    thread and torch's autograd thread), or None when nothing is reserved or fewer than 4 would
-    be left: the cores a loader's own threads may run on."""
-    if reserve <= 0:
-        return None
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    return cores[reserve:] if len(cores) - reserve >= 4 else None
-
-
-def confine_thread(cores: list[int] | None) -> bool:
-    """Run the calling thread (and every thread it starts from now on: they inherit it) on
-    ``cores`` only; False where that is not possible (no cores given, no affinity support)."""
-    if not cores:
-        return False
-    try:
-        os.sched_setaffinity(0, cores)  # 0: the calling thread (Linux)
-    except (AttributeError, OSError, ValueError):
-        return False
-    return True
 
 
 def available_memory() -> int | None:

@@ -22,7 +22,6 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
-from datapipe.device.autotune import confine_thread, loader_cores
 from datapipe.device.handoff import ProducerMeter, on_side_stream
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
@@ -37,13 +36,6 @@ KIND = "ImageLoader"
 # bench/results/ceiling_hw0_pace07.json and ceiling_retire_experiment.json: 0.975-0.978 of the
 # ceiling vs 0.963-0.969 at 0.5; TokenLoader measured better at 0.5 (0.999 vs 0.985).
 PACE = 0.7
-
-
-def confined(produce: Iterator, reserve: int) -> Iterator:
-    """``produce``, run in a producer thread kept off the ``reserve`` lowest-numbered cores with
-    every thread it starts (DALI's and nvImageCodec's, when it builds the pipeline)."""
-    confine_thread(loader_cores(reserve))
-    yield from produce
 
 
 def _option(group: str, name: str, doc: str = "") -> property:
@@ -137,7 +129,6 @@ class ImageLoader:
         stream_options: dict | None = None,
         decode_device: str | None = None,
         antialias: bool = True,
-        reserve_cores: int | None = None,
     ):
         device = torch.device(device)
         if device.type not in ("cuda", "cpu"):
@@ -152,7 +143,7 @@ class ImageLoader:
             image_size=int(image_size), resize_size=resize_size, dtype=dtype, layout=layout,
             mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std),
             hw_decoder_load=float(hw_decoder_load), antialias=bool(antialias),
-            **DecodeOptions.resolve(device, decode_device, num_threads, reserve_cores))
+            **DecodeOptions.resolve(device, decode_device, num_threads))
         self.augment = AugmentOptions(train=train, random_area=tuple(random_area),
                                       random_aspect_ratio=tuple(random_aspect_ratio))
         self.read = ReadOptions(
@@ -196,7 +187,6 @@ class ImageLoader:
     decode_device = _option("decode", "decode_device", "Where DALI decodes: 'gpu' or 'cpu'.")
     num_threads = _option("decode", "num_threads")
     hw_decoder_load = _option("decode", "hw_decoder_load")
-    reserve_cores = _option("decode", "reserve_cores")
     train = _option("augment", "train")
     random_area = _option("augment", "random_area")
     random_aspect_ratio = _option("augment", "random_aspect_ratio")
@@ -375,7 +365,6 @@ class ImageLoader:
         seconds = self._seconds
         if self.device.type == "cuda" and self._side_stream is None:  # one for all epochs (see on_side_stream)
             self._side_stream = torch.cuda.Stream(self.device)
-        produce = confined(produce, self.decode.reserve_cores)
         items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth, pace=PACE,
                                stream=self._side_stream, meter=self._producer)
         try:

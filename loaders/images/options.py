@@ -18,7 +18,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
 READERS = ("auto", "stream", "dali")
-RESERVE_CORES = 2  # on CUDA: the training thread and torch's autograd thread (README, "Reserved cores")
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,6 @@ class DecodeOptions:
     num_threads: int = 1
     hw_decoder_load: float = 0.75
     antialias: bool = True  # DALI's resize low-pass filters when it shrinks (costs GPU time)
-    reserve_cores: int = 0  # resolved: cores DALI's threads stay off (for the training threads)
 
     def __post_init__(self):
         if self.image_size < 1 or (self.resize_size is not None and self.resize_size < self.image_size):
@@ -49,14 +47,10 @@ class DecodeOptions:
             raise ValueError("mean and std need 3 values (RGB, in 0..1 units), std > 0")
         if not 0.0 <= self.hw_decoder_load <= 1.0:
             raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
-        if self.reserve_cores < 0:
-            raise ValueError(f"reserve_cores must be >= 0, got {self.reserve_cores}")
 
     @staticmethod
-    def resolve(device: torch.device, decode_device: str | None, num_threads: int | None,
-                reserve_cores: int | None = None) -> dict:
-        """``decode_device``, ``host_decode``, ``num_threads`` and ``reserve_cores`` as the loader uses
-        them (defaults filled; ``reserve_cores``: ``RESERVE_CORES`` on CUDA, else 0)."""
+    def resolve(device: torch.device, decode_device: str | None, num_threads: int | None) -> dict:
+        """``decode_device``, ``host_decode`` and ``num_threads`` as the loader uses them (defaults filled)."""
         if decode_device not in (None, "gpu", "cpu"):
             raise ValueError(f"decode_device must be None, 'gpu' or 'cpu', got {decode_device!r}")
         if decode_device == "gpu" and device.type != "cuda":
@@ -68,12 +62,9 @@ class DecodeOptions:
             from datapipe.device.autotune import usable_cores
 
             num_threads = max(1, usable_cores() - 2)  # one core each for the training and producer threads
-        if reserve_cores is None:
-            reserve_cores = RESERVE_CORES if device.type == "cuda" else 0
         return {"decode_device": decode_device or ("gpu" if device.type == "cuda" else "cpu"),
                 "host_decode": host_decode,
-                "num_threads": int(num_threads or max(1, min(8, os.cpu_count() or 1))),
-                "reserve_cores": int(reserve_cores)}
+                "num_threads": int(num_threads or max(1, min(8, os.cpu_count() or 1)))}
 
 
 @dataclass(frozen=True)
