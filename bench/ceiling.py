@@ -362,7 +362,7 @@ def wait_mode_row(name: str, ceilings: Ceilings, device: torch.device, results: 
     if mode is None or device.type != "cuda":
         yield
         return
-    from datapipe.device.wait_mode import set_wait_mode
+    from bench.wait_mode import set_wait_mode
 
     previous = set_wait_mode(mode, device)
     ceilings.last.clear()

@@ -235,7 +235,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--dim", type=int, default=8192, help="matmul size of the GPU step")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=20, help="untimed steps first: the workers fill the pipeline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke check")
     ap.add_argument("--out", default=None, help="directory for prefetch.json (default bench/results)")

@@ -1,16 +1,16 @@
-"""How the CUDA driver makes a host thread wait for the GPU: spin, yield or block.
+"""How the CUDA driver makes a host thread wait for the GPU: spin, yield or block (a benchmark knob).
 
-A CUDA context has one scheduling mode for every wait in the process (``cudaStreamSynchronize``,
-``cudaEventSynchronize``, ``.item()``). The default ("auto") spins whenever the machine has more
-cores than the process has contexts, so each thread waiting on the GPU holds a core at 100%.
-A DALI pipeline keeps a dozen threads that wait on the GPU and on the hardware JPEG decoder every
-batch; when they spin together they can outnumber the cores for a moment, and the training
-thread that launches the step's kernels is the one the OS scheduler sets aside
-(``bench/step_anatomy.py``: launch calls of a few microseconds taking milliseconds).
+A CUDA context has one scheduling mode for the process's stream and device waits
+(``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``.item()``). The default ("auto") spins
+whenever the machine has more cores than the process has contexts: each waiting thread holds a
+core at 100%. Event waits (``cudaEventSynchronize``) spin in every mode unless the event was made
+with the blocking-sync flag (seen on the H200: ``tests/bench/test_wait_mode.py``).
 
-``set_wait_mode("blocking")`` switches the current device's context to block on an OS primitive
-instead (``CU_CTX_SCHED_BLOCKING_SYNC``); it goes through the driver API (``cuCtxSetFlags``,
-CUDA 12.1 and later) because neither torch nor DALI exposes it.
+``bench/ceiling.py`` rows ending ``_block`` / ``_yield`` run in that mode to find out whether
+DALI's waiting threads slow the training step (``ceiling_wait_mode.json``: blocking lowered the
+loader's share, but slowed the cached-batch step as much, so no absolute gain; README).
+``set_wait_mode`` goes through the driver API (``cuCtxSetFlags``, CUDA 12.1 and later), which
+neither torch nor DALI exposes.
 """
 from __future__ import annotations
 
