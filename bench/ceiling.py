@@ -57,6 +57,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import loaders.images.loader  # noqa: E402,F401 - first, as a training script imports it: before CUDA starts
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 

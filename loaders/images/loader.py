@@ -23,12 +23,15 @@ import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import ProducerMeter, on_side_stream
+from datapipe.device.queues import widen_hardware_queues
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
 from loaders.images.dali_reader import DaliReader
 from loaders.images.encoded import parse_label
 from loaders.images.options import DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions, ReadOptions
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
+
+widen_hardware_queues()  # before CUDA starts: DALI's streams get queues of their own (datapipe.device.queues)
 
 KIND = "ImageLoader"
 # The producer starts its next batch 70% into the training step (while one is still queued), not
