@@ -4,8 +4,9 @@ The driver feeds the GPU through a fixed number of hardware queues per context, 
 and maps the process's streams onto them in turn: two streams on one queue are ordered as if
 they were one, so a training kernel can wait behind a loader's kernel or copy it does not depend
 on. A DALI pipeline runs work on many streams of its own. With 32 queues (the most the driver
-allows) ImageLoader's ResNet-50 step ran at 0.976-0.979 of its ceiling against 0.972-0.975 with
-the default, in interleaved processes on an H200 (``bench/results/ceiling_hw_queues.json``).
+allows) ImageLoader's ResNet-50 step ran at 0.975-0.979 of its ceiling (eight rows) against
+0.971-0.975 with the default (eight rows), one process each, interleaved, on an H200; the loader's
+threads used 2.7-3.0 cores instead of 3.3 (``bench/results/ceiling_hw_queues.json``).
 
 The driver reads the variable when it creates the context, so it only counts if set before
 CUDA starts in this process: importing ``loaders.images`` sets it then, unless it is set

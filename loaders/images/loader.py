@@ -96,6 +96,9 @@ class ImageLoader:
     closer to its data-free ceiling (0.978-0.981 vs 0.973-0.978 on an H200) but decodes ~4x slower
     alone (6-9k img/s on 8-14 threads): for steps slower than that, with cores to spare (README).
     The producer starts each batch 70% into the training step while one is still queued (``PACE``).
+    Importing this module asks the CUDA driver for 32 hardware queues instead of 8 (unless
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` is set, or CUDA has already started): DALI's streams then
+    seldom share a queue with the training stream (``datapipe.device.queues``).
     """
 
     def __init__(
