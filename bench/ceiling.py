@@ -28,7 +28,8 @@ batch as soon as a slot frees, as before pacing), ``_pace01`` ... ``_pace085`` w
 that fraction; the others with the library's default (ImageLoader 0.7, DevicePrefetcher 0.5); any
 image variant takes these suffixes (``il_hw0_pace085``). Rows ending ``_noretire``: the training
 thread frees the batches it is done with (as before ``datapipe.device.handoff.Retirer`` moved that
-to the producer thread).
+to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image variants and
+``dl_*``) run with the CUDA context in that wait mode (``bench.wait_mode``), their ceilings too.
 ``tokens_worker``: the packing in one DataLoader worker process.
 
 Loaders with worker processes are shut down, and the process waits for its children to exit
@@ -644,7 +645,7 @@ def row_base(name: str) -> str:
 
 
 def row_wait(name: str) -> str | None:
-    """The CUDA wait mode a row runs in (``datapipe.device.wait_mode``): its suffix's, else None (unchanged)."""
+    """The CUDA wait mode a row runs in (``bench.wait_mode``): its suffix's, else None (unchanged)."""
     return next((v for k, v in ROW_WAIT.items() if name.endswith(k)), None)
 
 
