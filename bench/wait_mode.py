@@ -56,10 +56,13 @@ def _flags(lib: ctypes.CDLL) -> int:
     return flags.value
 
 
+def _name(sched: int) -> str:
+    return next((name for name, value in MODES.items() if value == sched), f"unknown({sched})")
+
+
 def wait_mode(device: torch.device | int | str | None = None) -> str:
     """The scheduling mode of ``device``'s context: ``auto``, ``spin``, ``yield`` or ``blocking``."""
-    sched = _flags(_current_context(device)) & _SCHED_MASK
-    return next((name for name, value in MODES.items() if value == sched), f"unknown({sched})")
+    return _name(_flags(_current_context(device)) & _SCHED_MASK)
 
 
 def set_wait_mode(mode: str, device: torch.device | int | str | None = None) -> str:
@@ -72,5 +75,4 @@ def set_wait_mode(mode: str, device: torch.device | int | str | None = None) -> 
     rc = lib.cuCtxSetFlags(ctypes.c_uint((old & ~_SCHED_MASK) | MODES[mode]))
     if rc != 0:
         raise RuntimeError(f"cuCtxSetFlags failed (CUresult {rc})")
-    sched = old & _SCHED_MASK
-    return next((name for name, value in MODES.items() if value == sched), "auto")
+    return _name(old & _SCHED_MASK)

@@ -125,15 +125,15 @@ class CurrentStream:
 
     def __init__(self, device: torch.device):
         self.index = device.index
+        self._query = getattr(torch._C, "_cuda_getCurrentStream", None)  # None: a torch without it
         self._key = None
         self._stream: torch.cuda.Stream | None = None
 
     def __call__(self) -> torch.cuda.Stream:
         index = torch.cuda.current_device() if self.index is None else self.index
-        query = getattr(torch._C, "_cuda_getCurrentStream", None)
-        if query is None:  # a torch without it: the plain call
+        if self._query is None:
             return torch.cuda.current_stream(index)
-        key = query(index)  # (stream id, device index, device type)
+        key = self._query(index)  # (stream id, device index, device type)
         if key != self._key:
             self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
             self._key = key
