@@ -357,6 +357,29 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
 
 
 @contextlib.contextmanager
+def dali_stream_policy(base: str):
+    """Variants ending ``_single`` build their DALI pipelines with ``StreamPolicy.SINGLE`` (one stream for all
+    operators, so fewer cross-stream events); the others with DALI's default (one stream per backend)."""
+    if not base.endswith("_single"):
+        yield
+        return
+    import nvidia.dali.pipeline as dali_pipeline
+
+    original = dali_pipeline.Pipeline
+
+    class SingleStream(original):
+        def __init__(self, *a, **kw):
+            kw.setdefault("stream_policy", dali_pipeline.StreamPolicy.SINGLE)
+            super().__init__(*a, **kw)
+
+    dali_pipeline.Pipeline = SingleStream
+    try:
+        yield
+    finally:
+        dali_pipeline.Pipeline = original
+
+
+@contextlib.contextmanager
 def wait_mode_row(name: str, ceilings: Ceilings, device: torch.device, results: dict):
     """Run row ``name`` with the CUDA context in its wait mode (``row_wait``; None: unchanged); its
     ceilings are measured in that mode too, and the next row measures its own again."""
@@ -453,6 +476,9 @@ def image_parts(args, urls, results) -> None:
         "il_hw1": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=1.0)), None),
         "il_hw09": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.9)), None),
         "il_hw0": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
+        "il_hw0b": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
+        "il_single": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "il_hw0_single": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
         "il_hw0_t12": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)), None),
         "il_hw05": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.5)), None),
         "il_hw03": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.3)), None),
@@ -472,7 +498,7 @@ def image_parts(args, urls, results) -> None:
         if base in variants and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[base]
             LOADERS.clear()
-            with wait_mode_row(name, ceilings, args.device, results):
+            with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(base):
                 loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
