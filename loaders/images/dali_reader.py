@@ -136,12 +136,15 @@ def fingerprint(urls: list[str], counts: list[int]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _checkpoint(pipe, batch: int) -> dict:
+def _raw_checkpoint(pipe) -> bytes:
     """(Producer thread) the DALI pipeline's state after its last ``outputs()`` (~0.2 ms)."""
     checkpoint = pipe.checkpoint()
-    if isinstance(checkpoint, str):
-        checkpoint = checkpoint.encode("latin-1")
-    return {"checkpoint": base64.b64encode(checkpoint).decode("ascii"), "batch": batch}
+    return checkpoint.encode("latin-1") if isinstance(checkpoint, str) else checkpoint
+
+
+def _checkpoint(pipe, batch: int) -> dict:
+    """:func:`_raw_checkpoint` as text, with the epoch's batch count: a resume position."""
+    return {"checkpoint": base64.b64encode(_raw_checkpoint(pipe)).decode("ascii"), "batch": batch}
 
 
 class DaliReader:
@@ -157,6 +160,7 @@ class DaliReader:
         self.handed_out: dict | None = None  # {"checkpoint", "batch"} after the last batch handed out
         self._resume: dict | None = None  # {"checkpoint", "batch"} to restore on the next iteration
         self._pipe = None
+        self._replaced = None  # a pipeline replaced mid-epoch (decoder switch): batches handed out may be its memory
         self._batch = 0  # batches of this epoch made
         self._numbers: SampleNumbers | None = None  # source_info -> sample numbers (built with the pipeline)
         self._delivered: np.ndarray | None = None  # this epoch's samples handed out (global numbers), this rank
@@ -340,6 +344,8 @@ class DaliReader:
         self._batch = first
         left = per_rank - first * batch_size
         for _ in range(first, steps):
+            if lo._decoder.due:
+                pipe = self._switch_decoder(pipe, reader, paths)
             t0 = time.perf_counter()
             try:
                 images_tl, labels_tl, info_tl = pipe.run(stream)
@@ -360,3 +366,22 @@ class DaliReader:
                     pipe.run(stream)
             position = {**_checkpoint(pipe, self._batch), "numbers": taken, "last": self._batch == steps}
             yield lo._prepare(images, labels), position
+
+    def _switch_decoder(self, pipe, reader: dict, paths: list[str]):
+        """(Producer thread) the decoder choice changed: a pipeline with the new one, from the old one's checkpoint.
+
+        The checkpoint holds the reader's position and every random state after the last batch
+        made, so the new pipeline makes exactly the batch the old one would have made next.
+        """
+        lo = self.loader
+        t0 = time.perf_counter()
+        checkpoint = _raw_checkpoint(pipe)
+        lo._decoder.switching()
+        new = lo._pipeline(reader=reader, checkpoint=checkpoint, source_info=True)
+        try:
+            new.build()
+        except RuntimeError as e:
+            raise reader_error(e, paths, self._batch) from e
+        self._replaced, self._pipe = pipe, new
+        lo._decoder.switched(time.perf_counter() - t0)
+        return new

@@ -27,6 +27,7 @@ from datapipe.device.queues import widen_hardware_queues
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
 from loaders.images.dali_reader import DaliReader
+from loaders.images.decoder_choice import DecoderChoice
 from loaders.images.encoded import parse_label
 from loaders.images.options import DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions, ReadOptions
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
@@ -92,9 +93,14 @@ class ImageLoader:
     batch, slightly more aliasing; torchvision's PIL path filters, as the default here does).
 
     ``hw_decoder_load``: the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG's
-    CUDA decoder, its Huffman stage on ``num_threads`` CPU threads). ``0.0`` kept a ResNet-50 step
-    closer to its data-free ceiling (0.978-0.981 vs 0.973-0.978 on an H200) but decodes ~4x slower
-    alone (6-9k img/s on 8-14 threads): for steps slower than that, with cores to spare (README).
+    CUDA decoder, its Huffman stage on DALI's CPU threads). ``"auto"`` (default): the CUDA decoder
+    alone (on 12 threads unless ``num_threads`` is given) while the training loop does not wait
+    for batches, then 0.75 for good, switched once by rebuilding the pipeline where it stopped
+    (:mod:`loaders.images.decoder_choice`; the hardware decoder from the start with fewer than 12
+    cores for this process). On an H200 the CUDA decoder kept ResNet-50 at 0.982-0.984 of its
+    data-free rate against 0.977-0.981, but it decodes ~3x slower alone (7.6k img/s on 12 threads
+    vs ~25k). A number fixes the share (and the decoded bits, which differ slightly between the
+    decoders). ``stats()["decoder"]`` says which runs and when it switched.
     The producer starts each batch 70% into the training step while one is still queued (``PACE``).
     Importing this module asks the CUDA driver for 32 hardware queues instead of 8 (unless
     ``CUDA_DEVICE_MAX_CONNECTIONS`` is set, or CUDA has already started): DALI's streams then
@@ -125,7 +131,7 @@ class ImageLoader:
         num_threads: int | None = None,
         read_workers: int = 0,
         prefetch_queue_depth: int = 2,
-        hw_decoder_load: float = 0.75,
+        hw_decoder_load: float | str = "auto",
         drop_last: bool | None = None,
         reader: str = "auto",
         random_area: Sequence[float] = (0.08, 1.0),
@@ -148,7 +154,8 @@ class ImageLoader:
         self.decode = DecodeOptions(
             image_size=int(image_size), resize_size=resize_size, dtype=dtype, layout=layout,
             mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std),
-            hw_decoder_load=float(hw_decoder_load), antialias=bool(antialias),
+            hw_decoder_load=hw_decoder_load if isinstance(hw_decoder_load, str) else float(hw_decoder_load),
+            antialias=bool(antialias),
             **DecodeOptions.resolve(device, decode_device, num_threads))
         self.augment = AugmentOptions(train=train, random_area=tuple(random_area),
                                       random_aspect_ratio=tuple(random_aspect_ratio))
@@ -159,6 +166,8 @@ class ImageLoader:
             prefetch_queue_depth=int(prefetch_queue_depth), drop_last=train if drop_last is None else bool(drop_last),
             index_dir=index_dir, stream_options=dict(stream_options or {}))
         self.label_decoder = label_decoder or parse_label
+        self._decoder = DecoderChoice(self.decode.hw_decoder_load, cuda=self._dali_cuda, threads=num_threads,
+                                      hardware_threads=self.decode.num_threads)
         self._pinned = None  # the pinned staging buffers of decode_device="cpu" (datapipe.device.prefetch's pool)
         self._affine: tuple | None = None  # its (shift, scale) per channel, on the device
         self.epoch = 0
@@ -191,8 +200,18 @@ class ImageLoader:
     mean = _option("decode", "mean")
     std = _option("decode", "std")
     decode_device = _option("decode", "decode_device", "Where DALI decodes: 'gpu' or 'cpu'.")
-    num_threads = _option("decode", "num_threads")
-    hw_decoder_load = _option("decode", "hw_decoder_load")
+
+    @property
+    def num_threads(self) -> int:
+        """DALI's CPU threads in the pipeline now (``"auto"`` decoding on CUDA cores: 12 unless given)."""
+        return self._decoder.threads
+
+    @property
+    def hw_decoder_load(self) -> float:
+        """The hardware decoder's share in use now (``"auto"``: 0.0 until it switches; ``decode.hw_decoder_load``
+        holds the setting)."""
+        return self._decoder.load
+
     train = _option("augment", "train")
     random_area = _option("augment", "random_area")
     random_aspect_ratio = _option("augment", "random_aspect_ratio")
@@ -240,8 +259,8 @@ class ImageLoader:
             layout="NHWC" if dec.host_decode else dec.layout,
             mean=[m * 255 for m in dec.mean], std=[s * 255 for s in dec.std],
             seed=derive_seed(self.read.seed, self.epoch, rank, "dali", bits=31) if seed is None else seed,
-            num_threads=dec.num_threads, prefetch_queue_depth=depth or self.read.prefetch_queue_depth,
-            hw_decoder_load=dec.hw_decoder_load, random_area=aug.random_area,
+            num_threads=self._decoder.threads, prefetch_queue_depth=depth or self.read.prefetch_queue_depth,
+            hw_decoder_load=self._decoder.load, random_area=aug.random_area,
             random_aspect_ratio=aug.random_aspect_ratio, resize_size=dec.resize_size,
             source=source, reader=reader, enable_checkpointing=reader is not None, checkpoint=checkpoint,
             pad_labels=self.label_decoder is parse_label, antialias=dec.antialias, source_info=source_info,
@@ -351,6 +370,7 @@ class ImageLoader:
         out["stream"] = stream
         out["seconds"] = {k: round(v, 4) for k, v in self._seconds.items()}
         out["producer"] = self._producer.stats()
+        out["decoder"] = self._decoder.stats()
         return out
 
     # ---- iteration ----------------------------------------------------------------------------
@@ -369,6 +389,8 @@ class ImageLoader:
         resume position advance here, when a batch is handed out, not when it is made.
         """
         seconds = self._seconds
+        decoder = self._decoder
+        decoder.start()
         if self.device.type == "cuda" and self._side_stream is None:  # one for all epochs (see on_side_stream)
             self._side_stream = torch.cuda.Stream(self.device)
         items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth, pace=PACE,
@@ -381,7 +403,9 @@ class ImageLoader:
                 except StopIteration:
                     return
                 finally:
-                    seconds["wait"] += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    seconds["wait"] += t1 - t0
+                decoder.took(t1 - t0, t1)
                 self._stats["batches"] += 1
                 self._stats["samples"] += len(labels)
                 self._source.handed(position)

@@ -33,7 +33,7 @@ class DecodeOptions:
     decode_device: str = "gpu"  # resolved: "gpu" or "cpu"
     host_decode: bool = False  # decode_device="cpu" asked for: uint8 HWC on the host, normalised in torch
     num_threads: int = 1
-    hw_decoder_load: float = 0.75
+    hw_decoder_load: float | str = "auto"  # a share in [0, 1], or "auto" (loaders.images.decoder_choice)
     antialias: bool = True  # DALI's resize low-pass filters when it shrinks (costs GPU time)
 
     def __post_init__(self):
@@ -45,8 +45,9 @@ class DecodeOptions:
             raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {self.layout!r}")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise ValueError("mean and std need 3 values (RGB, in 0..1 units), std > 0")
-        if not 0.0 <= self.hw_decoder_load <= 1.0:
-            raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
+        if self.hw_decoder_load != "auto" and (isinstance(self.hw_decoder_load, str)
+                                               or not 0.0 <= self.hw_decoder_load <= 1.0):
+            raise ValueError(f"hw_decoder_load must be 'auto' or in [0, 1], got {self.hw_decoder_load!r}")
 
     @staticmethod
     def resolve(device: torch.device, decode_device: str | None, num_threads: int | None) -> dict:

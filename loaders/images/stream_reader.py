@@ -8,6 +8,7 @@ or ``{"loader": loaders.DataLoader state}``.
 """
 from __future__ import annotations
 
+import itertools
 import time
 import weakref
 from collections import deque
@@ -65,6 +66,7 @@ class StreamReader:
         self.delivered: dict | None = None  # the source state after the last batch handed out
         self._pipe = None  # the DALI pipeline, reused across epochs
         self._probe = None  # a batch-of-one pipeline that finds the images DALI cannot decode
+        self._replaced = None  # a pipeline replaced mid-epoch (decoder switch): batches handed out may be its memory
         self._feed = _Feed(loader._seconds)
 
     # ---- state ------------------------------------------------------------------------------------
@@ -126,6 +128,8 @@ class StreamReader:
         seconds = lo._seconds
         try:
             while True:
+                if lo._decoder.due and not feed.failure:
+                    pipe = self._switch_decoder(feed)
                 t0, read0 = time.perf_counter(), seconds["read"]
                 try:
                     outputs = pipe.run(stream)
@@ -152,6 +156,24 @@ class StreamReader:
             raw_batches.close()
             if (not finished or feed.failure) and self._pipe is pipe:
                 self._pipe = None
+
+    def _switch_decoder(self, feed: _Feed):
+        """(Producer thread) the decoder choice changed: a pipeline with the new one, fed where the old one was.
+
+        The raw batches the old pipeline had taken in but not given out go into the new one first,
+        so nothing is lost or repeated; its random stream is its own (a seed for the switch).
+        """
+        lo = self.loader
+        t0 = time.perf_counter()
+        pending = list(feed.fifo)
+        feed.start(itertools.chain(pending, feed.raw))
+        lo._decoder.switching()
+        rank, _ = lo._rank_world()
+        new = lo._pipeline(source=feed, seed=derive_seed(lo.seed, lo.epoch, rank, "dali-switch", bits=31))
+        new.build()
+        self._replaced, self._pipe = self._pipe, new
+        lo._decoder.switched(time.perf_counter() - t0)
+        return new
 
     def _recover(self, raw: RawBatch, error: BaseException):
         """A batch DALI could not decode: decode its images one by one, find the bad ones, apply on_error."""

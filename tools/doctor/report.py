@@ -187,6 +187,12 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---- the doctor ------------------------------------------------------------------------------------------
+
+def _decoder_load(loader) -> float | None:
+    """An ImageLoader's hardware decoder share in use now (None for other loaders)."""
+    hw = getattr(loader, "hw_decoder_load", None)
+    return hw if isinstance(hw, float) else None
+
 class _Timed:
     """One iteration of a loader, timed: ``next()`` is wait, the time until the next ``next()`` is compute."""
 
@@ -300,10 +306,9 @@ class Doctor:
         entry = next((e for e, o in zip(self._loaders, self._loader_objs) if o is loader), None)
         if entry is None:
             workers = getattr(loader, "num_workers", None)
-            hw = getattr(getattr(loader, "decode", None), "hw_decoder_load", None)  # an ImageLoader's
             entry = {"type": f"{type(loader).__module__}.{type(loader).__qualname__}",
                      "num_workers": workers if isinstance(workers, int) else None,
-                     "hw_decoder_load": hw if isinstance(hw, float) else None,
+                     "hw_decoder_load": _decoder_load(loader),
                      "pin_memory": getattr(loader, "pin_memory", None), "batches": 0,
                      "reiterable": it is not loader, "wait_s": 0.0, "compute_s": 0.0, "startup_wait_s": 0.0,
                      "iterations": 0}
@@ -471,6 +476,8 @@ class Doctor:
                  "consumption_batches_per_s": round(1 / mean_compute, 3) if mean_compute > 0 else None,
                  "capacity_batches_per_s": None, "probe": "not requested (probe_capacity=True)"}
         rates.update(self._capacity or {})
+        for entry, loader in zip(self._loaders, self._loader_objs):  # "auto" may have switched since
+            entry["hw_decoder_load"] = _decoder_load(loader)
         torch = _torch()
         cuda = _cuda_available()
         out = {

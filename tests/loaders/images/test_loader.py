@@ -567,3 +567,52 @@ def test_dali_reader_foreign_or_corrupt_bitmap_is_a_clear_error(numbered, shards
     with pytest.raises(ValueError, match="other shards"):
         foreign.load_state_dict(states)
 
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+@pytest.mark.parametrize("train", [False, True])
+def test_a_decoder_switch_mid_epoch_loses_and_repeats_nothing(shards, reader, train):
+    """hw_decoder_load="auto" rebuilds DALI's pipeline where it stopped (forced here: CPU pipelines never switch)."""
+
+    def run(switch_at):
+        labels = by_key() if reader == "stream" else {}  # DALI's reader takes a member label (cls)
+        dl = loader(shards, reader=reader, train=train, batch_size=4, seed=3, **labels)
+        xs, ys = [], []
+        for i, (x, y) in enumerate(dl):
+            if i == switch_at:
+                dl._decoder.due = True  # as the consumer sets it when it waits too long
+            xs.append(x)
+            ys.append(y)
+        return dl.stats(), torch.cat(xs), torch.cat(ys)
+
+    plain, x0, y0 = run(None)
+    switched, x1, y1 = run(1)
+    assert plain["decoder"]["switches"] == 0 and switched["decoder"]["switches"] == 1
+    assert len(y1) == N and y1.tolist() == y0.tolist()
+    if reader == "stream":
+        assert sorted(y1.tolist()) == list(range(N))  # every sample once
+    if not train or reader == "dali":  # DALI's checkpoint carries its random states over; a fed pipeline reseeds
+        assert torch.equal(x1, x0)
+    assert switched["samples"] == N
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_gpu_auto_decoder_switches_once_when_the_consumer_waits(shards, reader):
+    """A loop that does nothing but take batches waits for every one: "auto" moves to the hardware decoder."""
+    from loaders.images import decoder_choice
+
+    cpu_x, cpu_y = collect(loader(shards, reader=reader, batch_size=2))
+    dl = loader(shards, device="cuda", reader=reader, batch_size=2)
+    if decoder_choice.cores_per_process() < decoder_choice.MIN_CORES:
+        assert dl.hw_decoder_load == decoder_choice.HARDWARE_LOAD  # few cores: the hardware decoder throughout
+        return
+    assert dl.hw_decoder_load == 0.0 and dl.decode.hw_decoder_load == "auto"
+    x, y = collect(dl)
+    decoder = dl.stats()["decoder"]
+    assert decoder["switches"] == 1 and dl.hw_decoder_load == decoder_choice.HARDWARE_LOAD
+    assert decoder["switched_after_batches"] == decoder_choice.SKIP + decoder_choice.EARLY
+    assert y.cpu().tolist() == cpu_y.tolist()  # nothing lost or repeated across the rebuild
+    assert (x.cpu() - cpu_x).abs().mean() < 0.05
+    x2, y2 = collect(dl)  # the next epoch stays on the hardware decoder
+    assert dl.stats()["decoder"]["switches"] == 1 and y2.cpu().tolist() == cpu_y.tolist()

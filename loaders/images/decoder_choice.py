@@ -1,0 +1,124 @@
+"""``ImageLoader(hw_decoder_load="auto")``: which JPEG decoder runs, chosen by whether the training loop waits.
+
+nvJPEG's CUDA decoder (the Huffman stage on DALI's CPU threads, the rest on the GPU) slows a
+training step beside it less than the GPU's hardware decoder does, but decodes ~3x slower: on an
+H200 with 16 cores, ResNet-50 kept 0.982-0.984 of its data-free rate fed through the CUDA decoder
+on 12 threads against 0.977-0.981 with 75% of the JPEGs on the hardware decoder, while the loader
+alone made ~7.6k images/s against ~25k (``bench/results/ceiling_stream_policy*.json``). So
+``"auto"`` starts on the CUDA decoder where the process has the cores for it, and moves to the
+hardware decoder, once and for good, as soon as the consumer is seen waiting for batches:
+
+- the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
+- then, over windows of ``WINDOW`` batches, the consumer's time blocked in ``next()`` against the
+  wall time: above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after
+  ``EARLY`` batches of a window it switches without waiting for the window's end.
+
+The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
+repeating nothing), which costs seconds once. Few cores (fewer than ``MIN_CORES`` for this
+process) start on the hardware decoder. The images the two decoders make differ in their low
+bits: pass a number for bit-identical reruns.
+"""
+from __future__ import annotations
+
+import os
+
+HARDWARE_LOAD = 0.75  # the hardware decoder's share of each batch once switched (the rest: the CUDA decoder)
+CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (8: 5.2k img/s on the H200, 12: 7.6k)
+SPARE_CORES = 4  # left to the training loop's threads (Python, autograd) and the producer: threads <= cores - 4
+MIN_CORES = 12  # fewer cores for this process: the hardware decoder from the start
+SKIP = 5
+WINDOW = 30
+EARLY = 8
+THRESHOLD = 0.02
+EARLY_THRESHOLD = 0.10
+
+
+def cores_per_process() -> int:
+    """Cores this process may use, shared with the other processes of the host (``LOCAL_WORLD_SIZE``)."""
+    from datapipe.device.autotune import usable_cores
+
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(usable_cores(), (os.cpu_count() or 1) // local))
+
+
+class DecoderChoice:
+    """The decoder share and DALI thread count the next pipeline is built with, and when to change them.
+
+    ``setting``: ``"auto"`` or a fixed share in [0, 1]. ``threads``: the user's ``num_threads``
+    (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, on the CUDA decoder; ``hardware_threads`` on
+    the hardware decoder).
+    Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
+    (:meth:`took`); the producer checks :attr:`due` between batches, calls :meth:`switching`, builds
+    its new pipeline and calls :meth:`switched`.
+    """
+
+    def __init__(self, setting: float | str, *, cuda: bool, threads: int | None, hardware_threads: int,
+                 cores: int | None = None):
+        cores = cores_per_process() if cores is None else cores
+        self.auto = setting == "auto" and cuda
+        self.threads_asked = threads
+        self.hardware_threads = hardware_threads
+        self.cuda_threads = max(1, min(CUDA_THREADS, cores - SPARE_CORES))
+        if self.auto and cores >= MIN_CORES:
+            self.load = 0.0
+        else:
+            self.load = HARDWARE_LOAD if setting == "auto" else float(setting)
+        self.watching = self.auto and self.load == 0.0
+        self.due = False  # set by the consumer: the producer should switch before its next batch
+        self.switched_after: int | None = None  # batches handed out when the switch was asked for
+        self.switches = 0  # pipelines rebuilt for a switch
+        self.rebuild_s = 0.0  # the producer's time spent rebuilding them
+        self.handed = 0
+        self.start()
+
+    @property
+    def threads(self) -> int:
+        """DALI threads for the next pipeline."""
+        if self.threads_asked is not None:
+            return self.threads_asked
+        return self.cuda_threads if self.load == 0.0 and self.auto else self.hardware_threads
+
+    def start(self) -> None:
+        """A new iteration: skip its first batches, then judge in windows."""
+        self._skip = SKIP
+        self._window_start: float | None = None
+        self._batches = 0
+        self._wait = 0.0
+
+    def took(self, wait_s: float, now: float) -> None:
+        """(Consumer) a batch was handed out after ``wait_s`` blocked in ``next()``; ``now``: the clock after it."""
+        self.handed += 1
+        if not self.watching:
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            if self._skip == 0:
+                self._window_start = now
+            return
+        self._batches += 1
+        self._wait += wait_s
+        elapsed = now - self._window_start
+        if elapsed <= 0:
+            return
+        starving = self._wait / elapsed
+        if starving > THRESHOLD and (self._batches >= WINDOW or (self._batches >= EARLY and starving > EARLY_THRESHOLD)):
+            self.watching = False
+            self.due = True
+            self.switched_after = self.handed
+        elif self._batches >= WINDOW:
+            self._window_start, self._batches, self._wait = now, 0, 0.0
+
+    def switching(self) -> None:
+        """(Producer) the next pipeline decodes with the hardware decoder (call before building it)."""
+        self.load = HARDWARE_LOAD
+        self.due = False
+
+    def switched(self, seconds: float) -> None:
+        """(Producer) the new pipeline is built; building it took ``seconds``."""
+        self.switches += 1
+        self.rebuild_s += seconds
+
+    def stats(self) -> dict:
+        return {"hw_decoder_load": self.load, "auto": self.auto, "threads": self.threads,
+                "switched_after_batches": self.switched_after, "switches": self.switches,
+                "rebuild_s": round(self.rebuild_s, 3)}

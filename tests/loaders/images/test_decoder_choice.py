@@ -1,0 +1,82 @@
+"""hw_decoder_load="auto": the CUDA decoder while the consumer does not wait, the hardware decoder once it does."""
+import pytest
+
+from loaders.images import decoder_choice
+from loaders.images.decoder_choice import EARLY, HARDWARE_LOAD, SKIP, WINDOW, DecoderChoice
+
+
+def auto(cores=16, threads=None, cuda=True):
+    return DecoderChoice("auto", cuda=cuda, threads=threads, hardware_threads=8, cores=cores)
+
+
+def feed(choice, batches, *, step_s=0.05, wait_s=0.0, t0=0.0):
+    """The consumer takes ``batches`` batches, each ``step_s`` of work after ``wait_s`` blocked in next()."""
+    now = t0
+    for _ in range(batches):
+        now += wait_s
+        choice.took(wait_s, now)
+        now += step_s
+        if choice.due:
+            break
+    return now
+
+
+def test_auto_starts_on_the_cuda_decoder_with_its_threads_where_cores_allow():
+    c = auto()
+    assert c.load == 0.0 and c.threads == decoder_choice.CUDA_THREADS and c.auto
+    assert auto(threads=6).threads == 6  # the user's num_threads wins
+    assert auto(cores=decoder_choice.MIN_CORES).threads == decoder_choice.MIN_CORES - decoder_choice.SPARE_CORES
+    few = auto(cores=decoder_choice.MIN_CORES - 1)  # too few cores: the hardware decoder from the start
+    assert few.load == HARDWARE_LOAD and few.threads == 8
+    feed(few, 200, wait_s=0.05)
+    assert not few.due
+
+
+def test_fixed_shares_and_cpu_pipelines_never_switch():
+    for choice in (DecoderChoice(0.0, cuda=True, threads=None, hardware_threads=8, cores=16),
+                   DecoderChoice(0.3, cuda=True, threads=None, hardware_threads=8, cores=16), auto(cuda=False)):
+        feed(choice, 500, wait_s=0.05)
+        assert not choice.due and choice.switched_after is None
+    assert auto(cuda=False).load == HARDWARE_LOAD  # "auto" on a CPU pipeline: the share is never used
+
+
+def test_a_consumer_that_does_not_wait_keeps_the_cuda_decoder():
+    c = auto()
+    feed(c, 20 * WINDOW, wait_s=0.05 * 0.004)  # 0.4% waits: the handoff's usual cost
+    assert not c.due and c.load == 0.0
+
+
+def test_a_steady_shortfall_switches_at_the_end_of_a_window():
+    c = auto()
+    feed(c, 10 * WINDOW, wait_s=0.05 * 0.05)  # 5% waits: above THRESHOLD, below EARLY_THRESHOLD
+    assert c.due and c.switched_after == SKIP + WINDOW
+    c.switching()
+    assert c.load == HARDWARE_LOAD and c.threads == 8 and not c.due
+    c.switched(2.5)
+    assert c.stats() == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "threads": 8,
+                         "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5}
+    feed(c, 10 * WINDOW, wait_s=0.05)
+    assert not c.due  # once, for good
+
+
+def test_a_starving_consumer_switches_early():
+    c = auto()
+    feed(c, 10 * WINDOW, wait_s=0.05)  # half the time waiting
+    assert c.due and c.switched_after == SKIP + EARLY
+
+
+def test_each_iterations_first_batches_are_not_judged():
+    c = auto()
+    for epoch in range(5):
+        c.start()
+        now = feed(c, SKIP, wait_s=1.0, t0=epoch * 100.0)  # a slow start every epoch (pipeline, workers)
+        feed(c, WINDOW, wait_s=0.0, t0=now)
+    assert not c.due
+
+
+@pytest.mark.parametrize("bad", ["fast", -0.1, 1.5])
+def test_bad_settings_are_refused(bad):
+    from loaders.images.options import DecodeOptions
+
+    with pytest.raises(ValueError, match="hw_decoder_load"):
+        DecodeOptions(hw_decoder_load=bad)
