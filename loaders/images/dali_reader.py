@@ -31,6 +31,7 @@ import torch
 
 from datapipe.errors import DataError
 from datapipe.order.plan import samples_per_rank, shard_order
+from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
 from loaders.images.stream_reader import StreamReader
 
@@ -160,7 +161,7 @@ class DaliReader:
         self.handed_out: dict | None = None  # {"checkpoint", "batch"} after the last batch handed out
         self._resume: dict | None = None  # {"checkpoint", "batch"} to restore on the next iteration
         self._pipe = None
-        self._replaced = None  # a pipeline replaced mid-epoch (decoder switch): batches handed out may be its memory
+        self._replaced = []  # pipelines replaced by a decoder switch: kept two iterations (their batches' memory)
         self._batch = 0  # batches of this epoch made
         self._numbers: SampleNumbers | None = None  # source_info -> sample numbers (built with the pipeline)
         self._delivered: np.ndarray | None = None  # this epoch's samples handed out (global numbers), this rank
@@ -302,6 +303,7 @@ class DaliReader:
         read = lo.read
         batch_size = lo.batch_size
         paths = [local_path(u) for u in self.stream.urls]
+        self._replaced = age_replaced(self._replaced)
         counts = self.stream.counts
         shards = [i for i, c in enumerate(counts) if c > 0]
         paths = [paths[i] for i in shards]
@@ -382,6 +384,7 @@ class DaliReader:
             new.build()
         except RuntimeError as e:
             raise reader_error(e, paths, self._batch) from e
-        self._replaced, self._pipe = pipe, new
+        self._replaced.append([pipe, 2])
+        self._pipe = new
         lo._decoder.switched(time.perf_counter() - t0)
         return new

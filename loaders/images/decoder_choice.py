@@ -122,3 +122,12 @@ class DecoderChoice:
         return {"hw_decoder_load": self.load, "auto": self.auto, "threads": self.threads,
                 "switched_after_batches": self.switched_after, "switches": self.switches,
                 "rebuild_s": round(self.rebuild_s, 3)}
+
+
+def age_replaced(replaced: list) -> list:
+    """At an iteration's start: the ``[pipeline, iterations left]`` pairs replaced by a switch, one iteration older.
+
+    A replaced pipeline is kept two iterations: batches it made may still be in the training
+    loop's hands (they share its output memory) when the next iteration starts.
+    """
+    return [[pipe, left - 1] for pipe, left in replaced if left > 1]

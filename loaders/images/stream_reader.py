@@ -19,6 +19,7 @@ import torch
 from datapipe.errors import LAST_ERRORS, DataError
 from datapipe.device.handoff import started, threaded
 from datapipe.order.seeds import derive_seed
+from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import EncodedBatches, RawBatch, iter_raw_batches, keep
 
 
@@ -66,7 +67,7 @@ class StreamReader:
         self.delivered: dict | None = None  # the source state after the last batch handed out
         self._pipe = None  # the DALI pipeline, reused across epochs
         self._probe = None  # a batch-of-one pipeline that finds the images DALI cannot decode
-        self._replaced = None  # a pipeline replaced mid-epoch (decoder switch): batches handed out may be its memory
+        self._replaced = []  # pipelines replaced by a decoder switch: kept two iterations (their batches' memory)
         self._feed = _Feed(loader._seconds)
 
     # ---- state ------------------------------------------------------------------------------------
@@ -115,6 +116,7 @@ class StreamReader:
         lo = self.loader
         feed = self._feed
         feed.start(raw_batches)
+        self._replaced = age_replaced(self._replaced)
         # one DALI pipeline serves every epoch (building one costs seconds); an epoch left unfinished
         # leaves batches in flight in it, so the next epoch builds a fresh one
         if self._pipe is None:
@@ -171,7 +173,8 @@ class StreamReader:
         rank, _ = lo._rank_world()
         new = lo._pipeline(source=feed, seed=derive_seed(lo.seed, lo.epoch, rank, "dali-switch", bits=31))
         new.build()
-        self._replaced, self._pipe = self._pipe, new
+        self._replaced.append([self._pipe, 2])
+        self._pipe = new
         lo._decoder.switched(time.perf_counter() - t0)
         return new
 

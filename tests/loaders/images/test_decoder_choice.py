@@ -80,3 +80,12 @@ def test_bad_settings_are_refused(bad):
 
     with pytest.raises(ValueError, match="hw_decoder_load"):
         DecodeOptions(hw_decoder_load=bad)
+
+
+def test_a_replaced_pipeline_is_kept_two_iterations():
+    from loaders.images.decoder_choice import age_replaced
+
+    replaced = [["old", 2]]
+    replaced = age_replaced(replaced)  # the next iteration: its batches may still be in the loop's hands
+    assert replaced == [["old", 1]]
+    assert age_replaced(replaced) == []
