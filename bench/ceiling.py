@@ -6,12 +6,11 @@ replaying one cached device batch (no loader); each loaded measurement sits betw
 measurements of the same input format, so drift shows (``ceiling_before`` / ``ceiling_after``)
 and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
 
-- ``imageloader``: ``loaders.ImageLoader`` defaults (``hw_decoder_load="auto"``); ``il_*``: one option changed
-  (variants; ``il_hw075``: the hardware decoder's 0.75 share, the default before "auto");
+- ``imageloader``: ``loaders.ImageLoader`` defaults; ``il_*``: one option changed (variants; ``il_auto``:
+  ``hw_decoder_load="auto"``, ``il_hw075``: the 0.75 share written out);
   ``il_cpu``: ``decode_device="cpu"`` (DALI decodes/augments on the CPU, pinned copy, normalise
   on the GPU), ``il_cpu_u8``: the same delivering uint8 NHWC (the step normalises);
-  ``standalone``: the decode rate of the ``STANDALONE`` variants alone (no training step; "imageloader" there
-  pins the 0.75 share that "auto" switches to when the loader is the bottleneck);
+  ``standalone``: the decode rate of the ``STANDALONE`` variants alone (no training step);
 - ``kernels``: each ImageLoader variant of ``KERNEL_VARIANTS`` alone (no training), its device time
   per batch from the torch profiler, kernels apart from copies;
 - ``dali_hand``: the hand-written DALI loop (readers.webdataset + mixed image_random_crop + resize
@@ -477,6 +476,8 @@ def image_parts(args, urls, results) -> None:
         "imageloader2": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "imageloader3": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "imageloader4": ("f32", lambda: tracked(image_loader(urls, args)), None),
+        "il_auto": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load="auto")), None),
+        "il_auto2": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load="auto")), None),
         "dali_hand": ("f32", lambda: dali_hand(urls, args), None),
         "dali_hand2": ("f32", lambda: dali_hand(urls, args), None),
         "il_hw1": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=1.0)), None),
@@ -555,7 +556,7 @@ def image_parts(args, urls, results) -> None:
 
 
 # the loaders timed alone (part "standalone"): can each feed a faster step?
-STANDALONE = {"imageloader": {"hw_decoder_load": 0.75}, "il_hw0": {"hw_decoder_load": 0.0}, "il_hw05": {"hw_decoder_load": 0.5},
+STANDALONE = {"imageloader": {}, "il_hw0": {"hw_decoder_load": 0.0}, "il_hw05": {"hw_decoder_load": 0.5},
               "il_hw03": {"hw_decoder_load": 0.3},
               "il_hw0_t12": {"hw_decoder_load": 0.0, "num_threads": 12},
               "il_hw0_t14": {"hw_decoder_load": 0.0, "num_threads": 14}, "il_cpu": {"decode_device": "cpu"}}
@@ -587,7 +588,7 @@ def _kernels(prof) -> dict[str, float]:
 
 # (bench/results/ceiling_retire_experiment.json also has color_after_resize variants: decode to YCbCr,
 # convert after the resize; DALI converted the hardware decoder's RGB to YCbCr first: 2.5x the kernel time)
-KERNEL_VARIANTS = {"imageloader": {"hw_decoder_load": 0.75}, "il_hw0": {"hw_decoder_load": 0.0}, "il_hw05": {"hw_decoder_load": 0.5},
+KERNEL_VARIANTS = {"imageloader": {}, "il_hw0": {"hw_decoder_load": 0.0}, "il_hw05": {"hw_decoder_load": 0.5},
                    "il_hw1": {"hw_decoder_load": 1.0}}
 
 

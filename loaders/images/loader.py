@@ -93,14 +93,14 @@ class ImageLoader:
     batch, slightly more aliasing; torchvision's PIL path filters, as the default here does).
 
     ``hw_decoder_load``: the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG's
-    CUDA decoder, its Huffman stage on DALI's CPU threads). ``"auto"`` (default): the CUDA decoder
-    alone (on 12 threads unless ``num_threads`` is given) while the training loop does not wait
-    for batches, then 0.75 for good, switched once by rebuilding the pipeline where it stopped
-    (:mod:`loaders.images.decoder_choice`; the hardware decoder from the start with fewer than 12
-    cores for this process). On an H200 the CUDA decoder kept ResNet-50 at 0.982-0.984 of its
-    data-free rate against 0.977-0.981, but it decodes ~3x slower alone (7.6k img/s on 12 threads
-    vs ~25k). A number fixes the share (and the decoded bits, which differ slightly between the
-    decoders). ``stats()["decoder"]`` says which runs and when it switched.
+    CUDA decoder, its Huffman stage on DALI's CPU threads). ``"auto"``: the CUDA decoder alone (on
+    up to 12 threads unless ``num_threads`` is given) while the training loop does not wait for
+    batches, then 0.75 for good, switched once by rebuilding the pipeline where it stopped
+    (:mod:`loaders.images.decoder_choice`: nothing lost or repeated; 0.5 s on an H200). With 32
+    hardware queues (below) both kept ResNet-50 on an H200 at ~0.98 of its data-free rate (auto
+    0.980, 0.75 0.979 on average over 11 rows each), auto on ~8.5 cores against ~3; with the
+    driver's 8 queues the CUDA decoder was ahead by ~0.5%. ``stats()["decoder"]`` says which
+    decoder runs and when it switched; the two decoders' images differ in their low bits.
     The producer starts each batch 70% into the training step while one is still queued (``PACE``).
     Importing this module asks the CUDA driver for 32 hardware queues instead of 8 (unless
     ``CUDA_DEVICE_MAX_CONNECTIONS`` is set, or CUDA has already started): DALI's streams then
@@ -131,7 +131,7 @@ class ImageLoader:
         num_threads: int | None = None,
         read_workers: int = 0,
         prefetch_queue_depth: int = 2,
-        hw_decoder_load: float | str = "auto",
+        hw_decoder_load: float | str = 0.75,
         drop_last: bool | None = None,
         reader: str = "auto",
         random_area: Sequence[float] = (0.08, 1.0),

@@ -33,7 +33,7 @@ class DecodeOptions:
     decode_device: str = "gpu"  # resolved: "gpu" or "cpu"
     host_decode: bool = False  # decode_device="cpu" asked for: uint8 HWC on the host, normalised in torch
     num_threads: int = 1
-    hw_decoder_load: float | str = "auto"  # a share in [0, 1], or "auto" (loaders.images.decoder_choice)
+    hw_decoder_load: float | str = 0.75  # a share in [0, 1], or "auto" (loaders.images.decoder_choice)
     antialias: bool = True  # DALI's resize low-pass filters when it shrinks (costs GPU time)
 
     def __post_init__(self):

@@ -160,10 +160,8 @@ def make_dali(urls, cfg):
 def make_image_loader(urls, cfg):
     from loaders import ImageLoader
 
-    # the loader's capacity: the hardware decoder's share, which hw_decoder_load="auto" takes when it is the bottleneck
     return ImageLoader(urls, batch_size=cfg["batch_size"], image_size=cfg["image_size"], train=False,
-                       device=cfg["device"], num_threads=max(1, cfg["workers"]), drop_last=False,
-                       hw_decoder_load=0.75)
+                       device=cfg["device"], num_threads=max(1, cfg["workers"]), drop_last=False)
 
 
 def make_datapipe_loader(urls, cfg):

@@ -34,7 +34,7 @@ WAIT_HIGH = 0.10  # above this share of wall time the input pipeline is a bottle
 WAIT_LOW = 0.02  # below it, input is not the bottleneck
 PADDING_HIGH = 0.20
 CEILING_LOW = 0.98  # below this share of the data-free ceiling the loader costs the step visibly
-HYBRID_DECODE_CORES = 8  # ImageLoader(hw_decoder_load=0.0) kept ResNet-50 fed on an H200 with 8 DALI threads
+HYBRID_DECODE_CORES = 12  # ImageLoader(hw_decoder_load="auto") starts on the CUDA decoder from 12 cores (decoder_choice)
 
 
 def _torch():
@@ -153,14 +153,16 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                 capacity_batches_per_s=cap, consumption_batches_per_s=need, wait_fraction=wait)
     ratio = m.get("ceiling_ratio")
     hw = (m.get("loader") or {}).get("hw_decoder_load")
-    spare = cores >= HYBRID_DECODE_CORES + 2
-    if cuda and hw and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and spare:
+    auto = (m.get("loader") or {}).get("hw_decoder_auto")  # "auto" already: it chose the hardware decoder itself
+    spare = cores >= HYBRID_DECODE_CORES
+    if cuda and hw and not auto and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and spare:
         add("hybrid_decode", f"the loop runs at {ratio:.1%} of its data-free ceiling yet waits for data only "
                              f"{wait:.1%} of the time: the loader slows the step itself (its kernels, and its CUDA calls "
-                             f"beside the step's launches). With {cores} cores, try ImageLoader(hw_decoder_load=0.0): "
+                             f"beside the step's launches). With {cores} cores, try ImageLoader(hw_decoder_load=\"auto\"): "
                              "nvJPEG's CUDA decoder with the Huffman stage on the CPU instead of the hardware "
-                             "decoder (ResNet-50 on an H200: 0.978-0.981 of the ceiling vs 0.974; README, "
-                             "\"Where the rest goes\") if the CPU still keeps up",
+                             "decoder while it keeps up, the hardware decoder once the loop waits (ResNet-50 on an "
+                             "H200: 0.978-0.981 of the ceiling vs 0.974 with the driver's 8 hardware queues, level "
+                             "with 32; README, \"Where the rest goes\")",
             ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
     unpinned = batch.get("unpinned_host_tensors") or 0
     if cuda and unpinned:
@@ -309,6 +311,7 @@ class Doctor:
             entry = {"type": f"{type(loader).__module__}.{type(loader).__qualname__}",
                      "num_workers": workers if isinstance(workers, int) else None,
                      "hw_decoder_load": _decoder_load(loader),
+                     "hw_decoder_auto": getattr(getattr(loader, "decode", None), "hw_decoder_load", None) == "auto",
                      "pin_memory": getattr(loader, "pin_memory", None), "batches": 0,
                      "reiterable": it is not loader, "wait_s": 0.0, "compute_s": 0.0, "startup_wait_s": 0.0,
                      "iterations": 0}

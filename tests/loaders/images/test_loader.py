@@ -603,7 +603,7 @@ def test_gpu_auto_decoder_switches_once_when_the_consumer_waits(shards, reader):
     from loaders.images import decoder_choice
 
     cpu_x, cpu_y = collect(loader(shards, reader=reader, batch_size=2))
-    dl = loader(shards, device="cuda", reader=reader, batch_size=2)
+    dl = loader(shards, device="cuda", reader=reader, batch_size=2, hw_decoder_load="auto")
     if decoder_choice.cores_per_process() < decoder_choice.MIN_CORES:
         assert dl.hw_decoder_load == decoder_choice.HARDWARE_LOAD  # few cores: the hardware decoder throughout
         return

@@ -274,12 +274,12 @@ def test_ceiling_not_measured_is_said_and_bad_arguments_raise():
 
 
 def test_hybrid_decode_advice_when_the_loader_costs_the_step_without_waits():
-    def m(ratio=0.97, wait=0.005, hw=0.75, cores=16, cuda=True):
+    def m(ratio=0.97, wait=0.005, hw=0.75, cores=16, cuda=True, auto=False):
         return {**_m(wait=wait, cores=cores, cuda=cuda), "ceiling_ratio": ratio,
-                "loader": {"num_workers": None, "hw_decoder_load": hw}}
+                "loader": {"num_workers": None, "hw_decoder_load": hw, "hw_decoder_auto": auto}}
 
     advice = next(a for a in advise(m()) if a["id"] == "hybrid_decode")
-    assert "97.0%" in advice["advice"] and "hw_decoder_load=0.0" in advice["advice"]
+    assert "97.0%" in advice["advice"] and 'hw_decoder_load="auto"' in advice["advice"]
     assert "With 16 cores" in advice["advice"]
     assert advice["trigger"]["hw_decoder_load"] == 0.75
     assert "hybrid_decode" not in _ids(m(ratio=0.985))  # at the ceiling already
@@ -287,5 +287,6 @@ def test_hybrid_decode_advice_when_the_loader_costs_the_step_without_waits():
     assert "hybrid_decode" not in _ids(m(hw=0.0))  # already off the hardware decoder
     assert "hybrid_decode" not in _ids(m(hw=None))  # not an ImageLoader
     assert "hybrid_decode" not in _ids(m(cores=6))  # too few cores for the Huffman stage
+    assert "hybrid_decode" not in _ids(m(auto=True))  # "auto" chose the hardware decoder itself (the loop waited)
     assert "hybrid_decode" not in _ids(m(cuda=False))
     assert "hybrid_decode" not in _ids({**m(), "ceiling_ratio": None})  # no ceiling measured
