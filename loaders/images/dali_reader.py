@@ -176,6 +176,7 @@ class DaliReader:
 
     # ---- state ------------------------------------------------------------------------------------
     def start(self) -> None:
+        self._replaced = age_replaced(self._replaced)
         self._rest_now, self._rest_next = self._rest_next, False
         if self._rest_now:
             self._rest.start()
@@ -303,7 +304,6 @@ class DaliReader:
         read = lo.read
         batch_size = lo.batch_size
         paths = [local_path(u) for u in self.stream.urls]
-        self._replaced = age_replaced(self._replaced)
         counts = self.stream.counts
         shards = [i for i, c in enumerate(counts) if c > 0]
         paths = [paths[i] for i in shards]

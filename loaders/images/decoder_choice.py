@@ -46,9 +46,8 @@ class DecoderChoice:
     """The decoder share and DALI thread count the next pipeline is built with, and when to change them.
 
     ``setting``: ``"auto"`` or a fixed share in [0, 1]. ``threads``: the user's ``num_threads``
-    (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, on the CUDA decoder; ``hardware_threads`` on
-    the hardware decoder).
-    Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
+    (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, on the CUDA decoder; ``hardware_threads``
+    on the hardware decoder). Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
     (:meth:`took`); the producer checks :attr:`due` between batches, calls :meth:`switching`, builds
     its new pipeline and calls :meth:`switched`.
     """
@@ -102,7 +101,8 @@ class DecoderChoice:
         if elapsed <= 0:
             return
         starving = self._wait / elapsed
-        if starving > THRESHOLD and (self._batches >= WINDOW or (self._batches >= EARLY and starving > EARLY_THRESHOLD)):
+        early = self._batches >= EARLY and starving > EARLY_THRESHOLD
+        if starving > THRESHOLD and (self._batches >= WINDOW or early):
             self.watching = False
             self.due = True
             self.switched_after = self.handed
@@ -120,6 +120,7 @@ class DecoderChoice:
         self.rebuild_s += seconds
 
     def stats(self) -> dict:
+        """The share and threads in use, and whether and when "auto" switched (``ImageLoader.stats()["decoder"]``)."""
         return {"hw_decoder_load": self.load, "auto": self.auto, "threads": self.threads,
                 "switched_after_batches": self.switched_after, "switches": self.switches,
                 "rebuild_s": round(self.rebuild_s, 3)}

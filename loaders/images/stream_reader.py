@@ -73,6 +73,7 @@ class StreamReader:
     # ---- state ------------------------------------------------------------------------------------
     def start(self) -> None:
         """A new iteration: nothing handed out yet."""
+        self._replaced = age_replaced(self._replaced)
         self.delivered = None
 
     def handed(self, position) -> None:
@@ -116,7 +117,6 @@ class StreamReader:
         lo = self.loader
         feed = self._feed
         feed.start(raw_batches)
-        self._replaced = age_replaced(self._replaced)
         # one DALI pipeline serves every epoch (building one costs seconds); an epoch left unfinished
         # leaves batches in flight in it, so the next epoch builds a fresh one
         if self._pipe is None:
