@@ -31,7 +31,9 @@ image variant takes these suffixes (``il_hw0_pace085``). Rows ending ``_noretire
 thread frees the batches it is done with (as before ``datapipe.device.handoff.Retirer`` moved that
 to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image variants and
 ``dl_*``) run with the CUDA context in that wait mode (``bench.wait_mode``), their ceilings too.
-``tokens_worker``: the packing in one DataLoader worker process.
+``tokens_worker``: the packing in one DataLoader worker process. Rows ending ``_single`` build DALI's
+pipelines with ``StreamPolicy.SINGLE``. A last character 2-9 or b-d repeats a variant (``imageloader2``,
+``il_hw075c``), before any suffix (``imageloader2_single``).
 
 Loaders with worker processes are shut down, and the process waits for its children to exit
 (``workers_exit_s``), before the ceiling after them is measured.
@@ -358,10 +360,10 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
 
 
 @contextlib.contextmanager
-def dali_stream_policy(base: str):
-    """Variants ending ``_single`` build their DALI pipelines with ``StreamPolicy.SINGLE`` (one stream for all
+def dali_stream_policy(name: str):
+    """Rows ending ``_single`` build their DALI pipelines with ``StreamPolicy.SINGLE`` (one stream for all
     operators, so fewer cross-stream events); the others with DALI's default (one stream per backend)."""
-    if not base.endswith("_single"):
+    if not name.endswith("_single"):
         yield
         return
     import nvidia.dali.pipeline as dali_pipeline
@@ -473,27 +475,12 @@ def image_parts(args, urls, results) -> None:
     hp = torch.cuda.Stream(args.device, priority=-1) if args.device.type == "cuda" else None
     variants = {
         "imageloader": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "imageloader2": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "imageloader3": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "imageloader4": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_auto": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load="auto")), None),
-        "il_auto2": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load="auto")), None),
         "dali_hand": ("f32", lambda: dali_hand(urls, args), None),
-        "dali_hand2": ("f32", lambda: dali_hand(urls, args), None),
         "il_hw1": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=1.0)), None),
         "il_hw09": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.9)), None),
         "il_hw0": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
-        "il_hw0b": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
         "il_hw075": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.75)), None),
-        "il_hw075b": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.75)), None),
-        "il_hw075c": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.75)), None),
-        "il_hw075d": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.75)), None),
-        "il_single": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "il_hw0_single": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0)), None),
-        "il_single2": ("f32", lambda: tracked(image_loader(urls, args)), None),
-        "il_hw0_t12b": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)), None),
-        "il_hw0_t12_single": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)),
-                              None),
         "il_hw0_t12": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.0, num_threads=12)), None),
         "il_hw05": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.5)), None),
         "il_hw03": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load=0.3)), None),
@@ -504,16 +491,15 @@ def image_parts(args, urls, results) -> None:
         "il_prio": ("f32", lambda: tracked(image_loader(urls, args)), hp),
         "il_stream": ("f32", lambda: tracked(image_loader(urls, args, reader="stream")), None),
         "il_cpu": ("f32", lambda: tracked(image_loader(urls, args, decode_device="cpu")), None),
-        "il_cpu2": ("f32", lambda: tracked(image_loader(urls, args, decode_device="cpu")), None),
         "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
                                                              layout="NHWC")), None),
     }
     for name in only:
-        base = row_base(name)
-        if base in variants and time.perf_counter() - T0 < args.budget_s:
+        base = variant_of(name, variants)
+        if base is not None and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[base]
             LOADERS.clear()
-            with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(base):
+            with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(name):
                 loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
@@ -676,13 +662,24 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire")
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single")
+REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
 
 
 
 def row_base(name: str) -> str:
     """The variant a row runs: its name less a pacing or ``_noretire`` suffix (``il_hw0_pace07`` -> ``il_hw0``)."""
     return next((name[:-len(k)] for k in ROW_SUFFIXES if name.endswith(k)), name)
+
+
+def variant_of(name: str, variants) -> str | None:
+    """The entry of ``variants`` a row runs: its :func:`row_base`, less a repeat mark (``il_hw075c`` -> ``il_hw075``)."""
+    base = row_base(name)
+    if base in variants:
+        return base
+    if base[-1:] in REPEAT_MARKS and base[:-1] in variants:
+        return base[:-1]
+    return None
 
 
 def row_wait(name: str) -> str | None:

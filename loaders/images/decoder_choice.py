@@ -63,7 +63,6 @@ class DecoderChoice:
             self.load = 0.0
         else:
             self.load = HARDWARE_LOAD if setting == "auto" else float(setting)
-        self.watching = self.auto and self.load == 0.0
         self.due = False  # set by the consumer: the producer should switch before its next batch
         self.switched_after: int | None = None  # batches handed out when the switch was asked for
         self.switches = 0  # pipelines rebuilt for a switch
@@ -88,7 +87,7 @@ class DecoderChoice:
     def took(self, wait_s: float, now: float) -> None:
         """(Consumer) a batch was handed out after ``wait_s`` blocked in ``next()``; ``now``: the clock after it."""
         self.handed += 1
-        if not self.watching:
+        if not (self.auto and self.load == 0.0) or self.due:  # judged only on the CUDA decoder, until due
             return
         if self._skip > 0:
             self._skip -= 1
@@ -103,7 +102,6 @@ class DecoderChoice:
         starving = self._wait / elapsed
         early = self._batches >= EARLY and starving > EARLY_THRESHOLD
         if starving > THRESHOLD and (self._batches >= WINDOW or early):
-            self.watching = False
             self.due = True
             self.switched_after = self.handed
         elif self._batches >= WINDOW:

@@ -11,7 +11,8 @@ thread drives DALI ahead of the training loop (:mod:`datapipe.device.handoff`).
 The reader modes are separate classes behind this one: :class:`loaders.images.stream_reader.StreamReader`
 (a thread), :class:`~loaders.images.stream_reader.WorkerStreamReader` (``read_workers`` processes)
 and :class:`loaders.images.dali_reader.DaliReader`; the options are grouped in
-:mod:`loaders.images.options`. The state follows :mod:`datapipe.state`.
+:mod:`loaders.images.options`, the output conversions in :mod:`loaders.images.outputs`. The state follows
+:mod:`datapipe.state`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from loaders.images.dali_reader import DaliReader
 from loaders.images.decoder_choice import DecoderChoice
 from loaders.images.encoded import parse_label
 from loaders.images.options import DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions, ReadOptions
+from loaders.images.outputs import HostUpload, dali_to_torch
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
 
 widen_hardware_queues()  # before CUDA starts: DALI's streams get queues of their own (datapipe.device.queues)
@@ -168,8 +170,9 @@ class ImageLoader:
         self.label_decoder = label_decoder or parse_label
         self._decoder = DecoderChoice(self.decode.hw_decoder_load, cuda=self._dali_cuda, threads=num_threads,
                                       hardware_threads=self.decode.num_threads)
-        self._pinned = None  # the pinned staging buffers of decode_device="cpu" (datapipe.device.prefetch's pool)
-        self._affine: tuple | None = None  # its (shift, scale) per channel, on the device
+        dec = self.decode
+        self._upload = HostUpload(device, dtype=dec.dtype, layout=dec.layout, mean=dec.mean, std=dec.std,
+                                  buffers=self.read.prefetch_queue_depth + 2)  # decode_device="cpu"'s batches
         self.epoch = 0
         self._errors = ErrorPolicy(on_error)  # the images DALI cannot decode (the stream reader finds them)
         self._stats = {"batches": 0, "samples": 0, "skipped": 0, "decode_errors": 0, "last_errors": []}
@@ -419,52 +422,11 @@ class ImageLoader:
         if self.device.type == "cuda":
             out = out.pin_memory().to(self.device, non_blocking=True)
         if self.decode.host_decode:
-            return self._from_host(images), out
+            return self._upload(images), out
         if self.dtype == torch.bfloat16:
             images = images.to(torch.bfloat16)
         return images, out
 
-    def _from_host(self, images: torch.Tensor) -> torch.Tensor:
-        """(Producer thread) decode_device='cpu': uint8 NHWC on the host -> ``dtype``/``layout`` on the device.
-
-        The copy goes through datapipe.device.prefetch's pool of pinned buffers on the producer's side
-        stream; then one kernel (``addcmul``: uint8 in, ``dtype`` out) permutes, casts and normalises.
-        """
-        if self.device.type == "cuda":
-            from datapipe.device.prefetch import _CudaTransfer, _PinnedPool
-
-            if self._pinned is None:
-                self._pinned = _PinnedPool(per_key=self.read.prefetch_queue_depth + 2, max_bytes=None)
-            transfer = _CudaTransfer(self.device, torch.cuda.current_stream(self.device), self._pinned)
-            images = transfer(images)[0]
-        if self.layout == "NCHW":
-            images = images.permute(0, 3, 1, 2)  # a view; the kernel below writes contiguous NCHW
-        if self.dtype == torch.uint8:
-            return images.contiguous()
-        if self._affine is None or self._affine[0].device != images.device:
-            shape = (1, 3, 1, 1) if self.layout == "NCHW" else (3,)
-            scale = torch.tensor([1 / (255 * s) for s in self.std], dtype=torch.float32).view(shape)
-            shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=torch.float32).view(shape)
-            self._affine = (shift.to(images.device), scale.to(images.device))
-        shift, scale = self._affine
-        out = torch.empty(images.shape, dtype=self.dtype, device=images.device)
-        return torch.addcmul(shift, images, scale, out=out)  # (x / 255 - mean) / std
-
     def _to_torch(self, tensor_list, stream, *, zero_copy: bool = True) -> torch.Tensor:
-        """A DALI output as a torch tensor: shared through DLPack (no copy), or copied.
-
-        DALI's default (dynamic) executor allocates every output anew and keeps it alive while
-        referenced, so the tensor can share its memory (DALI's own PyTorch iterator does the
-        same); the legacy executors recycle output buffers, which must be copied out.
-        """
-        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
-        t = tensor_list.as_tensor()
-        if zero_copy:
-            if self._dali_cuda:
-                with torch.cuda.device(self.device):
-                    return torch.from_dlpack(t)  # ordered after DALI's work on the current stream
-            return torch.from_dlpack(t)
-        out = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.device if self._dali_cuda else "cpu")
-        feed_ndarray(t, out, cuda_stream=stream)
-        return out
+        """A DALI output of this loader's pipeline as a torch tensor (:func:`~loaders.images.outputs.dali_to_torch`)."""
+        return dali_to_torch(tensor_list, stream, device=self.device, on_gpu=self._dali_cuda, zero_copy=zero_copy)
