@@ -231,8 +231,9 @@ def dali_hand(urls, args):
     from datapipe.tar.dali_index import default_index_path
 
     gpu = args.device.type == "cuda"
+    legacy = os.environ.get("DATAPIPE_DALI_EXECUTOR") == "legacy"  # rows ending _legacy
     pipe = Pipeline(batch_size=args.batch_size, num_threads=min(8, os.cpu_count() or 1),
-                    device_id=0 if gpu else None, seed=0)
+                    device_id=0 if gpu else None, seed=0, **({"exec_dynamic": False} if legacy else {}))
     with pipe:
         jpg = fn.readers.webdataset(paths=urls, index_paths=[default_index_path(u) for u in urls], ext=["jpg"],
                                     random_shuffle=True, initial_fill=2000, name="Reader")
@@ -357,6 +358,24 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
         **exited, **stats,
     }
     print(f"    {results[name]}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def dali_outputs_row(name: str):
+    """Rows ending ``_legacy`` run DALI's legacy pipelined executor (outputs recycled, copied out);
+    ``_copyout``: the dynamic executor with its outputs copied out instead of shared through DLPack."""
+    from loaders.images.loader import ImageLoader
+
+    original = ImageLoader._to_torch
+    if name.endswith("_legacy"):
+        os.environ["DATAPIPE_DALI_EXECUTOR"] = "legacy"
+    elif name.endswith("_copyout"):
+        ImageLoader._to_torch = lambda self, tl, stream, zero_copy=True: original(self, tl, stream, zero_copy=False)
+    try:
+        yield
+    finally:
+        os.environ.pop("DATAPIPE_DALI_EXECUTOR", None)
+        ImageLoader._to_torch = original
 
 
 @contextlib.contextmanager
@@ -499,7 +518,8 @@ def image_parts(args, urls, results) -> None:
         if base is not None and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[base]
             LOADERS.clear()
-            with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(name):
+            with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(name), \
+                    dali_outputs_row(name):
                 loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
@@ -662,7 +682,7 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single")
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_copyout")
 REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
 
 

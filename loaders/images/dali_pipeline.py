@@ -49,6 +49,7 @@ def build_image_pipeline(
     checkpoint: str | None = None,
     antialias: bool = True,
     source_info: bool = False,
+    exec_dynamic: bool | None = None,
 ):
     """Build (not run) a DALI pipeline whose outputs are ``(images,)`` or, with ``reader``, ``(images, labels)``.
 
@@ -75,6 +76,7 @@ def build_image_pipeline(
         prefetch_queue_depth=prefetch_queue_depth,
         exec_async=True,
         exec_pipelined=True,
+        exec_dynamic=exec_dynamic,
         enable_checkpointing=enable_checkpointing or checkpoint is not None,
         **({"checkpoint": checkpoint} if checkpoint is not None else {}),
     )
