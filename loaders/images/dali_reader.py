@@ -350,7 +350,7 @@ class DaliReader:
                 pipe = self._switch_decoder(pipe, reader, paths)
             t0 = time.perf_counter()
             try:
-                images_tl, labels_tl, info_tl = pipe.run(stream)
+                images_tl, labels_tl, info_tl = pipe.run(stream if pipe.exec_dynamic else None)
             except RuntimeError as e:
                 self._pipe = None  # a failed pipeline is not valid any more
                 raise reader_error(e, paths, self._batch) from e
@@ -365,7 +365,7 @@ class DaliReader:
             self._batch += 1
             if self._batch == steps:  # drop_last: the partial batch DALI still holds
                 for _ in range(dali_steps - steps):
-                    pipe.run(stream)
+                    pipe.run(stream if pipe.exec_dynamic else None)
             position = {**_checkpoint(pipe, self._batch), "numbers": taken, "last": self._batch == steps}
             yield lo._prepare(images, labels), position
 

@@ -134,7 +134,7 @@ class StreamReader:
                     pipe = self._switch_decoder(feed)
                 t0, read0 = time.perf_counter(), seconds["read"]
                 try:
-                    outputs = pipe.run(stream)
+                    outputs = pipe.run(stream if pipe.exec_dynamic else None)
                 except StopIteration:
                     break
                 except RuntimeError as e:
@@ -190,7 +190,7 @@ class StreamReader:
         good, kept = [], RawBatch(state=raw.state)
         for arr, label, key, url in zip(raw.arrays, raw.labels, raw.keys, raw.urls):
             try:
-                (out,) = self._probe.run(stream, jpegs=[arr])
+                (out,) = self._probe.run(stream if self._probe.exec_dynamic else None, jpegs=[arr])
             except RuntimeError as e:
                 lo._stats["decode_errors"] += 1
                 msg = str(e).strip().splitlines()
