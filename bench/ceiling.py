@@ -190,7 +190,7 @@ def timed(batches, step, *, steps: int, warmup: int, device: torch.device, count
             batch = next(it)
             waits.append(time.perf_counter() - t0)
             step(batch)
-            if device.type == "cuda":
+            if device.type == "cuda" and ((i + 1) % SYNC_EVERY[0] == 0 or i == warmup + steps - 1):
                 torch.cuda.current_stream(device).synchronize()  # the training stream, not the loader's
             units += count(batch)
         wall = time.perf_counter() - start
@@ -367,15 +367,34 @@ def dali_outputs_row(name: str):
     from loaders.images.loader import ImageLoader
 
     original = ImageLoader._to_torch
-    if name.endswith("_legacy"):
+    if "_legacy" in row_suffixes(name):
         os.environ["DATAPIPE_DALI_EXECUTOR"] = "legacy"
-    elif name.endswith("_copyout"):
+    elif "_copyout" in row_suffixes(name):
         ImageLoader._to_torch = lambda self, tl, stream, zero_copy=True: original(self, tl, stream, zero_copy=False)
     try:
         yield
     finally:
         os.environ.pop("DATAPIPE_DALI_EXECUTOR", None)
         ImageLoader._to_torch = original
+
+
+SYNC_EVERY = [1]  # the training loop waits for its stream every this many steps (rows ending _sync10: 10)
+
+
+@contextlib.contextmanager
+def sync_every_row(name: str, ceilings: Ceilings):
+    """Rows ending ``_sync10`` wait for the training stream every 10th step only (as a loop that logs its
+    loss every 10 steps), and so do their ceilings; the next row measures its own again."""
+    if "_sync10" not in row_suffixes(name):
+        yield
+        return
+    SYNC_EVERY[0] = 10
+    ceilings.last.clear()
+    try:
+        yield
+    finally:
+        SYNC_EVERY[0] = 1
+        ceilings.last.clear()
 
 
 @contextlib.contextmanager
@@ -519,7 +538,7 @@ def image_parts(args, urls, results) -> None:
             fmt, make, stream = variants[base]
             LOADERS.clear()
             with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(name), \
-                    dali_outputs_row(name):
+                    dali_outputs_row(name), sync_every_row(name, ceilings):
                 loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
@@ -682,14 +701,27 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_copyout")
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_copyout", "_sync10")
 REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
 
 
 
+def row_suffixes(name: str) -> list[str]:
+    """The suffixes a row's name ends with, last first (``imageloader_legacy_sync10``: ``_sync10``, ``_legacy``)."""
+    found = []
+    while True:
+        k = next((k for k in ROW_SUFFIXES if name.endswith(k)), None)
+        if k is None:
+            return found
+        found.append(k)
+        name = name[:-len(k)]
+
+
 def row_base(name: str) -> str:
-    """The variant a row runs: its name less a pacing or ``_noretire`` suffix (``il_hw0_pace07`` -> ``il_hw0``)."""
-    return next((name[:-len(k)] for k in ROW_SUFFIXES if name.endswith(k)), name)
+    """The variant a row runs: its name less its suffixes (``il_hw0_pace07`` -> ``il_hw0``)."""
+    for k in row_suffixes(name):
+        name = name[:-len(k)]
+    return name
 
 
 def variant_of(name: str, variants) -> str | None:

@@ -14,9 +14,9 @@ outside the main thread and their time; the main thread's launch calls that took
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,8 +38,10 @@ def busy(a: torch.Tensor, n: int) -> None:
         a = a / a.norm()
 
 
-def count_calls(events, main_tid: int, batches: int) -> dict:
+def count_calls(events, batches: int) -> dict:
     """Per batch: device syncs outside the main thread, and the main thread's slow launch calls."""
+    threads = collections.Counter(e.thread for e in events if e.name == "aten::mm")
+    main_tid = threads.most_common(1)[0][0]  # the thread that ran the consumer's matmuls
     syncs = [e for e in events if e.name == "cudaDeviceSynchronize" and e.thread != main_tid]
     launches = [e for e in events if e.name in LAUNCHES and e.thread == main_tid]
     slow = [e for e in launches if e.time_range.elapsed_us() > 200]
@@ -73,7 +75,7 @@ def probe(mode: str, urls, args) -> dict:
             wall = time.perf_counter() - t0
         finally:
             it.close()
-    out = count_calls(prof.events(), threading.get_native_id(), args.batches)
+    out = count_calls(prof.events(), args.batches)
     out["ms_per_batch"] = round(1e3 * wall / args.batches, 2)
     return out
 
