@@ -231,9 +231,8 @@ def dali_hand(urls, args):
     from datapipe.tar.dali_index import default_index_path
 
     gpu = args.device.type == "cuda"
-    legacy = os.environ.get("DATAPIPE_DALI_EXECUTOR") == "legacy"  # rows ending _legacy
     pipe = Pipeline(batch_size=args.batch_size, num_threads=min(8, os.cpu_count() or 1),
-                    device_id=0 if gpu else None, seed=0, **({"exec_dynamic": False} if legacy else {}))
+                    device_id=0 if gpu else None, seed=0, **({"exec_dynamic": False} if LEGACY_DALI[0] else {}))
     with pipe:
         jpg = fn.readers.webdataset(paths=urls, index_paths=[default_index_path(u) for u in urls], ext=["jpg"],
                                     random_shuffle=True, initial_fill=2000, name="Reader")
@@ -360,22 +359,28 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"    {results[name]}", file=sys.stderr, flush=True)
 
 
+LEGACY_DALI = [False]  # rows ending _legacy: DALI's legacy pipelined executor (dali_hand reads this)
+
+
 @contextlib.contextmanager
 def dali_outputs_row(name: str):
-    """Rows ending ``_legacy`` run DALI's legacy pipelined executor (outputs recycled, copied out);
-    ``_copyout``: the dynamic executor with its outputs copied out instead of shared through DLPack."""
+    """Rows ending ``_legacy`` build DALI's pipelines with its legacy pipelined executor (output buffers
+    recycled, so ImageLoader copies them out; no output frees); ``_copyout``: the default (dynamic)
+    executor with ImageLoader's outputs copied out instead of shared through DLPack."""
+    from loaders.images import dali_pipeline
     from loaders.images.loader import ImageLoader
 
-    original = ImageLoader._to_torch
+    build, to_torch = dali_pipeline.build_image_pipeline, ImageLoader._to_torch
     if "_legacy" in row_suffixes(name):
-        os.environ["DATAPIPE_DALI_EXECUTOR"] = "legacy"
+        LEGACY_DALI[0] = True
+        dali_pipeline.build_image_pipeline = lambda **kw: build(**{**kw, "exec_dynamic": False})
     elif "_copyout" in row_suffixes(name):
-        ImageLoader._to_torch = lambda self, tl, stream, zero_copy=True: original(self, tl, stream, zero_copy=False)
+        ImageLoader._to_torch = lambda self, tl, stream, zero_copy=True: to_torch(self, tl, stream, zero_copy=False)
     try:
         yield
     finally:
-        os.environ.pop("DATAPIPE_DALI_EXECUTOR", None)
-        ImageLoader._to_torch = original
+        LEGACY_DALI[0] = False
+        dali_pipeline.build_image_pipeline, ImageLoader._to_torch = build, to_torch
 
 
 SYNC_EVERY = [1]  # the training loop waits for its stream every this many steps (rows ending _sync10: 10)
@@ -567,7 +572,7 @@ def image_parts(args, urls, results) -> None:
         else:
             make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
-        with wait_mode_row(name, ceilings, args.device, results):
+        with wait_mode_row(name, ceilings, args.device, results), sync_every_row(name, ceilings):
             loaded(name, make, "u8nchw", ceilings, step, args, count, results, pace=row_pace(name))
     if "kernels" in only and args.device.type == "cuda":
         results["kernels"] = loader_kernels(urls, args)

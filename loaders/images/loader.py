@@ -44,14 +44,6 @@ KIND = "ImageLoader"
 PACE = 0.7
 
 
-def _dali_exec_dynamic() -> bool | None:
-    """EXPERIMENT: DATAPIPE_DALI_EXECUTOR=legacy|dynamic picks DALI's executor (unset: DALI's default)."""
-    import os
-
-    value = os.environ.get("DATAPIPE_DALI_EXECUTOR", "")
-    return {"legacy": False, "dynamic": True}.get(value)
-
-
 def _option(group: str, name: str, doc: str = "") -> property:
     return property(lambda self: getattr(getattr(self, group), name), doc=doc or f"``{group}.{name}``")
 
@@ -275,7 +267,6 @@ class ImageLoader:
             random_aspect_ratio=aug.random_aspect_ratio, resize_size=dec.resize_size,
             source=source, reader=reader, enable_checkpointing=reader is not None, checkpoint=checkpoint,
             pad_labels=self.label_decoder is parse_label, antialias=dec.antialias, source_info=source_info,
-            exec_dynamic=_dali_exec_dynamic(),
         )
 
     # ---- epochs, length, state ----------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Host-decoded batches to the loader's dtype and layout (the CPU path of HostUpload)."""
+"""ImageLoader's outputs: host-decoded batches to the loader's dtype and layout (HostUpload), DALI's outputs copied out."""
+import pytest
 import torch
 
 from loaders.images.outputs import HostUpload
@@ -16,3 +17,38 @@ def test_host_upload_permutes_casts_and_normalises():
     assert nhwc.shape == images.shape and nhwc.dtype == torch.bfloat16
     raw = HostUpload(torch.device("cpu"), dtype=torch.uint8, layout="NCHW", mean=mean, std=std, buffers=2)(images)
     assert torch.equal(raw, images.permute(0, 3, 1, 2))  # uint8: raw pixels, no normalisation
+
+
+def _legacy_executor(monkeypatch):
+    """ImageLoader's DALI pipelines built with DALI's legacy executor (its output buffers are recycled)."""
+    from loaders.images import dali_pipeline
+
+    build = dali_pipeline.build_image_pipeline
+    monkeypatch.setattr(dali_pipeline, "build_image_pipeline", lambda **kw: build(**{**kw, "exec_dynamic": False}))
+
+
+def _batches(urls, device, reader):
+    from loaders.images.loader import ImageLoader
+
+    loader = ImageLoader(urls, batch_size=8, image_size=32, device=device, num_threads=2, train=True, seed=3,
+                         shuffle=True, reader=reader)
+    return [(x.cpu().clone(), y.cpu().clone()) for x, y in loader]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_legacy_executor_outputs_are_copied_out_whole(tmp_path, monkeypatch, device, reader):
+    """Recycled DALI buffers are copied out before DALI reuses them: the same batches as the default executor's."""
+    pytest.importorskip("nvidia.dali")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tools.synthetic import make_image_dataset
+
+    urls = make_image_dataset(str(tmp_path), num_images=40, num_classes=10, seed=5, shard_max_count=12,
+                              size=(96, 72), progress=False)["shards"]
+    default = _batches(urls, device, reader)
+    _legacy_executor(monkeypatch)
+    legacy = _batches(urls, device, reader)
+    assert len(default) == len(legacy) == 5
+    for (x0, y0), (x1, y1) in zip(default, legacy):
+        assert torch.equal(y0, y1) and torch.equal(x0, x1)
