@@ -1,4 +1,4 @@
-"""ImageLoader's outputs: host-decoded batches to the loader's dtype and layout (HostUpload), DALI's outputs copied out."""
+"""ImageLoader's outputs: host-decoded batches to the loader's dtype and layout (HostUpload); DALI's legacy executor."""
 import pytest
 import torch
 
@@ -37,8 +37,9 @@ def _batches(urls, device, reader):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("reader", ["dali", "stream"])
-def test_legacy_executor_outputs_are_copied_out_whole(tmp_path, monkeypatch, device, reader):
-    """Recycled DALI buffers are copied out before DALI reuses them: the same batches as the default executor's."""
+def test_the_legacy_executor_gives_the_default_executors_batches(tmp_path, monkeypatch, device, reader):
+    """DALI's legacy executor (host-synchronised outputs, copied out; bench/ceiling.py rows ending
+    ``_legacy``) gives the same batches, in the same order, as the default executor."""
     pytest.importorskip("nvidia.dali")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
