@@ -383,20 +383,6 @@ def dali_outputs_row(name: str):
         dali_pipeline.build_image_pipeline, ImageLoader._to_torch = build, to_torch
 
 
-@contextlib.contextmanager
-def handoff_row(name: str):
-    """Rows ending ``_eventwait``: the consumer's ``next()`` waits on every batch's event and records
-    the freeing fences itself (``handoff.LEAN_HANDOFF = False``, the handoff before ``handoff.Ready``)."""
-    from datapipe.device import handoff
-
-    lean = handoff.LEAN_HANDOFF
-    handoff.LEAN_HANDOFF = "_eventwait" not in row_suffixes(name)
-    try:
-        yield
-    finally:
-        handoff.LEAN_HANDOFF = lean
-
-
 SYNC_EVERY = [1]  # the training loop waits for its stream every this many steps (rows ending _sync10: 10)
 
 
@@ -557,7 +543,7 @@ def image_parts(args, urls, results) -> None:
             fmt, make, stream = variants[base]
             LOADERS.clear()
             with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(name), \
-                    dali_outputs_row(name), sync_every_row(name, ceilings), handoff_row(name):
+                    dali_outputs_row(name), sync_every_row(name, ceilings):
                 loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
@@ -586,8 +572,7 @@ def image_parts(args, urls, results) -> None:
         else:
             make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
-        with wait_mode_row(name, ceilings, args.device, results), sync_every_row(name, ceilings), \
-                handoff_row(name):
+        with wait_mode_row(name, ceilings, args.device, results), sync_every_row(name, ceilings):
             loaded(name, make, "u8nchw", ceilings, step, args, count, results, pace=row_pace(name))
     if "kernels" in only and args.device.type == "cuda":
         results["kernels"] = loader_kernels(urls, args)
@@ -721,7 +706,7 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_copyout", "_sync10", "_eventwait")
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_copyout", "_sync10")
 REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
 
 

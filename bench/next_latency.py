@@ -6,9 +6,7 @@ thread is ahead. This times each ``next()`` of TokenLoader (small causal LM step
 record_stream) timed apart from the rest (queue, generator layers, freeing the previous batch),
 with variants: ``free_in_consumer``: the training thread frees handed-out batches itself (as
 before ``datapipe.device.handoff.Retirer``), ``switch``: ``sys.setswitchinterval(1e-4)`` (is it
-the GIL handoff?), ``free_first``: the previous batch dropped before ``next()``, ``eventwait``: the
-consumer waits on every batch's event and records the freeing fences itself (as before
-``handoff.Ready``).
+the GIL handoff?), ``free_first``: the previous batch dropped before ``next()``.
 
     python bench/next_latency.py --out bench/results     # on the GPU machine
 """
@@ -88,7 +86,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--variants", default="default,free_in_consumer,free_first,switch,eventwait")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     handoff.Producer.__next__ = _timed_next
@@ -101,9 +98,8 @@ def main(argv=None) -> dict:
     torch.backends.cudnn.benchmark = True
     istep = ImageStep(device, "resnet50")
     default_switch = sys.getswitchinterval()
-    for variant in args.variants.split(","):
+    for variant in ("default", "free_in_consumer", "free_first", "switch"):
         sys.setswitchinterval(1e-4 if variant == "switch" else default_switch)
-        handoff.LEAN_HANDOFF = variant != "eventwait"
         for name, make, step in (
             ("tokens", lambda: TokenLoader(urls, seq_len=4096, batch_size=4, device=device), tstep),
             ("images", lambda: ImageLoader(images, batch_size=256, device=device), istep),
@@ -113,7 +109,6 @@ def main(argv=None) -> dict:
                                                        free_first=variant == "free_first")
             print(f"{name}_{variant}: {r}", file=sys.stderr, flush=True)
     sys.setswitchinterval(default_switch)
-    handoff.LEAN_HANDOFF = True
     write_result("next_latency", {"config": vars(args), "results": results}, args.out)
     return results
 

@@ -183,13 +183,10 @@ def alone(loader, batches: int, warmup: int) -> float:
 
 
 def training(device: torch.device, *, workers: int, batch: int, shape: tuple, step_s: float, dim: int,
-             steps: int, warmup: int, repeats: int = 1, ab: bool = False) -> list[dict]:
+             steps: int, warmup: int, repeats: int = 1) -> list[dict]:
     """Per case and round: the ceiling (the same loop fed one cached device batch), torch's
     DataLoader(pin_memory) and ours, in turn; each loader's rate as a ratio to the ceilings
-    measured right before and after its round. Per case, the workers' rate with no step at all.
-    ``ab``: ours also with the handoff before ``handoff.Ready`` (``LEAN_HANDOFF = False``)."""
-    from datapipe.device import handoff
-
+    measured right before and after its round. Per case, the workers' rate with no step at all."""
     step = Step(device, step_s, dim)
     rows = []
     n = (steps + warmup + 2) * batch
@@ -209,14 +206,10 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                 ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
             r = train(torch_loader, step, device, steps, warmup, move=True)
             round_rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
-            for lean in (True, False) if ab else (True,):
-                handoff.LEAN_HANDOFF = lean
-                ours = DataLoader(ds, device=device, **common, **extra)
-                r = train(ours, step, device, steps, warmup, move=False)
-                ours.close()
-                name = "loaders.DataLoader(device)" + ("" if lean else ", event waits")
-                round_rows.append({"case": case, "loader": name, **r})
-            handoff.LEAN_HANDOFF = True
+            ours = DataLoader(ds, device=device, **common, **extra)
+            r = train(ours, step, device, steps, warmup, move=False)
+            ours.close()
+            round_rows.append({"case": case, "loader": "loaders.DataLoader(device)", **r})
             ceilings.append(train(cached(device_batch), step, device, steps, warmup, move=False)["steps_per_s"])
             ceiling = (ceilings[-2] + ceilings[-1]) / 2
             for row in round_rows:
@@ -244,8 +237,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps first: the workers fill the pipeline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
-    ap.add_argument("--ab", action="store_true", help="ours also with the consumer waiting on every batch's event")
-    ap.add_argument("--no-bandwidth", action="store_true", help="skip the host-to-device bandwidth part")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke check")
     ap.add_argument("--out", default=None, help="directory for prefetch.json (default bench/results)")
     args = ap.parse_args(argv)
@@ -254,10 +245,10 @@ def main(argv=None) -> dict:
         args.steps, args.warmup, args.dim, args.step_ms = 12, 2, 256, 5.0
         args.workers = min(args.workers, 1)
     device = torch.device(args.device)
-    bw = [] if args.no_bandwidth else [r for size in args.sizes_mb for r in bandwidth(device, size, args.iters)]
+    bw = [r for size in args.sizes_mb for r in bandwidth(device, size, args.iters)]
     tr = training(device, workers=args.workers, batch=args.batch, shape=tuple(args.image),
                   step_s=args.step_ms / 1e3, dim=args.dim, steps=args.steps, warmup=args.warmup,
-                  repeats=args.repeats, ab=args.ab)
+                  repeats=args.repeats)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "cpu_count": os.cpu_count(), "args": vars(args), "bandwidth": bw, "training": tr,
               "target": "DevicePrefetcher >= 0.85 x pinned ceiling"}

@@ -6,9 +6,7 @@ frees the slot, so the producer's next item starts after the handoff. ``threaded
 iterable that way; ``on_side_stream`` does it for a producer of CUDA tensors (ImageLoader drives
 DALI with it) and :class:`datapipe.DevicePrefetcher` for host-to-device copies: the producer's
 GPU work runs on its own stream and the consumer's stream waits for it with an event
-(:func:`wait_and_keep`), not the host. The consumer's ``next()`` makes no CUDA driver call when the
-producer is ahead: the producer thread polls each queued item's event (:class:`Ready`), so a
-passed one needs no stream wait, and it records the freeing fences itself (:class:`Retirer`).
+(:func:`wait_and_keep`), not the host.
 """
 from __future__ import annotations
 
@@ -26,16 +24,11 @@ from datapipe.device import forks
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
-__all__ = ["CurrentStream", "Producer", "ProducerMeter", "Ready", "Retirer", "on_side_stream", "started", "threaded",
+__all__ = ["CurrentStream", "Producer", "ProducerMeter", "Retirer", "on_side_stream", "started", "threaded",
            "wait_and_keep"]
 
 _POLL_S = 0.05
-_WATCH_S = 0.0005  # the producer's poll of its queued items' events while it waits for a slot
 _END = object()
-
-# False: the consumer's next() waits on every item's event and records the freeing fences itself, as
-# before Ready (the A/B switch of bench/ceiling.py's rows ending _eventwait and bench/prefetch.py --ab)
-LEAN_HANDOFF = True
 
 
 class _Pacer:
@@ -147,27 +140,6 @@ class CurrentStream:
         return self._stream
 
 
-class Ready:
-    """An item's CUDA event (recorded after the producer enqueued its GPU work) and whether it passed.
-
-    The producer thread polls it (``poll``) while the item waits in the queue; once it passed, the
-    consumer's stream need not wait for it (:func:`wait_and_keep` skips ``cudaStreamWaitEvent``,
-    a driver call that took 0.1 ms and more in the training thread while DALI's threads made theirs).
-    """
-
-    __slots__ = ("event", "passed")
-
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
-        self.passed = False
-
-    def poll(self) -> bool:
-        """(Producer thread) whether the item's GPU work is done; True stays True."""
-        if not self.passed and self.event.query():
-            self.passed = True
-        return self.passed
-
-
 class Retirer:
     """Frees handed-out device batches in the producer thread, not in the training thread.
 
@@ -175,10 +147,9 @@ class Retirer:
     allocator's stream bookkeeping): 0.2-0.3 ms of the training thread's step, spent right after
     its ``next()``. The consumer's ``next()`` keeps the last ``keep`` items alive (the training loop
     still holds the previous one while it asks for the next); older ones go to the producer
-    thread, which records an event on the consumer's stream (after the ``next()`` that retired
-    them, so after every read the loop enqueued before asking for the batch two ahead) and drops
-    them once that event has passed, after it delivered its next item. A batch the caller still
-    references is freed whenever the caller lets go of it, as before.
+    thread with an event recorded on the consumer's stream, and that thread drops them once the
+    event has passed (their last reads are done), after it delivered its next item. A batch the
+    caller still references is freed whenever the caller lets go of it, as before.
     """
 
     def __init__(self, device: torch.device, keep: int = 2, fence: Callable[[], Any] | None = None,
@@ -193,35 +164,22 @@ class Retirer:
         self._dead: deque = deque()  # (item, marker); appended by the consumer, drained by the producer
         self._spare: deque = deque()  # CUDA events that passed, recorded again (creating one is an API call)
 
-    def _cuda_fence(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+    def _cuda_fence(self) -> torch.cuda.Event:
         event = self._spare.pop() if self._spare else torch.cuda.Event()
-        event.record(stream)
+        event.record(self.stream())
         return event
 
     def handed(self, item: Any) -> None:
         """(Consumer thread) ``item`` was just handed out."""
         self._recent.append(item)
         if len(self._recent) > self.keep:
-            old = self._recent.popleft()
-            if self.fence is not None:
-                self._dead.append([old, None, self.fence()])
-            elif LEAN_HANDOFF:  # the producer thread records the fence: no driver call here
-                self._dead.append([old, self.stream(), None])
-            else:
-                self._dead.append([old, None, self._cuda_fence(self.stream())])
-
-    def fence_new(self) -> None:
-        """(Producer thread) record the fences of the items retired since the last call."""
-        for entry in list(self._dead):  # a snapshot: the consumer may append meanwhile
-            if entry[2] is None:
-                entry[2] = self._cuda_fence(entry[1])
+            self._dead.append((self._recent.popleft(), self.fence() if self.fence else self._cuda_fence()))
 
     def bury(self) -> None:
-        """(Producer thread) fence the newly retired items; drop those the consumer's stream is done with."""
-        self.fence_new()
+        """(Producer thread) drop the retired items the consumer's stream is done with."""
         dead = self._dead
-        while dead and dead[0][2] is not None and dead[0][2].query():
-            _, _, marker = dead.popleft()
+        while dead and dead[0][1].query():
+            _, marker = dead.popleft()
             if self.fence is None and len(self._spare) < 2 * self.keep:
                 self._spare.append(marker)
 
@@ -239,22 +197,16 @@ class _Failure:
 def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaphore, stop: threading.Event,
              setup: Callable[[], None] | None, transform: Callable[[Any], Any] | None,
              pacer: _Pacer | None = None, meter: ProducerMeter | None = None,
-             retirer: Retirer | None = None, watch: Callable[[Any], Ready] | None = None) -> None:
+             retirer: Retirer | None = None) -> None:
     """Producer thread body: take a slot, pull, transform, put; end with _END or a _Failure; stop on request.
 
     Runs ``setup()`` first and closes the iterator at the end, both in this thread. It holds no
-    reference to its :class:`Producer`, so dropping that stops the thread. While it waits for a
-    slot it polls the :class:`Ready` (``watch(item)``) of the items it queued.
+    reference to its :class:`Producer`, so dropping that stops the thread.
     """
-    watching: deque[Ready] = deque()
 
     def take_slot() -> bool:
         while not stop.is_set():
-            while watching and watching[0].poll():
-                watching.popleft()
-            if slots.acquire(timeout=_WATCH_S if watching else _POLL_S):
-                if retirer is not None:  # the next() that freed this slot may have retired an item
-                    retirer.fence_new()
+            if slots.acquire(timeout=_POLL_S):
                 return True
         return False
 
@@ -280,8 +232,6 @@ def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaph
                 if stop.is_set():
                     return
                 out.put(item)
-                if watch is not None and LEAN_HANDOFF:
-                    watching.append(watch(item))
                 del item
                 if retirer is not None:  # off the critical path: the item is delivered already
                     retirer.bury()
@@ -307,15 +257,13 @@ class Producer(Iterator):
     starts only that far into the consumer's step, not while its thread launches the step.
     ``meter`` (a :class:`ProducerMeter`, shared across epochs if the caller keeps one) counts the
     thread's CPU time per item. ``retire`` (a :class:`Retirer`): handed-out items are dropped in the
-    producer thread once the consumer's stream is done with them. ``watch(item)``: the transformed
-    item's :class:`Ready`, polled by the producer thread while the item is queued.
+    producer thread once the consumer's stream is done with them.
     """
 
     def __init__(self, iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
                  setup: Callable[[], None] | None = None, transform: Callable[[Any], Any] | None = None,
                  handoff: Callable[[Any], Any] | None = None, note: str | None = None, join_s: float = 60.0,
-                 pace: float | None = None, meter: ProducerMeter | None = None, retire: Retirer | None = None,
-                 watch: Callable[[Any], Ready] | None = None):
+                 pace: float | None = None, meter: ProducerMeter | None = None, retire: Retirer | None = None):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the slots: depth items ahead
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = threading.Event()
@@ -329,8 +277,7 @@ class Producer(Iterator):
         self.meter = meter if meter is not None else ProducerMeter()
         self._thread = threading.Thread(
             target=_produce,
-            args=(iterable, self._queue, self._slots, self._stop, setup, transform, self._pacer, self.meter, retire,
-                  watch),
+            args=(iterable, self._queue, self._slots, self._stop, setup, transform, self._pacer, self.meter, retire),
             name=name, daemon=True,
         )
         self._thread.start()
@@ -393,15 +340,14 @@ class Producer(Iterator):
             pass
 
 
-def wait_and_keep(ready: Ready, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream) -> None:
-    """(Consumer thread) make ``stream`` (the consumer's current one) wait for ``ready``'s event,
-    unless the producer saw it pass, and ``record_stream`` the CUDA tensors on it.
+def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """(Consumer thread) make ``stream`` (the consumer's current one) wait for ``event`` and
+    ``record_stream`` the CUDA tensors on it.
 
     No host sync; the caching allocator will not reuse the tensors' memory while the consumer's
     stream may still read it.
     """
-    if not (ready.passed and LEAN_HANDOFF):
-        stream.wait_event(ready.event)
+    stream.wait_event(event)
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)
@@ -451,17 +397,16 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
     def mark(item):  # in the producer thread, after the item's work was enqueued
         event = torch.cuda.Event()
         event.record(side)
-        return item, Ready(event)
+        return item, event
 
     def handoff(marked):  # in the consumer's thread, before the producer may go on
-        (tensors, meta), ready = marked
-        wait_and_keep(ready, tensors, consumer())
+        (tensors, meta), event = marked
+        wait_and_keep(event, tensors, consumer())
         return tensors, meta
 
     producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
                         transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace,
-                        meter=meter, retire=Retirer(device, stream=consumer) if cuda else None,
-                        watch=(lambda marked: marked[1]) if cuda else None)
+                        meter=meter, retire=Retirer(device, stream=consumer) if cuda else None)
     try:
         yield from producer
     finally:

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from datapipe.device.handoff import (PACE, CurrentStream, Producer, ProducerMeter, Ready, Retirer, resolve_pace,
-                                     wait_and_keep)
+from datapipe.device.handoff import PACE, CurrentStream, Producer, ProducerMeter, Retirer, resolve_pace, wait_and_keep
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -195,8 +194,8 @@ class _CudaTransfer:
         finally:
             self.pool.release(entry, self.stream)
 
-    def __call__(self, batch: Any) -> tuple[Any, Ready, list[torch.Tensor]]:
-        """``(batch on the device, the event after its copies, the device tensors made here)``."""
+    def __call__(self, batch: Any) -> tuple[Any, torch.cuda.Event, list[torch.Tensor]]:
+        """``(batch on the device, event after its copies, the device tensors made here)``."""
         made: list[torch.Tensor] = []
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -209,7 +208,7 @@ class _CudaTransfer:
             out = map_tensors(leaf, batch)
             done = torch.cuda.Event()
             done.record(self.stream)
-        return out, Ready(done), made
+        return out, done, made
 
 
 class _PrefetchIterator(Producer):
@@ -230,11 +229,10 @@ class _PrefetchIterator(Producer):
         super().__init__(owner.iterable, depth=owner.depth, name="datapipe-prefetch", setup=setup,
                          transform=transform, handoff=handoff, join_s=30.0, pace=owner.pace, meter=owner.meter,
                          note="(raised while producing a batch in the DevicePrefetcher thread)",
-                         retire=Retirer(device, stream=consumer) if device.type == "cuda" else None,
-                         watch=(lambda item: item[1]) if device.type == "cuda" else None)
+                         retire=Retirer(device, stream=consumer) if device.type == "cuda" else None)
 
 
-def _handoff(consumer: CurrentStream) -> Callable[[tuple[Any, Ready, list[torch.Tensor]]], Any]:
+def _handoff(consumer: CurrentStream) -> Callable[[tuple[Any, torch.cuda.Event]], Any]:
     def handoff(item):  # in the consumer's thread, before the slot is freed
         batch, done, made = item
         wait_and_keep(done, made, consumer())

@@ -1,5 +1,4 @@
 import threading
-import time
 
 import pytest
 import torch
@@ -117,9 +116,7 @@ def test_cuda_retirer_records_passed_events_again_instead_of_making_new_ones():
     events = {}  # id -> event, held so no id is reused
     for i in range(20):
         r.handed(torch.full((4,), i, device="cuda"))
-        assert all(marker is None for _, _, marker in r._dead)  # the consumer records no fence itself
-        r.fence_new()  # the producer thread does
-        events.update({id(marker): marker for _, _, marker in r._dead})
+        events.update({id(marker): marker for _, marker in r._dead})
         torch.cuda.synchronize()
         r.bury()
     assert not r._dead  # every fence passed after the synchronize: all retired batches freed
@@ -351,74 +348,3 @@ def test_a_retirer_and_its_items_go_with_their_last_reference_not_the_cyclic_col
         assert ref() is None
     finally:
         gc.enable()
-
-
-class _FakeReady:
-    """A Ready whose GPU work is done after ``polls`` polls."""
-
-    def __init__(self, polls: int):
-        self.left, self.passed, self.polled_in = polls, False, set()
-
-    def poll(self) -> bool:
-        self.polled_in.add(threading.current_thread().name)
-        self.left -= 1
-        self.passed = self.passed or self.left <= 0
-        return self.passed
-
-
-def test_the_producer_polls_its_queued_items_until_they_are_ready():
-    from datapipe.device.handoff import Producer
-
-    readies = [_FakeReady(polls=3) for _ in range(4)]
-    producer = Producer(iter(readies), depth=2, name="watcher", watch=lambda item: item)
-    first = next(producer)
-    deadline = time.monotonic() + 5
-    while not readies[1].passed and time.monotonic() < deadline:  # queued, not taken: the producer polls it
-        time.sleep(0.001)
-    assert readies[1].passed and readies[1].polled_in == {"watcher"}
-    assert first is readies[0] and list(producer) == readies[1:]
-    producer.close()
-
-
-def test_wait_and_keep_skips_the_stream_wait_only_for_a_passed_item():
-    from datapipe.device import handoff
-
-    class Stream:
-        def __init__(self):
-            self.waited = []
-
-        def wait_event(self, event):
-            self.waited.append(event)
-
-    ready = handoff.Ready(event="e")
-    stream = Stream()
-    handoff.wait_and_keep(ready, [torch.zeros(2)], stream)
-    assert stream.waited == ["e"]  # not seen passing: the consumer's stream waits for it
-    ready.passed = True
-    handoff.wait_and_keep(ready, [], stream)
-    assert stream.waited == ["e"]  # passed: no wait (no driver call in the consumer)
-    old, handoff.LEAN_HANDOFF = handoff.LEAN_HANDOFF, False
-    try:
-        handoff.wait_and_keep(ready, [], stream)  # the A/B switch: always wait, as before
-        assert stream.waited == ["e", "e"]
-    finally:
-        handoff.LEAN_HANDOFF = old
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_batch_handed_over_before_its_gpu_work_ended_is_still_waited_for():
-    """Items whose side-stream work is slow (a sleep kernel first): every value is read complete."""
-    from datapipe.device.handoff import on_side_stream
-
-    device = torch.device("cuda")
-
-    def produce():
-        for i in range(12):
-            torch.cuda._sleep(2_000_000 if i % 2 else 10)  # ~1 ms on the side stream before every other fill
-            yield (torch.full((1 << 20,), float(i), device=device),), i
-
-    seen = []
-    for (x,), i in on_side_stream(produce(), device=device, depth=2, pace=None):
-        seen.append((float(x.min()), float(x.max()), i))
-    assert seen == [(float(i), float(i), i) for i in range(12)]
