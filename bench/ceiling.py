@@ -32,7 +32,10 @@ thread frees the batches it is done with (as before ``datapipe.device.handoff.Re
 to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image variants and
 ``dl_*``) run with the CUDA context in that wait mode (``bench.wait_mode``), their ceilings too.
 ``tokens_worker``: the packing in one DataLoader worker process. Rows ending ``_single`` build DALI's
-pipelines with ``StreamPolicy.SINGLE``. A last character 2-9 or b-d repeats a variant (``imageloader2``,
+pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
+with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
+shared). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings
+too. Suffixes combine (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a variant (``imageloader2``,
 ``il_hw075c``), before any suffix (``imageloader2_single``).
 
 Loaders with worker processes are shut down, and the process waits for its children to exit
@@ -708,7 +711,6 @@ ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows na
 
 ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_copyout", "_sync10")
 REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
-
 
 
 def row_suffixes(name: str) -> list[str]:

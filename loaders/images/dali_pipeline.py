@@ -24,6 +24,12 @@ def dali_dtype(name: str):
     return table[name]
 
 
+def run_pipeline(pipe, stream, **inputs):
+    """``pipe.run``, its outputs bound to ``stream`` (the default executor); DALI's legacy executor takes
+    no output stream: its outputs come host-synchronised (bench/ceiling.py's rows ending ``_legacy``)."""
+    return pipe.run(stream if pipe.exec_dynamic else None, **inputs)
+
+
 def build_image_pipeline(
     *,
     batch_size: int,

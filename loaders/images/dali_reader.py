@@ -31,6 +31,7 @@ import torch
 
 from datapipe.errors import DataError
 from datapipe.order.plan import samples_per_rank, shard_order
+from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
 from loaders.images.stream_reader import StreamReader
@@ -350,7 +351,7 @@ class DaliReader:
                 pipe = self._switch_decoder(pipe, reader, paths)
             t0 = time.perf_counter()
             try:
-                images_tl, labels_tl, info_tl = pipe.run(stream if pipe.exec_dynamic else None)
+                images_tl, labels_tl, info_tl = run_pipeline(pipe, stream)
             except RuntimeError as e:
                 self._pipe = None  # a failed pipeline is not valid any more
                 raise reader_error(e, paths, self._batch) from e
@@ -365,7 +366,7 @@ class DaliReader:
             self._batch += 1
             if self._batch == steps:  # drop_last: the partial batch DALI still holds
                 for _ in range(dali_steps - steps):
-                    pipe.run(stream if pipe.exec_dynamic else None)
+                    run_pipeline(pipe, stream)
             position = {**_checkpoint(pipe, self._batch), "numbers": taken, "last": self._batch == steps}
             yield lo._prepare(images, labels), position
 

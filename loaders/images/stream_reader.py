@@ -19,6 +19,7 @@ import torch
 from datapipe.errors import LAST_ERRORS, DataError
 from datapipe.device.handoff import started, threaded
 from datapipe.order.seeds import derive_seed
+from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import EncodedBatches, RawBatch, iter_raw_batches, keep
 
@@ -134,7 +135,7 @@ class StreamReader:
                     pipe = self._switch_decoder(feed)
                 t0, read0 = time.perf_counter(), seconds["read"]
                 try:
-                    outputs = pipe.run(stream if pipe.exec_dynamic else None)
+                    outputs = run_pipeline(pipe, stream)
                 except StopIteration:
                     break
                 except RuntimeError as e:
@@ -190,7 +191,7 @@ class StreamReader:
         good, kept = [], RawBatch(state=raw.state)
         for arr, label, key, url in zip(raw.arrays, raw.labels, raw.keys, raw.urls):
             try:
-                (out,) = self._probe.run(stream if self._probe.exec_dynamic else None, jpegs=[arr])
+                (out,) = run_pipeline(self._probe, stream, jpegs=[arr])
             except RuntimeError as e:
                 lo._stats["decode_errors"] += 1
                 msg = str(e).strip().splitlines()
