@@ -235,7 +235,7 @@ def dali_hand(urls, args):
 
     gpu = args.device.type == "cuda"
     pipe = Pipeline(batch_size=args.batch_size, num_threads=min(8, os.cpu_count() or 1),
-                    device_id=0 if gpu else None, seed=0, **({"exec_dynamic": False} if LEGACY_DALI[0] else {}))
+                    device_id=0 if gpu else None, seed=0)
     with pipe:
         jpg = fn.readers.webdataset(paths=urls, index_paths=[default_index_path(u) for u in urls], ext=["jpg"],
                                     random_shuffle=True, initial_fill=2000, name="Reader")
@@ -362,28 +362,20 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"    {results[name]}", file=sys.stderr, flush=True)
 
 
-LEGACY_DALI = [False]  # rows ending _legacy: DALI's legacy pipelined executor (dali_hand reads this)
-
-
 @contextlib.contextmanager
-def dali_outputs_row(name: str):
-    """Rows ending ``_legacy`` build DALI's pipelines with its legacy pipelined executor (output buffers
-    recycled, so ImageLoader copies them out; no output frees); ``_copyout``: the default (dynamic)
-    executor with ImageLoader's outputs copied out instead of shared through DLPack."""
-    from loaders.images import dali_pipeline
+def copied_outputs_row(name: str):
+    """Rows ending ``_copyout``: ImageLoader copies DALI's outputs out instead of sharing them through DLPack."""
+    if "_copyout" not in row_suffixes(name):
+        yield
+        return
     from loaders.images.loader import ImageLoader
 
-    build, to_torch = dali_pipeline.build_image_pipeline, ImageLoader._to_torch
-    if "_legacy" in row_suffixes(name):
-        LEGACY_DALI[0] = True
-        dali_pipeline.build_image_pipeline = lambda **kw: build(**{**kw, "exec_dynamic": False})
-    elif "_copyout" in row_suffixes(name):
-        ImageLoader._to_torch = lambda self, tl, stream, zero_copy=True: to_torch(self, tl, stream, zero_copy=False)
+    to_torch = ImageLoader._to_torch
+    ImageLoader._to_torch = lambda self, tl, stream, zero_copy=True: to_torch(self, tl, stream, zero_copy=False)
     try:
         yield
     finally:
-        LEGACY_DALI[0] = False
-        dali_pipeline.build_image_pipeline, ImageLoader._to_torch = build, to_torch
+        ImageLoader._to_torch = to_torch
 
 
 SYNC_EVERY = [1]  # the training loop waits for its stream every this many steps (rows ending _sync10: 10)
@@ -406,22 +398,30 @@ def sync_every_row(name: str, ceilings: Ceilings):
 
 
 @contextlib.contextmanager
-def dali_stream_policy(name: str):
-    """Rows ending ``_single`` build their DALI pipelines with ``StreamPolicy.SINGLE`` (one stream for all
-    operators, so fewer cross-stream events); the others with DALI's default (one stream per backend)."""
-    if not name.endswith("_single"):
+def dali_pipeline_row(name: str):
+    """DALI pipelines built during the row take its suffixes' settings where the builder left them to DALI:
+    ``_single``: ``StreamPolicy.SINGLE`` (one stream for all operators, so fewer cross-stream events);
+    ``_legacy``: the legacy pipelined executor (output buffers recycled, so nothing is freed per batch;
+    ImageLoader copies its outputs out). Other rows: DALI's defaults."""
+    suffixes = row_suffixes(name)
+    if "_single" not in suffixes and "_legacy" not in suffixes:
         yield
         return
     import nvidia.dali.pipeline as dali_pipeline
 
+    settings = {}
+    if "_single" in suffixes:
+        settings["stream_policy"] = dali_pipeline.StreamPolicy.SINGLE
+    if "_legacy" in suffixes:
+        settings["exec_dynamic"] = False
     original = dali_pipeline.Pipeline
 
-    class SingleStream(original):
+    class RowPipeline(original):
         def __init__(self, *a, **kw):
-            kw.setdefault("stream_policy", dali_pipeline.StreamPolicy.SINGLE)
+            kw.update({k: v for k, v in settings.items() if kw.get(k) is None})
             super().__init__(*a, **kw)
 
-    dali_pipeline.Pipeline = SingleStream
+    dali_pipeline.Pipeline = RowPipeline
     try:
         yield
     finally:
@@ -545,8 +545,8 @@ def image_parts(args, urls, results) -> None:
         if base is not None and time.perf_counter() - T0 < args.budget_s:
             fmt, make, stream = variants[base]
             LOADERS.clear()
-            with wait_mode_row(name, ceilings, args.device, results), dali_stream_policy(name), \
-                    dali_outputs_row(name), sync_every_row(name, ceilings):
+            with wait_mode_row(name, ceilings, args.device, results), dali_pipeline_row(name), \
+                    copied_outputs_row(name), sync_every_row(name, ceilings):
                 loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}

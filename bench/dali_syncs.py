@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loaders.images.loader  # noqa: E402,F401 - before CUDA starts, as a training script would
 import torch  # noqa: E402
 
-from bench.ceiling import dali_outputs_row, image_loader  # noqa: E402
+from bench.ceiling import copied_outputs_row, dali_pipeline_row, image_loader  # noqa: E402
 from bench.common import endless, table, write_result  # noqa: E402
 
 MODES = {"shared": "imageloader", "copyout": "imageloader_copyout", "legacy": "imageloader_legacy"}
@@ -58,7 +58,7 @@ def probe(mode: str, urls, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     a = torch.randn(4096, 4096, device=args.device, dtype=torch.bfloat16)
-    with dali_outputs_row(MODES[mode]):
+    with dali_pipeline_row(MODES[mode]), copied_outputs_row(MODES[mode]):
         it = iter(endless(image_loader(urls, args)))
         try:
             for _ in range(6):
