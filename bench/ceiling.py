@@ -33,7 +33,8 @@ to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image 
 ``dl_*``) run with the CUDA context in that wait mode (``bench.wait_mode``), their ceilings too.
 ``tokens_worker``: the packing in one DataLoader worker process. Rows ending ``_single`` build DALI's
 pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
-with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
+with DALI's legacy executor, ``_syncexec`` with a synchronous one (each batch made when the paced producer
+asks) (``_copyout``: the default one, ImageLoader's outputs copied out, not
 shared). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings
 too. Suffixes combine (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a variant (``imageloader2``,
 ``il_hw075c``), before any suffix (``imageloader2_single``).
@@ -402,23 +403,28 @@ def dali_pipeline_row(name: str):
     """DALI pipelines built during the row take its suffixes' settings where the builder left them to DALI:
     ``_single``: ``StreamPolicy.SINGLE`` (one stream for all operators, so fewer cross-stream events);
     ``_legacy``: the legacy pipelined executor (output buffers recycled, so nothing is freed per batch;
-    ImageLoader copies its outputs out). Other rows: DALI's defaults."""
+    ImageLoader copies its outputs out); ``_syncexec``: neither asynchronous nor pipelined, so each batch is
+    made inside the producer's ``pipe.run()``, when the (paced) producer asks, not whenever DALI's own
+    prefetch frees a slot. Other rows: DALI's defaults."""
     suffixes = row_suffixes(name)
-    if "_single" not in suffixes and "_legacy" not in suffixes:
+    if not {"_single", "_legacy", "_syncexec"} & set(suffixes):
         yield
         return
     import nvidia.dali.pipeline as dali_pipeline
 
-    settings = {}
+    settings, forced = {}, {}
     if "_single" in suffixes:
         settings["stream_policy"] = dali_pipeline.StreamPolicy.SINGLE
     if "_legacy" in suffixes:
         settings["exec_dynamic"] = False
+    if "_syncexec" in suffixes:
+        forced.update(exec_async=False, exec_pipelined=False)
     original = dali_pipeline.Pipeline
 
     class RowPipeline(original):
         def __init__(self, *a, **kw):
             kw.update({k: v for k, v in settings.items() if kw.get(k) is None})
+            kw.update(forced)
             super().__init__(*a, **kw)
 
     dali_pipeline.Pipeline = RowPipeline
@@ -704,12 +710,12 @@ def profile(urls, args, step, ceilings) -> dict:
 
 
 ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_pace05": 0.5, "_pace07": 0.7,
-            "_pace085": 0.85}  # rows named so override the pacing
+            "_pace08": 0.8, "_pace085": 0.85}  # rows named so override the pacing
 
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_copyout", "_sync10")
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_syncexec", "_copyout", "_sync10")
 REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
 
 
