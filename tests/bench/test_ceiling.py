@@ -1,0 +1,37 @@
+"""bench/ceiling.py's row names: which variant a row runs and which settings its suffixes change."""
+import pytest
+
+from bench.ceiling import dali_pipeline_row, row_base, row_pace, row_suffixes, variant_of
+
+
+def test_suffixes_combine_and_strip_to_the_variant():
+    assert row_suffixes("imageloader_legacy_syncexec_pace08") == ["_pace08", "_syncexec", "_legacy"]
+    assert row_base("imageloader2_legacy_syncexec_pace08") == "imageloader2"
+    assert variant_of("imageloader2_syncexec", {"imageloader": None}) == "imageloader"
+    assert variant_of("il_nothing_syncexec", {"imageloader": None}) is None
+
+
+def test_pace_suffixes_are_told_apart():
+    assert row_pace("imageloader_pace08") == 0.8
+    assert row_pace("imageloader_pace085") == 0.85
+    assert row_pace("imageloader_unpaced") == 0.0
+    assert row_pace("imageloader_syncexec") is None  # the library's default
+
+
+def _built(name: str):
+    from loaders.images.dali_pipeline import build_image_pipeline
+
+    with dali_pipeline_row(name):
+        return build_image_pipeline(batch_size=2, image_size=16, train=True, device="cpu", device_id=None,
+                                    num_threads=1)
+
+
+def test_syncexec_rows_build_a_synchronous_pipeline_and_others_keep_the_builders():
+    pytest.importorskip("nvidia.dali")
+    default = _built("imageloader")
+    assert default.exec_async and default.exec_pipelined
+    sync = _built("imageloader2_syncexec")
+    assert not sync.exec_async and not sync.exec_pipelined
+    legacy_sync = _built("imageloader_legacy_syncexec")
+    assert not legacy_sync.exec_async and legacy_sync.exec_dynamic is False
+    assert _built("imageloader").exec_async  # the patch is gone after the row
