@@ -33,10 +33,9 @@ to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image 
 ``dl_*``) run with the CUDA context in that wait mode (``bench.wait_mode``), their ceilings too.
 ``tokens_worker``: the packing in one DataLoader worker process. Rows ending ``_single`` build DALI's
 pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
-with DALI's legacy executor, ``_syncexec`` with a synchronous one (each batch made when the paced producer
-asks) (``_copyout``: the default one, ImageLoader's outputs copied out, not
-shared). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings
-too. Suffixes combine (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a variant (``imageloader2``,
+with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
+shared); ``_syncexec`` with a synchronous, unpipelined one (each batch made when the paced producer
+asks). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too. Suffixes combine (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a variant (``imageloader2``,
 ``il_hw075c``), before any suffix (``imageloader2_single``).
 
 Loaders with worker processes are shut down, and the process waits for its children to exit
@@ -400,7 +399,8 @@ def sync_every_row(name: str, ceilings: Ceilings):
 
 @contextlib.contextmanager
 def dali_pipeline_row(name: str):
-    """DALI pipelines built during the row take its suffixes' settings where the builder left them to DALI:
+    """DALI pipelines built during the row take its suffixes' settings (``_syncexec`` overrides the builder's;
+    the others apply where the builder left the choice to DALI):
     ``_single``: ``StreamPolicy.SINGLE`` (one stream for all operators, so fewer cross-stream events);
     ``_legacy``: the legacy pipelined executor (output buffers recycled, so nothing is freed per batch;
     ImageLoader copies its outputs out); ``_syncexec``: neither asynchronous nor pipelined, so each batch is
