@@ -10,6 +10,8 @@
     cannot. Each round measures the ceiling, the same loop fed one cached device batch, before and
     after the loaders, and each loader's rate is reported as a ratio to it (``ceiling_ratio``), with
     the data-wait fraction; ``workers_alone_batches_per_s`` checks the workers' own rate (no step).
+    ``step_p50_ms`` / ``step_p90_ms`` / ``step_p99_ms``: the step's own time after ``next()`` returned (against
+    ``ceiling_step_p50_ms``), so a step slowed beside the loader shows as a shift or as a tail.
 
     python bench/prefetch.py --device cuda          # the H200 run, writes bench/results/prefetch.json
     python bench/prefetch.py --quick                # CPU smoke check
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from bench.common import sync, table, write_result  # noqa: E402
+from datapipe.units import percentiles  # noqa: E402
 from datapipe import DevicePrefetcher  # noqa: E402
 from loaders import DataLoader  # noqa: E402
 
@@ -147,20 +150,27 @@ class Step:
 
 
 def train(loader_iter, step: Step, device: torch.device, steps: int, warmup: int, move: bool) -> dict:
+    """Timed steps after ``warmup``: rate, data-wait fraction, and the step's own time (after ``next()``) per
+    step in ms, so a slower step shows as a shift (every step) or a tail (some steps)."""
     wait = 0.0
     it = iter(loader_iter)
     t_start = None
+    step_s = []
     for i in range(warmup + steps):
         if i == warmup:
-            t_start, wait = time.perf_counter(), 0.0
+            t_start, wait, step_s = time.perf_counter(), 0.0, []
         t0 = time.perf_counter()
         x, _ = next(it)
         if move:
             x = x.to(device, non_blocking=True)
-        wait += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        wait += t1 - t0
         step(x)
+        step_s.append(time.perf_counter() - t1)
     wall = time.perf_counter() - t_start
-    return {"steps_per_s": round(steps / wall, 2), "wait_fraction": round(wait / wall, 3), "wall_s": round(wall, 3)}
+    spread = percentiles(step_s, qs=(50, 90, 99), scale=1e3, digits=3)
+    return {"steps_per_s": round(steps / wall, 2), "wait_fraction": round(wait / wall, 3), "wall_s": round(wall, 3),
+            **{f"step_{k}_ms": v for k, v in spread.items()}}
 
 
 def cached(batch):
@@ -199,7 +209,7 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
         ideal = min(1 / step.seconds, workers / batch_cost if workers else 1 / (batch_cost + step.seconds))
         worker_rate = alone(torch.utils.data.DataLoader(ds, **common, **extra), batches=max(10, steps // 2),
                             warmup=max(2, workers))
-        ceilings = [train(cached(device_batch), step, device, steps, warmup, move=False)["steps_per_s"]]
+        ceiling_runs = [train(cached(device_batch), step, device, steps, warmup, move=False)]
         for repeat in range(repeats):
             round_rows = []
             torch_loader = torch.utils.data.DataLoader(
@@ -210,12 +220,14 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
             r = train(ours, step, device, steps, warmup, move=False)
             ours.close()
             round_rows.append({"case": case, "loader": "loaders.DataLoader(device)", **r})
-            ceilings.append(train(cached(device_batch), step, device, steps, warmup, move=False)["steps_per_s"])
-            ceiling = (ceilings[-2] + ceilings[-1]) / 2
+            ceiling_runs.append(train(cached(device_batch), step, device, steps, warmup, move=False))
+            before, after = ceiling_runs[-2], ceiling_runs[-1]
+            ceiling = (before["steps_per_s"] + after["steps_per_s"]) / 2
             for row in round_rows:
                 row.update(step_ms=round(step.seconds * 1e3, 2), batch_cpu_ms=round(batch_cost * 1e3, 1),
                            workers=workers, ideal_steps_per_s=round(ideal, 2), repeat=repeat,
                            ceiling_steps_per_s=round(ceiling, 2),
+                           ceiling_step_p50_ms=round((before["step_p50_ms"] + after["step_p50_ms"]) / 2, 3),
                            ceiling_ratio=round(row["steps_per_s"] / ceiling, 4),
                            of_ideal=round(row["steps_per_s"] / min(ideal, ceiling), 4),
                            workers_alone_batches_per_s=worker_rate,
@@ -256,7 +268,8 @@ def main(argv=None) -> dict:
     print(table(bw, ["size_mb", "method", "gb_per_s", "vs_pinned"]))
     print()
     print(table(tr, ["case", "loader", "repeat", "batch_cpu_ms", "workers_alone_batches_per_s", "steps_per_s",
-                     "ceiling_steps_per_s", "ceiling_ratio", "of_ideal", "wait_fraction"]))
+                     "ceiling_steps_per_s", "ceiling_ratio", "of_ideal", "wait_fraction", "step_p50_ms",
+                     "step_p90_ms", "ceiling_step_p50_ms"]))
     print(f"\nwrote {path}")
     return result
 
