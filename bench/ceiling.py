@@ -35,8 +35,9 @@ to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image 
 pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
 with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
 shared); ``_syncexec`` with a synchronous, unpipelined one (each batch made when the paced producer
-asks). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too. Suffixes combine (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a variant (``imageloader2``,
-``il_hw075c``), before any suffix (``imageloader2_single``).
+asks). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
+Suffixes combine, in any order (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a
+variant (``imageloader2``, ``il_hw075c``), before any suffix (``imageloader2_single``).
 
 Loaders with worker processes are shut down, and the process waits for its children to exit
 (``workers_exit_s``), before the ceiling after them is measured.
@@ -323,7 +324,7 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     # rows ending _noretire: the training thread frees handed-out batches itself (before Retirer)
-    with retiring(not name.endswith("_noretire")):
+    with retiring("_noretire" not in row_suffixes(name)):
         try:
             gen = make()
             it = iter(gen)
@@ -749,12 +750,12 @@ def variant_of(name: str, variants) -> str | None:
 
 def row_wait(name: str) -> str | None:
     """The CUDA wait mode a row runs in (``bench.wait_mode``): its suffix's, else None (unchanged)."""
-    return next((v for k, v in ROW_WAIT.items() if name.endswith(k)), None)
+    return next((ROW_WAIT[k] for k in row_suffixes(name) if k in ROW_WAIT), None)
 
 
 def row_pace(name: str) -> float | None:
     """The DATAPIPE_PACE a row runs with: its suffix's, else None (the library's default)."""
-    return next((v for k, v in ROW_PACE.items() if name.endswith(k)), None)
+    return next((ROW_PACE[k] for k in row_suffixes(name) if k in ROW_PACE), None)
 
 
 class TokenBatches(torch.utils.data.IterableDataset):
