@@ -12,6 +12,11 @@
     the data-wait fraction; ``workers_alone_batches_per_s`` checks the workers' own rate (no step).
     ``step_p50_ms`` / ``step_p90_ms`` / ``step_p99_ms``: the step's own time after ``next()`` returned (against
     ``ceiling_step_p50_ms``), so a step slowed beside the loader shows as a shift or as a tail.
+    On CUDA, events on the training stream split each step's period on the GPU: ``gpu_busy_*_ms``
+    (the step's kernels, slowed by what runs beside them: the loader's copies) and
+    ``gpu_turnaround_*_ms`` (the GPU idle from one step's end to the next one's start: the host's wake
+    from the step's sync, ``next()``, the launch; torch's ``.to()`` copy lands here too), against the
+    ceiling's (``ceiling_gpu_*``).
 
     python bench/prefetch.py --device cuda          # the H200 run, writes bench/results/prefetch.json
     python bench/prefetch.py --quick                # CPU smoke check
@@ -141,21 +146,32 @@ class Step:
         sync(self.device)
         return (time.perf_counter() - t0) / reps
 
-    def __call__(self, batch):
+    def __call__(self, batch, done: "torch.cuda.Event | None" = None):
         x = self.w
         for _ in range(self.k):
             x = x @ self.w
         loss = x.float().mean() + batch.float().mean() * 0
+        if done is not None:  # the step's GPU work ends here (bench timeline)
+            done.record()
         return loss.item()  # a host sync, as logging the loss does
 
 
 def train(loader_iter, step: Step, device: torch.device, steps: int, warmup: int, move: bool) -> dict:
     """Timed steps after ``warmup``: rate, data-wait fraction, and the step's own time (after ``next()``) per
-    step in ms, so a slower step shows as a shift (every step) or a tail (some steps)."""
+    step in ms, so a slower step shows as a shift (every step) or a tail (some steps).
+
+    On CUDA each timed step also records two events on the training stream, one when ``next()`` has
+    returned and one after the step's last kernel (before its host sync), splitting the step's period
+    on the GPU into ``gpu_busy_*_ms`` (from the first event to the second: the step's kernels, slowed
+    by whatever else runs beside them) and ``gpu_turnaround_*_ms`` (from one step's end on the GPU to the
+    next step's start: the host's wake from the sync, ``next()`` and the launch)."""
     wait = 0.0
     it = iter(loader_iter)
     t_start = None
     step_s = []
+    cuda = device.type == "cuda"
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(steps)] if cuda else []
     for i in range(warmup + steps):
         if i == warmup:
             t_start, wait, step_s = time.perf_counter(), 0.0, []
@@ -165,12 +181,32 @@ def train(loader_iter, step: Step, device: torch.device, steps: int, warmup: int
             x = x.to(device, non_blocking=True)
         t1 = time.perf_counter()
         wait += t1 - t0
-        step(x)
+        if cuda and i >= warmup:
+            begin, end = marks[i - warmup]
+            begin.record()
+            step(x, end)
+        else:
+            step(x)
         step_s.append(time.perf_counter() - t1)
     wall = time.perf_counter() - t_start
     spread = percentiles(step_s, qs=(50, 90, 99), scale=1e3, digits=3)
-    return {"steps_per_s": round(steps / wall, 2), "wait_fraction": round(wait / wall, 3), "wall_s": round(wall, 3),
-            **{f"step_{k}_ms": v for k, v in spread.items()}}
+    out = {"steps_per_s": round(steps / wall, 2), "wait_fraction": round(wait / wall, 3), "wall_s": round(wall, 3),
+           **{f"step_{k}_ms": v for k, v in spread.items()}}
+    if cuda:
+        out.update(gpu_timeline(marks))
+    return out
+
+
+def gpu_timeline(marks: list) -> dict:
+    """Per-step GPU busy and turnaround times (ms) from (begin, end) event pairs: mean, p50, p90."""
+    torch.cuda.synchronize()
+    spans = {"gpu_busy": [b.elapsed_time(e) for b, e in marks],
+             "gpu_turnaround": [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)]}
+    return {f"{name}_{k}_ms": v for name, values in spans.items()
+            for k, v in percentiles(values, qs=(50, 90), mean=True, digits=3).items()}
+
+
+TIMELINE = ("gpu_busy_mean_ms", "gpu_turnaround_mean_ms", "gpu_busy_p50_ms", "gpu_turnaround_p50_ms")
 
 
 def cached(batch):
@@ -228,6 +264,7 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                            workers=workers, ideal_steps_per_s=round(ideal, 2), repeat=repeat,
                            ceiling_steps_per_s=round(ceiling, 2),
                            ceiling_step_p50_ms=round((before["step_p50_ms"] + after["step_p50_ms"]) / 2, 3),
+                           **{f"ceiling_{k}": round((before[k] + after[k]) / 2, 3) for k in TIMELINE if k in before},
                            ceiling_ratio=round(row["steps_per_s"] / ceiling, 4),
                            of_ideal=round(row["steps_per_s"] / min(ideal, ceiling), 4),
                            workers_alone_batches_per_s=worker_rate,
@@ -269,7 +306,8 @@ def main(argv=None) -> dict:
     print()
     print(table(tr, ["case", "loader", "repeat", "batch_cpu_ms", "workers_alone_batches_per_s", "steps_per_s",
                      "ceiling_steps_per_s", "ceiling_ratio", "of_ideal", "wait_fraction", "step_p50_ms",
-                     "step_p90_ms", "ceiling_step_p50_ms"]))
+                     "step_p90_ms", "ceiling_step_p50_ms", "gpu_busy_mean_ms", "ceiling_gpu_busy_mean_ms",
+                     "gpu_turnaround_mean_ms", "ceiling_gpu_turnaround_mean_ms"]))
     print(f"\nwrote {path}")
     return result
 
