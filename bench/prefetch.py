@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -228,8 +229,53 @@ def alone(loader, batches: int, warmup: int) -> float:
     return round(rate, 2)
 
 
+PROBE: list[dict] = [{}]  # the last ours_variant's probe counts
+
+
+@contextlib.contextmanager
+def ours_variant(variant: str):
+    """``loaders.DataLoader`` options and patches for one variant of ours (``--ours``): ``default``;
+    ``unpaced`` (DATAPIPE_PACE=0); ``depth4`` (prefetch_depth=4); ``synced`` (the producer waits for each
+    batch's copy before queueing it); ``probe`` (default, counting the batches whose copy had not finished
+    when ``next()`` handed them over: ``copy_pending_fraction``)."""
+    from datapipe.device import prefetch
+
+    counts = {"handed": 0, "pending": 0}
+    saved_env = os.environ.get("DATAPIPE_PACE")
+    saved_call, saved_handoff = prefetch._CudaTransfer.__call__, prefetch._handoff
+    options = {"prefetch_depth": 4} if variant == "depth4" else {}
+    if variant == "unpaced":
+        os.environ["DATAPIPE_PACE"] = "0"
+    if variant == "synced":
+        def synced_call(self, batch):
+            out = saved_call(self, batch)
+            out[1].synchronize()
+            return out
+        prefetch._CudaTransfer.__call__ = synced_call
+    if variant == "probe":
+        def probed_handoff(consumer):
+            inner = saved_handoff(consumer)
+
+            def handoff(item):
+                counts["handed"] += 1
+                counts["pending"] += not item[1].query()
+                return inner(item)
+            return handoff
+        prefetch._handoff = probed_handoff
+    try:
+        yield options
+    finally:
+        prefetch._CudaTransfer.__call__, prefetch._handoff = saved_call, saved_handoff
+        if saved_env is None:
+            os.environ.pop("DATAPIPE_PACE", None)
+        else:
+            os.environ["DATAPIPE_PACE"] = saved_env
+        PROBE.append({"copy_pending_fraction": round(counts["pending"] / counts["handed"], 4)}
+                     if counts["handed"] else {})
+
+
 def training(device: torch.device, *, workers: int, batch: int, shape: tuple, step_s: float, dim: int,
-             steps: int, warmup: int, repeats: int = 1) -> list[dict]:
+             steps: int, warmup: int, repeats: int = 1, variants: tuple = ("default",)) -> list[dict]:
     """Per case and round: the ceiling (the same loop fed one cached device batch), torch's
     DataLoader(pin_memory) and ours, in turn; each loader's rate as a ratio to the ceilings
     measured right before and after its round. Per case, the workers' rate with no step at all."""
@@ -252,10 +298,13 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                 ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
             r = train(torch_loader, step, device, steps, warmup, move=True)
             round_rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
-            ours = DataLoader(ds, device=device, **common, **extra)
-            r = train(ours, step, device, steps, warmup, move=False)
-            ours.close()
-            round_rows.append({"case": case, "loader": "loaders.DataLoader(device)", **r})
+            for variant in variants if case == "host keeps up" else ("default",):
+                with ours_variant(variant) as options:
+                    ours = DataLoader(ds, device=device, **common, **extra, **options)
+                    r = train(ours, step, device, steps, warmup, move=False)
+                    ours.close()
+                name = "loaders.DataLoader(device)" + ("" if variant == "default" else f" {variant}")
+                round_rows.append({"case": case, "loader": name, **r, **PROBE.pop()})
             ceiling_runs.append(train(cached(device_batch), step, device, steps, warmup, move=False))
             before, after = ceiling_runs[-2], ceiling_runs[-1]
             ceiling = (before["steps_per_s"] + after["steps_per_s"]) / 2
@@ -286,6 +335,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps first: the workers fill the pipeline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
+    ap.add_argument("--ours", default="default",
+                    help="variants of ours in the keeps-up case, comma-separated: default, unpaced, depth4, "
+                         "synced, probe (see ours_variant)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke check")
     ap.add_argument("--out", default=None, help="directory for prefetch.json (default bench/results)")
     args = ap.parse_args(argv)
@@ -297,7 +349,7 @@ def main(argv=None) -> dict:
     bw = [r for size in args.sizes_mb for r in bandwidth(device, size, args.iters)]
     tr = training(device, workers=args.workers, batch=args.batch, shape=tuple(args.image),
                   step_s=args.step_ms / 1e3, dim=args.dim, steps=args.steps, warmup=args.warmup,
-                  repeats=args.repeats)
+                  repeats=args.repeats, variants=tuple(args.ours.split(",")))
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "cpu_count": os.cpu_count(), "args": vars(args), "bandwidth": bw, "training": tr,
               "target": "DevicePrefetcher >= 0.85 x pinned ceiling"}
@@ -307,7 +359,8 @@ def main(argv=None) -> dict:
     print(table(tr, ["case", "loader", "repeat", "batch_cpu_ms", "workers_alone_batches_per_s", "steps_per_s",
                      "ceiling_steps_per_s", "ceiling_ratio", "of_ideal", "wait_fraction", "step_p50_ms",
                      "step_p90_ms", "ceiling_step_p50_ms", "gpu_busy_mean_ms", "ceiling_gpu_busy_mean_ms",
-                     "gpu_turnaround_mean_ms", "ceiling_gpu_turnaround_mean_ms"]))
+                     "gpu_turnaround_mean_ms", "ceiling_gpu_turnaround_mean_ms", "gpu_turnaround_p90_ms",
+                     "copy_pending_fraction"]))
     print(f"\nwrote {path}")
     return result
 

@@ -1,4 +1,6 @@
 """bench/prefetch.py's timed loop: rate, wait and the step's own time per step."""
+import os
+
 import pytest
 import torch
 
@@ -33,3 +35,23 @@ def test_the_gpu_timeline_splits_the_step_into_busy_and_turnaround():
     assert 0 <= out["gpu_turnaround_mean_ms"] < period_ms
     # busy + turnaround tile the period on the GPU: their means add up to it (within launch jitter)
     assert abs(out["gpu_busy_mean_ms"] + out["gpu_turnaround_mean_ms"] - period_ms) < 0.2 * period_ms
+
+
+def test_ours_variants_set_their_options_and_restore_the_library(monkeypatch):
+    from bench.prefetch import PROBE, ours_variant
+    from datapipe.device import prefetch
+
+    monkeypatch.delenv("DATAPIPE_PACE", raising=False)
+    call, handoff = prefetch._CudaTransfer.__call__, prefetch._handoff
+    with ours_variant("depth4") as options:
+        assert options == {"prefetch_depth": 4}
+    for variant in ("unpaced", "synced", "probe"):
+        with ours_variant(variant) as options:
+            assert options == {}
+            if variant == "unpaced":
+                assert os.environ["DATAPIPE_PACE"] == "0"
+            else:
+                assert (prefetch._CudaTransfer.__call__, prefetch._handoff) != (call, handoff)
+        assert "DATAPIPE_PACE" not in os.environ
+        assert (prefetch._CudaTransfer.__call__, prefetch._handoff) == (call, handoff)
+        assert PROBE[-1] == {}  # nothing was handed over
