@@ -237,7 +237,10 @@ def ours_variant(variant: str):
     """``loaders.DataLoader`` options and patches for one variant of ours (``--ours``): ``default``;
     ``unpaced`` (DATAPIPE_PACE=0); ``depth4`` (prefetch_depth=4); ``synced`` (the producer waits for each
     batch's copy before queueing it); ``probe`` (default, counting the batches whose copy had not finished
-    when ``next()`` handed them over: ``copy_pending_fraction``)."""
+    when ``next()`` handed them over: ``copy_pending_fraction``); ``switch`` (``sys.setswitchinterval(5e-4)``: a
+    thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off)."""
+    import gc
+
     from datapipe.device import prefetch
 
     counts = {"handed": 0, "pending": 0}
@@ -262,9 +265,16 @@ def ours_variant(variant: str):
                 return inner(item)
             return handoff
         prefetch._handoff = probed_handoff
+    interval = sys.getswitchinterval()
+    if variant == "switch":
+        sys.setswitchinterval(5e-4)
+    if variant == "nogc":
+        gc.disable()
     try:
         yield options
     finally:
+        sys.setswitchinterval(interval)
+        gc.enable()
         prefetch._CudaTransfer.__call__, prefetch._handoff = saved_call, saved_handoff
         if saved_env is None:
             os.environ.pop("DATAPIPE_PACE", None)
@@ -274,8 +284,35 @@ def ours_variant(variant: str):
                      if counts["handed"] else {})
 
 
+def trace_ours(loader, step: Step, device: torch.device, steps: int, warmup: int, path: str) -> str:
+    """``steps`` steps of ``loader`` under torch.profiler with Python stacks of every thread (``with_stack``),
+    each step and ``next()`` annotated; the chrome trace is written gzipped to ``path``."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    it = iter(loader)
+    for _ in range(warmup):
+        step(next(it)[0])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            with record_function("prefetch_next"):
+                x, _ = next(it)
+            with record_function("prefetch_step"):
+                step(x)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return path
+
+
 def training(device: torch.device, *, workers: int, batch: int, shape: tuple, step_s: float, dim: int,
-             steps: int, warmup: int, repeats: int = 1, variants: tuple = ("default",)) -> list[dict]:
+             steps: int, warmup: int, repeats: int = 1, variants: tuple = ("default",),
+             trace: str | None = None, trace_steps: int = 40) -> list[dict]:
     """Per case and round: the ceiling (the same loop fed one cached device batch), torch's
     DataLoader(pin_memory) and ours, in turn; each loader's rate as a ratio to the ceilings
     measured right before and after its round. Per case, the workers' rate with no step at all."""
@@ -319,6 +356,10 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                            workers_alone_batches_per_s=worker_rate,
                            samples_per_s=round(row["steps_per_s"] * batch, 1))
             rows += round_rows
+        if trace and case == "host keeps up" and device.type == "cuda":
+            ours = DataLoader(ds, device=device, **common, **extra)
+            print(f"trace: {trace_ours(ours, step, device, trace_steps, warmup, trace)}", file=sys.stderr)
+            ours.close()
     return rows
 
 
@@ -338,6 +379,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--ours", default="default",
                     help="variants of ours in the keeps-up case, comma-separated: default, unpaced, depth4, "
                          "synced, probe (see ours_variant)")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="then profile this many steps of ours (keeps-up case, Python stacks of every thread) into "
+                         "prefetch_trace.json.gz beside the result")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke check")
     ap.add_argument("--out", default=None, help="directory for prefetch.json (default bench/results)")
     args = ap.parse_args(argv)
@@ -349,7 +393,8 @@ def main(argv=None) -> dict:
     bw = [r for size in args.sizes_mb for r in bandwidth(device, size, args.iters)]
     tr = training(device, workers=args.workers, batch=args.batch, shape=tuple(args.image),
                   step_s=args.step_ms / 1e3, dim=args.dim, steps=args.steps, warmup=args.warmup,
-                  repeats=args.repeats, variants=tuple(args.ours.split(",")))
+                  repeats=args.repeats, variants=tuple(args.ours.split(",")), trace_steps=args.trace_steps,
+                  trace=os.path.join(args.out or "bench/results", "prefetch_trace.json.gz") if args.trace_steps else None)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "cpu_count": os.cpu_count(), "args": vars(args), "bandwidth": bw, "training": tr,
               "target": "DevicePrefetcher >= 0.85 x pinned ceiling"}
