@@ -38,7 +38,7 @@ from torch.utils.data import IterableDataset
 from datapipe.device import autotune
 from datapipe.order import elastic
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
-from loaders.dataloader_iter import EpochSource, LoaderIterator, shutdown, tagged_batches
+from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, shutdown, tagged_batches
 from loaders.dataloader_progress import Progress, stats as pass_stats
 from loaders.dataloader_resume import (IndexSampler, Plan, as_loadable, check_local, fresh_state, from_global,
                                        pass_state)
@@ -82,8 +82,8 @@ class DataLoader(tud.DataLoader[_T_co]):
             raise ValueError(f"max_workers={max_workers!r}: pass an int >= 1 or None")
         dev = None if device is None else resolve_device(device)
         if dev is not None and dev.type == "cuda":
-            # torch's pin-memory thread pins (from its caching host allocator, like torch's own
-            # loader); the prefetcher then copies the pinned tensors on its side stream
+            # batches are pinned as torch pins them, but in the prefetch thread (dataloader_iter.pinned),
+            # not in torch's pin-memory thread; the prefetcher then copies them on its side stream
             pin_memory = True
         if seed is not None and generator is None:
             generator = torch.Generator().manual_seed(seed)
@@ -94,6 +94,7 @@ class DataLoader(tud.DataLoader[_T_co]):
                          generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
+        self._pins_in_producer = dev is not None and dev.type == "cuda"
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
@@ -134,9 +135,11 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._plan = Plan(skip, rng.sampler_rng if replay else None, rng)
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
-        collate = self.collate_fn
+        collate, pin = self.collate_fn, self.pin_memory
         if self._protocol:
             self.collate_fn = StatefulCollate(collate, self.dataset)
+        if self._pins_in_producer:
+            self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
         # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
             if replay and rng.rng_state is not None:
@@ -147,7 +150,7 @@ class DataLoader(tud.DataLoader[_T_co]):
                 rng.rng_state = torch.get_rng_state()
                 it = super().__iter__()
         finally:
-            self.collate_fn = collate
+            self.collate_fn, self.pin_memory = collate, pin
             self._plan = Plan()
         rng.base_seed = getattr(it, "_base_seed", None)
         return it
@@ -221,7 +224,7 @@ class DataLoader(tud.DataLoader[_T_co]):
             if self._prefetcher is None:
                 self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
             self._prefetcher.depth = self._depth
-            self._source.stream = stream
+            self._source.stream = pinned(stream, self.pin_memory_device or None) if self._pins_in_producer else stream
             stream = iter(self._prefetcher)
         it = LoaderIterator(self, stream, p)
         self._active = weakref.ref(it)

@@ -500,8 +500,11 @@ def test_gpu_loader_batches_and_resume():
     dl2 = DataLoader(Squares(), device="cuda", **kw)
     dl2.load_state_dict(state)
     assert got + _run(dl2) == ref
-    # torch's pin-memory thread pins the batches, so the prefetcher stages no copies of its own
+    # the batches come pinned (pinned in the prefetch thread), so the prefetcher stages no copies of its own,
+    # and torch's iterator runs no pin-memory thread of its own
     assert dl2.stats()["pinned_pool"]["allocations"] == 0
+    assert not [t for t in threading.enumerate() if "_pin_memory_loop" in t.name]
+    assert dl2.pin_memory  # what the loader reports is unchanged
     dl2.close()
 
 
