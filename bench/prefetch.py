@@ -238,7 +238,8 @@ def ours_variant(variant: str):
     ``unpaced`` (DATAPIPE_PACE=0); ``depth4`` (prefetch_depth=4); ``synced`` (the producer waits for each
     batch's copy before queueing it); ``probe`` (default, counting the batches whose copy had not finished
     when ``next()`` handed them over: ``copy_pending_fraction``); ``switch`` (``sys.setswitchinterval(5e-4)``: a
-    thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off)."""
+    thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off);
+    ``pinthread`` (torch's pin-memory thread pins, as before ``loaders.dataloader_iter.pinned``)."""
     import gc
 
     from datapipe.device import prefetch
@@ -338,6 +339,8 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
             for variant in variants if case == "host keeps up" else ("default",):
                 with ours_variant(variant) as options:
                     ours = DataLoader(ds, device=device, **common, **extra, **options)
+                    if variant == "pinthread":  # as before: torch's pin-memory thread pins
+                        ours._pins_in_producer = False
                     r = train(ours, step, device, steps, warmup, move=False)
                     ours.close()
                 name = "loaders.DataLoader(device)" + ("" if variant == "default" else f" {variant}")
@@ -378,7 +381,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
     ap.add_argument("--ours", default="default",
                     help="variants of ours in the keeps-up case, comma-separated: default, unpaced, depth4, "
-                         "synced, probe (see ours_variant)")
+                         "synced, probe, switch, nogc, pinthread (see ours_variant)")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="then profile this many steps of ours (keeps-up case, Python stacks of every thread) into "
                          "prefetch_trace.json.gz beside the result")

@@ -42,21 +42,29 @@ def tagged_batches(torch_it, *, protocol: bool):
 def pinned(stream, device: str | None = None):
     """(Producer thread) ``(batch, meta)`` of ``stream`` with each batch pinned as torch's pin-memory thread
     pins it (``torch.utils.data._utils.pin_memory.pin_memory``: tensors, containers, ``.pin_memory()``
-    methods), in this thread. The unpinned batch is dropped here too: a batch from worker processes
-    lives in shared memory, and unmapping it stalls the process's other threads for ~2 ms (19 MB,
-    README "Pinning in the producer"); in torch's pin thread that lands whenever a worker's batch
-    arrives, here it lands where the paced producer works, mid-step."""
+    methods), in this thread.
+
+    A batch from worker processes lives in shared memory, and unmapping it stalls every thread of the
+    process for ~2 ms (19 MB; README, "Pinning in the producer"). In torch's pin thread that lands
+    whenever a worker's batch arrives, at times right as the training loop wakes from its step's sync.
+    Here the unpinned batch is kept until the producer asks for the next one, so it is dropped at the
+    producer's paced point, mid-step, whatever the pinning took.
+    """
     from torch.utils.data._utils.pin_memory import pin_memory
 
     torch.set_num_threads(1)  # as torch's pin thread: the copies use this thread only (per-thread setting)
     try:
         for batch, meta in stream:
+            raw = batch
             if not isinstance(meta, Failed):
                 batch = pin_memory(batch, device)
             yield batch, meta
-            batch = meta = None
+            raw = batch = meta = None  # here, at the producer's next pull: the shared memory goes now
     finally:
-        stream.close()
+        raw = batch = meta = None
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
 
 
 def shutdown(torch_iter) -> None:

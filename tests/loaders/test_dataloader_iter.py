@@ -47,3 +47,31 @@ def test_closing_pinned_closes_the_stream_it_wraps():
     worker.start()
     worker.join()
     assert closed == [True]
+
+
+def test_the_unpinned_batch_is_dropped_at_the_next_pull_not_before():
+    import weakref
+
+    raws = [Batch(0), Batch(1)]
+    refs = [weakref.ref(b) for b in raws]
+
+    def source():  # holds no batch once it handed it over (as torch's iterator)
+        while raws:
+            yield raws.pop(0), None
+
+    stream = source()
+    seen = []
+
+    def consume():
+        it = pinned(stream)
+        next(it)
+        seen.append(refs[0]() is not None)  # kept while the producer works on the pinned copy
+        next(it)
+        seen.append(refs[0]() is None)  # gone once the producer asked for the next batch
+        it.close()
+        seen.append(refs[1]() is None)
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    worker.join()
+    assert seen == [True, True, True]
