@@ -406,12 +406,19 @@ def dali_pipeline_row(name: str):
     ``_legacy``: the legacy pipelined executor (output buffers recycled, so nothing is freed per batch;
     ImageLoader copies its outputs out); ``_syncexec``: neither asynchronous nor pipelined, so each batch is
     made inside the producer's ``pipe.run()``, when the (paced) producer asks, not whenever DALI's own
-    prefetch frees a slot. Other rows: DALI's defaults."""
+    prefetch frees a slot; ``_nommap``: ``readers.webdataset(dont_use_mmap=True)``, shards read with plain file
+    I/O (unmapping a memory-mapped shard may hold up every thread of the process, as unmapping a worker's
+    shared-memory batch does: README, "Pinning in the producer"). Other rows: DALI's defaults."""
     suffixes = row_suffixes(name)
-    if not {"_single", "_legacy", "_syncexec"} & set(suffixes):
+    if not {"_single", "_legacy", "_syncexec", "_nommap"} & set(suffixes):
         yield
         return
+    import nvidia.dali.fn.readers as dali_readers
     import nvidia.dali.pipeline as dali_pipeline
+
+    webdataset = dali_readers.webdataset
+    if "_nommap" in suffixes:  # the reader reads shards with plain file I/O, no memory-mapped shards
+        dali_readers.webdataset = lambda *a, **kw: webdataset(*a, **{**kw, "dont_use_mmap": True})
 
     settings, forced = {}, {}
     if "_single" in suffixes:
@@ -433,6 +440,7 @@ def dali_pipeline_row(name: str):
         yield
     finally:
         dali_pipeline.Pipeline = original
+        dali_readers.webdataset = webdataset
 
 
 @contextlib.contextmanager
@@ -716,7 +724,8 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_syncexec", "_copyout", "_sync10")
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_syncexec", "_copyout", "_sync10",
+                "_nommap")
 REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
 
 

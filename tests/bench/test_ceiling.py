@@ -35,3 +35,18 @@ def test_syncexec_rows_build_a_synchronous_pipeline_and_others_keep_the_builders
     legacy_sync = _built("imageloader_legacy_syncexec")
     assert not legacy_sync.exec_async and legacy_sync.exec_dynamic is False
     assert _built("imageloader").exec_async  # the patch is gone after the row
+
+
+def test_nommap_rows_read_shards_with_plain_file_io(monkeypatch):
+    pytest.importorskip("nvidia.dali")
+    import nvidia.dali.fn.readers as dali_readers
+    from nvidia.dali import fn
+
+    assert fn.readers is dali_readers  # the pipeline builder's fn.readers.webdataset is the patched one
+    calls = []
+    monkeypatch.setattr(dali_readers, "webdataset", lambda *a, **kw: calls.append(kw))
+    with dali_pipeline_row("imageloader2_nommap"):
+        fn.readers.webdataset(paths=["a.tar"])
+    with dali_pipeline_row("imageloader"):
+        fn.readers.webdataset(paths=["b.tar"])
+    assert calls == [{"paths": ["a.tar"], "dont_use_mmap": True}, {"paths": ["b.tar"]}]
