@@ -44,20 +44,27 @@ def pinned(stream, device: str | None = None):
     pins it (``torch.utils.data._utils.pin_memory.pin_memory``: tensors, containers, ``.pin_memory()``
     methods), in this thread.
 
-    A batch from worker processes lives in shared memory, and unmapping it stalls every thread of the
-    process for ~2 ms (19 MB; README, "Pinning in the producer"). In torch's pin thread that lands
+    A batch from worker processes lives in shared memory, and unmapping it holds up the process's other
+    threads for ~2 ms (19 MB; README, "Pinning in the producer"). In torch's pin thread that lands
     whenever a worker's batch arrives, at times right as the training loop wakes from its step's sync.
     Here the unpinned batch is kept until the producer asks for the next one, so it is dropped at the
-    producer's paced point, mid-step, whatever the pinning took.
+    producer's paced point, mid-step, whatever the pinning took. A batch whose pinning raises becomes a
+    ``Failed`` (as in torch's pin thread: that batch raises, the pass goes on).
     """
     from torch.utils.data._utils.pin_memory import pin_memory
 
     torch.set_num_threads(1)  # as torch's pin thread: the copies use this thread only (per-thread setting)
+    box: list = []  # as in tagged_batches: no local keeps the exception
     try:
         for batch, meta in stream:
-            raw = batch
+            raw = batch  # the unpinned batch, alive until the next pull
             if not isinstance(meta, Failed):
-                batch = pin_memory(batch, device)
+                try:
+                    batch = pin_memory(batch, device)
+                except Exception as e:  # noqa: BLE001 - re-raised by the consumer for this batch
+                    box.append(e)
+                if box:
+                    batch, meta = None, Failed(box.pop())
             yield batch, meta
             raw = batch = meta = None  # here, at the producer's next pull: the shared memory goes now
     finally:

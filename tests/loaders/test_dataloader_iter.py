@@ -75,3 +75,19 @@ def test_the_unpinned_batch_is_dropped_at_the_next_pull_not_before():
     worker.start()
     worker.join()
     assert seen == [True, True, True]
+
+
+class Unpinnable(Batch):
+    def pin_memory(self):
+        raise RuntimeError("cannot pin this one")
+
+
+def test_a_batch_whose_pinning_raises_becomes_a_failure_and_the_stream_goes_on():
+    stream = iter([(Unpinnable(0), None), (Batch(1), None)])
+    got = []
+    worker = threading.Thread(target=lambda: got.extend(pinned(stream)))
+    worker.start()
+    worker.join()
+    assert got[0][0] is None and isinstance(got[0][1], Failed)
+    assert "cannot pin this one" in str(got[0][1].exc)
+    assert got[1][0].i == 1 and got[1][0].pinned_in is not None
