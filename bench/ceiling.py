@@ -528,13 +528,10 @@ def tracked(loader):
     return endless(loader)
 
 
-def image_parts(args, urls, results) -> None:
-    step = ImageStep(args.device, args.arch)
-    count = lambda b: int(b[0].shape[0])  # noqa: E731
-    ceilings = Ceilings(step, args, count)
-    only = args.only
-    hp = torch.cuda.Stream(args.device, priority=-1) if args.device.type == "cuda" else None
-    variants = {
+def image_variants(urls, args, hp) -> dict:
+    """The image rows' variants: name -> (input format, make the loader, the training stream or None).
+    Nothing is built until a ``make`` is called (``image_variants(None, None, None)`` lists the names)."""
+    return {
         "imageloader": ("f32", lambda: tracked(image_loader(urls, args)), None),
         "il_auto": ("f32", lambda: tracked(image_loader(urls, args, hw_decoder_load="auto")), None),
         "dali_hand": ("f32", lambda: dali_hand(urls, args), None),
@@ -555,6 +552,15 @@ def image_parts(args, urls, results) -> None:
         "il_cpu_u8": ("u8nhwc", lambda: tracked(image_loader(urls, args, decode_device="cpu", dtype=torch.uint8,
                                                              layout="NHWC")), None),
     }
+
+
+def image_parts(args, urls, results) -> None:
+    step = ImageStep(args.device, args.arch)
+    count = lambda b: int(b[0].shape[0])  # noqa: E731
+    ceilings = Ceilings(step, args, count)
+    only = args.only
+    hp = torch.cuda.Stream(args.device, priority=-1) if args.device.type == "cuda" else None
+    variants = image_variants(urls, args, hp)
     for name in only:
         base = variant_of(name, variants)
         if base is not None and time.perf_counter() - T0 < args.budget_s:

@@ -1,0 +1,96 @@
+"""bench/ceiling.py rows pooled by variant, over one or more result files: n, mean, spread, and a 95%
+confidence interval of the mean (Student's t), so a target such as "ImageLoader >= 0.98 of the ceiling"
+is judged on all the rows measured with the same code, not on one row.
+
+A row's variant is its name less a repeat mark (``imageloader2_nommap`` -> ``imageloader_nommap``); the
+suffixes stay, since they change what was measured. Pool only files measured with the same code.
+
+    python bench/row_stats.py bench/results/ceiling_nommap.json bench/results/ceiling_nommap_b.json
+    python bench/row_stats.py bench/results/ceiling*.json --only imageloader,dali_hand --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.ceiling import REPEAT_MARKS, image_variants, row_base, row_suffixes  # noqa: E402
+from bench.common import table  # noqa: E402
+
+OTHER_PARTS = ("torch_pil", "dl_ours", "dl_torch", "tokens", "tokens_llama", "tokens_worker")
+# two-sided 95% Student's t by degrees of freedom (larger df: the nearest smaller entry; beyond 30: 1.96)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def known_variants() -> set[str]:
+    """Every variant name bench/ceiling.py runs."""
+    return set(image_variants(None, None, None)) | set(OTHER_PARTS)
+
+
+def variant_key(name: str, known: set[str]) -> str:
+    """``name`` less its repeat mark, suffixes kept in order (``imageloader2_legacy_sync10`` ->
+    ``imageloader_legacy_sync10``); a base that is no known variant plus a mark stays as it is."""
+    base = row_base(name)
+    if base not in known and base[-1:] in REPEAT_MARKS and base[:-1] in known:
+        base = base[:-1]
+    return base + "".join(reversed(row_suffixes(name)))
+
+
+def t95(df: int) -> float:
+    if df < 1:
+        return math.nan
+    if df > 30:
+        return 1.96
+    return T95[max(k for k in T95 if k <= df)]
+
+
+def summary(values: list[float]) -> dict:
+    """n, mean, sd (sample), min, max and ``ci95``: the half-width of the mean's 95% interval (None for n < 2)."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    ci = t95(n - 1) * sd / math.sqrt(n) if sd is not None else None
+    return {"n": n, "mean": round(mean, 4), "sd": None if sd is None else round(sd, 4),
+            "ci95": None if ci is None else round(ci, 4), "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def pool(results: list[dict], key: str = "ceiling_ratio", only: set[str] | None = None) -> dict[str, dict]:
+    """``{variant: summary of key over its rows}`` for the ``results`` sections of ceiling result files."""
+    known = known_variants()
+    found: dict[str, list[float]] = defaultdict(list)
+    for res in results:
+        for name, row in res.items():
+            if isinstance(row, dict) and isinstance(row.get(key), (int, float)):
+                variant = variant_key(name, known)
+                if only is None or variant in only:
+                    found[variant].append(float(row[key]))
+    return {v: summary(vals) for v, vals in sorted(found.items())}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", help="bench/ceiling.py result files (JSON)")
+    ap.add_argument("--key", default="ceiling_ratio", help="the row figure to pool (default ceiling_ratio)")
+    ap.add_argument("--only", default=None, help="comma-separated variants to keep")
+    ap.add_argument("--json", default=None, help="also write the pooled figures here")
+    args = ap.parse_args(argv)
+    results = []
+    for path in args.files:
+        with open(path) as f:
+            results.append(json.load(f).get("results", {}))
+    pooled = pool(results, args.key, set(args.only.split(",")) if args.only else None)
+    print(table([{"variant": v, **s} for v, s in pooled.items()], ["variant", "n", "mean", "ci95", "sd", "min", "max"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"files": args.files, "key": args.key, "pooled": pooled}, f, indent=1)
+    return pooled
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""bench/row_stats.py: ceiling rows pooled by variant, with a confidence interval of the mean."""
+import math
+
+import pytest
+
+from bench.row_stats import known_variants, pool, summary, variant_key
+
+
+def test_a_repeat_mark_goes_and_suffixes_stay():
+    known = known_variants()
+    assert variant_key("imageloader2", known) == "imageloader"
+    assert variant_key("imageloader2_nommap", known) == "imageloader_nommap"
+    assert variant_key("imageloader_legacy_sync10", known) == "imageloader_legacy_sync10"
+    assert variant_key("il_hw075c", known) == "il_hw075"
+    assert variant_key("il_hw09", known) == "il_hw09"  # a variant of its own, not il_hw0 repeated
+    assert variant_key("dl_ours2", known) == "dl_ours"
+
+
+def test_summary_gives_the_t_interval_of_the_mean():
+    s = summary([0.97, 0.98, 0.99])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(0.98) and s["sd"] == pytest.approx(0.01)
+    assert s["ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3), abs=1e-4)
+    one = summary([0.5])
+    assert one["sd"] is None and one["ci95"] is None
+
+
+def test_pool_gathers_rows_of_a_variant_across_files_and_skips_other_entries():
+    files = [{"imageloader": {"ceiling_ratio": 0.97}, "imageloader2": {"ceiling_ratio": 0.99},
+              "ceiling_history": [1, 2], "standalone": {"imageloader": {"rate": 1.0}}},
+             {"imageloader": {"ceiling_ratio": 0.98}, "dali_hand": {"ceiling_ratio": 0.96}}]
+    pooled = pool(files)
+    assert pooled["imageloader"]["n"] == 3 and pooled["imageloader"]["mean"] == pytest.approx(0.98)
+    assert set(pooled) == {"imageloader", "dali_hand"}
+    assert set(pool(files, only={"dali_hand"})) == {"dali_hand"}
