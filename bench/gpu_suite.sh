@@ -3,7 +3,7 @@
 # (../shared/device/stage-gpu-wheels.sh). Each argument is a part; results and logs go to $OUT.
 #   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
 #   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
-# Other parts: ceiling anatomy prefetch packing read.
+# Other parts: ceiling anatomy prefetch stalls packing read.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-suite}
@@ -62,6 +62,10 @@ for part in "$@"; do
   elastic2)
     step elastic resume: ImageLoader + ResNet-50 on 2 GPUs, SIGKILL, resume on 1 GPU, then on 2
     timeout 300 python bench/elastic_gpu.py --out "$OUT" 2>&1 | tail -40 | tee -a "$log" ;;
+  stalls)
+    step launch stalls: which host activity blocks the training thread kernel launches
+    timeout ${STALLS_TIMEOUT:-420} python bench/launch_stalls.py --out "$OUT" ${STALLS_ARGS:-} 2>&1 \
+      | tail -20 | tee -a "$log" ;;
   prefetch)
     step prefetch benchmark
     timeout ${PREFETCH_TIMEOUT:-240} python bench/prefetch.py --device cuda --out "$OUT" ${PREFETCH_ARGS:-} 2>&1 \
