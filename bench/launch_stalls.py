@@ -170,6 +170,9 @@ def measure(name: str, args) -> dict:
     """Launch-call times of the main thread while ``name`` runs beside it (see the module docstring)."""
     import torch
 
+    from datapipe.device.queues import widen_hardware_queues
+
+    widen_hardware_queues()  # as a training script that imports loaders.images: before CUDA starts, every activity
     cuda = args.device == "cuda"
     x = torch.zeros(16, device=args.device)
     stop = threading.Event()
