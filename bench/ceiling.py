@@ -35,7 +35,7 @@ to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image 
 pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
 with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
 shared); ``_syncexec`` with a synchronous, unpipelined one (each batch made when the paced producer
-asks). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
+asks); ``_nommap`` with DALI's reader reading shards by plain file I/O, not memory-mapped. Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
 Suffixes combine, in any order (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a
 variant (``imageloader2``, ``il_hw075c``), before any suffix (``imageloader2_single``).
 
@@ -407,8 +407,8 @@ def dali_pipeline_row(name: str):
     ImageLoader copies its outputs out); ``_syncexec``: neither asynchronous nor pipelined, so each batch is
     made inside the producer's ``pipe.run()``, when the (paced) producer asks, not whenever DALI's own
     prefetch frees a slot; ``_nommap``: ``readers.webdataset(dont_use_mmap=True)``, shards read with plain file
-    I/O (unmapping a memory-mapped shard may hold up every thread of the process, as unmapping a worker's
-    shared-memory batch does: README, "Pinning in the producer"). Other rows: DALI's defaults."""
+    I/O, not memory-mapped (README, "ImageLoader's shards read without memory mapping"). Other rows: DALI's
+    defaults."""
     suffixes = row_suffixes(name)
     if not {"_single", "_legacy", "_syncexec", "_nommap"} & set(suffixes):
         yield
