@@ -31,6 +31,7 @@ activity ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -39,6 +40,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from datapipe.units import percentiles  # noqa: E402
 
 ACTIVITIES = ("none", "shm_free", "anon_free", "file_unmap", "pinned_free", "device_free", "h2d_threads",
               "imageloader", "imageloader_novmm", "imageloader_nommap", "imageloader_hw0")
@@ -118,9 +121,7 @@ def _h2d_threads(stop, args):
                 dst.copy_(src, non_blocking=True)
                 event.record(stream)
                 event.synchronize()
-                counts[0] += 1
 
-    counts = [0]
     threads = [threading.Thread(target=copier, daemon=True) for _ in range(8)]
     for t in threads:
         t.start()
@@ -131,27 +132,22 @@ def _h2d_threads(stop, args):
         t.join()
 
 
-def _imageloader(stop, args, **options):
+def _imageloader(stop, args, row: str = "imageloader", **options):
+    from bench.ceiling import dali_pipeline_row
     from bench.images import ensure_dataset
     from loaders import ImageLoader
 
     urls, _ = ensure_dataset(args.data, args.num_images, workers=os.cpu_count() or 1, per_shard=256)
-    loader = ImageLoader(urls, batch_size=256, image_size=224, device="cuda", **options)
-    try:
-        while not stop.is_set():
-            for _ in loader:
-                yield
-                if stop.is_set():
-                    break
-    finally:
-        loader.close()
-
-
-def _nommap():
-    import nvidia.dali.fn.readers as readers
-
-    webdataset = readers.webdataset
-    readers.webdataset = lambda *a, **kw: webdataset(*a, **{**kw, "dont_use_mmap": True})
+    with dali_pipeline_row(row):  # a row's DALI settings (``imageloader_nommap``: shards not memory-mapped)
+        loader = ImageLoader(urls, batch_size=256, image_size=224, device="cuda", **options)
+        try:
+            while not stop.is_set():
+                for _ in loader:
+                    yield
+                    if stop.is_set():
+                        break
+        finally:
+            loader.close()
 
 
 def activity(name: str, stop: threading.Event, args):
@@ -159,9 +155,7 @@ def activity(name: str, stop: threading.Event, args):
     if name == "none":
         return iter(())
     if name in IMAGE:
-        if name == "imageloader_nommap":
-            _nommap()
-        return _imageloader(stop, args, **({"hw_decoder_load": 0.0} if name == "imageloader_hw0" else {}))
+        return _imageloader(stop, args, row=name, **({"hw_decoder_load": 0.0} if name == "imageloader_hw0" else {}))
     return globals()[f"_{name}"](stop, args)
 
 
@@ -194,7 +188,7 @@ def measure(name: str, args) -> dict:
     times = []
     profiler = _profiler() if cuda else None
     end = time.perf_counter() + args.seconds
-    with profiler if profiler is not None else _Null():
+    with profiler if profiler is not None else contextlib.nullcontext():
         while time.perf_counter() < end:
             for _ in range(64):
                 t0 = time.perf_counter()
@@ -219,14 +213,6 @@ def _profiler():
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def driver_launch_times(prof) -> list[float]:
     """Seconds of each launch call (CUDA runtime/driver API) the timed thread made: the thread of the
     ``aten::add_`` ops."""
@@ -244,15 +230,12 @@ def spread(prefix: str, times: list[float]) -> dict:
     """Count, p50 / p99 / p99.9 (us), longest (ms), and calls over 0.2 ms and 1 ms (per 10k) of ``times``."""
     if not times:
         return {f"{prefix}_n": 0}
-    times = sorted(times)
     n = len(times)
-    blocked = sum(t > BLOCKED_S for t in times)
-    long = sum(t > LONG_S for t in times)
-    return {f"{prefix}_n": n, f"{prefix}_p50_us": round(times[n // 2] * 1e6, 1),
-            f"{prefix}_p99_us": round(times[int(n * 0.99)] * 1e6, 1),
-            f"{prefix}_p999_us": round(times[int(n * 0.999)] * 1e6, 1), f"{prefix}_max_ms": round(times[-1] * 1e3, 3),
-            f"{prefix}_over_0.2ms_per_10k": round(1e4 * blocked / n, 2),
-            f"{prefix}_over_1ms_per_10k": round(1e4 * long / n, 2)}
+    q = percentiles(times, qs=(50, 99, 99.9), scale=1e6, digits=1)
+    return {f"{prefix}_n": n, f"{prefix}_p50_us": q["p50"], f"{prefix}_p99_us": q["p99"],
+            f"{prefix}_p999_us": q["p99.9"], f"{prefix}_max_ms": round(max(times) * 1e3, 3),
+            f"{prefix}_over_0.2ms_per_10k": round(1e4 * sum(t > BLOCKED_S for t in times) / n, 2),
+            f"{prefix}_over_1ms_per_10k": round(1e4 * sum(t > LONG_S for t in times) / n, 2)}
 
 
 def child_env(name: str) -> dict:
