@@ -15,14 +15,18 @@ launches, untimed) and times every launch call, while a second thread repeats th
 - ``device_free``: allocate 64 MB on the device and release the cache (``cudaMalloc`` / ``cudaFree``);
 - ``h2d_threads``: 8 threads copying 128 KB pinned buffers to the device, each with an event
   record and sync (nvJPEG's per-image pattern);
-- ``imageloader``: an ``ImageLoader`` (defaults) consumed as fast as it goes; ``imageloader_novmm``
+- ``imageloader``: an ``ImageLoader`` (defaults) consumed at a training loop's pace (``--batches-per-s``); ``imageloader_novmm``
   the same with ``DALI_USE_VMM=0``; ``imageloader_nommap`` with ``readers.webdataset(dont_use_mmap=True)``;
   ``imageloader_hw0`` with ``hw_decoder_load=0.0``.
 
-Per activity, for the launch as Python sees it (``call_*``: GIL waits included) and, on CUDA, for the
-launch call inside the CUDA API (``driver_*``: from torch.profiler, the GIL left out): count, p50 / p99 /
-p99.9 (us), the longest (ms), the calls over 0.2 ms and over 1 ms (per 10k), and how many times the
-activity ran.
+Per activity, for the launch as Python sees it (``call_*``: GIL waits included), for a CPU op timed
+right after each launch (``host_op_*``: the same Python path without CUDA; its stalls are the GIL's or
+the OS's) and, on CUDA, for the launch call inside the CUDA API (``driver_*``: from torch.profiler,
+the GIL left out; the profile gives all threads' API calls one thread id, so the timed thread's
+launches are those nested in its ``aten::add_``): count, p50 / p99 / p99.9 (us), the longest (ms),
+the calls over 0.2 ms and over 1 ms (per 10k), and how many times the activity ran. ``other_calls``:
+the other threads' CUDA API calls in the timed window (count, total ms), ``beside_long_launches``:
+which of them overlapped the timed launches over 1 ms.
 
     python bench/launch_stalls.py                          # the H200 run: bench/results/launch_stalls.json
     python bench/launch_stalls.py --activities none,shm_free --seconds 3
@@ -47,6 +51,7 @@ ACTIVITIES = ("none", "shm_free", "anon_free", "file_unmap", "pinned_free", "dev
               "imageloader", "imageloader_novmm", "imageloader_nommap", "imageloader_hw0")
 CUDA_ONLY = ("pinned_free", "device_free", "h2d_threads")
 IMAGE = ("imageloader", "imageloader_novmm", "imageloader_nommap", "imageloader_hw0")
+IMAGE_SETTLE_S = 12.0
 BLOCKED_S = 2e-4
 LONG_S = 1e-3
 
@@ -140,14 +145,15 @@ def _imageloader(stop, args, row: str = "imageloader", **options):
     urls, _ = ensure_dataset(args.data, args.num_images, workers=os.cpu_count() or 1, per_shard=256)
     with dali_pipeline_row(row):  # a row's DALI settings (``imageloader_nommap``: shards not memory-mapped)
         loader = ImageLoader(urls, batch_size=256, image_size=224, device="cuda", **options)
-        try:
-            while not stop.is_set():
-                for _ in loader:
+        while not stop.is_set():
+            batches = iter(loader)
+            try:
+                for _ in batches:
                     yield
                     if stop.is_set():
                         break
-        finally:
-            loader.close()
+            finally:
+                batches.close()
 
 
 def activity(name: str, stop: threading.Event, args):
@@ -173,38 +179,51 @@ def measure(name: str, args) -> dict:
     done = [0]
     errors: list[str] = []
 
+    # an image loader paced at a training loop's rate (ResNet-50 on the H200: ~18 batches of 256 a second)
+    gap = 1.0 / args.batches_per_s if name in IMAGE and args.batches_per_s > 0 else args.gap_s
+
     def background():
         try:
             for _ in activity(name, stop, args):
                 done[0] += 1
                 if not stop.is_set():
-                    time.sleep(args.gap_s)
+                    time.sleep(gap)
         except Exception as e:  # noqa: BLE001 - reported with the result
             errors.append(repr(e)[:300])
 
     worker = threading.Thread(target=background, daemon=True)
     worker.start()
-    time.sleep(args.settle_s)  # the activity under way (an image loader's pipeline built, its first batches out)
-    times = []
+    # the activity under way: an image loader's pipeline built and its hardware decoder started (over 7 s on the H200)
+    time.sleep(max(args.settle_s, IMAGE_SETTLE_S) if name in IMAGE else args.settle_s)
+    times, host_times = [], []
+    host = torch.zeros(16)
     profiler = _profiler() if cuda else None
-    end = time.perf_counter() + args.seconds
     with profiler if profiler is not None else contextlib.nullcontext():
+        end = time.perf_counter() + args.seconds  # the profiler's start-up (seconds, at times) left out
         while time.perf_counter() < end:
-            for _ in range(64):
+            for _ in range(args.group):
                 t0 = time.perf_counter()
                 x.add_(1)
-                times.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                host.mul_(1)  # the same Python and dispatcher path, no CUDA: its stalls are the GIL's or the OS's
+                t2 = time.perf_counter()
+                times.append(t1 - t0)
+                host_times.append(t2 - t1)
             if cuda:
                 torch.cuda.synchronize()
+            time.sleep(args.pause_ms / 1e3)  # fewer, spread-out launches: the profile stays small to read
     stop.set()
     worker.join(timeout=30)
-    out = {"activity": name, **spread("call", times)}
+    out = {"activity": name, **spread("call", times), **spread("host_op", host_times)}
     if profiler is not None:  # the driver's own time per launch, whatever the GIL did
-        out.update(spread("driver", driver_launch_times(profiler)))
+        split = split_launches(api_records(profiler))
+        out.update(spread("driver", split.pop("times")))
+        out.update(split)
     return {**out, "activity_runs": done[0], **({"error": errors[0]} if errors else {})}
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+TIMED_OP = "aten::add_"
 
 
 def _profiler():
@@ -213,17 +232,48 @@ def _profiler():
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
 
-def driver_launch_times(prof) -> list[float]:
-    """Seconds of each launch call (CUDA runtime/driver API) the timed thread made: the thread of the
-    ``aten::add_`` ops."""
-    from collections import Counter
+def api_records(prof) -> list[tuple[str, float, float, str | None]]:
+    """``(name, start_us, end_us, parent name)`` of the profile's CUDA API calls (names from ``cu``) and of
+    the timed op. The profile gives every thread's API calls one thread id (the H200 run counted DALI's
+    launches as the timed thread's), so the timed thread's launches are told apart by nesting instead:
+    a launch inside a ``TIMED_OP`` (see :func:`split_launches`)."""
+    out = []
+    for e in prof.events():
+        if e.name == TIMED_OP or e.name.startswith("cu"):
+            parent = e.cpu_parent.name if e.cpu_parent is not None else None
+            out.append((e.name, e.time_range.start, e.time_range.end, parent))
+    return out
 
-    events = prof.events()
-    main = Counter(e.thread for e in events if e.name == "aten::add_").most_common(1)
-    if not main:
-        return []
-    tid = main[0][0]
-    return [e.time_range.elapsed_us() / 1e6 for e in events if e.name in LAUNCHES and e.thread == tid]
+
+def split_launches(records, top: int = 12) -> dict:
+    """The timed thread's launch calls (a launch whose parent is the timed op; where an op holds more than
+    one, another thread's call fell inside it: the op's first is taken, the op counted ``ambiguous``) and
+    every other API call: per name the count and total ms (the ``top`` by total time), and which names
+    overlapped the timed launches that took over 1 ms (``beside_long_launches``: how many of them each)."""
+    from collections import Counter, defaultdict
+
+    ops: dict[tuple[float, float], list] = defaultdict(list)
+    op_spans = {(s, e) for name, s, e, _ in records if name == TIMED_OP}
+    candidates = [r for r in records if r[0] in LAUNCHES and r[3] == TIMED_OP]
+    for r in candidates:
+        span = next((o for o in op_spans if o[0] <= r[1] and r[2] <= o[1]), None)
+        if span is not None:
+            ops[span].append(r)
+    mine = [sorted(v, key=lambda r: r[1])[0] for v in ops.values()]
+    ambiguous = sum(len(v) > 1 for v in ops.values())
+    mine_ids = {id(r) for r in mine}
+    others = [r for r in records if r[0] != TIMED_OP and id(r) not in mine_ids]
+    count, total = Counter(), defaultdict(float)
+    for name, s, e, _ in others:
+        count[name] += 1
+        total[name] += (e - s) / 1e3
+    calls = {n: {"n": count[n], "ms": round(total[n], 2)} for n in sorted(total, key=total.get, reverse=True)[:top]}
+    long = [r for r in mine if r[2] - r[1] > LONG_S * 1e6]
+    beside = Counter()
+    for _, s, e, _ in long:
+        beside.update({name for name, s2, e2, _ in others if s2 < e and e2 > s})
+    return {"times": [(e - s) / 1e6 for _, s, e, _ in mine], "ambiguous": ambiguous, "other_calls": calls,
+            "long_launches": len(long), "beside_long_launches": dict(beside.most_common(top))}
 
 
 def spread(prefix: str, times: list[float]) -> dict:
@@ -248,10 +298,15 @@ def child_env(name: str) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--activities", default=",".join(ACTIVITIES))
-    ap.add_argument("--seconds", type=float, default=6.0, help="timed launches per activity")
+    ap.add_argument("--seconds", type=float, default=3.0, help="timed launches per activity")
     ap.add_argument("--settle-s", type=float, default=4.0, help="the activity runs this long before timing")
     ap.add_argument("--gap-s", type=float, default=0.005, help="pause between two runs of an activity")
+    ap.add_argument("--batches-per-s", type=float, default=18.0,
+                    help="the image loaders' pace (a pause of 1/N s after each batch; 0: as fast as they go)")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the activities, interleaved")
+    ap.add_argument("--group", type=int, default=16, help="launches between two synchronisations")
+    ap.add_argument("--pause-ms", type=float, default=2.0, help="pause after each synchronisation")
+    ap.add_argument("--child-timeout-s", type=float, default=60.0, help="a child's limit beyond its timed run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--data", default="/tmp/datapipe-bench-images")
     ap.add_argument("--num-images", type=int, default=20000)
@@ -272,33 +327,37 @@ def main(argv=None) -> dict:
     unknown = [a for a in names if a not in ACTIVITIES]
     if unknown:
         ap.error(f"unknown activities {unknown}; known: {', '.join(ACTIVITIES)}")
-    rows = []
-    passthrough = ["--seconds", str(args.seconds), "--settle-s", str(args.settle_s), "--gap-s", str(args.gap_s),
-                   "--device", args.device, "--data", args.data, "--num-images", str(args.num_images),
-                   "--scratch", args.scratch]
-    for r in range(args.rounds):
-        for name in names:
-            print(f"[{name}] round {r} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, *passthrough],
-                                  capture_output=True, text=True, env=child_env(name),
-                                  timeout=args.seconds + args.settle_s + 300)
-            line = (proc.stdout.strip().splitlines() or [""])[-1]
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = {"activity": name, "error": (proc.stderr or proc.stdout)[-500:]}
-            rows.append({"round": r, **row})
     device = args.device
     gpu = "cpu"
     if device == "cuda":
         import torch
 
         gpu = torch.cuda.get_device_name()
+    rows = []
     result = {"gpu": gpu, "cpu_count": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if k != "child"},
               "rows": rows}
-    path = write_result("launch_stalls", result, args.out)
+    passthrough = ["--seconds", str(args.seconds), "--settle-s", str(args.settle_s), "--gap-s", str(args.gap_s),
+                   "--batches-per-s", str(args.batches_per_s),
+                   "--group", str(args.group), "--pause-ms", str(args.pause_ms),
+                   "--device", args.device, "--data", args.data, "--num-images", str(args.num_images),
+                   "--scratch", args.scratch]
+    for r in range(args.rounds):
+        for name in names:
+            print(f"[{name}] round {r} ...", file=sys.stderr, flush=True)
+            try:
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, *passthrough],
+                                      capture_output=True, text=True, env=child_env(name),
+                                      timeout=args.seconds + args.settle_s + args.child_timeout_s)
+                line = (proc.stdout.strip().splitlines() or [""])[-1]
+                row = json.loads(line)
+            except subprocess.TimeoutExpired:
+                row = {"activity": name, "error": f"timed out after {args.child_timeout_s} s beyond its run"}
+            except json.JSONDecodeError:
+                row = {"activity": name, "error": (proc.stderr or proc.stdout)[-500:]}
+            rows.append({"round": r, **row})
+            path = write_result("launch_stalls", result, args.out)  # after each row: a cut-short run keeps its rows
     print(table(rows, ["activity", "round", "call_n", "call_p50_us", "call_p999_us", "call_max_ms", "call_over_0.2ms_per_10k",
-                       "call_over_1ms_per_10k", "driver_p999_us", "driver_max_ms", "driver_over_0.2ms_per_10k",
+                       "call_over_1ms_per_10k", "host_op_over_1ms_per_10k", "driver_p999_us", "driver_max_ms", "driver_over_0.2ms_per_10k",
                        "driver_over_1ms_per_10k", "activity_runs"]))
     print(f"wrote {path}")
     return result

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from bench.launch_stalls import ACTIVITIES, activity, driver_launch_times, spread
+from bench.launch_stalls import ACTIVITIES, activity, api_records, split_launches, spread
 
 
 def test_spread_counts_calls_over_the_thresholds_per_10k():
@@ -15,14 +15,41 @@ def test_spread_counts_calls_over_the_thresholds_per_10k():
     assert spread("driver", []) == {"driver_n": 0}
 
 
-def test_driver_launch_times_keep_the_timed_threads_launches_only():
+def test_split_launches_tells_the_timed_threads_launches_by_nesting():
+    records = [
+        ("aten::add_", 0.0, 20.0, None), ("cudaLaunchKernel", 2.0, 10.0, "aten::add_"),
+        ("aten::add_", 100.0, 3_200.0, None), ("cudaLaunchKernel", 101.0, 3_100.0, "aten::add_"),  # 3 ms: long
+        ("cudaLaunchKernel", 50.0, 60.0, None),  # another thread's launch, between two timed ops
+        ("cudaHostAlloc", 90.0, 3_000.0, None),  # another thread's call, across the long launch
+        ("cudaEventRecord", 4_000.0, 4_010.0, None),
+    ]
+    out = split_launches(records)
+    assert sorted(out["times"]) == [8e-6, 2.999e-3]
+    assert out["ambiguous"] == 0 and out["long_launches"] == 1
+    assert out["beside_long_launches"] == {"cudaHostAlloc": 1}
+    assert out["other_calls"]["cudaLaunchKernel"] == {"n": 1, "ms": 0.01}
+    assert set(out["other_calls"]) == {"cudaLaunchKernel", "cudaHostAlloc", "cudaEventRecord"}
+
+
+def test_split_launches_takes_an_ops_first_launch_when_another_threads_falls_inside_it():
+    records = [("aten::add_", 0.0, 50.0, None), ("cudaLaunchKernel", 1.0, 5.0, "aten::add_"),
+               ("cudaLaunchKernel", 10.0, 40.0, "aten::add_")]
+    out = split_launches(records)
+    assert out["times"] == [4e-6] and out["ambiguous"] == 1
+    assert out["other_calls"] == {"cudaLaunchKernel": {"n": 1, "ms": 0.03}}
+
+
+def test_api_records_keep_the_timed_op_and_cuda_calls():
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.zeros(4)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             x.add_(1)
-    assert driver_launch_times(prof) == []  # no CUDA here: no launch calls, but the thread was found
+            x.mul_(1)
+    records = api_records(prof)
+    assert [r[0] for r in records] == ["aten::add_"] * 5  # no CUDA here: the timed ops only
+    assert split_launches(records)["times"] == []
 
 
 @pytest.mark.parametrize("name", ["none", "shm_free", "anon_free"])
