@@ -35,6 +35,7 @@ which of them overlapped the timed launches over 1 ms.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import os
@@ -165,6 +166,12 @@ def activity(name: str, stop: threading.Event, args):
     return globals()[f"_{name}"](stop, args)
 
 
+def settle(name: str, args) -> float:
+    """Seconds ``name`` runs before the timing starts: an image loader's pipeline built and its
+    hardware decoder started take over 7 s on the H200."""
+    return max(args.settle_s, IMAGE_SETTLE_S) if name in IMAGE else args.settle_s
+
+
 # ---- one activity, in this (child) process ------------------------------------------------------------
 def measure(name: str, args) -> dict:
     """Launch-call times of the main thread while ``name`` runs beside it (see the module docstring)."""
@@ -193,8 +200,7 @@ def measure(name: str, args) -> dict:
 
     worker = threading.Thread(target=background, daemon=True)
     worker.start()
-    # the activity under way: an image loader's pipeline built and its hardware decoder started (over 7 s on the H200)
-    time.sleep(max(args.settle_s, IMAGE_SETTLE_S) if name in IMAGE else args.settle_s)
+    time.sleep(settle(name, args))  # the activity under way
     times, host_times = [], []
     host = torch.zeros(16)
     profiler = _profiler() if cuda else None
@@ -253,12 +259,13 @@ def split_launches(records, top: int = 12) -> dict:
     from collections import Counter, defaultdict
 
     ops: dict[tuple[float, float], list] = defaultdict(list)
-    op_spans = {(s, e) for name, s, e, _ in records if name == TIMED_OP}
-    candidates = [r for r in records if r[0] in LAUNCHES and r[3] == TIMED_OP]
-    for r in candidates:
-        span = next((o for o in op_spans if o[0] <= r[1] and r[2] <= o[1]), None)
-        if span is not None:
-            ops[span].append(r)
+    spans = sorted({(s, e) for name, s, e, _ in records if name == TIMED_OP})  # one thread's ops: no overlaps
+    starts = [s for s, _ in spans]
+    for r in records:
+        if r[0] in LAUNCHES and r[3] == TIMED_OP:
+            i = bisect.bisect_right(starts, r[1]) - 1  # the last op starting at or before the launch
+            if i >= 0 and r[2] <= spans[i][1]:
+                ops[spans[i]].append(r)
     mine = [sorted(v, key=lambda r: r[1])[0] for v in ops.values()]
     ambiguous = sum(len(v) > 1 for v in ops.values())
     mine_ids = {id(r) for r in mine}
@@ -347,7 +354,7 @@ def main(argv=None) -> dict:
             try:
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, *passthrough],
                                       capture_output=True, text=True, env=child_env(name),
-                                      timeout=args.seconds + args.settle_s + args.child_timeout_s)
+                                      timeout=args.seconds + settle(name, args) + args.child_timeout_s)
                 line = (proc.stdout.strip().splitlines() or [""])[-1]
                 row = json.loads(line)
             except subprocess.TimeoutExpired:
@@ -355,7 +362,8 @@ def main(argv=None) -> dict:
             except json.JSONDecodeError:
                 row = {"activity": name, "error": (proc.stderr or proc.stdout)[-500:]}
             rows.append({"round": r, **row})
-            path = write_result("launch_stalls", result, args.out)  # after each row: a cut-short run keeps its rows
+            write_result("launch_stalls", result, args.out)  # after each row: a cut-short run keeps its rows
+    path = write_result("launch_stalls", result, args.out)
     print(table(rows, ["activity", "round", "call_n", "call_p50_us", "call_p999_us", "call_max_ms", "call_over_0.2ms_per_10k",
                        "call_over_1ms_per_10k", "host_op_over_1ms_per_10k", "driver_p999_us", "driver_max_ms", "driver_over_0.2ms_per_10k",
                        "driver_over_1ms_per_10k", "activity_runs"]))
