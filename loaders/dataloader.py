@@ -26,6 +26,7 @@ The parts: this module is the loader (torch's hooks, the pass, epochs, the publi
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import weakref
@@ -40,6 +41,7 @@ from datapipe.order import elastic
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, shutdown, tagged_batches
 from loaders.dataloader_progress import Progress, stats as pass_stats
+from loaders.dataloader_shm import PooledCollate, SegmentReturns, recycling_available
 from loaders.dataloader_resume import (IndexSampler, Plan, as_loadable, check_local, fresh_state, from_global,
                                        pass_state)
 from loaders.dataloader_workers import StatefulCollate, has_protocol
@@ -95,6 +97,9 @@ class DataLoader(tud.DataLoader[_T_co]):
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
         self._pins_in_producer = dev is not None and dev.type == "cuda"
+        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm)
+        self._returns = SegmentReturns(os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2) \
+            if self._pins_in_producer else None
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
@@ -136,8 +141,13 @@ class DataLoader(tud.DataLoader[_T_co]):
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
         collate, pin = self.collate_fn, self.pin_memory
+        inner = collate
+        if self._recycles(workers):
+            self._returns.workers = workers
+            inner = PooledCollate(collate, self._returns.mark, self._returns.batches)
         if self._protocol:
-            self.collate_fn = StatefulCollate(collate, self.dataset)
+            inner = StatefulCollate(inner, self.dataset)
+        self.collate_fn = inner
         if self._pins_in_producer:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
         # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
@@ -154,6 +164,11 @@ class DataLoader(tud.DataLoader[_T_co]):
             self._plan = Plan()
         rng.base_seed = getattr(it, "_base_seed", None)
         return it
+
+    def _recycles(self, workers: int) -> bool:
+        """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader_shm):
+        the prefetch thread pins, so it knows when a batch is done with."""
+        return self._returns is not None and workers > 0 and recycling_available()
 
     def _drop_persistent(self) -> None:
         if self._iterator is not None:
@@ -224,7 +239,10 @@ class DataLoader(tud.DataLoader[_T_co]):
             if self._prefetcher is None:
                 self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
             self._prefetcher.depth = self._depth
-            self._source.stream = pinned(stream, self.pin_memory_device or None) if self._pins_in_producer else stream
+            if self._pins_in_producer:
+                stream = pinned(stream, self.pin_memory_device or None, returns=self._returns,
+                                keep=self.persistent_workers)
+            self._source.stream = stream
             stream = iter(self._prefetcher)
         it = LoaderIterator(self, stream, p)
         self._active = weakref.ref(it)

@@ -39,7 +39,7 @@ def tagged_batches(torch_it, *, protocol: bool):
         item = None
 
 
-def pinned(stream, device: str | None = None):
+def pinned(stream, device: str | None = None, *, returns=None, keep: bool = False):
     """(Producer thread) ``(batch, meta)`` of ``stream`` with each batch pinned as torch's pin-memory thread
     pins it (``torch.utils.data._utils.pin_memory.pin_memory``: tensors, containers, ``.pin_memory()``
     methods), in this thread.
@@ -49,7 +49,10 @@ def pinned(stream, device: str | None = None):
     whenever a worker's batch arrives, at times right as the training loop wakes from its step's sync.
     Here the unpinned batch is kept until the producer asks for the next one, so it is dropped at the
     producer's paced point, mid-step, whatever the pinning took. A batch whose pinning raises becomes a
-    ``Failed`` (as in torch's pin thread: that batch raises, the pass goes on).
+    ``Failed`` (as in torch's pin thread: that batch raises, the pass goes on). ``returns`` (a
+    :class:`loaders.dataloader_shm.SegmentReturns`): each batch's recycled shared-memory segments go back
+    to their workers once it is pinned (or failed), and are dropped at the pass's end unless ``keep``
+    (persistent workers reuse them).
     """
     from torch.utils.data._utils.pin_memory import pin_memory
 
@@ -63,6 +66,9 @@ def pinned(stream, device: str | None = None):
                     batch = pin_memory(batch, device)
                 except Exception as e:  # noqa: BLE001 - re-raised by the consumer for this batch
                     box.append(e)
+                finally:
+                    if returns is not None:  # copied out (or failed): its segments are free again
+                        returns.release(raw)
                 if box:
                     batch, meta = None, Failed(box.pop())
             yield batch, meta
@@ -72,6 +78,8 @@ def pinned(stream, device: str | None = None):
         close = getattr(stream, "close", None)
         if close is not None:
             close()
+        if returns is not None and not keep:  # the pass's workers are gone: unmap their segments
+            returns.clear()
 
 
 def shutdown(torch_iter) -> None:

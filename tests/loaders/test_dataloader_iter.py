@@ -91,3 +91,42 @@ def test_a_batch_whose_pinning_raises_becomes_a_failure_and_the_stream_goes_on()
     assert got[0][0] is None and isinstance(got[0][1], Failed)
     assert "cannot pin this one" in str(got[0][1].exc)
     assert got[1][0].i == 1 and got[1][0].pinned_in is not None
+
+
+class Returns:
+    """Stands in for loaders.dataloader_shm.SegmentReturns: records what was given back, and when."""
+
+    def __init__(self):
+        self.released = []
+        self.cleared = 0
+
+    def release(self, batch):
+        self.released.append(batch.i)
+
+    def clear(self):
+        self.cleared += 1
+
+
+def test_pinned_gives_each_raw_batch_back_once_pinned_or_failed_and_clears_at_the_end():
+    returns = Returns()
+    stream = iter([(Batch(0), None), (Unpinnable(1), None), (None, Failed(ValueError("made none"))), (Batch(3), None)])
+    got = []
+
+    def consume():
+        for batch, meta in pinned(stream, returns=returns):
+            got.append((list(returns.released), batch.i if batch is not None else None))
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    worker.join()
+    # batch 0 given back before it was handed on; the failed pin too; a batch that never came, not
+    assert got == [([0], 0), ([0, 1], None), ([0, 1], None), ([0, 1, 3], 3)]
+    assert returns.cleared == 1
+
+
+def test_pinned_keeps_the_segments_for_persistent_workers():
+    returns = Returns()
+    worker = threading.Thread(target=lambda: list(pinned(iter([(Batch(0), None)]), returns=returns, keep=True)))
+    worker.start()
+    worker.join()
+    assert returns.released == [0] and returns.cleared == 0

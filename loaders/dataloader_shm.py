@@ -1,0 +1,255 @@
+"""Recycled shared memory for the batches of ``loaders.DataLoader``'s worker processes.
+
+A torch worker puts every batch in fresh shared memory: ``default_collate`` stacks into a new
+shared-memory tensor, any other tensor is moved there when the batch is pickled. Creating and
+first touching 19 MB of shared memory (a batch of 128 224x224 RGB images) takes ~10 ms on the
+2-core CI machine, against ~1 ms to write into memory already mapped, and the main process maps
+each batch anew and unmaps it after use (~2 ms that hold up its other threads: README, "Pinning
+in the producer"). Here each worker keeps a small pool of shared-memory segments and writes its
+batches' tensors into free ones; the main process keeps the segments mapped (torch's receiving
+side finds a segment it still holds in its cache and does not map it again) and hands each
+segment back as soon as the batch has been pinned. Used where that moment is known: with
+``device="cuda"`` (the prefetch thread pins; :func:`loaders.dataloader_iter.pinned`) and torch's
+``file_descriptor`` sharing strategy (Linux's default).
+
+A segment starts with a 64-byte header: the loader's 8-byte mark and a state byte, ``BUSY`` from
+when its worker writes into it until the main process sets it back to ``FREE``. A worker never
+waits: with no free segment of the size and its pool full, a batch's tensor goes to fresh shared
+memory as torch does. Leaves moved: plain CPU tensors, dense (contiguous or channels-last), not
+needing grad, inside dicts, lists, tuples and namedtuples; a tensor sharing its storage with
+another leaf of the batch, and anything else, travels as torch sends it.
+"""
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import get_worker_info
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate, default_collate_fn_map
+
+__all__ = ["HEADER", "FREE", "BUSY", "PooledCollate", "SegmentPool", "SegmentReturns", "recycling_available"]
+
+HEADER = 64  # bytes before a segment's data: mark (8), state (1), padding (keeps data 64-byte aligned)
+FREE, BUSY = 0, 1
+_STATE = 8
+_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def recycling_available() -> bool:
+    """Whether batches can travel in recycled segments: torch's ``file_descriptor`` sharing strategy
+    (with ``file_system`` each send would add a reference the receiver never drops)."""
+    return torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+
+
+def _header(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (HEADER,), (1,))
+
+
+def _format(t: torch.Tensor):
+    """The memory format ``t`` is dense in (its strides can be rebuilt in a segment), or None."""
+    for fmt in _FORMATS:
+        try:
+            if t.is_contiguous(memory_format=fmt):
+                return fmt
+        except RuntimeError:  # channels_last for a tensor of another rank
+            continue
+    return None
+
+
+def _movable(t: Any) -> bool:
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0
+            and not t.requires_grad and not t.is_quantized and not t.is_nested and _format(t) is not None)
+
+
+class SegmentPool:
+    """(Worker process) shared-memory segments this worker writes its batches' tensors into.
+
+    ``take(nbytes)``: the smallest free segment that holds ``nbytes``, marked ``BUSY``; a new one while
+    the pool has fewer than ``cap`` (a free one too small is replaced); None when every segment is
+    busy. ``fresh``: segments made so far.
+    """
+
+    def __init__(self, mark: bytes, cap: int):
+        self.mark = mark
+        self._mark = torch.tensor(list(mark), dtype=torch.uint8)
+        self.cap = cap
+        self.segments: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self.fresh = 0
+
+    def take(self, nbytes: int) -> torch.UntypedStorage | None:
+        need = HEADER + nbytes
+        free = [s for s in self.segments if int(s[1][_STATE]) == FREE]
+        fits = [s for s in free if s[0].nbytes() >= need]
+        if fits:
+            chosen = min(fits, key=lambda s: s[0].nbytes())
+        elif len(self.segments) < self.cap or free:
+            if len(self.segments) >= self.cap:  # full: the smallest free segment makes way
+                self.segments.remove(min(free, key=lambda s: s[0].nbytes()))
+            storage = torch.UntypedStorage._new_shared(need if not self.fresh else need + need // 4)
+            chosen = (storage, _header(storage))
+            chosen[1][:8] = self._mark
+            self.segments.append(chosen)
+            self.fresh += 1
+        else:
+            return None
+        chosen[1][_STATE] = BUSY
+        return chosen[0]
+
+    def place(self, dtype: torch.dtype, shape, fmt=torch.contiguous_format) -> torch.Tensor | None:
+        """An empty tensor of ``dtype`` and ``shape`` in a segment, laid out in memory format ``fmt``, or
+        None when the pool has no segment for it."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        storage = self.take(size * torch.Size(shape).numel())
+        if storage is None:
+            return None
+        strides = torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt).stride()
+        return torch.empty(0, dtype=dtype).set_(storage, HEADER // size, tuple(shape), strides)
+
+
+class PooledCollate:
+    """collate_fn wrapper: in a worker, the batch's tensors land in the worker's :class:`SegmentPool`.
+
+    With torch's ``default_collate`` the stacking writes straight into a segment; with any other
+    collate its result's movable tensors are copied into segments. In the main process (no workers)
+    it is the wrapped collate. ``mark``: the loader's 8 bytes; ``batches``: how many batches one
+    worker may have in flight (torch's prefetch factor + 2), so the pool's cap is that many times
+    the tensors in a batch.
+    """
+
+    def __init__(self, collate_fn: Callable, mark: bytes, batches: int):
+        self.collate = collate_fn
+        self.mark = mark
+        self.batches = batches
+        self._pool: SegmentPool | None = None
+        self._pid: int | None = None
+        self._leaves = 1
+
+    def __getstate__(self):
+        return {**self.__dict__, "_pool": None, "_pid": None}
+
+    @property
+    def pool(self) -> SegmentPool:
+        if self._pid != os.getpid():  # one pool per worker process
+            self._pool, self._pid = SegmentPool(self.mark, self.batches * self._leaves), os.getpid()
+        return self._pool
+
+    def __call__(self, samples):
+        if get_worker_info() is None:
+            return self.collate(samples)
+        pool = self.pool
+        if self.collate is default_collate:  # stacks straight into segments
+            batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
+        else:
+            batch = self.collate(samples)
+        batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
+        leaves = sum(1 for _ in _tensors(batch))
+        if leaves > self._leaves:
+            self._leaves = leaves
+            pool.cap = self.batches * leaves
+        return batch
+
+    def _stack(self, batch, *, collate_fn_map=None):
+        elem = batch[0]
+        if not _movable(elem) or any(x.shape != elem.shape or x.dtype != elem.dtype for x in batch):
+            return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's result, or its error
+        out = self.pool.place(elem.dtype, (len(batch), *elem.shape))
+        if out is None:
+            return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        return torch.stack(batch, 0, out=out)
+
+
+def _tensors(batch):
+    """The tensor leaves of ``batch`` (dicts, lists, tuples, namedtuples), depth first."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v)
+
+
+def _shared_storages(batch) -> set[int]:
+    """Storages that more than one leaf of ``batch`` uses (those leaves stay as they are)."""
+    seen = collections.Counter(t.untyped_storage().data_ptr() for t in _tensors(batch))
+    return {ptr for ptr, n in seen.items() if n > 1}
+
+
+def _moved(batch, pool: SegmentPool, keep: set[int]):
+    """``batch`` with its movable tensors copied into segments of ``pool`` (same containers)."""
+    if isinstance(batch, torch.Tensor):
+        if not _movable(batch) or batch.untyped_storage().data_ptr() in keep or _pooled(batch, pool.mark):
+            return batch
+        out = pool.place(batch.dtype, batch.shape, _format(batch))
+        return batch if out is None else out.copy_(batch)
+    if isinstance(batch, Mapping):
+        items = {k: _moved(v, pool, keep) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # a mapping type that cannot be built from a dict: as torch's collate does
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_moved(v, pool, keep) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        moved = [_moved(v, pool, keep) for v in batch]
+        return moved if type(batch) is list else (tuple(moved) if type(batch) is tuple else _rebuilt(batch, moved))
+    return batch
+
+
+def _rebuilt(batch, moved):
+    try:
+        return type(batch)(moved)
+    except TypeError:
+        return moved
+
+
+def _pooled(t: torch.Tensor, mark: bytes | None = None) -> bool:
+    """Whether ``t`` lives in a segment (of the loader marked ``mark``, if given)."""
+    storage = t.untyped_storage()
+    if storage.nbytes() < HEADER or not storage.is_shared() or t.storage_offset() * t.element_size() < HEADER:
+        return False
+    head = _header(storage)
+    return mark is None or bytes(head[:8].tolist()) == mark
+
+
+class SegmentReturns:
+    """(Main process) gives a pinned batch's segments back to their workers and keeps them mapped.
+
+    ``release(batch)``: each tensor of ``batch`` in a segment marked ``mark`` is set ``FREE`` and its
+    segment kept, so the next batch a worker writes into it arrives without a new mapping. At most
+    twice the segments the workers can hold are kept (``workers`` x ``batches`` in flight x the
+    tensors of a batch), the least recently used dropped first. ``clear()`` drops them all.
+    """
+
+    def __init__(self, mark: bytes, *, workers: int, batches: int):
+        self.mark = mark
+        self.workers = workers
+        self.batches = batches
+        self.kept: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
+        self.released = 0
+        self._leaves = 1
+
+    def release(self, batch) -> None:
+        leaves = 0
+        for t in _tensors(batch):
+            if not _pooled(t, self.mark):
+                continue
+            leaves += 1
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in self.kept:
+                self.kept.move_to_end(ptr)
+            else:
+                self.kept[ptr] = storage
+            _header(storage)[_STATE] = FREE
+            self.released += 1
+        self._leaves = max(self._leaves, leaves)
+        while len(self.kept) > 2 * max(1, self.workers) * self.batches * self._leaves:
+            self.kept.popitem(last=False)
+
+    def clear(self) -> None:
+        self.kept.clear()

@@ -1,0 +1,159 @@
+"""loaders.dataloader_shm: worker batches in recycled shared memory, handed back once copied out."""
+import collections
+import os
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from loaders.dataloader_shm import (BUSY, FREE, HEADER, PooledCollate, SegmentPool, SegmentReturns,
+                                    recycling_available)
+
+pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
+
+MARK = b"testmark"
+Pair = collections.namedtuple("Pair", "left right")
+
+
+class Images(Dataset):
+    """Sample i: a 3x32x32 uint8 image filled from i, and the label i."""
+
+    def __init__(self, n=96):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((3, 32, 32), i % 251, dtype=torch.uint8) + torch.arange(32, dtype=torch.uint8), i
+
+
+def expected(i, batch_size=8):
+    ids = list(range(i * batch_size, (i + 1) * batch_size))
+    return torch.stack([Images()[j][0] for j in ids]), torch.tensor(ids)
+
+
+def state(t):
+    return int(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 0, (HEADER,), (1,))[8])
+
+
+def loader(collate=None, workers=2, **kw):
+    from torch.utils.data import default_collate
+
+    return DataLoader(Images(), batch_size=8, num_workers=workers,
+                      collate_fn=PooledCollate(collate or default_collate, MARK, batches=4), **kw)
+
+
+def test_batches_arrive_exact_and_their_segments_are_reused():
+    returns = SegmentReturns(MARK, workers=2, batches=4)
+    segments = set()
+    for i, (images, labels) in enumerate(loader()):
+        img, lab = expected(i)
+        assert torch.equal(images.clone(), img) and torch.equal(labels.clone(), lab)  # the copy out
+        assert state(images) == BUSY and state(labels) == BUSY
+        segments |= {images.untyped_storage().data_ptr(), labels.untyped_storage().data_ptr()}
+        returns.release((images, labels))
+        assert state(images) == FREE
+    assert i == 11 and returns.released == 24
+    # two workers, 4 batches in flight each, 2 tensors a batch: 16 segments at most, against 24 sends;
+    # a segment the main process mapped anew each time would count again (the kept ones stay mapped)
+    assert len(segments) <= 16
+    assert len(returns.kept) == len(segments)
+
+
+def test_a_batch_held_back_is_not_overwritten_and_unreturned_segments_fall_back():
+    batches = list(loader(prefetch_factor=2))  # none returned: every worker runs out of free segments
+    time.sleep(0.2)
+    for i, (images, labels) in enumerate(batches):
+        img, lab = expected(i)
+        assert torch.equal(images, img) and torch.equal(labels, lab)
+
+
+def test_slow_consumer_sees_its_batch_unchanged_until_it_returns_it():
+    returns = SegmentReturns(MARK, workers=1, batches=4)
+    for i, (images, labels) in enumerate(loader(workers=1)):
+        time.sleep(0.02)  # the worker runs ahead meanwhile, into other segments
+        img, lab = expected(i)
+        assert torch.equal(images, img) and torch.equal(labels, lab)
+        returns.release((images, labels))
+
+
+def custom(samples):
+    images = torch.stack([s[0] for s in samples]).float()
+    base = torch.arange(10.0)
+    return {"nhwc": images.contiguous(memory_format=torch.channels_last), "pair": Pair(images[:, 0], [1, "a"]),
+            "base": base, "view": base[2:5], "ids": torch.tensor([s[1] for s in samples])}
+
+
+def test_a_custom_collates_tensors_move_with_layout_and_aliasing_kept():
+    plain = list(DataLoader(Images(32), batch_size=8, num_workers=2, collate_fn=custom))
+    returns = SegmentReturns(MARK, workers=2, batches=4)
+    for ref, got in zip(plain, DataLoader(Images(32), batch_size=8, num_workers=2,
+                                          collate_fn=PooledCollate(custom, MARK, batches=4))):
+        assert torch.equal(got["nhwc"], ref["nhwc"]) and got["nhwc"].stride() == ref["nhwc"].stride()
+        assert got["nhwc"].is_contiguous(memory_format=torch.channels_last) and state(got["nhwc"]) == BUSY
+        assert isinstance(got["pair"], Pair) and got["pair"].right == [1, "a"]
+        assert torch.equal(got["pair"].left, ref["pair"].left) and torch.equal(got["ids"], ref["ids"])
+        # base and view share a storage: both travel as torch sends them, still sharing
+        assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+        assert torch.equal(got["view"], torch.arange(2.0, 5.0))
+        returns.release(got)
+    assert returns.released == 4 * 2  # nhwc and ids; pair.left, a strided view of another tensor, as torch sends it
+
+
+def test_in_the_main_process_it_is_the_wrapped_collate():
+    calls = []
+
+    def collate(samples):
+        calls.append(len(samples))
+        return len(samples)
+
+    assert list(DataLoader(Images(16), batch_size=8, collate_fn=PooledCollate(collate, MARK, batches=4))) == [8, 8]
+    assert calls == [8, 8]
+
+
+def test_pool_takes_the_smallest_free_fit_up_to_its_cap():
+    pool = SegmentPool(MARK, cap=2)
+    a = pool.take(1000)
+    b = pool.take(100)
+    assert a is not None and b is not None and pool.fresh == 2
+    assert pool.take(10) is None  # both busy, cap reached: the caller falls back
+    for s in (a, b):
+        torch.empty(0, dtype=torch.uint8).set_(s, 0, (HEADER,), (1,))[8] = FREE
+    assert pool.take(50).data_ptr() == b.data_ptr()  # the smaller one that fits
+    grown = pool.take(5000)  # a too small: the free segment makes way for a larger one
+    assert grown is not None and grown.nbytes() >= HEADER + 5000 and pool.fresh == 3 and len(pool.segments) == 2
+
+
+def test_placed_tensors_keep_their_memory_format():
+    pool = SegmentPool(MARK, cap=4)
+    t = pool.place(torch.float32, (2, 3, 4, 5), torch.channels_last)
+    assert t.is_contiguous(memory_format=torch.channels_last) and t.storage_offset() * 4 == HEADER
+    assert pool.place(torch.int64, (7,)).stride() == (1,)
+
+
+def test_returns_ignore_other_tensors_and_keep_a_bounded_set():
+    returns = SegmentReturns(MARK, workers=1, batches=1)
+    returns.release((torch.zeros(100), torch.zeros(100).share_memory_()))
+    assert returns.released == 0
+    other = SegmentPool(b"othermrk", cap=1).place(torch.uint8, (10,))
+    returns.release(other)
+    assert returns.released == 0 and state(other) == BUSY  # another loader's segment: left alone
+    pool = SegmentPool(MARK, cap=8)
+    placed = [pool.place(torch.uint8, (10,)) for _ in range(5)]  # five segments, all busy
+    assert pool.place(torch.uint8, (10,)).untyped_storage().data_ptr() not in {
+        t.untyped_storage().data_ptr() for t in placed}
+    for t in placed:
+        returns.release(t)
+    assert pool.place(torch.uint8, (10,)).untyped_storage().data_ptr() == placed[0].untyped_storage().data_ptr()
+    assert returns.released == 5 and len(returns.kept) == 2  # 2 x 1 worker x 1 batch x 1 tensor
+    returns.clear()
+    assert not returns.kept
+
+
+def test_the_pool_is_made_again_in_a_new_process():
+    collate = PooledCollate(lambda s: s, MARK, batches=2)
+    collate._pid = os.getpid() + 1  # as if this object was copied into another process
+    assert collate.pool.cap == 2 and collate._pid == os.getpid()
+    assert "_pool" in collate.__getstate__() and collate.__getstate__()["_pool"] is None
