@@ -417,7 +417,8 @@ class DataLoader(tud.DataLoader[_T_co]):
                           prefetcher=self._prefetcher)
 
     def close(self) -> None:
-        """Stop prefetching, shut every worker down (persistent ones too) and free the pinned pool."""
+        """Stop prefetching, shut every worker down (persistent ones too), free the pinned pool and unmap
+        the workers' recycled shared memory."""
         active = self._active() if self._active is not None else None
         if active is not None:
             active.close()
@@ -425,6 +426,8 @@ class DataLoader(tud.DataLoader[_T_co]):
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+        if self._returns is not None:  # the prefetch thread has stopped: the workers' segments go
+            self._returns.clear()
 
     def __enter__(self) -> DataLoader:
         return self

@@ -15,7 +15,8 @@ segment back as soon as the batch has been pinned. Used where that moment is kno
 A segment starts with a 64-byte header: the loader's 8-byte mark and a state byte, ``BUSY`` from
 when its worker writes into it until the main process sets it back to ``FREE``. A worker never
 waits: with no free segment of the size and its pool full, a batch's tensor goes to fresh shared
-memory as torch does. Leaves moved: plain CPU tensors, dense (contiguous or channels-last), not
+memory as torch does. ``default_collate`` (alone or inside a custom collate) stacks straight into
+a segment; other tensors of a batch are copied into one. Leaves moved: plain CPU tensors, dense (contiguous or channels-last), not
 needing grad, inside dicts, lists, tuples and namedtuples; a tensor sharing its storage with
 another leaf of the batch, and anything else, travels as torch sends it.
 """
@@ -28,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils.data import get_worker_info
-from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate, default_collate_fn_map
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 __all__ = ["HEADER", "FREE", "BUSY", "PooledCollate", "SegmentPool", "SegmentReturns", "recycling_available"]
 
@@ -112,8 +113,8 @@ class SegmentPool:
 class PooledCollate:
     """collate_fn wrapper: in a worker, the batch's tensors land in the worker's :class:`SegmentPool`.
 
-    With torch's ``default_collate`` the stacking writes straight into a segment; with any other
-    collate its result's movable tensors are copied into segments. In the main process (no workers)
+    Where torch's ``default_collate`` stacks tensors (as the collate, or called by a custom one) it
+    writes straight into a segment; the result's other movable tensors are copied into segments. In the main process (no workers)
     it is the wrapped collate. ``mark``: the loader's 8 bytes; ``batches``: how many batches one
     worker may have in flight (torch's prefetch factor + 2), so the pool's cap is that many times
     the tensors in a batch.
@@ -140,10 +141,14 @@ class PooledCollate:
         if get_worker_info() is None:
             return self.collate(samples)
         pool = self.pool
-        if self.collate is default_collate:  # stacks straight into segments
-            batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: self._stack})
-        else:
+        # torch's default_collate, called here or from inside a custom collate, stacks straight into
+        # segments while this worker (one thread) collates
+        saved = default_collate_fn_map[torch.Tensor]
+        default_collate_fn_map[torch.Tensor] = self._stack
+        try:
             batch = self.collate(samples)
+        finally:
+            default_collate_fn_map[torch.Tensor] = saved
         batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
         leaves = sum(1 for _ in _tensors(batch))
         if leaves > self._leaves:
@@ -249,7 +254,7 @@ class SegmentReturns:
             self.released += 1
         self._leaves = max(self._leaves, leaves)
         while len(self.kept) > 2 * max(1, self.workers) * self.batches * self._leaves:
-            self.kept.popitem(last=False)
+            self.kept.popitem(last=False)  # a replaced or departed worker's segment, unmapped here
 
     def clear(self) -> None:
         self.kept.clear()

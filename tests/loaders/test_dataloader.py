@@ -531,6 +531,7 @@ def test_gpu_worker_batches_travel_in_recycled_shared_memory(persistent):
         assert dl._returns.released == 24 * (epoch + 1)
         assert (len(dl._returns.kept) > 0) == persistent
     dl.close()
+    assert not dl._returns.kept
 
 
 def test_state_names_its_kind_and_another_kind_is_refused():

@@ -157,3 +157,36 @@ def test_the_pool_is_made_again_in_a_new_process():
     collate._pid = os.getpid() + 1  # as if this object was copied into another process
     assert collate.pool.cap == 2 and collate._pid == os.getpid()
     assert "_pool" in collate.__getstate__() and collate.__getstate__()["_pool"] is None
+
+
+def calls_default_collate(samples):
+    from torch.utils.data import default_collate
+    from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+
+    return {"batch": default_collate(samples), "patched": default_collate_fn_map[torch.Tensor] is not collate_tensor_fn}
+
+
+def test_default_collate_inside_a_custom_collate_stacks_into_segments_and_the_map_is_restored():
+    from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+
+    returns = SegmentReturns(MARK, workers=2, batches=4)
+    for i, got in enumerate(DataLoader(Images(32), batch_size=8, num_workers=2,
+                                       collate_fn=PooledCollate(calls_default_collate, MARK, batches=4))):
+        assert got["patched"] and state(got["batch"][0]) == BUSY
+        assert torch.equal(got["batch"][0], expected(i)[0])
+        returns.release(got)
+    assert returns.released == 4 * 2
+    assert default_collate_fn_map[torch.Tensor] is collate_tensor_fn  # untouched in this process
+
+
+def test_a_raising_collate_leaves_torchs_map_as_it_was(monkeypatch):
+    import loaders.dataloader_shm as shm
+    from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+
+    def broken(samples):
+        raise ValueError("bad samples")
+
+    monkeypatch.setattr(shm, "get_worker_info", lambda: object())  # as if in a worker
+    with pytest.raises(ValueError, match="bad samples"):
+        PooledCollate(broken, MARK, batches=2)([1, 2])
+    assert default_collate_fn_map[torch.Tensor] is collate_tensor_fn

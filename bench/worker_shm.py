@@ -1,0 +1,184 @@
+"""Worker batches in recycled shared memory (``loaders.dataloader_shm``) against torch's fresh shared memory.
+
+Worker-bound loading: the workers make batches of ``--batch-size`` 3x224x224 uint8 images (a copy of
+one image per sample, plus ``--spin-ms`` of CPU work per batch for each case) and the main process
+takes them as fast as they come. Per case and variant, batches per second (median of the rounds,
+variants interleaved in each round):
+
+- ``torch``: torch's DataLoader (``default_collate`` stacks into new shared memory); the main process
+  copies each batch out (the pinning stand-in) and drops it;
+- ``recycled``: the same with ``PooledCollate``, each batch's segments given back after the copy;
+- on CUDA, the loaders as users run them: ``dl_torch`` torch's ``pin_memory=True`` + ``.to(non_blocking)``,
+  ``dl_ours`` ``loaders.DataLoader(device="cuda")``, ``dl_ours_fresh`` the same with recycling off.
+
+    python bench/worker_shm.py                      # CPU: bench/results/worker_shm.json
+    python bench/worker_shm.py --device cuda        # the H200 run, all variants
+    python bench/worker_shm.py --quick              # smoke check (tiny)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader as TorchLoader, Dataset, default_collate  # noqa: E402
+
+from bench.common import table, write_result  # noqa: E402
+from loaders.dataloader_shm import PooledCollate, SegmentReturns  # noqa: E402
+
+
+class Frames(Dataset):
+    """Sample i: a copy of one 3 x size x size uint8 image (its first byte set from i) and the label i."""
+
+    def __init__(self, n: int, size: int):
+        self.n = n
+        self.image = torch.randint(0, 256, (3, size, size), dtype=torch.uint8)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        out = self.image.clone()
+        out.view(-1)[0] = i % 256
+        return out, i
+
+
+class Spin:
+    """collate_fn: ``ms`` of busy CPU in the worker (a batch's decoding, say), then ``collate``."""
+
+    def __init__(self, collate, ms: float):
+        self.collate = collate
+        self.ms = ms
+
+    def __call__(self, samples):
+        end = time.perf_counter() + self.ms / 1e3
+        while time.perf_counter() < end:
+            pass
+        return self.collate(samples)
+
+
+def drain(batches, limit: int, warmup: int, take) -> float:
+    """Batches per second over ``limit`` batches after ``warmup``, each passed to ``take``."""
+    it = iter(batches)
+    for _ in range(warmup):
+        take(next(it))
+    t0 = time.perf_counter()
+    for _ in range(limit):
+        take(next(it))
+    rate = limit / (time.perf_counter() - t0)
+    close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
+    if close is not None:
+        close()
+    return rate
+
+
+def variants(args, spin_ms: float) -> dict:
+    """name -> function running one measurement (batches per second)."""
+    n = (args.batches + args.warmup) * args.batch_size
+    common = dict(batch_size=args.batch_size, num_workers=args.workers, prefetch_factor=args.prefetch_factor)
+    out_buf = torch.empty(args.batch_size, 3, args.size, args.size, dtype=torch.uint8)
+
+    def copy_out(batch):
+        images, labels = batch
+        out_buf[: len(images)].copy_(images)
+        return labels.sum()
+
+    def torch_run():
+        dl = TorchLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), **common)
+        return drain(dl, args.batches, args.warmup, copy_out)
+
+    def recycled_run():
+        returns = SegmentReturns(os.urandom(8), workers=args.workers, batches=args.prefetch_factor + 2)
+        collate = PooledCollate(Spin(default_collate, spin_ms), returns.mark, returns.batches)
+        dl = TorchLoader(Frames(n, args.size), collate_fn=collate, **common)
+
+        def take(batch):
+            copy_out(batch)
+            returns.release(batch)
+
+        rate = drain(dl, args.batches, args.warmup, take)
+        returns.clear()
+        return rate
+
+    runs = {"torch": torch_run, "recycled": recycled_run}
+    if args.device == "cuda":
+        from loaders import DataLoader
+        import loaders.dataloader as ours
+
+        device = torch.device("cuda")
+
+        def to_gpu(batch):
+            images, labels = batch
+            return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+        def dl_torch():
+            dl = TorchLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), pin_memory=True,
+                             **common)
+            rate = drain(dl, args.batches, args.warmup, to_gpu)
+            torch.cuda.synchronize()
+            return rate
+
+        def dl_ours(fresh: bool = False):
+            available = ours.recycling_available
+            if fresh:
+                ours.recycling_available = lambda: False
+            try:
+                dl = DataLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), device="cuda",
+                                **common)
+                rate = drain(dl, args.batches, args.warmup, lambda b: None)
+            finally:
+                ours.recycling_available = available
+            torch.cuda.synchronize()
+            return rate
+
+        runs.update(dl_torch=dl_torch, dl_ours=dl_ours, dl_ours_fresh=lambda: dl_ours(fresh=True))
+    return runs
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--workers", type=int, default=None, help="default: 8 on CUDA, else min(4, cores)")
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--prefetch-factor", type=int, default=2)
+    ap.add_argument("--batches", type=int, default=60, help="timed batches per measurement")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spin-ms", default="0,30", help="comma list: the cases' CPU work per batch in a worker")
+    ap.add_argument("--quick", action="store_true", help="smoke check: tiny images, few batches")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = ap.parse_args(argv)
+    if args.workers is None:
+        args.workers = 8 if args.device == "cuda" else min(4, os.cpu_count() or 1)
+    if args.quick:
+        args.size, args.batch_size, args.batches, args.warmup, args.rounds, args.spin_ms = 32, 8, 6, 2, 1, "0"
+    rows, raw = [], {}
+    for spin in [float(s) for s in args.spin_ms.split(",") if s]:
+        runs = variants(args, spin)
+        rates = {name: [] for name in runs}
+        for r in range(args.rounds):
+            for name, run in runs.items():
+                rates[name].append(round(run(), 2))
+                print(f"spin {spin} ms, round {r}, {name}: {rates[name][-1]} batches/s", file=sys.stderr, flush=True)
+        base = statistics.median(rates["torch"])
+        for name, values in rates.items():
+            med = statistics.median(values)
+            rows.append({"spin_ms": spin, "variant": name, "batches_per_s": round(med, 2),
+                         "vs_torch": round(med / base, 3), "rounds": values})
+        raw[str(spin)] = rates
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+    result = {"gpu": gpu, "cpu_count": os.cpu_count(), "config": vars(args), "rows": rows}
+    path = write_result("worker_shm", result, args.out)
+    print(table(rows, ["spin_ms", "variant", "batches_per_s", "vs_torch", "rounds"]))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
