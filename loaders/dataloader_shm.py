@@ -79,6 +79,14 @@ class SegmentPool:
         self.cap = cap
         self.segments: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.fresh = 0
+        self.taken: list[torch.Tensor] = []  # headers taken since the last ``forget_taken()``
+
+    def forget_taken(self, give_back: bool = False) -> None:
+        """Start a new batch; ``give_back``: the segments taken for the last one are free again (it failed)."""
+        if give_back:
+            for header in self.taken:
+                header[_STATE] = FREE
+        self.taken = []
 
     def take(self, nbytes: int) -> torch.UntypedStorage | None:
         need = HEADER + nbytes
@@ -97,6 +105,7 @@ class SegmentPool:
         else:
             return None
         chosen[1][_STATE] = BUSY
+        self.taken.append(chosen[1])
         return chosen[0]
 
     def place(self, dtype: torch.dtype, shape, fmt=torch.contiguous_format) -> torch.Tensor | None:
@@ -145,11 +154,15 @@ class PooledCollate:
         # segments while this worker (one thread) collates
         saved = default_collate_fn_map[torch.Tensor]
         default_collate_fn_map[torch.Tensor] = self._stack
+        pool.forget_taken()
         try:
             batch = self.collate(samples)
+            batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
+        except BaseException:  # no batch leaves: the segments it took are not lost to the pool
+            pool.forget_taken(give_back=True)
+            raise
         finally:
             default_collate_fn_map[torch.Tensor] = saved
-        batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
         leaves = sum(1 for _ in _tensors(batch))
         if leaves > self._leaves:
             self._leaves = leaves

@@ -190,3 +190,19 @@ def test_a_raising_collate_leaves_torchs_map_as_it_was(monkeypatch):
     with pytest.raises(ValueError, match="bad samples"):
         PooledCollate(broken, MARK, batches=2)([1, 2])
     assert default_collate_fn_map[torch.Tensor] is collate_tensor_fn
+
+
+def test_a_collate_that_raises_after_stacking_gives_its_segments_back(monkeypatch):
+    import loaders.dataloader_shm as shm
+    from torch.utils.data import default_collate
+
+    def half_done(samples):
+        default_collate([s[0] for s in samples])  # stacks into a segment, then fails
+        raise ValueError("labels unreadable")
+
+    monkeypatch.setattr(shm, "get_worker_info", lambda: object())  # as if in a worker
+    collate = PooledCollate(half_done, MARK, batches=2)
+    with pytest.raises(ValueError, match="labels unreadable"):
+        collate([Images()[i] for i in range(4)])
+    pool = collate.pool
+    assert pool.fresh == 1 and all(int(h[8]) == FREE for _, h in pool.segments)
