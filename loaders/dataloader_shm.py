@@ -16,15 +16,17 @@ A segment starts with a 64-byte header: the loader's 8-byte mark and a state byt
 when its worker writes into it until the main process sets it back to ``FREE``. A worker never
 waits: with no free segment of the size and its pool full, a batch's tensor goes to fresh shared
 memory as torch does. ``default_collate`` (alone or inside a custom collate) stacks straight into
-a segment; other tensors of a batch are copied into one. Leaves moved: plain CPU tensors, dense (contiguous or channels-last), not
-needing grad, inside dicts, lists, tuples and namedtuples; a tensor sharing its storage with
-another leaf of the batch, and anything else, travels as torch sends it.
+a segment; other tensors of a batch are copied into one. Leaves moved: plain CPU tensors, dense
+(contiguous or channels-last), not needing grad, inside dicts, lists, tuples and namedtuples; a
+tensor sharing its storage with another leaf of the batch, and anything else, travels as torch
+sends it.
 """
 from __future__ import annotations
 
 import collections
+import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable
 
 import torch
@@ -97,7 +99,8 @@ class SegmentPool:
         elif len(self.segments) < self.cap or free:
             if len(self.segments) >= self.cap:  # full: the smallest free segment makes way
                 self.segments.remove(min(free, key=lambda s: s[0].nbytes()))
-            storage = torch.UntypedStorage._new_shared(need if not self.fresh else need + need // 4)
+            # sizes that grew (free segments, all too small) get a quarter more room
+            storage = torch.UntypedStorage._new_shared(need + need // 4 if free else need)
             chosen = (storage, _header(storage))
             chosen[1][:8] = self._mark
             self.segments.append(chosen)
@@ -123,8 +126,8 @@ class PooledCollate:
     """collate_fn wrapper: in a worker, the batch's tensors land in the worker's :class:`SegmentPool`.
 
     Where torch's ``default_collate`` stacks tensors (as the collate, or called by a custom one) it
-    writes straight into a segment; the result's other movable tensors are copied into segments. In the main process (no workers)
-    it is the wrapped collate. ``mark``: the loader's 8 bytes; ``batches``: how many batches one
+    writes straight into a segment; the result's other movable tensors are copied into segments. In
+    the main process (no workers) it is the wrapped collate. ``mark``: the loader's 8 bytes; ``batches``: how many batches one
     worker may have in flight (torch's prefetch factor + 2), so the pool's cap is that many times
     the tensors in a batch.
     """
@@ -198,7 +201,8 @@ def _shared_storages(batch) -> set[int]:
 
 
 def _moved(batch, pool: SegmentPool, keep: set[int]):
-    """``batch`` with its movable tensors copied into segments of ``pool`` (same containers)."""
+    """``batch`` with its movable tensors copied into segments of ``pool``; a container none of whose
+    leaves moved is returned as it is, others are rebuilt as torch's collate rebuilds them."""
     if isinstance(batch, torch.Tensor):
         if not _movable(batch) or batch.untyped_storage().data_ptr() in keep or _pooled(batch, pool.mark):
             return batch
@@ -206,14 +210,19 @@ def _moved(batch, pool: SegmentPool, keep: set[int]):
         return batch if out is None else out.copy_(batch)
     if isinstance(batch, Mapping):
         items = {k: _moved(v, pool, keep) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:  # a mapping type that cannot be built from a dict: as torch's collate does
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_moved(v, pool, keep) for v in batch))
+        if all(items[k] is v for k, v in batch.items()):
+            return batch
+        if isinstance(batch, MutableMapping):  # a copy keeps the type and its other attributes
+            clone = copy.copy(batch)
+            clone.update(items)
+            return clone
+        return _rebuilt(batch, items)
     if isinstance(batch, (list, tuple)):
         moved = [_moved(v, pool, keep) for v in batch]
+        if all(a is b for a, b in zip(moved, batch)):
+            return batch
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*moved)
         return moved if type(batch) is list else (tuple(moved) if type(batch) is tuple else _rebuilt(batch, moved))
     return batch
 
@@ -221,7 +230,7 @@ def _moved(batch, pool: SegmentPool, keep: set[int]):
 def _rebuilt(batch, moved):
     try:
         return type(batch)(moved)
-    except TypeError:
+    except TypeError:  # a type that cannot be built from its items: a plain dict or list, as torch's collate does
         return moved
 
 
