@@ -305,6 +305,28 @@ def test_protocol_resume_exact_at_every_stop(workers):
     assert _children_gone()
 
 
+def test_recycled_worker_memory_composes_with_the_worker_state_protocol():
+    from loaders.dataloader_shm import SegmentReturns
+
+    kw = dict(batch_size=2, num_workers=2)
+    full = _run(DataLoader(ToyStream(SHARDS), **kw))
+    a = DataLoader(ToyStream(SHARDS), **kw)
+    # as with device="cuda" (a GPU test runs that): the workers write batches into recycled segments
+    a._returns = returns = SegmentReturns(b"cpu-test", workers=0, batches=4)
+    got = []
+    for batch in a:
+        got.append(_plain(batch))
+        returns.release(batch)  # as the prefetch thread does once it has pinned a batch
+        if len(got) == 3:
+            break
+    state = a.state_dict()
+    a.close()
+    assert returns.released == 3 and not returns.kept
+    b = DataLoader(ToyStream(SHARDS), **kw)
+    b.load_state_dict(state)
+    assert got + _run(b) == full
+
+
 def test_protocol_resume_twice_and_next_epoch():
     kw = dict(batch_size=2, num_workers=2)
     ref = DataLoader(ToyStream(SHARDS), **kw)
