@@ -239,7 +239,9 @@ def ours_variant(variant: str):
     batch's copy before queueing it); ``probe`` (default, counting the batches whose copy had not finished
     when ``next()`` handed them over: ``copy_pending_fraction``); ``switch`` (``sys.setswitchinterval(5e-4)``: a
     thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off);
-    ``pinthread`` (torch's pin-memory thread pins, as before ``loaders.dataloader_iter.pinned``)."""
+    ``pinthread`` (torch's pin-memory thread pins, as before ``loaders.dataloader_iter.pinned``); ``fresh``
+    (workers' batches in fresh shared memory, as before ``loaders.dataloader_shm``; also run where the
+    workers cannot keep up)."""
     import gc
 
     from datapipe.device import prefetch
@@ -336,11 +338,13 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                 ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
             r = train(torch_loader, step, device, steps, warmup, move=True)
             round_rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
-            for variant in variants if case == "host keeps up" else ("default",):
+            for variant in variants if case == "host keeps up" else [v for v in variants if v in ("default", "fresh")]:
                 with ours_variant(variant) as options:
                     ours = DataLoader(ds, device=device, **common, **extra, **options)
                     if variant == "pinthread":  # as before: torch's pin-memory thread pins
                         ours._pins_in_producer = False
+                    if variant in ("pinthread", "fresh"):  # fresh shared memory per batch, as before recycling
+                        ours._returns = None
                     r = train(ours, step, device, steps, warmup, move=False)
                     ours.close()
                 name = "loaders.DataLoader(device)" + ("" if variant == "default" else f" {variant}")
@@ -380,8 +384,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps first: the workers fill the pipeline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
     ap.add_argument("--ours", default="default",
-                    help="variants of ours in the keeps-up case, comma-separated: default, unpaced, depth4, "
-                         "synced, probe, switch, nogc, pinthread (see ours_variant)")
+                    help="variants of ours in the keeps-up case (default and fresh in the worker-bound one too), "
+                         "comma-separated: default, unpaced, depth4, "
+                         "synced, probe, switch, nogc, pinthread, fresh (see ours_variant)")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="then profile this many steps of ours (keeps-up case, Python stacks of every thread) into "
                          "prefetch_trace.json.gz beside the result")
