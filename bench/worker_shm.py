@@ -62,14 +62,17 @@ class Spin:
         return self.collate(samples)
 
 
-def drain(batches, limit: int, warmup: int, take) -> float:
-    """Batches per second over ``limit`` batches after ``warmup``, each passed to ``take``."""
+def drain(batches, limit: int, warmup: int, take, finish=None) -> float:
+    """Batches per second over ``limit`` batches after ``warmup``, each passed to ``take``; ``finish()``
+    (the device's queued copies) inside the timed window."""
     it = iter(batches)
     for _ in range(warmup):
         take(next(it))
     t0 = time.perf_counter()
     for _ in range(limit):
         take(next(it))
+    if finish is not None:
+        finish()
     rate = limit / (time.perf_counter() - t0)
     close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
     if close is not None:
@@ -119,9 +122,7 @@ def variants(args, spin_ms: float) -> dict:
         def dl_torch():
             dl = TorchLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), pin_memory=True,
                              **common)
-            rate = drain(dl, args.batches, args.warmup, to_gpu)
-            torch.cuda.synchronize()
-            return rate
+            return drain(dl, args.batches, args.warmup, to_gpu, torch.cuda.synchronize)
 
         def dl_ours(fresh: bool = False):
             available = ours.recycling_available
@@ -130,10 +131,10 @@ def variants(args, spin_ms: float) -> dict:
             try:
                 dl = DataLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), device="cuda",
                                 **common)
-                rate = drain(dl, args.batches, args.warmup, lambda b: None)
+                rate = drain(dl, args.batches, args.warmup, lambda b: None, torch.cuda.synchronize)
+                dl.close()
             finally:
                 ours.recycling_available = available
-            torch.cuda.synchronize()
             return rate
 
         runs.update(dl_torch=dl_torch, dl_ours=dl_ours, dl_ours_fresh=lambda: dl_ours(fresh=True))
