@@ -3,7 +3,7 @@
 # (../shared/device/stage-gpu-wheels.sh). Each argument is a part; results and logs go to $OUT.
 #   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
 #   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
-# Other parts: ceiling anatomy prefetch stalls packing read.
+# Other parts: ceiling anatomy prefetch stalls workershm packing read.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-suite}
@@ -66,6 +66,10 @@ for part in "$@"; do
     step launch stalls: which host activity blocks the training thread kernel launches
     timeout ${STALLS_TIMEOUT:-420} python bench/launch_stalls.py --out "$OUT" ${STALLS_ARGS:-} 2>&1 \
       | tail -20 | tee -a "$log" ;;
+  workershm)
+    step worker batches in recycled shared memory against torch
+    timeout ${WORKERSHM_TIMEOUT:-240} python bench/worker_shm.py --device cuda --out "$OUT" ${WORKERSHM_ARGS:-} 2>&1 \
+      | tail -14 | tee -a "$log" ;;
   prefetch)
     step prefetch benchmark
     timeout ${PREFETCH_TIMEOUT:-240} python bench/prefetch.py --device cuda --out "$OUT" ${PREFETCH_ARGS:-} 2>&1 \

@@ -99,8 +99,10 @@ class SegmentPool:
         elif len(self.segments) < self.cap or free:
             if len(self.segments) >= self.cap:  # full: the smallest free segment makes way
                 self.segments.remove(min(free, key=lambda s: s[0].nbytes()))
-            # sizes that grew (free segments, all too small) get a quarter more room
-            storage = torch.UntypedStorage._new_shared(need + need // 4 if free else need)
+            try:  # sizes that grew (free segments, all too small) get a quarter more room
+                storage = torch.UntypedStorage._new_shared(need + need // 4 if free else need)
+            except RuntimeError:  # shared memory short (/dev/shm full): torch's own path, and its error
+                return None
             chosen = (storage, _header(storage))
             chosen[1][:8] = self._mark
             self.segments.append(chosen)

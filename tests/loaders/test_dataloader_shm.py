@@ -227,3 +227,18 @@ def test_moved_containers_keep_their_types_and_untouched_ones_stay_the_same_obje
     pair = Pair(torch.ones(2), 5)
     got = _moved(pair, pool, set())
     assert type(got) is Pair and got.right == 5 and state(got.left) == BUSY
+
+
+def test_a_pool_that_cannot_get_shared_memory_leaves_the_batch_to_torch(monkeypatch):
+    import loaders.dataloader_shm as shm
+    from torch.utils.data import default_collate
+
+    def no_room(cls, size):
+        raise RuntimeError("unable to write to file </torch_1_2>: No space left on device (28)")
+
+    monkeypatch.setattr(shm, "get_worker_info", lambda: object())  # as if in a worker
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", classmethod(no_room))
+    collate = PooledCollate(default_collate, MARK, batches=2)
+    images, labels = collate([Images()[i] for i in range(4)])
+    assert torch.equal(images, expected(0, batch_size=4)[0]) and labels.tolist() == [0, 1, 2, 3]
+    assert collate.pool.fresh == 0
