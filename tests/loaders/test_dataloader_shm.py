@@ -242,3 +242,20 @@ def test_a_pool_that_cannot_get_shared_memory_leaves_the_batch_to_torch(monkeypa
     images, labels = collate([Images()[i] for i in range(4)])
     assert torch.equal(images, expected(0, batch_size=4)[0]) and labels.tolist() == [0, 1, 2, 3]
     assert collate.pool.fresh == 0
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_reuse_their_segments_across_epochs(context):
+    from torch.utils.data import default_collate
+
+    returns = SegmentReturns(MARK, workers=2, batches=4)
+    dl = DataLoader(Images(64), batch_size=8, num_workers=2, persistent_workers=True, multiprocessing_context=context,
+                    collate_fn=PooledCollate(default_collate, MARK, batches=4))
+    images_segments = set()
+    for _ in range(2):
+        for i, (images, labels) in enumerate(dl):
+            assert state(images) == BUSY and torch.equal(images, expected(i)[0]) and torch.equal(labels, expected(i)[1])
+            images_segments.add(images.untyped_storage().data_ptr())
+            returns.release((images, labels))
+    assert returns.released == 2 * 8 * 2
+    assert len(images_segments) <= 2 * 4  # 16 image batches over two epochs in at most 2 workers x 4 segments
