@@ -81,12 +81,14 @@ class SegmentPool:
         self.cap = cap
         self.segments: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.fresh = 0
-        self.taken: list[torch.Tensor] = []  # headers taken since the last ``forget_taken()``
+        self.taken: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # since the last ``settle()``
 
-    def forget_taken(self, give_back: bool = False) -> None:
-        """Start a new batch; ``give_back``: the segments taken for the last one are free again (it failed)."""
-        if give_back:
-            for header in self.taken:
+    def settle(self, sent: set[int] | None = None) -> None:
+        """Start a new batch. The segments taken since the last call that the batch going out does not
+        use (their data pointers are not in ``sent``; None: it failed, none goes out) are free again:
+        a custom collate's intermediate results, say ``default_collate``'s uint8 stack before a cast."""
+        for storage, header in self.taken:
+            if sent is None or storage.data_ptr() not in sent:
                 header[_STATE] = FREE
         self.taken = []
 
@@ -110,7 +112,7 @@ class SegmentPool:
         else:
             return None
         chosen[1][_STATE] = BUSY
-        self.taken.append(chosen[1])
+        self.taken.append(chosen)
         return chosen[0]
 
     def place(self, dtype: torch.dtype, shape, fmt=torch.contiguous_format) -> torch.Tensor | None:
@@ -159,15 +161,16 @@ class PooledCollate:
         # segments while this worker (one thread) collates
         saved = default_collate_fn_map[torch.Tensor]
         default_collate_fn_map[torch.Tensor] = self._stack
-        pool.forget_taken()
+        pool.settle()
         try:
             batch = self.collate(samples)
             batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
         except BaseException:  # no batch leaves: the segments it took are not lost to the pool
-            pool.forget_taken(give_back=True)
+            pool.settle(sent=None)
             raise
         finally:
             default_collate_fn_map[torch.Tensor] = saved
+        pool.settle({t.untyped_storage().data_ptr() for t in _tensors(batch)})
         leaves = sum(1 for _ in _tensors(batch))
         if leaves > self._leaves:
             self._leaves = leaves

@@ -259,3 +259,28 @@ def test_persistent_workers_reuse_their_segments_across_epochs(context):
             returns.release((images, labels))
     assert returns.released == 2 * 8 * 2
     assert len(images_segments) <= 2 * 4  # 16 image batches over two epochs in at most 2 workers x 4 segments
+
+
+def scaled(samples):
+    from torch.utils.data import default_collate
+
+    images, labels = default_collate(samples)  # stacked into a segment, then left behind
+    return images.float() / 255, labels
+
+
+def test_a_collates_intermediate_stack_goes_back_to_the_pool_at_once():
+    returns = SegmentReturns(MARK, workers=1, batches=4)
+    collate = PooledCollate(scaled, MARK, batches=4)
+    for i, (images, labels) in enumerate(DataLoader(Images(160), batch_size=8, num_workers=1, collate_fn=collate)):
+        assert images.dtype == torch.float32 and state(images) == BUSY  # the float result moved into a segment
+        assert torch.allclose(images, expected(i)[0].float() / 255)
+        returns.release((images, labels))
+    assert returns.released == 20 * 2  # every batch, to the last, still travels in segments
+
+
+def test_settle_frees_what_the_batch_does_not_send():
+    pool = SegmentPool(MARK, cap=4)
+    sent = pool.place(torch.uint8, (4,))
+    dropped = pool.place(torch.uint8, (4,))
+    pool.settle({sent.untyped_storage().data_ptr()})
+    assert state(sent) == BUSY and state(dropped) == FREE and pool.taken == []
