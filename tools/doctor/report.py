@@ -110,8 +110,8 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     """Advice from measurements ``m`` (the report's fields); each item states the number that triggered it.
 
     Keys used: ``wait_fraction``, ``cores``, ``cuda``, ``ceiling_ratio``, ``loader`` (the loader
-    waited on most: ``num_workers``, ``hw_decoder_load``), ``batch``
-    (``batch_size``, ``unpinned_host_tensors``, ``images_on_host``, ``jpeg_bytes``,
+    waited on most: ``type``, ``num_workers``, ``hw_decoder_load``), ``batch``
+    (``batch_size``, ``host_tensors``, ``unpinned_host_tensors``, ``images_on_host``, ``jpeg_bytes``,
     ``padding_fraction``), ``rates`` (``capacity_batches_per_s``, ``consumption_batches_per_s``).
     """
     out = []
@@ -164,6 +164,15 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                              "H200: 0.978-0.981 of the ceiling vs 0.974 with the driver's 8 hardware queues, level "
                              "with 32; README, \"Where the rest goes\")",
             ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
+    kind = (m.get("loader") or {}).get("type") or ""
+    if (cuda and wait > WAIT_HIGH and isinstance(workers, int) and workers > 0 and batch.get("host_tensors")
+            and kind.startswith("torch.utils.data")):
+        add("recycled_workers", f"the loop waited for data {wait:.0%} of the time on torch's DataLoader with "
+                                f"{workers} workers: each batch travels through new shared memory, which the main "
+                                "process maps and unmaps again; loaders.DataLoader(device='cuda') takes the same "
+                                "arguments, recycles that memory and delivers on the GPU (worker-bound on an "
+                                "H200: 1.70-1.80x torch's batches per second, README \"Worker batches in recycled "
+                                "shared memory\")", wait_fraction=wait, num_workers=workers, loader=kind)
     unpinned = batch.get("unpinned_host_tensors") or 0
     if cuda and unpinned:
         add("pin_memory", f"{unpinned} tensor(s) per batch arrive in pageable host memory while a CUDA device is "

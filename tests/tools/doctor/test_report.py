@@ -171,6 +171,21 @@ def test_advice_rules():
     assert "prefetch" in _ids(m) and "capacity" not in _ids(m)
 
 
+def test_recycled_workers_advice_for_torchs_loader_waited_on_with_workers():
+    def m(wait=0.3, workers=4, cuda=True, kind="torch.utils.data.dataloader.DataLoader", host=2):
+        out = _m(wait=wait, workers=workers, cores=16, cuda=cuda, host_tensors=host)
+        out["loader"]["type"] = kind
+        return out
+
+    advice = next(a for a in advise(m()) if a["id"] == "recycled_workers")
+    assert "30%" in advice["advice"] and "4 workers" in advice["advice"] and "device='cuda'" in advice["advice"]
+    assert "recycled_workers" not in _ids(m(wait=0.05))  # not waiting: nothing to gain
+    assert "recycled_workers" not in _ids(m(workers=0))  # no worker processes, no shared memory
+    assert "recycled_workers" not in _ids(m(cuda=False))  # the recycling needs the GPU path
+    assert "recycled_workers" not in _ids(m(kind="loaders.dataloader.DataLoader"))  # ours already
+    assert "recycled_workers" not in _ids(m(host=0))  # batches already on the device
+
+
 def test_inspect_batch():
     info = inspect_batch((torch.zeros(8, 3, 32, 32), torch.zeros(8, dtype=torch.int64)))
     assert info["batch_size"] == 8 and info["images_on_host"] == [8, 3, 32, 32]
