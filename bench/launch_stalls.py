@@ -15,8 +15,8 @@ launches, untimed) and times every launch call, while a second thread repeats th
 - ``device_free``: allocate 64 MB on the device and release the cache (``cudaMalloc`` / ``cudaFree``);
 - ``h2d_threads``: 8 threads copying 128 KB pinned buffers to the device, each with an event
   record and sync (nvJPEG's per-image pattern);
-- ``imageloader``: an ``ImageLoader`` (defaults) consumed at a training loop's pace (``--batches-per-s``); ``imageloader_novmm``
-  the same with ``DALI_USE_VMM=0``; ``imageloader_nommap`` with ``readers.webdataset(dont_use_mmap=True)``;
+- ``imageloader``: an ``ImageLoader`` (defaults) consumed at a training loop's pace
+  (``--batches-per-s``); ``imageloader_novmm`` the same with ``DALI_USE_VMM=0``; ``imageloader_nommap`` with ``readers.webdataset(dont_use_mmap=True)``;
   ``imageloader_hw0`` with ``hw_decoder_load=0.0``.
 
 Per activity, for the launch as Python sees it (``call_*``: GIL waits included), for a CPU op timed
@@ -364,9 +364,10 @@ def main(argv=None) -> dict:
             rows.append({"round": r, **row})
             write_result("launch_stalls", result, args.out)  # after each row: a cut-short run keeps its rows
     path = write_result("launch_stalls", result, args.out)
-    print(table(rows, ["activity", "round", "call_n", "call_p50_us", "call_p999_us", "call_max_ms", "call_over_0.2ms_per_10k",
-                       "call_over_1ms_per_10k", "host_op_over_1ms_per_10k", "driver_p999_us", "driver_max_ms", "driver_over_0.2ms_per_10k",
-                       "driver_over_1ms_per_10k", "activity_runs"]))
+    print(table(rows, ["activity", "round", "call_n", "call_p50_us", "call_p999_us", "call_max_ms",
+                       "call_over_0.2ms_per_10k", "call_over_1ms_per_10k", "host_op_over_1ms_per_10k",
+                       "driver_p999_us", "driver_max_ms", "driver_over_0.2ms_per_10k", "driver_over_1ms_per_10k",
+                       "activity_runs"]))
     print(f"wrote {path}")
     return result
 

@@ -131,9 +131,9 @@ class PooledCollate:
 
     Where torch's ``default_collate`` stacks tensors (as the collate, or called by a custom one) it
     writes straight into a segment; the result's other movable tensors are copied into segments. In
-    the main process (no workers) it is the wrapped collate. ``mark``: the loader's 8 bytes; ``batches``: how many batches one
-    worker may have in flight (torch's prefetch factor + 2), so the pool's cap is that many times
-    the tensors in a batch.
+    the main process (no workers) it is the wrapped collate. ``mark``: the loader's 8 bytes;
+    ``batches``: how many batches one worker may have in flight (torch's prefetch factor + 2), so the
+    pool's cap is that many times the tensors in a batch.
     """
 
     def __init__(self, collate_fn: Callable, mark: bytes, batches: int):
