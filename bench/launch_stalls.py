@@ -16,8 +16,9 @@ launches, untimed) and times every launch call, while a second thread repeats th
 - ``h2d_threads``: 8 threads copying 128 KB pinned buffers to the device, each with an event
   record and sync (nvJPEG's per-image pattern);
 - ``imageloader``: an ``ImageLoader`` (defaults) consumed at a training loop's pace
-  (``--batches-per-s``); ``imageloader_novmm`` the same with ``DALI_USE_VMM=0``; ``imageloader_nommap`` with ``readers.webdataset(dont_use_mmap=True)``;
-  ``imageloader_hw0`` with ``hw_decoder_load=0.0``.
+  (``--batches-per-s``); ``imageloader_novmm`` the same with ``DALI_USE_VMM=0``;
+  ``imageloader_nommap`` with ``readers.webdataset(dont_use_mmap=True)``; ``imageloader_hw0`` with
+  ``hw_decoder_load=0.0``.
 
 Per activity, for the launch as Python sees it (``call_*``: GIL waits included), for a CPU op timed
 right after each launch (``host_op_*``: the same Python path without CUDA; its stalls are the GIL's or
