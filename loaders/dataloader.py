@@ -411,10 +411,15 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None
 
     def stats(self) -> dict:
-        """Throughput and data-wait of the current (or last) pass plus the autotune choices."""
-        return pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
-                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
-                          prefetcher=self._prefetcher)
+        """Throughput and data-wait of the current (or last) pass plus the autotune choices; with
+        ``device="cuda"``, ``shared_memory``: the workers' tensors given back to them for reuse
+        (``recycled``) and the segments the main process holds mapped (``segments``)."""
+        out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
+                         prefetch_depth=self._depth if self.device else None, tuning=self._auto,
+                         prefetcher=self._prefetcher)
+        if self._returns is not None:
+            out["shared_memory"] = {"recycled": self._returns.released, "segments": len(self._returns.kept)}
+        return out
 
     def close(self) -> None:
         """Stop prefetching, shut every worker down (persistent ones too), free the pinned pool and unmap

@@ -319,6 +319,7 @@ def test_recycled_worker_memory_composes_with_the_worker_state_protocol():
         returns.release(batch)  # as the prefetch thread does once it has pinned a batch
         if len(got) == 3:
             break
+    assert a.stats()["shared_memory"] == {"recycled": 3, "segments": len(returns.kept)} and returns.kept
     state = a.state_dict()
     a.close()
     assert returns.released == 3 and not returns.kept
@@ -550,7 +551,7 @@ def test_gpu_worker_batches_travel_in_recycled_shared_memory(persistent):
             assert torch.equal(images[:, 0, 0, 0].cpu(), torch.arange(4 * i, 4 * i + 4, dtype=torch.uint8))
         # every batch's two tensors went back to their workers once pinned; the segments stay mapped
         # only while their workers live
-        assert dl._returns.released == 24 * (epoch + 1)
+        assert dl._returns.released == 24 * (epoch + 1) == dl.stats()["shared_memory"]["recycled"]
         assert (len(dl._returns.kept) > 0) == persistent
     dl.close()
     assert not dl._returns.kept
