@@ -7,6 +7,7 @@ suffixes stay, since they change what was measured. Pool only files measured wit
 
     python bench/row_stats.py bench/results/ceiling_nommap.json bench/results/ceiling_nommap_b.json
     python bench/row_stats.py bench/results/ceiling*.json --only imageloader,dali_hand --json out.json
+    python bench/row_stats.py run1.json run2.json --against imageloader   # does a variant clear the defaults?
 """
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def summary(values: list[float]) -> dict:
             "ci95": None if ci is None else round(ci, 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
-def pool(results: list[dict], key: str = "ceiling_ratio", only: set[str] | None = None) -> dict[str, dict]:
-    """``{variant: summary of key over its rows}`` for the ``results`` sections of ceiling result files."""
+def gather(results: list[dict], key: str = "ceiling_ratio", only: set[str] | None = None) -> dict[str, list[float]]:
+    """``{variant: [key of each of its rows]}`` for the ``results`` sections of ceiling result files."""
     known = known_variants()
     found: dict[str, list[float]] = defaultdict(list)
     for res in results:
@@ -70,7 +71,29 @@ def pool(results: list[dict], key: str = "ceiling_ratio", only: set[str] | None 
                 variant = variant_key(name, known)
                 if only is None or variant in only:
                     found[variant].append(float(row[key]))
-    return {v: summary(vals) for v, vals in sorted(found.items())}
+    return dict(sorted(found.items()))
+
+
+def pool(results: list[dict], key: str = "ceiling_ratio", only: set[str] | None = None) -> dict[str, dict]:
+    """``{variant: summary of key over its rows}`` for the ``results`` sections of ceiling result files."""
+    return {v: summary(vals) for v, vals in gather(results, key, only).items()}
+
+
+def difference(base: list[float], other: list[float]) -> dict:
+    """``other``'s mean less ``base``'s with the 95% interval of that difference (Welch: unequal
+    variances, Welch-Satterthwaite degrees of freedom); ``clears``: the whole interval is above 0
+    (``other`` is better where larger is better), ``below``: the whole interval is under 0."""
+    if len(base) < 2 or len(other) < 2:
+        return {"diff": None, "ci95": None, "clears": False, "below": False}
+    a, b = summary(base), summary(other)
+    va, vb = a["sd"] ** 2 / a["n"], b["sd"] ** 2 / b["n"]
+    diff = sum(other) / len(other) - sum(base) / len(base)
+    if va + vb == 0:
+        return {"diff": round(diff, 4), "ci95": 0.0, "clears": diff > 0, "below": diff < 0}
+    df = (va + vb) ** 2 / (va ** 2 / (a["n"] - 1) + vb ** 2 / (b["n"] - 1))
+    half = t95(int(df)) * math.sqrt(va + vb)
+    return {"diff": round(diff, 4), "ci95": round(half, 4), "df": round(df, 1),
+            "clears": diff - half > 0, "below": diff + half < 0}
 
 
 def main(argv=None) -> dict:
@@ -78,14 +101,27 @@ def main(argv=None) -> dict:
     ap.add_argument("files", nargs="+", help="bench/ceiling.py result files (JSON)")
     ap.add_argument("--key", default="ceiling_ratio", help="the row figure to pool (default ceiling_ratio)")
     ap.add_argument("--only", default=None, help="comma-separated variants to keep")
+    ap.add_argument("--against", default=None,
+                    help="a variant: every other one's mean difference from it, with its 95%% interval (Welch)")
     ap.add_argument("--json", default=None, help="also write the pooled figures here")
     args = ap.parse_args(argv)
     results = []
     for path in args.files:
         with open(path) as f:
             results.append(json.load(f).get("results", {}))
-    pooled = pool(results, args.key, set(args.only.split(",")) if args.only else None)
-    print(table([{"variant": v, **s} for v, s in pooled.items()], ["variant", "n", "mean", "ci95", "sd", "min", "max"]))
+    values = gather(results, args.key, set(args.only.split(",")) if args.only else None)
+    pooled = {v: summary(vals) for v, vals in values.items()}
+    if args.against is not None:
+        if args.against not in values:
+            ap.error(f"--against {args.against}: no rows of it in these files")
+        for v, s in pooled.items():
+            if v != args.against:
+                s["vs"] = {args.against: difference(values[args.against], values[v])}
+    rows = [{"variant": v, **{k: x for k, x in s.items() if k != "vs"},
+             **({"diff": s["vs"][args.against]["diff"], "diff_ci95": s["vs"][args.against]["ci95"],
+                 "clears": s["vs"][args.against]["clears"]} if "vs" in s else {})} for v, s in pooled.items()]
+    columns = ["variant", "n", "mean", "ci95", "sd", "min", "max"]
+    print(table(rows, columns + (["diff", "diff_ci95", "clears"] if args.against else [])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"files": args.files, "key": args.key, "pooled": pooled}, f, indent=1)

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from bench.row_stats import known_variants, pool, summary, variant_key
+from bench.row_stats import difference, known_variants, main, pool, summary, variant_key
 
 
 def test_a_repeat_mark_goes_and_suffixes_stay():
@@ -32,3 +32,28 @@ def test_pool_gathers_rows_of_a_variant_across_files_and_skips_other_entries():
     assert pooled["imageloader"]["n"] == 3 and pooled["imageloader"]["mean"] == pytest.approx(0.98)
     assert set(pooled) == {"imageloader", "dali_hand"}
     assert set(pool(files, only={"dali_hand"})) == {"dali_hand"}
+
+
+def test_difference_is_welchs_interval_and_says_whether_it_clears_zero():
+    base, better = [0.976, 0.978, 0.980, 0.977], [0.984, 0.986, 0.985, 0.987]
+    d = difference(base, better)
+    assert d["diff"] == pytest.approx(0.00775, abs=1e-4) and d["clears"] and not d["below"]
+    assert 0 < d["ci95"] < d["diff"] and 3 <= d["df"] <= 6
+    overlap = difference(base, [0.975, 0.985, 0.979, 0.981])
+    assert not overlap["clears"] and not overlap["below"] and overlap["ci95"] > abs(overlap["diff"])
+    assert difference(better, base)["below"]
+    assert difference([0.9], base)["diff"] is None  # one row: no interval
+
+
+def test_main_compares_every_variant_against_one(tmp_path):
+    import json
+
+    path = tmp_path / "ceiling.json"
+    path.write_text(json.dumps({"results": {
+        "imageloader": {"ceiling_ratio": 0.976}, "imageloader2": {"ceiling_ratio": 0.978},
+        "imageloader3": {"ceiling_ratio": 0.977}, "il_auto": {"ceiling_ratio": 0.985},
+        "il_autob": {"ceiling_ratio": 0.986}, "il_autoc": {"ceiling_ratio": 0.984}}}))
+    pooled = main([str(path), "--against", "imageloader"])
+    assert pooled["il_auto"]["vs"]["imageloader"]["clears"] and "vs" not in pooled["imageloader"]
+    with pytest.raises(SystemExit):
+        main([str(path), "--against", "dali_hand"])
