@@ -29,16 +29,9 @@ from typing import Any, Iterable, Iterator
 
 from datapipe.device.autotune import usable_cores
 from datapipe.units import percentiles
+from tools.doctor.advice import _torch, advise, inspect_batch
 
-WAIT_HIGH = 0.10  # above this share of wall time the input pipeline is a bottleneck
-WAIT_LOW = 0.02  # below it, input is not the bottleneck
-PADDING_HIGH = 0.20
-CEILING_LOW = 0.98  # below this share of the data-free ceiling the loader costs the step visibly
-HYBRID_DECODE_CORES = 12  # ImageLoader(hw_decoder_load="auto") starts on the CUDA decoder from 12 cores (decoder_choice)
-
-
-def _torch():
-    return sys.modules.get("torch")
+__all__ = ["Doctor", "doctor", "format_report", "advise", "inspect_batch"]
 
 
 def _cuda_available() -> bool:
@@ -51,150 +44,6 @@ def _cuda_available() -> bool:
 
 def _percentiles(values: list[float]) -> dict:
     return percentiles(values, scale=1e3, digits=3, mean=True)
-
-
-# ---- batch inspection -------------------------------------------------------------------------------
-def _leaves(batch, depth: int = 0) -> Iterator:
-    if depth > 4:
-        return
-    if isinstance(batch, dict):
-        for v in batch.values():
-            yield from _leaves(v, depth + 1)
-    elif isinstance(batch, (list, tuple)):
-        if len(batch) and all(isinstance(x, (bytes, bytearray, memoryview)) for x in batch[:4]):
-            yield from batch[:4]
-        else:
-            for v in batch[:64]:
-                yield from _leaves(v, depth + 1)
-    else:
-        yield batch
-
-
-def inspect_batch(batch) -> dict[str, Any]:
-    """What the advice needs from a batch: size, devices, pinning, images on the host, JPEG bytes, padding."""
-    torch = _torch()
-    info: dict[str, Any] = {"batch_size": None, "devices": set(), "host_tensors": 0, "unpinned_host_tensors": 0,
-                            "images_on_host": None, "jpeg_bytes": False, "pad": 0, "positions": 0}
-    for leaf in _leaves(batch):
-        if torch is not None and torch.is_tensor(leaf):
-            if info["batch_size"] is None and leaf.dim() > 0:
-                info["batch_size"] = int(leaf.shape[0])
-            info["devices"].add(leaf.device.type)
-            if leaf.device.type == "cpu":
-                info["host_tensors"] += 1
-                try:
-                    pinned = leaf.is_pinned()
-                except Exception:
-                    pinned = False
-                info["unpinned_host_tensors"] += 0 if pinned else 1
-                if leaf.dim() == 4 and (leaf.shape[1] in (1, 3) or leaf.shape[3] in (1, 3)) and min(leaf.shape[-2:]) > 8:
-                    info["images_on_host"] = list(leaf.shape)
-        elif isinstance(leaf, (bytes, bytearray, memoryview)):
-            info["jpeg_bytes"] |= bytes(leaf[:3]) == b"\xff\xd8\xff"
-        elif hasattr(leaf, "dtype") and hasattr(leaf, "tobytes") and getattr(leaf, "ndim", 0) == 1:
-            info["jpeg_bytes"] |= leaf.dtype.itemsize == 1 and bytes(leaf[:3].tobytes()) == b"\xff\xd8\xff"
-    if isinstance(batch, dict) and torch is not None:
-        mask, labels = batch.get("attention_mask"), batch.get("labels")
-        if torch.is_tensor(mask):
-            info["pad"], info["positions"] = int((mask == 0).sum()), int(mask.numel())
-            info["padding_source"] = "attention_mask == 0"
-        elif torch.is_tensor(labels) and labels.dtype in (torch.int64, torch.int32):
-            info["pad"], info["positions"] = int((labels == -100).sum()), int(labels.numel())
-            info["padding_source"] = "labels == -100"
-    info["devices"] = sorted(info["devices"])
-    return info
-
-
-# ---- advice -----------------------------------------------------------------------------------------
-def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
-    """Advice from measurements ``m`` (the report's fields); each item states the number that triggered it.
-
-    Keys used: ``wait_fraction``, ``cores``, ``cuda``, ``ceiling_ratio``, ``loader`` (the loader
-    waited on most: ``type``, ``num_workers``, ``hw_decoder_load``), ``batch``
-    (``batch_size``, ``host_tensors``, ``unpinned_host_tensors``, ``images_on_host``, ``jpeg_bytes``,
-    ``padding_fraction``), ``rates`` (``capacity_batches_per_s``, ``consumption_batches_per_s``).
-    """
-    out = []
-    wait = m["wait_fraction"]
-    cores = m.get("cores") or 1
-    cuda = bool(m.get("cuda"))
-    workers = (m.get("loader") or {}).get("num_workers")
-    batch = m.get("batch") or {}
-    rates = m.get("rates") or {}
-
-    def add(key, text, **trigger):
-        out.append({"id": key, "advice": text, "trigger": trigger})
-
-    if wait < WAIT_LOW:
-        add("not_bottleneck", f"input is not the bottleneck: the loop waited for data {wait:.1%} of the time "
-                              f"(< {WAIT_LOW:.0%}); speed up the model step instead", wait_fraction=wait)
-    if wait > WAIT_HIGH and isinstance(workers, int) and workers < cores:
-        add("more_workers", f"the loop waited for data {wait:.0%} of the time with num_workers={workers} on {cores} "
-                            f"cores: raise num_workers (towards {cores}), or use loaders.DataLoader(num_workers='auto')",
-            wait_fraction=wait, num_workers=workers, cores=cores)
-    elif wait > WAIT_HIGH and isinstance(workers, int):
-        add("cpu_bound", f"the loop waited for data {wait:.0%} of the time although num_workers={workers} already "
-                         f"uses all {cores} cores: move work off the CPU (GPU decode, pre-decoded or smaller data)",
-            wait_fraction=wait, num_workers=workers, cores=cores)
-    elif wait > WAIT_HIGH:
-        add("input_bound", f"the loop waited for data {wait:.0%} of the time: the input pipeline is the bottleneck "
-                           "(its worker count is unknown to the doctor: wrap the DataLoader itself to see it)",
-            wait_fraction=wait)
-    cap, need = rates.get("capacity_batches_per_s"), rates.get("consumption_batches_per_s")
-    if cap and need:
-        if cap < need:
-            add("capacity", f"the input pipeline delivers {cap:.1f} batches/s on its own but the model could consume "
-                            f"{need:.1f} batches/s: input capacity is {cap / need:.0%} of demand",
-                capacity_batches_per_s=cap, consumption_batches_per_s=need)
-        elif wait > WAIT_HIGH:
-            add("prefetch", f"the input pipeline can deliver {cap:.1f} batches/s, more than the {need:.1f} the model "
-                            f"consumes, yet the loop waited {wait:.0%} of the time: batches arrive late; prefetch more "
-                            "(prefetch_factor, DevicePrefetcher depth) or keep workers alive (persistent_workers=True)",
-                capacity_batches_per_s=cap, consumption_batches_per_s=need, wait_fraction=wait)
-    ratio = m.get("ceiling_ratio")
-    hw = (m.get("loader") or {}).get("hw_decoder_load")
-    auto = (m.get("loader") or {}).get("hw_decoder_auto")  # "auto" already: it chose the hardware decoder itself
-    spare = cores >= HYBRID_DECODE_CORES
-    if cuda and hw and not auto and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and spare:
-        add("hybrid_decode", f"the loop runs at {ratio:.1%} of its data-free ceiling yet waits for data only "
-                             f"{wait:.1%} of the time: the loader slows the step itself (its kernels, and its CUDA calls "
-                             f"beside the step's launches). With {cores} cores, try ImageLoader(hw_decoder_load=\"auto\"): "
-                             "nvJPEG's CUDA decoder with the Huffman stage on the CPU instead of the hardware "
-                             "decoder while it keeps up, the hardware decoder once the loop waits (ResNet-50 on an "
-                             "H200: 0.978-0.981 of the ceiling vs 0.974 with the driver's 8 hardware queues, level "
-                             "with 32; README, \"Where the rest goes\")",
-            ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
-    kind = (m.get("loader") or {}).get("type") or ""
-    if (cuda and wait > WAIT_HIGH and isinstance(workers, int) and workers > 0 and batch.get("host_tensors")
-            and kind.startswith("torch.utils.data")):
-        add("recycled_workers", f"the loop waited for data {wait:.0%} of the time on torch's DataLoader with "
-                                f"{workers} workers: each batch travels through new shared memory, which the main "
-                                "process maps and unmaps again; loaders.DataLoader(device='cuda') takes the same "
-                                "arguments, recycles that memory and delivers on the GPU (worker-bound on an "
-                                "H200: 1.70-1.80x torch's batches per second, README \"Worker batches in recycled "
-                                "shared memory\")", wait_fraction=wait, num_workers=workers, loader=kind)
-    unpinned = batch.get("unpinned_host_tensors") or 0
-    if cuda and unpinned:
-        add("pin_memory", f"{unpinned} tensor(s) per batch arrive in pageable host memory while a CUDA device is "
-                          "used: pin them (pin_memory=True) and copy ahead on a side stream with "
-                          "datapipe.DevicePrefetcher (or loaders.DataLoader(device='cuda'))", unpinned_tensors=unpinned)
-    decoded = batch.get("images_on_host")
-    if cuda and (decoded or batch.get("jpeg_bytes")) and wait >= WAIT_LOW:
-        what = (f"image batches {decoded} arrive decoded on the host" if decoded
-                else "batches carry JPEG bytes to decode on the CPU")
-        add("gpu_decode", f"{what} while the loop waits for data {wait:.0%} of the time and a GPU is present: decode "
-                          "on the GPU with loaders.ImageLoader (DALI, hardware JPEG decoder)",
-            wait_fraction=wait, images_on_host=decoded, jpeg_bytes=bool(batch.get("jpeg_bytes")))
-    bs = batch.get("batch_size")
-    if cuda and isinstance(bs, int) and bs > 8 and bs % 8:
-        lo, hi = bs - bs % 8, bs - bs % 8 + 8
-        add("round_batch", f"batch size {bs} is not a multiple of 8: use {hi} (or {lo}) for tensor-core friendly "
-                           "shapes", batch_size=bs)
-    pad = batch.get("padding_fraction")
-    if pad is not None and pad > PADDING_HIGH:
-        add("packing", f"{pad:.0%} of token positions are padding ({batch.get('padding_source')}): pack documents "
-                       "into dense rows with loaders.TokenLoader (packing.Packer)", padding_fraction=pad)
-    return out
 
 
 # ---- the doctor ------------------------------------------------------------------------------------------
