@@ -24,7 +24,7 @@ Per activity, for the launch as Python sees it (``call_*``: GIL waits included),
 right after each launch (``host_op_*``: the same Python path without CUDA; its stalls are the GIL's or
 the OS's) and, on CUDA, for the launch call inside the CUDA API (``driver_*``: from torch.profiler,
 the GIL left out; the profile gives all threads' API calls one thread id, so the timed thread's
-launches are those nested in its ``aten::add_``): count, p50 / p99 / p99.9 (us), the longest (ms),
+launches are those inside its ``aten::add_`` spans): count, p50 / p99 / p99.9 (us), the longest (ms),
 the calls over 0.2 ms and over 1 ms (per 10k), and how many times the activity ran. ``other_calls``:
 the other threads' CUDA API calls in the timed window (count, total ms), ``beside_long_launches``:
 which of them overlapped the timed launches over 1 ms.
@@ -239,31 +239,32 @@ def _profiler():
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
 
-def api_records(prof) -> list[tuple[str, float, float, str | None]]:
-    """``(name, start_us, end_us, parent name)`` of the profile's CUDA API calls (names from ``cu``) and of
+def api_records(prof) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of the profile's CUDA API calls (names from ``cu``) and of
     the timed op. The profile gives every thread's API calls one thread id (the H200 run counted DALI's
-    launches as the timed thread's), so the timed thread's launches are told apart by nesting instead:
-    a launch inside a ``TIMED_OP`` (see :func:`split_launches`)."""
+    launches as the timed thread's), so the timed thread's launches are told apart by time instead:
+    a launch inside a ``TIMED_OP``'s span (see :func:`split_launches`)."""
     out = []
     for e in prof.events():
         if e.name == TIMED_OP or e.name.startswith("cu"):
-            parent = e.cpu_parent.name if e.cpu_parent is not None else None
-            out.append((e.name, e.time_range.start, e.time_range.end, parent))
+            out.append((e.name, e.time_range.start, e.time_range.end))
     return out
 
 
 def split_launches(records, top: int = 12) -> dict:
-    """The timed thread's launch calls (a launch whose parent is the timed op; where an op holds more than
-    one, another thread's call fell inside it: the op's first is taken, the op counted ``ambiguous``) and
+    """The timed thread's launch calls (a launch inside a timed op's span; where an op's span holds more
+    than one, another thread's launch fell inside it: the op's first is taken, the op counted ``ambiguous``) and
     every other API call: per name the count and total ms (the ``top`` by total time), and which names
     overlapped the timed launches that took over 1 ms (``beside_long_launches``: how many of them each)."""
     from collections import Counter, defaultdict
 
     ops: dict[tuple[float, float], list] = defaultdict(list)
-    spans = sorted({(s, e) for name, s, e, _ in records if name == TIMED_OP})  # one thread's ops: no overlaps
+    spans = sorted({(s, e) for name, s, e in records if name == TIMED_OP})  # one thread's ops: no overlaps
     starts = [s for s, _ in spans]
     for r in records:
-        if r[0] in LAUNCHES and r[3] == TIMED_OP:
+        # by time, not by the profile's parent: another thread's call that overlaps the op's end breaks
+        # the profile's nesting (it pops the op), at the very moments that matter here
+        if r[0] in LAUNCHES:
             i = bisect.bisect_right(starts, r[1]) - 1  # the last op starting at or before the launch
             if i >= 0 and r[2] <= spans[i][1]:
                 ops[spans[i]].append(r)
@@ -272,15 +273,15 @@ def split_launches(records, top: int = 12) -> dict:
     mine_ids = {id(r) for r in mine}
     others = [r for r in records if r[0] != TIMED_OP and id(r) not in mine_ids]
     count, total = Counter(), defaultdict(float)
-    for name, s, e, _ in others:
+    for name, s, e in others:
         count[name] += 1
         total[name] += (e - s) / 1e3
     calls = {n: {"n": count[n], "ms": round(total[n], 2)} for n in sorted(total, key=total.get, reverse=True)[:top]}
     long = [r for r in mine if r[2] - r[1] > LONG_S * 1e6]
     beside = Counter()
-    for _, s, e, _ in long:
-        beside.update({name for name, s2, e2, _ in others if s2 < e and e2 > s})
-    return {"times": [(e - s) / 1e6 for _, s, e, _ in mine], "ambiguous": ambiguous, "other_calls": calls,
+    for _, s, e in long:
+        beside.update({name for name, s2, e2 in others if s2 < e and e2 > s})
+    return {"times": [(e - s) / 1e6 for _, s, e in mine], "ambiguous": ambiguous, "other_calls": calls,
             "long_launches": len(long), "beside_long_launches": dict(beside.most_common(top))}
 
 

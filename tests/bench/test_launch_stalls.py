@@ -15,13 +15,13 @@ def test_spread_counts_calls_over_the_thresholds_per_10k():
     assert spread("driver", []) == {"driver_n": 0}
 
 
-def test_split_launches_tells_the_timed_threads_launches_by_nesting():
+def test_split_launches_tells_the_timed_threads_launches_by_time():
     records = [
-        ("aten::add_", 0.0, 20.0, None), ("cudaLaunchKernel", 2.0, 10.0, "aten::add_"),
-        ("aten::add_", 100.0, 3_200.0, None), ("cudaLaunchKernel", 101.0, 3_100.0, "aten::add_"),  # 3 ms: long
-        ("cudaLaunchKernel", 50.0, 60.0, None),  # another thread's launch, between two timed ops
-        ("cudaHostAlloc", 90.0, 3_000.0, None),  # another thread's call, across the long launch
-        ("cudaEventRecord", 4_000.0, 4_010.0, None),
+        ("aten::add_", 0.0, 20.0), ("cudaLaunchKernel", 2.0, 10.0),
+        ("aten::add_", 100.0, 3_200.0), ("cudaLaunchKernel", 101.0, 3_100.0),  # 3 ms: long
+        ("cudaLaunchKernel", 50.0, 60.0),  # another thread's launch, between two timed ops
+        ("cudaHostAlloc", 90.0, 3_000.0),  # another thread's call, across the long launch
+        ("cudaEventRecord", 4_000.0, 4_010.0),
     ]
     out = split_launches(records)
     assert sorted(out["times"]) == [8e-6, 2.999e-3]
@@ -31,9 +31,19 @@ def test_split_launches_tells_the_timed_threads_launches_by_nesting():
     assert set(out["other_calls"]) == {"cudaLaunchKernel", "cudaHostAlloc", "cudaEventRecord"}
 
 
+def test_a_launch_inside_its_op_counts_even_when_the_profile_gave_it_another_parent():
+    # another thread's long call began inside the op and ended after it: the profile's nesting popped
+    # the op and hung the launch under that call
+    records = [("aten::add_", 0.0, 3_000.0), ("cudaStreamSynchronize", 1.0, 5_000.0),
+               ("cudaLaunchKernel", 2.0, 2_900.0)]
+    out = split_launches(records)
+    assert out["times"] == [2.898e-3] and out["long_launches"] == 1
+    assert out["beside_long_launches"] == {"cudaStreamSynchronize": 1}
+
+
 def test_split_launches_takes_an_ops_first_launch_when_another_threads_falls_inside_it():
-    records = [("aten::add_", 0.0, 50.0, None), ("cudaLaunchKernel", 1.0, 5.0, "aten::add_"),
-               ("cudaLaunchKernel", 10.0, 40.0, "aten::add_")]
+    records = [("aten::add_", 0.0, 50.0), ("cudaLaunchKernel", 1.0, 5.0),
+               ("cudaLaunchKernel", 10.0, 40.0)]
     out = split_launches(records)
     assert out["times"] == [4e-6] and out["ambiguous"] == 1
     assert out["other_calls"] == {"cudaLaunchKernel": {"n": 1, "ms": 0.03}}
