@@ -51,7 +51,6 @@ from datapipe.units import percentiles  # noqa: E402
 
 ACTIVITIES = ("none", "shm_free", "anon_free", "file_unmap", "pinned_free", "device_free", "h2d_threads",
               "imageloader", "imageloader_novmm", "imageloader_nommap", "imageloader_hw0")
-CUDA_ONLY = ("pinned_free", "device_free", "h2d_threads")
 IMAGE = ("imageloader", "imageloader_novmm", "imageloader_nommap", "imageloader_hw0")
 IMAGE_SETTLE_S = 12.0
 BLOCKED_S = 2e-4

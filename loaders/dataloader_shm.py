@@ -170,11 +170,11 @@ class PooledCollate:
             raise
         finally:
             default_collate_fn_map[torch.Tensor] = saved
-        pool.settle({t.untyped_storage().data_ptr() for t in _tensors(batch)})
-        leaves = sum(1 for _ in _tensors(batch))
-        if leaves > self._leaves:
-            self._leaves = leaves
-            pool.cap = self.batches * leaves
+        leaves = list(_tensors(batch))  # one walk: what goes out, and how many tensors a batch has
+        pool.settle({t.untyped_storage().data_ptr() for t in leaves})
+        if len(leaves) > self._leaves:
+            self._leaves = len(leaves)
+            pool.cap = self.batches * self._leaves
         return batch
 
     def _stack(self, batch, *, collate_fn_map=None):
@@ -209,7 +209,8 @@ def _moved(batch, pool: SegmentPool, keep: set[int]):
     """``batch`` with its movable tensors copied into segments of ``pool``; a container none of whose
     leaves moved is returned as it is, others are rebuilt as torch's collate rebuilds them."""
     if isinstance(batch, torch.Tensor):
-        if not _movable(batch) or batch.untyped_storage().data_ptr() in keep or _pooled(batch, pool.mark):
+        if (not _movable(batch) or batch.untyped_storage().data_ptr() in keep
+                or _segment_header(batch, pool.mark) is not None):
             return batch
         out = pool.place(batch.dtype, batch.shape, _format(batch))
         return batch if out is None else out.copy_(batch)
@@ -239,13 +240,13 @@ def _rebuilt(batch, moved):
         return moved
 
 
-def _pooled(t: torch.Tensor, mark: bytes | None = None) -> bool:
-    """Whether ``t`` lives in a segment (of the loader marked ``mark``, if given)."""
+def _segment_header(t: torch.Tensor, mark: bytes) -> torch.Tensor | None:
+    """The header of the segment of the loader marked ``mark`` that ``t`` lives in, or None."""
     storage = t.untyped_storage()
     if storage.nbytes() < HEADER or not storage.is_shared() or t.storage_offset() * t.element_size() < HEADER:
-        return False
+        return None
     head = _header(storage)
-    return mark is None or bytes(head[:8].tolist()) == mark
+    return head if bytes(head[:8].tolist()) == mark else None
 
 
 class SegmentReturns:
@@ -268,7 +269,8 @@ class SegmentReturns:
     def release(self, batch) -> None:
         leaves = 0
         for t in _tensors(batch):
-            if not _pooled(t, self.mark):
+            head = _segment_header(t, self.mark)
+            if head is None:
                 continue
             leaves += 1
             storage = t.untyped_storage()
@@ -277,7 +279,7 @@ class SegmentReturns:
                 self.kept.move_to_end(ptr)
             else:
                 self.kept[ptr] = storage
-            _header(storage)[_STATE] = FREE
+            head[_STATE] = FREE
             self.released += 1
         self._leaves = max(self._leaves, leaves)
         while len(self.kept) > 2 * max(1, self.workers) * self.batches * self._leaves:
