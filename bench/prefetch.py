@@ -232,6 +232,9 @@ def alone(loader, batches: int, warmup: int) -> float:
 PROBE: list[dict] = [{}]  # the last ours_variant's probe counts
 
 
+WORKER_BOUND = ("default", "fresh", "pin_memory")  # the variants also run where the workers cannot keep up
+
+
 @contextlib.contextmanager
 def ours_variant(variant: str):
     """``loaders.DataLoader`` options and patches for one variant of ours (``--ours``): ``default``;
@@ -240,8 +243,9 @@ def ours_variant(variant: str):
     when ``next()`` handed them over: ``copy_pending_fraction``); ``switch`` (``sys.setswitchinterval(5e-4)``: a
     thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off);
     ``pinthread`` (torch's pin-memory thread pins, as before ``loaders.dataloader_iter.pinned``); ``fresh``
-    (workers' batches in fresh shared memory, as before ``loaders.dataloader_shm``; also run where the
-    workers cannot keep up)."""
+    (workers' batches in fresh shared memory, as before ``loaders.dataloader_shm``); ``pin_memory`` (torch's
+    idiom with our loader: ``pin_memory=True``, no ``device``, ``.to(non_blocking=True)`` in the loop). The
+    last two also run where the workers cannot keep up."""
     import gc
 
     from datapipe.device import prefetch
@@ -338,16 +342,19 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                 ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
             r = train(torch_loader, step, device, steps, warmup, move=True)
             round_rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
-            for variant in variants if case == "host keeps up" else [v for v in variants if v in ("default", "fresh")]:
+            for variant in variants if case == "host keeps up" else [v for v in variants if v in WORKER_BOUND]:
                 with ours_variant(variant) as options:
-                    ours = DataLoader(ds, device=device, **common, **extra, **options)
+                    drop_in = variant == "pin_memory"  # torch's idiom: pinned CPU batches, .to() in the loop
+                    where = dict(pin_memory=device.type == "cuda") if drop_in else dict(device=device)
+                    ours = DataLoader(ds, **where, **common, **extra, **options)
                     if variant == "pinthread":  # as before: torch's pin-memory thread pins
-                        ours._pins_in_producer = False
+                        ours._own_pinning = False
                     if variant in ("pinthread", "fresh"):  # fresh shared memory per batch, as before recycling
                         ours._returns = None
-                    r = train(ours, step, device, steps, warmup, move=False)
+                    r = train(ours, step, device, steps, warmup, move=drop_in)
                     ours.close()
-                name = "loaders.DataLoader(device)" + ("" if variant == "default" else f" {variant}")
+                name = ("loaders.DataLoader(pin_memory) + .to()" if drop_in else
+                        "loaders.DataLoader(device)" + ("" if variant == "default" else f" {variant}"))
                 round_rows.append({"case": case, "loader": name, **r, **PROBE.pop()})
             ceiling_runs.append(train(cached(device_batch), step, device, steps, warmup, move=False))
             before, after = ceiling_runs[-2], ceiling_runs[-1]
@@ -384,9 +391,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps first: the workers fill the pipeline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
     ap.add_argument("--ours", default="default",
-                    help="variants of ours in the keeps-up case (default and fresh in the worker-bound one too), "
+                    help="variants of ours in the keeps-up case (default, fresh and pin_memory in the worker-bound one too), "
                          "comma-separated: default, unpaced, depth4, "
-                         "synced, probe, switch, nogc, pinthread, fresh (see ours_variant)")
+                         "synced, probe, switch, nogc, pinthread, fresh, pin_memory (see ours_variant)")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="then profile this many steps of ours (keeps-up case, Python stacks of every thread) into "
                          "prefetch_trace.json.gz beside the result")

@@ -9,7 +9,8 @@ variants interleaved in each round):
   copies each batch out (the pinning stand-in) and drops it;
 - ``recycled``: the same with ``PooledCollate``, each batch's segments given back after the copy;
 - on CUDA, the loaders as users run them: ``dl_torch`` torch's ``pin_memory=True`` + ``.to(non_blocking)``,
-  ``dl_ours`` ``loaders.DataLoader(device="cuda")``, ``dl_ours_fresh`` the same with recycling off.
+  ``dl_ours`` ``loaders.DataLoader(device="cuda")``, ``dl_ours_fresh`` the same with recycling off,
+  ``dl_ours_pin_memory`` ``loaders.DataLoader(pin_memory=True)`` + ``.to(non_blocking)`` (torch's idiom).
 
     python bench/worker_shm.py                      # CPU: bench/results/worker_shm.json
     python bench/worker_shm.py --device cuda        # the H200 run, all variants
@@ -137,7 +138,15 @@ def variants(args, spin_ms: float) -> dict:
                 ours.recycling_available = available
             return rate
 
-        runs.update(dl_torch=dl_torch, dl_ours=dl_ours, dl_ours_fresh=lambda: dl_ours(fresh=True))
+        def dl_ours_pin_memory():  # torch's idiom with our loader: pinned CPU batches, .to() by the loop
+            dl = DataLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), pin_memory=True,
+                            **common)
+            rate = drain(dl, args.batches, args.warmup, to_gpu, torch.cuda.synchronize)
+            dl.close()
+            return rate
+
+        runs.update(dl_torch=dl_torch, dl_ours=dl_ours, dl_ours_fresh=lambda: dl_ours(fresh=True),
+                    dl_ours_pin_memory=dl_ours_pin_memory)
     return runs
 
 

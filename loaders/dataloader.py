@@ -22,8 +22,9 @@ Samplers are left alone, as torch does (call ``sampler.set_epoch`` yourself, or 
 
 The parts: this module is the loader (torch's hooks, the pass, epochs, the public methods);
 :mod:`loaders.dataloader_iter` the pass's stream and the consumer-side iterator;
-:mod:`loaders.dataloader_progress` a pass's position, timing and ``stats()``; with ``device="cuda"``,
-:mod:`loaders.dataloader_shm` the workers' recycled shared memory.
+:mod:`loaders.dataloader_progress` a pass's position, timing and ``stats()``; where the loader pins
+(``device="cuda"``, or ``pin_memory=True`` with a GPU: in a thread of its own, in place of torch's pin
+thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from torch.utils.data import IterableDataset
 
 from datapipe.device import autotune
 from datapipe.order import elastic
+from datapipe.device.handoff import threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, shutdown, tagged_batches
 from loaders.dataloader_progress import Progress, stats as pass_stats
@@ -51,6 +53,17 @@ __all__ = ["DataLoader"]
 
 _END = object()
 _T_co = TypeVar("_T_co", covariant=True)
+
+
+def _pins_for_cuda(pin_memory_device: str) -> bool:
+    """Whether ``pin_memory=True`` pins for a CUDA device here (torch pins for its current accelerator,
+    or for ``pin_memory_device``)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return not pin_memory_device or torch.device(pin_memory_device).type == "cuda"
+    except RuntimeError:  # a device string torch does not know: torch's pin thread decides
+        return False
 
 
 class DataLoader(tud.DataLoader[_T_co]):
@@ -97,10 +110,11 @@ class DataLoader(tud.DataLoader[_T_co]):
                          generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
-        self._pins_in_producer = dev is not None and dev.type == "cuda"
-        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm)
-        self._returns = SegmentReturns(os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2) \
-            if self._pins_in_producer else None
+        self._own_pinning = True  # False: torch's pin-memory thread pins (bench/prefetch.py's "pinthread")
+        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm);
+        # None: fresh shared memory per batch, as torch
+        self._returns: SegmentReturns | None = SegmentReturns(os.urandom(8), workers=0,
+                                                              batches=(prefetch_factor or 2) + 2)
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
@@ -142,6 +156,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
         collate, pin = self.collate_fn, self.pin_memory
+        pins_here = self._pins_here()
         inner = collate
         if self._recycles(workers):
             self._returns.workers = workers
@@ -149,7 +164,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
         self.collate_fn = inner
-        if self._pins_in_producer:
+        if pins_here:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
         # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
@@ -166,10 +181,20 @@ class DataLoader(tud.DataLoader[_T_co]):
         rng.base_seed = getattr(it, "_base_seed", None)
         return it
 
+    def _pins_here(self) -> bool:
+        """Whether a thread of this loader pins the batches (:func:`loaders.dataloader_iter.pinned`), not
+        torch's pin-memory thread: the prefetch thread with ``device="cuda"``; with ``device=None`` and
+        ``pin_memory=True`` (for a CUDA device) a pin thread of ours, in torch's place."""
+        if not self._own_pinning:
+            return False
+        if self.device is not None:
+            return self.device.type == "cuda"
+        return bool(self.pin_memory) and _pins_for_cuda(self.pin_memory_device)
+
     def _recycles(self, workers: int) -> bool:
         """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader_shm):
-        the prefetch thread pins, so it knows when a batch is done with."""
-        return self._returns is not None and workers > 0 and recycling_available()
+        our own thread pins, so it knows when a batch is done with."""
+        return self._returns is not None and workers > 0 and recycling_available() and self._pins_here()
 
     def _drop_persistent(self) -> None:
         if self._iterator is not None:
@@ -234,17 +259,20 @@ class DataLoader(tud.DataLoader[_T_co]):
         # torch's iterator is made here, in the main thread (workers forked from the prefetch
         # thread of a CUDA process can abort on CUDA objects they inherit)
         skip = p.batches if not self._iterable else 0
+        pins_here = self._pins_here()
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
+        if pins_here:
+            stream = pinned(stream, self.pin_memory_device or None, returns=self._returns,
+                            keep=self.persistent_workers)
         if self.device is not None:
             if self._prefetcher is None:
                 self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
             self._prefetcher.depth = self._depth
-            if self._pins_in_producer:
-                stream = pinned(stream, self.pin_memory_device or None, returns=self._returns,
-                                keep=self.persistent_workers)
             self._source.stream = stream
             stream = iter(self._prefetcher)
+        elif pins_here:  # in torch's place: a thread that pins, ``prefetch_depth`` batches ahead
+            stream = threaded(stream, depth=self._depth, name="datapipe-pin-memory")
         it = LoaderIterator(self, stream, p)
         self._active = weakref.ref(it)
         return it
@@ -412,13 +440,14 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None
 
     def stats(self) -> dict:
-        """Throughput and data-wait of the current (or last) pass plus the autotune choices; with
-        ``device="cuda"``, ``shared_memory``: the workers' tensors given back to them for reuse
-        (``recycled``) and the segments the main process holds mapped (``segments``)."""
+        """Throughput and data-wait of the current (or last) pass plus the autotune choices; when the
+        loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU),
+        ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``) and the
+        segments the main process holds mapped (``segments``)."""
         out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
                          prefetcher=self._prefetcher)
-        if self._returns is not None:
+        if self._returns is not None and self._pins_here():
             out["shared_memory"] = {"recycled": self._returns.released, "segments": len(self._returns.kept)}
         return out
 

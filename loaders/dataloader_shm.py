@@ -8,8 +8,9 @@ each batch anew and unmaps it after use (~2 ms that hold up its other threads: R
 in the producer"). Here each worker keeps a small pool of shared-memory segments and writes its
 batches' tensors into free ones; the main process keeps the segments mapped (torch's receiving
 side finds a segment it still holds in its cache and does not map it again) and hands each
-segment back as soon as the batch has been pinned. Used where that moment is known: with
-``device="cuda"`` (the prefetch thread pins; :func:`loaders.dataloader_iter.pinned`) and torch's
+segment back as soon as the batch has been pinned. Used where that moment is known: where a thread of
+the loader pins (:func:`loaders.dataloader_iter.pinned`: the prefetch thread with ``device="cuda"``, a
+pin thread in torch's place with ``pin_memory=True`` and ``device=None``) and torch's
 ``file_descriptor`` sharing strategy (Linux's default).
 
 A segment starts with a 64-byte header: the loader's 8-byte mark and a state byte, ``BUSY`` from

@@ -5,6 +5,7 @@ import logging
 import multiprocessing
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -305,25 +306,22 @@ def test_protocol_resume_exact_at_every_stop(workers):
     assert _children_gone()
 
 
-def test_recycled_worker_memory_composes_with_the_worker_state_protocol():
-    from loaders.dataloader_shm import SegmentReturns
-
+def test_recycled_worker_memory_composes_with_the_worker_state_protocol(monkeypatch):
     kw = dict(batch_size=2, num_workers=2)
     full = _run(DataLoader(ToyStream(SHARDS), **kw))
-    a = DataLoader(ToyStream(SHARDS), **kw)
-    # as with device="cuda" (a GPU test runs that): the workers write batches into recycled segments
-    a._returns = returns = SegmentReturns(b"cpu-test", workers=0, batches=4)
+    _fake_pinning(monkeypatch)  # as with a GPU (GPU tests run that): our thread pins, segments recycled
+    a = DataLoader(ToyStream(SHARDS), pin_memory=True, **kw)
     got = []
     for batch in a:
         got.append(_plain(batch))
-        returns.release(batch)  # as the prefetch thread does once it has pinned a batch
         if len(got) == 3:
             break
-    assert a.stats()["shared_memory"] == {"recycled": 3, "segments": len(returns.kept)} and returns.kept
+    returns = a._returns
+    assert a.stats()["shared_memory"]["recycled"] >= 3  # the pin thread may run ahead
     state = a.state_dict()
     a.close()
-    assert returns.released == 3 and not returns.kept
-    b = DataLoader(ToyStream(SHARDS), **kw)
+    assert not returns.kept
+    b = DataLoader(ToyStream(SHARDS), pin_memory=True, **kw)
     b.load_state_dict(state)
     assert got + _run(b) == full
 
@@ -505,6 +503,58 @@ def test_bad_arguments():
         DataLoader(Squares(), sampler=Fixed([0]), shuffle=True)
 
 
+def _fake_pinning(monkeypatch):
+    """A CPU machine cannot pin: the loader is told it can, and a copy stands in for pinning. Returns
+    the names of the threads that pinned."""
+    import loaders.dataloader as module
+    from torch.utils.data._utils import pin_memory as torch_pin
+
+    from datapipe.device.prefetch import map_tensors
+
+    threads = set()
+
+    def copy_as_pinning(data, device=None):
+        threads.add(threading.current_thread().name)
+        return map_tensors(lambda t: t.clone(), data)
+
+    monkeypatch.setattr(module, "_pins_for_cuda", lambda device: True)
+    monkeypatch.setattr(torch_pin, "pin_memory", copy_as_pinning)
+    return threads
+
+
+def test_pin_memory_pins_in_a_thread_of_ours_and_recycles_worker_memory(monkeypatch):
+    threads = _fake_pinning(monkeypatch)
+    kw = dict(batch_size=4, num_workers=2)
+    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    dl = DataLoader(Pictures(), pin_memory=True, **kw)
+    for epoch in range(2):
+        held = list(dl)  # every batch kept: its copy outlives the segment it came in, reused meanwhile
+        assert [_plain(b) for b in held] == ref
+        assert dl.stats()["shared_memory"]["recycled"] == 24 * (epoch + 1)  # 12 batches x 2 tensors
+    assert threads == {"datapipe-pin-memory"}
+    dl.close()
+    assert not dl._returns.kept
+
+
+def test_without_pinning_or_a_gpu_torch_keeps_its_own_path(monkeypatch):
+    kw = dict(batch_size=4, num_workers=2)
+    plain = DataLoader(Pictures(), **kw)
+    assert _run(plain) == _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    assert "shared_memory" not in plain.stats() and not plain._returns.released
+    if not torch.cuda.is_available():  # pin_memory=True without a GPU: torch's loader warns and does not pin
+        with pytest.warns(UserWarning, match="pin_memory"):
+            pinned_off = DataLoader(Pictures(), pin_memory=True, **kw)
+            _run(pinned_off)
+        assert "shared_memory" not in pinned_off.stats()
+    threads = _fake_pinning(monkeypatch)
+    off = DataLoader(Pictures(), pin_memory=True, **kw)
+    off._own_pinning = False  # as bench/prefetch.py's "pinthread" variant: torch pins (here: nothing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's loader: no accelerator to pin for
+        _run(off)
+    assert not threads and not off._returns.released
+
+
 # ---------------------------------------------------------------- GPU -------------------------------
 
 @pytest.mark.gpu
@@ -539,6 +589,19 @@ class Pictures(Dataset):
 
     def __getitem__(self, i):
         return torch.full((3, 64, 64), i, dtype=torch.uint8), i
+
+
+@pytest.mark.gpu
+def test_gpu_pin_memory_true_pins_in_our_thread_with_recycled_memory():
+    kw = dict(batch_size=4, num_workers=2)
+    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    dl = DataLoader(Pictures(), pin_memory=True, **kw)
+    held = list(dl)
+    assert all(t.is_pinned() and not t.is_cuda for images, labels in held for t in (images, labels))
+    assert [_plain(b) for b in held] == ref
+    assert dl.stats()["shared_memory"]["recycled"] == 24
+    assert not [t for t in threading.enumerate() if "_pin_memory_loop" in t.name]
+    dl.close()
 
 
 @pytest.mark.gpu
