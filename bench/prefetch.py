@@ -232,7 +232,7 @@ def alone(loader, batches: int, warmup: int) -> float:
 PROBE: list[dict] = [{}]  # the last ours_variant's probe counts
 
 
-WORKER_BOUND = ("default", "fresh", "pin_memory")  # the variants also run where the workers cannot keep up
+WORKER_BOUND = ("default", "fresh", "copied", "pin_memory")  # the variants also run where the workers cannot keep up
 
 
 @contextlib.contextmanager
@@ -243,9 +243,10 @@ def ours_variant(variant: str):
     when ``next()`` handed them over: ``copy_pending_fraction``); ``switch`` (``sys.setswitchinterval(5e-4)``: a
     thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off);
     ``pinthread`` (torch's pin-memory thread pins, as before ``loaders.dataloader_iter.pinned``); ``fresh``
-    (workers' batches in fresh shared memory, as before ``loaders.dataloader_shm``); ``pin_memory`` (torch's
+    (workers' batches in fresh shared memory, as before ``loaders.dataloader_shm``); ``copied`` (recycled
+    segments copied into pinned memory, not registered for CUDA and copied in place); ``pin_memory`` (torch's
     idiom with our loader: ``pin_memory=True``, no ``device``, ``.to(non_blocking=True)`` in the loop). The
-    last two also run where the workers cannot keep up."""
+    last three also run where the workers cannot keep up."""
     import gc
 
     from datapipe.device import prefetch
@@ -351,6 +352,8 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                         ours._own_pinning = False
                     if variant in ("pinthread", "fresh"):  # fresh shared memory per batch, as before recycling
                         ours._returns = None
+                    if variant == "copied":  # recycled segments copied into pinned memory, as before registering
+                        ours._returns.register = False
                     r = train(ours, step, device, steps, warmup, move=drop_in)
                     ours.close()
                 name = ("loaders.DataLoader(pin_memory) + .to()" if drop_in else
@@ -391,9 +394,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps first: the workers fill the pipeline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
     ap.add_argument("--ours", default="default",
-                    help="variants of ours in the keeps-up case (default, fresh and pin_memory in the worker-bound one too), "
-                         "comma-separated: default, unpaced, depth4, "
-                         "synced, probe, switch, nogc, pinthread, fresh, pin_memory (see ours_variant)")
+                    help="variants of ours in the keeps-up case (default, fresh, copied and pin_memory in the "
+                         "worker-bound one too), comma-separated: default, unpaced, depth4, synced, probe, switch, "
+                         "nogc, pinthread, fresh, copied, pin_memory (see ours_variant)")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="then profile this many steps of ours (keeps-up case, Python stacks of every thread) into "
                          "prefetch_trace.json.gz beside the result")

@@ -10,6 +10,7 @@ variants interleaved in each round):
 - ``recycled``: the same with ``PooledCollate``, each batch's segments given back after the copy;
 - on CUDA, the loaders as users run them: ``dl_torch`` torch's ``pin_memory=True`` + ``.to(non_blocking)``,
   ``dl_ours`` ``loaders.DataLoader(device="cuda")``, ``dl_ours_fresh`` the same with recycling off,
+  ``dl_ours_copied`` with the segments copied into pinned memory (not registered for CUDA),
   ``dl_ours_pin_memory`` ``loaders.DataLoader(pin_memory=True)`` + ``.to(non_blocking)`` (torch's idiom).
 
     python bench/worker_shm.py                      # CPU: bench/results/worker_shm.json
@@ -125,13 +126,14 @@ def variants(args, spin_ms: float) -> dict:
                              **common)
             return drain(dl, args.batches, args.warmup, to_gpu, torch.cuda.synchronize)
 
-        def dl_ours(fresh: bool = False):
+        def dl_ours(fresh: bool = False, copied: bool = False):
             available = ours.recycling_available
             if fresh:
                 ours.recycling_available = lambda: False
             try:
                 dl = DataLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), device="cuda",
                                 **common)
+                dl._returns.register = not copied
                 rate = drain(dl, args.batches, args.warmup, lambda b: None, torch.cuda.synchronize)
                 dl.close()
             finally:
@@ -146,7 +148,7 @@ def variants(args, spin_ms: float) -> dict:
             return rate
 
         runs.update(dl_torch=dl_torch, dl_ours=dl_ours, dl_ours_fresh=lambda: dl_ours(fresh=True),
-                    dl_ours_pin_memory=dl_ours_pin_memory)
+                    dl_ours_copied=lambda: dl_ours(copied=True), dl_ours_pin_memory=dl_ours_pin_memory)
     return runs
 
 

@@ -113,8 +113,10 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._own_pinning = True  # False: torch's pin-memory thread pins (bench/prefetch.py's "pinthread")
         # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm);
         # None: fresh shared memory per batch, as torch
-        self._returns: SegmentReturns | None = SegmentReturns(os.urandom(8), workers=0,
-                                                              batches=(prefetch_factor or 2) + 2)
+        # with device="cuda" they are registered for CUDA and copied to the GPU in place
+        self._returns: SegmentReturns | None = SegmentReturns(
+            os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2,
+            register=dev is not None and dev.type == "cuda")
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
@@ -262,12 +264,12 @@ class DataLoader(tud.DataLoader[_T_co]):
         pins_here = self._pins_here()
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
+        if self.device is not None and self._prefetcher is None:
+            self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
         if pins_here:
             stream = pinned(stream, self.pin_memory_device or None, returns=self._returns,
-                            keep=self.persistent_workers)
+                            keep=self.persistent_workers, copy_stream=getattr(self._prefetcher, "stream", None))
         if self.device is not None:
-            if self._prefetcher is None:
-                self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
             self._prefetcher.depth = self._depth
             self._source.stream = stream
             stream = iter(self._prefetcher)
@@ -442,13 +444,15 @@ class DataLoader(tud.DataLoader[_T_co]):
     def stats(self) -> dict:
         """Throughput and data-wait of the current (or last) pass plus the autotune choices; when the
         loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU),
-        ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``) and the
-        segments the main process holds mapped (``segments``)."""
+        ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``), the
+        segments the main process holds mapped (``segments``) and of those the ones registered for CUDA,
+        copied to the GPU in place (``registered``; ``device="cuda"``)."""
         out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
                          prefetcher=self._prefetcher)
         if self._returns is not None and self._pins_here():
-            out["shared_memory"] = {"recycled": self._returns.released, "segments": len(self._returns.kept)}
+            r = self._returns
+            out["shared_memory"] = {"recycled": r.released, "segments": len(r.kept), "registered": len(r.registered)}
         return out
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ side (the prefetch thread when ``device=`` is set), and the iterator ``iter(load
 consumer side, which times the consumer, strips the worker state and counts the pass's progress."""
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ def tagged_batches(torch_it, *, protocol: bool):
         item = None
 
 
-def pinned(stream, device: str | None = None, *, returns=None, keep: bool = False):
+def pinned(stream, device: str | None = None, *, returns=None, keep: bool = False, copy_stream=None):
     """(Producer thread) ``(batch, meta)`` of ``stream`` with each batch pinned as torch's pin-memory thread
     pins it (``torch.utils.data._utils.pin_memory.pin_memory``: tensors, containers, ``.pin_memory()``
     methods), in this thread.
@@ -52,34 +53,61 @@ def pinned(stream, device: str | None = None, *, returns=None, keep: bool = Fals
     ``Failed`` (as in torch's pin thread: that batch raises, the pass goes on). ``returns`` (a
     :class:`loaders.dataloader_shm.SegmentReturns`): each batch's recycled shared-memory segments go back
     to their workers once it is pinned (or failed), and are dropped at the pass's end unless ``keep``
-    (persistent workers reuse them).
+    (persistent workers reuse them). With ``returns.register``, segments registered for CUDA are not
+    copied: the batch goes out in them, and they go back once the copy the consumer (the
+    ``DevicePrefetcher``) enqueued on ``copy_stream`` before its next pull has finished.
     """
     from torch.utils.data._utils.pin_memory import pin_memory
 
     torch.set_num_threads(1)  # as torch's pin thread: the copies use this thread only (per-thread setting)
     box: list = []  # as in tagged_batches: no local keeps the exception
+    copying: collections.deque = collections.deque()  # (event, batch) read in place by a copy in flight
     try:
         for batch, meta in stream:
+            _give_back_copied(copying, returns, copy_stream)
             raw = batch  # the unpinned batch, alive until the next pull
+            direct = False
             if not isinstance(meta, Failed):
+                direct = returns is not None and returns.adopt(raw)
                 try:
                     batch = pin_memory(batch, device)
                 except Exception as e:  # noqa: BLE001 - re-raised by the consumer for this batch
                     box.append(e)
                 finally:
-                    if returns is not None:  # copied out (or failed): its segments are free again
-                        returns.release(raw)
+                    if returns is not None and (box or not direct):  # copied out (or failed): free again
+                        returns.release(raw, adopted=direct)
                 if box:
-                    batch, meta = None, Failed(box.pop())
+                    batch, meta, direct = None, Failed(box.pop()), False
+            if direct:
+                copying.append([None, raw])  # its event once the consumer has enqueued the copy
             yield batch, meta
+            if direct:  # here, at the consumer's next pull, this batch's copy is enqueued
+                copying[-1][0] = copy_stream.record_event()
             raw = batch = meta = None  # here, at the producer's next pull: the shared memory goes now
     finally:
         raw = batch = meta = None
         close = getattr(stream, "close", None)
         if close is not None:
             close()
+        _give_back_copied(copying, returns, copy_stream, wait=True)
         if returns is not None and not keep:  # the pass's workers are gone: unmap their segments
             returns.clear()
+
+
+def _give_back_copied(copying: collections.deque, returns, copy_stream=None, *, wait: bool = False) -> None:
+    """Release the batches whose copies have finished, oldest first (``wait``: all, once finished)."""
+    while copying:
+        done, raw = copying[0]
+        if done is None:  # handed out as the pass closed: its copy may have been enqueued
+            if not wait:
+                break
+            copy_stream.synchronize()
+        elif wait:
+            done.synchronize()
+        elif not done.query():
+            break
+        copying.popleft()
+        returns.release(raw, adopted=True)
 
 
 def shutdown(torch_iter) -> None:

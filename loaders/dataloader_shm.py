@@ -34,6 +34,8 @@ import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
+from datapipe.device import host_register
+
 __all__ = ["HEADER", "FREE", "BUSY", "PooledCollate", "SegmentPool", "SegmentReturns", "recycling_available"]
 
 HEADER = 64  # bytes before a segment's data: mark (8), state (1), padding (keeps data 64-byte aligned)
@@ -257,34 +259,83 @@ class SegmentReturns:
     segment kept, so the next batch a worker writes into it arrives without a new mapping. At most
     twice the segments the workers can hold are kept (``workers`` x ``batches`` in flight x the
     tensors of a batch), the least recently used dropped first. ``clear()`` drops them all.
+
+    ``register=True`` (the loader copies batches to a GPU itself): ``adopt(batch)``, before pinning,
+    keeps the batch's segments and page-locks each for CUDA the first time it is seen
+    (:mod:`datapipe.device.host_register`), so pinning returns those tensors as they are and the GPU
+    copies straight from the segment. Such a batch is released only once that copy has finished; its
+    segments are not dropped meanwhile. A segment is unregistered when dropped.
     """
 
-    def __init__(self, mark: bytes, *, workers: int, batches: int):
+    def __init__(self, mark: bytes, *, workers: int, batches: int, register: bool = False):
         self.mark = mark
         self.workers = workers
         self.batches = batches
+        self.register = register
         self.kept: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
+        self.registered: set[int] = set()
         self.released = 0
+        self._copying: collections.Counter[int] = collections.Counter()  # segment -> batches a copy reads
         self._leaves = 1
 
-    def release(self, batch) -> None:
-        leaves = 0
+    def _segments(self, batch):
         for t in _tensors(batch):
             head = _segment_header(t, self.mark)
-            if head is None:
-                continue
+            if head is not None:
+                yield t.untyped_storage(), head
+
+    def _keep(self, storage: torch.UntypedStorage) -> int:
+        ptr = storage.data_ptr()
+        if ptr in self.kept:
+            self.kept.move_to_end(ptr)
+        else:
+            self.kept[ptr] = storage
+        return ptr
+
+    def adopt(self, batch) -> bool:
+        """Keep ``batch``'s segments, registered for CUDA with ``register``; True when a GPU copy will
+        read one of them in place (release the batch only once that copy has finished)."""
+        if not self.register:
+            return False
+        direct = False
+        for storage, _ in self._segments(batch):
+            ptr = self._keep(storage)
+            if ptr not in self.registered and host_register.register(ptr, storage.nbytes()):
+                self.registered.add(ptr)
+            if ptr in self.registered:
+                self._copying[ptr] += 1
+                direct = True
+        return direct
+
+    def release(self, batch, *, adopted: bool = False) -> None:
+        """Give ``batch``'s segments back to their workers (``adopted``: it went through ``adopt``, its
+        copy is done)."""
+        leaves = 0
+        for storage, head in self._segments(batch):
             leaves += 1
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in self.kept:
-                self.kept.move_to_end(ptr)
-            else:
-                self.kept[ptr] = storage
+            ptr = self._keep(storage)
+            if adopted and ptr in self._copying:
+                self._copying[ptr] -= 1
+                if not self._copying[ptr]:
+                    del self._copying[ptr]
             head[_STATE] = FREE
             self.released += 1
         self._leaves = max(self._leaves, leaves)
-        while len(self.kept) > 2 * max(1, self.workers) * self.batches * self._leaves:
-            self.kept.popitem(last=False)  # a replaced or departed worker's segment, unmapped here
+        bound = 2 * max(1, self.workers) * self.batches * self._leaves
+        for ptr in list(self.kept):  # least recently used first
+            if len(self.kept) <= bound:
+                break
+            if ptr not in self._copying:  # a replaced or departed worker's segment, unmapped here
+                self._drop(ptr)
+
+    def _drop(self, ptr: int) -> None:
+        if ptr in self.registered:
+            self.registered.discard(ptr)
+            host_register.unregister(ptr)
+        del self.kept[ptr]
 
     def clear(self) -> None:
-        self.kept.clear()
+        """Drop every kept segment (no copy may still read one)."""
+        for ptr in list(self.kept):
+            self._drop(ptr)
+        self._copying.clear()

@@ -616,8 +616,40 @@ def test_gpu_worker_batches_travel_in_recycled_shared_memory(persistent):
         # only while their workers live
         assert dl._returns.released == 24 * (epoch + 1) == dl.stats()["shared_memory"]["recycled"]
         assert (len(dl._returns.kept) > 0) == persistent
+        # registered for CUDA and copied in place while kept; unregistered with the workers
+        assert (dl.stats()["shared_memory"]["registered"] > 0) == persistent
     dl.close()
-    assert not dl._returns.kept
+    assert not dl._returns.kept and not dl._returns.registered
+
+
+class Frames(Dataset):
+    """Map-style: a 3x256x256 uint8 image filled with i % 251 (copies big enough to overlap a worker's writes)."""
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        return torch.full((3, 256, 256), i % 251, dtype=torch.uint8), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("register", [True, False])
+def test_gpu_batches_copied_in_place_from_registered_segments_arrive_whole(register):
+    dl = DataLoader(Frames(), batch_size=16, num_workers=4, device="cuda", persistent_workers=True)
+    dl._returns.register = register
+    held = []
+    for epoch in range(2):
+        for i, (images, labels) in enumerate(dl):
+            held.append((images, labels))  # kept on the GPU: their segments were reused meanwhile
+            time.sleep(0.002 * (i % 3))  # an uneven consumer
+    for i, (images, labels) in enumerate(held):
+        want = torch.arange(16 * (i % 16), 16 * (i % 16) + 16, device="cuda")
+        flat = images.view(16, -1)
+        assert torch.equal(labels, want)
+        assert torch.equal(flat.amin(1), (want % 251).to(torch.uint8)) and torch.equal(flat.amax(1), flat.amin(1))
+    assert (dl.stats()["shared_memory"]["registered"] > 0) == register
+    assert dl.stats()["pinned_pool"]["allocations"] == 0
+    dl.close()
 
 
 def test_state_names_its_kind_and_another_kind_is_refused():

@@ -100,7 +100,10 @@ class Returns:
         self.released = []
         self.cleared = 0
 
-    def release(self, batch):
+    def adopt(self, batch):
+        return False  # no segment registered for CUDA: every batch is copied out by pinning
+
+    def release(self, batch, adopted=False):
         self.released.append(batch.i)
 
     def clear(self):
@@ -130,3 +133,74 @@ def test_pinned_keeps_the_segments_for_persistent_workers():
     worker.start()
     worker.join()
     assert returns.released == [0] and returns.cleared == 0
+
+
+class DirectReturns(Returns):
+    """As SegmentReturns(register=True): every batch goes out in its segments, registered for CUDA."""
+
+    def adopt(self, batch):
+        return True
+
+    def release(self, batch, adopted=False):
+        self.released.append((batch.i, adopted))
+
+
+class Event:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+class CopyStream:
+    """Stands in for the prefetcher's side stream: its events finish when the test says so."""
+
+    def __init__(self):
+        self.events = []
+        self.synced = 0
+
+    def record_event(self):
+        self.events.append(Event())
+        return self.events[-1]
+
+    def synchronize(self):
+        self.synced += 1
+        for e in self.events:
+            e.done = True
+
+
+def test_a_batch_copied_in_place_goes_back_only_once_its_copy_has_finished():
+    returns, copies = DirectReturns(), CopyStream()
+    seen = []
+
+    def consume():
+        it = pinned(iter([(Batch(i), None) for i in range(4)] + [(Unpinnable(4), None)]), returns=returns,
+                    copy_stream=copies)
+        next(it)
+        seen.append(list(returns.released))  # handed on, its copy not enqueued yet: kept
+        next(it)
+        seen.append((len(copies.events), list(returns.released)))  # batch 0's copy recorded, not finished
+        copies.events[0].done = True
+        next(it)
+        seen.append(list(returns.released))  # batch 0's copy finished: given back at this pull
+        it.close()  # batch 1's copy waited for; batch 2 handed on as the pass closed: the stream synced
+        seen.append((list(returns.released), copies.synced, returns.cleared))
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    worker.join()
+    assert seen == [[], (1, []), [(0, True)], ([(0, True), (1, True), (2, True)], 1, 1)]
+
+
+def test_a_batch_adopted_for_an_in_place_copy_whose_pinning_raises_goes_back_at_once():
+    returns, copies = DirectReturns(), CopyStream()
+    got = []
+    worker = threading.Thread(target=lambda: got.extend(pinned(iter([(Unpinnable(0), None)]), returns=returns,
+                                                                copy_stream=copies)))
+    worker.start()
+    worker.join()
+    assert isinstance(got[0][1], Failed) and returns.released == [(0, True)] and not copies.events

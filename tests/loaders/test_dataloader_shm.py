@@ -284,3 +284,53 @@ def test_settle_frees_what_the_batch_does_not_send():
     dropped = pool.place(torch.uint8, (4,))
     pool.settle({sent.untyped_storage().data_ptr()})
     assert state(sent) == BUSY and state(dropped) == FREE and pool.taken == []
+
+
+def fake_registry(monkeypatch, refuse=()):
+    """host_register stood in for (no GPU here): which pointers are registered, and the calls."""
+    import loaders.dataloader_shm as shm
+
+    calls = []
+
+    def register(ptr, nbytes):
+        calls.append(("register", ptr, nbytes))
+        return ptr not in refuse
+
+    monkeypatch.setattr(shm.host_register, "register", register)
+    monkeypatch.setattr(shm.host_register, "unregister", lambda ptr: calls.append(("unregister", ptr)))
+    return calls
+
+
+def test_adopted_segments_are_registered_once_and_never_dropped_while_a_copy_reads_them(monkeypatch):
+    calls = fake_registry(monkeypatch)
+    returns = SegmentReturns(MARK, workers=1, batches=1, register=True)
+    pool = SegmentPool(MARK, cap=8)
+    first = pool.place(torch.uint8, (10,))
+    ptr = first.untyped_storage().data_ptr()
+    assert returns.adopt((first, torch.zeros(3)))  # the plain tensor: not a segment, left alone
+    assert calls == [("register", ptr, first.untyped_storage().nbytes())] and returns.registered == {ptr}
+    others = [pool.place(torch.uint8, (10,)) for _ in range(4)]
+    for t in others:  # four more segments adopted and released: the bound is 2
+        returns.adopt(t)
+        returns.release(t, adopted=True)
+    assert ptr in returns.kept and state(first) == BUSY  # its copy still runs: kept, registered
+    assert len(returns.kept) == 2 and sum(c[0] == "unregister" for c in calls) == 3  # the others: LRU out
+    returns.release(first, adopted=True)
+    assert state(first) == FREE and ("unregister", ptr) not in calls
+    assert returns.adopt(first) and sum(c[0] == "register" for c in calls) == 5  # still registered: not again
+    returns.release(first, adopted=True)
+    returns.clear()
+    assert not returns.kept and not returns.registered
+    assert sum(c[0] == "register" for c in calls) == sum(c[0] == "unregister" for c in calls)
+
+
+def test_without_register_or_when_cuda_refuses_the_batch_is_copied_out(monkeypatch):
+    pool = SegmentPool(MARK, cap=4)
+    t = pool.place(torch.uint8, (10,))
+    calls = fake_registry(monkeypatch, refuse={t.untyped_storage().data_ptr()})
+    assert not SegmentReturns(MARK, workers=1, batches=1).adopt(t) and not calls
+    refused = SegmentReturns(MARK, workers=1, batches=1, register=True)
+    assert not refused.adopt(t) and not refused.registered and len(calls) == 1
+    refused.release(t)
+    refused.clear()
+    assert len(calls) == 1  # nothing registered, nothing to undo
