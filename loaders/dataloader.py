@@ -77,6 +77,12 @@ class DataLoader(tud.DataLoader[_T_co]):
     count; an iterable dataset starts at the CPU/memory bound. Both grow at epoch boundaries
     while the consumer keeps waiting. ``max_workers`` caps the choice. ``num_workers`` holds the
     worker count in use.
+
+    Pinning: with ``device="cuda"`` the prefetch thread pins and copies; with ``pin_memory=True`` and no
+    ``device`` (torch's idiom, a GPU present) a thread of this loader pins in place of torch's
+    pin-memory thread, ``prefetch_depth`` batches ahead. Either way the workers' batches travel in
+    recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to the GPU
+    in place.
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
