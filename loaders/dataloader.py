@@ -39,9 +39,9 @@ import torch.utils.data as tud
 from torch.utils.data import IterableDataset
 
 from datapipe.device import autotune
-from datapipe.order import elastic
 from datapipe.device.handoff import threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
+from datapipe.order import elastic
 from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, shutdown, tagged_batches
 from loaders.dataloader_progress import Progress, stats as pass_stats
 from loaders.dataloader_shm import PooledCollate, SegmentReturns, recycling_available
@@ -117,9 +117,9 @@ class DataLoader(tud.DataLoader[_T_co]):
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
         self._own_pinning = True  # False: torch's pin-memory thread pins (bench/prefetch.py's "pinthread")
-        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm);
-        # None: fresh shared memory per batch, as torch
-        # with device="cuda" they are registered for CUDA and copied to the GPU in place
+        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm),
+        # with device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory
+        # per batch, as torch
         self._returns: SegmentReturns | None = SegmentReturns(
             os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2,
             register=dev is not None and dev.type == "cuda")

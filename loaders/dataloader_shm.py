@@ -321,11 +321,9 @@ class SegmentReturns:
             head[_STATE] = FREE
             self.released += 1
         self._leaves = max(self._leaves, leaves)
-        bound = 2 * max(1, self.workers) * self.batches * self._leaves
-        for ptr in list(self.kept):  # least recently used first
-            if len(self.kept) <= bound:
-                break
-            if ptr not in self._copying:  # a replaced or departed worker's segment, unmapped here
+        over = len(self.kept) - 2 * max(1, self.workers) * self.batches * self._leaves
+        if over > 0:  # the least recently used (a replaced or departed worker's), none a copy still reads
+            for ptr in [p for p in self.kept if p not in self._copying][:over]:
                 self._drop(ptr)
 
     def _drop(self, ptr: int) -> None:
