@@ -4,10 +4,13 @@
 #   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
 #   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
 # Other parts: ceiling anatomy prefetch stalls workershm packing read.
-# Deciding an ImageLoader default (pool the rows with bench/row_stats.py --against imageloader):
+# Deciding an ImageLoader default (pool the rows with bench/row_stats.py --against imageloader; each run
+# gives three rows per variant in ~140 s):
 #   CEILING_ARGS="--steps 80 --budget-s 430 --only imageloader,il_auto,imageloader_pace08,imageloader2,il_autob,imageloader2_pace08,imageloader3,il_autoc,imageloader3_pace08" bash bench/gpu_suite.sh ceiling
-# Recycled worker memory in a training loop (worker-bound rows, A/B with the variant fresh):
-#   PREFETCH_ARGS="--steps 300 --repeats 3 --sizes-mb 64 --iters 3 --ours default,fresh" bash bench/gpu_suite.sh prefetch
+# Recycled worker memory in a training loop (A/B: fresh = recycling off, copied = not registered for CUDA,
+# pin_memory = torch idiom with our loader; no DALI wheels needed for prefetch and workershm):
+#   PREFETCH_ARGS="--steps 300 --repeats 3 --sizes-mb 64 --iters 3 --ours default,copied,pin_memory,fresh" bash bench/gpu_suite.sh prefetch
+#   WORKERSHM_ARGS="--rounds 3 --spin-ms 0,40" bash bench/gpu_suite.sh workershm
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-suite}
