@@ -78,11 +78,11 @@ class DataLoader(tud.DataLoader[_T_co]):
     while the consumer keeps waiting. ``max_workers`` caps the choice. ``num_workers`` holds the
     worker count in use.
 
-    Pinning: with ``device="cuda"`` the prefetch thread pins and copies; with ``pin_memory=True`` and no
-    ``device`` (torch's idiom, a GPU present) a thread of this loader pins in place of torch's
-    pin-memory thread, ``prefetch_depth`` batches ahead. Either way the workers' batches travel in
-    recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to the GPU
-    in place.
+    Pinning: with ``device="cuda"`` the prefetch thread pins and copies; with ``pin_memory=True``, no
+    ``device`` and worker processes (torch's idiom, a GPU present) a thread of this loader pins in place
+    of torch's pin-memory thread, ``prefetch_depth`` batches ahead. Either way the workers' batches
+    travel in recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to
+    the GPU in place.
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -117,6 +117,7 @@ class DataLoader(tud.DataLoader[_T_co]):
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
         self._own_pinning = True  # False: torch's pin-memory thread pins (bench/prefetch.py's "pinthread")
+        self._pass_pins = False  # whether a thread of ours pins this pass's batches (_pins_here)
         # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm),
         # with device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory
         # per batch, as torch
@@ -164,7 +165,6 @@ class DataLoader(tud.DataLoader[_T_co]):
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
         collate, pin = self.collate_fn, self.pin_memory
-        pins_here = self._pins_here()
         inner = collate
         if self._recycles(workers):
             self._returns.workers = workers
@@ -172,7 +172,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
         self.collate_fn = inner
-        if pins_here:
+        if self._pass_pins:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
         # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
@@ -189,20 +189,22 @@ class DataLoader(tud.DataLoader[_T_co]):
         rng.base_seed = getattr(it, "_base_seed", None)
         return it
 
-    def _pins_here(self) -> bool:
-        """Whether a thread of this loader pins the batches (:func:`loaders.dataloader_iter.pinned`), not
-        torch's pin-memory thread: the prefetch thread with ``device="cuda"``; with ``device=None`` and
-        ``pin_memory=True`` (for a CUDA device) a pin thread of ours, in torch's place."""
+    def _pins_here(self, workers: int) -> bool:
+        """Whether a thread of this loader pins a pass's batches (:func:`loaders.dataloader_iter.pinned`), not
+        torch: the prefetch thread with ``device="cuda"``; with ``device=None`` and ``pin_memory=True`` (for a
+        CUDA device) and worker processes, a pin thread of ours in place of torch's. Without workers torch
+        pins in the training thread, the dataset running there too, and so it stays."""
         if not self._own_pinning:
             return False
         if self.device is not None:
             return self.device.type == "cuda"
-        return bool(self.pin_memory) and _pins_for_cuda(self.pin_memory_device)
+        return (bool(self.pin_memory) and _pins_for_cuda(self.pin_memory_device)
+                and (workers > 0 or self._auto_workers_mode))
 
     def _recycles(self, workers: int) -> bool:
         """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader_shm):
         our own thread pins, so it knows when a batch is done with."""
-        return self._returns is not None and workers > 0 and recycling_available() and self._pins_here()
+        return self._returns is not None and workers > 0 and recycling_available() and self._pass_pins
 
     def _drop_persistent(self) -> None:
         if self._iterator is not None:
@@ -267,7 +269,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         # torch's iterator is made here, in the main thread (workers forked from the prefetch
         # thread of a CUDA process can abort on CUDA objects they inherit)
         skip = p.batches if not self._iterable else 0
-        pins_here = self._pins_here()
+        pins_here = self._pass_pins = self._pins_here(workers)
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
         if self.device is not None and self._prefetcher is None:
@@ -449,14 +451,14 @@ class DataLoader(tud.DataLoader[_T_co]):
 
     def stats(self) -> dict:
         """Throughput and data-wait of the current (or last) pass plus the autotune choices; when the
-        loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU),
+        loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers),
         ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``), the
         segments the main process holds mapped (``segments``) and of those the ones registered for CUDA,
         copied to the GPU in place (``registered``; ``device="cuda"``)."""
         out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
                          prefetcher=self._prefetcher)
-        if self._returns is not None and self._pins_here():
+        if self._returns is not None and self._pass_pins:
             r = self._returns
             out["shared_memory"] = {"recycled": r.released, "segments": len(r.kept), "registered": len(r.registered)}
         return out

@@ -531,9 +531,9 @@ def test_pin_memory_pins_in_a_thread_of_ours_and_recycles_worker_memory(monkeypa
     for epoch in range(2):
         held = list(dl)  # every batch kept: its copy outlives the segment it came in, reused meanwhile
         assert [_plain(b) for b in held] == ref
-        # 12 batches x 2 tensors; without workers no shared memory
-        assert dl.stats()["shared_memory"]["recycled"] == (24 * (epoch + 1) if workers else 0)
-    assert threads == {"datapipe-pin-memory"}
+        # 12 batches x 2 tensors; without workers torch's own path (which pins nothing on a CPU machine)
+        assert dl.stats().get("shared_memory", {}).get("recycled") == (24 * (epoch + 1) if workers else None)
+    assert threads == ({"datapipe-pin-memory"} if workers else set())
     dl.close()
     assert not dl._returns.kept
 
@@ -602,7 +602,8 @@ def test_gpu_pin_memory_true_pins_in_our_thread_with_recycled_memory(workers):
     held = list(dl)
     assert all(t.is_pinned() and not t.is_cuda for images, labels in held for t in (images, labels))
     assert [_plain(b) for b in held] == ref
-    assert dl.stats()["shared_memory"]["recycled"] == (24 if workers else 0)  # no workers: no shared memory
+    # without workers torch pins in this thread, as before: no pin thread, no shared memory
+    assert dl.stats().get("shared_memory", {}).get("recycled") == (24 if workers else None)
     assert not [t for t in threading.enumerate() if "_pin_memory_loop" in t.name]
     dl.close()
 
