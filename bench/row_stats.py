@@ -8,6 +8,7 @@ suffixes stay, since they change what was measured. Pool only files measured wit
     python bench/row_stats.py bench/results/ceiling_nommap.json bench/results/ceiling_nommap_b.json
     python bench/row_stats.py bench/results/ceiling*.json --only imageloader,dali_hand --json out.json
     python bench/row_stats.py run1.json run2.json --against imageloader   # does a variant clear the defaults?
+    python bench/row_stats.py bench/results/ceiling*.json --plot rows.png --target 0.98   # every row, drawn
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--against", default=None,
                     help="a variant: every other one's mean difference from it, with its 95%% interval (Welch)")
     ap.add_argument("--json", default=None, help="also write the pooled figures here")
+    ap.add_argument("--plot", default=None, help="also draw every row and each mean's interval here (PNG)")
+    ap.add_argument("--target", type=float, default=None, help="a target line on the plot (e.g. 0.98)")
     args = ap.parse_args(argv)
     results = []
     for path in args.files:
@@ -125,6 +128,10 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"files": args.files, "key": args.key, "pooled": pooled}, f, indent=1)
+    if args.plot:
+        from tools.plots import plot_rows
+
+        print(f"wrote {plot_rows(values, args.plot, target=args.target, xlabel=args.key)}")
     return pooled
 
 

@@ -165,6 +165,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--spin-ms", default="0,30", help="comma list: the cases' CPU work per batch in a worker")
     ap.add_argument("--quick", action="store_true", help="smoke check: tiny images, few batches")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--plot", action="store_true", help="also draw the rates beside the JSON (worker_shm.png)")
     args = ap.parse_args(argv)
     if args.workers is None:
         args.workers = 8 if args.device == "cuda" else min(4, os.cpu_count() or 1)
@@ -189,6 +190,10 @@ def main(argv=None) -> dict:
     path = write_result("worker_shm", result, args.out)
     print(table(rows, ["spin_ms", "variant", "batches_per_s", "vs_torch", "rounds"]))
     print(f"wrote {path}")
+    if args.plot:
+        from tools.plots import plot_worker_shm
+
+        print(f"wrote {plot_worker_shm(result, os.path.splitext(path)[0] + '.png')}")
     return result
 
 

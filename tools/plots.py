@@ -114,3 +114,52 @@ def plot_doctor(report: dict, path: str) -> str:
     b.set_title("step time")
     b.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_rows(values: dict[str, list[float]], path: str, *, target: float | None = None,
+              xlabel: str = "ceiling ratio") -> str:
+    """Every row of each variant (dots) with the mean and its 95% interval (``bench/row_stats.py``'s
+    pooled figures), one line per variant; ``target`` as a dashed line."""
+    from bench.row_stats import summary
+
+    plt = _plt()
+    names = sorted(values, key=lambda v: sum(values[v]) / len(values[v]))
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    for i, name in enumerate(names):
+        rows = values[name]
+        ax.scatter(rows, [i + 0.12 * ((k % 5) - 2) / 2 for k in range(len(rows))], s=12, color="tab:gray",
+                   alpha=0.7)
+        s = summary(rows)
+        ax.errorbar([s["mean"]], [i], xerr=[[s["ci95"] or 0.0], [s["ci95"] or 0.0]], fmt="o", color="tab:blue",
+                    capsize=4)
+        ax.text(s["mean"], i + 0.3, f"{s['mean']:.4f} (n={s['n']})", ha="center", fontsize=7)
+    if target is not None:
+        ax.axvline(target, color="tab:red", linestyle="--", label=f"target {target}")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel(xlabel)
+    ax.set_title("rows pooled by variant: mean and its 95% interval")
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_worker_shm(result: dict, path: str) -> str:
+    """``bench/worker_shm.py``: batches per second of each variant, one panel per case (the workers' CPU
+    work per batch), each bar labelled with its ratio to torch's loader."""
+    plt = _plt()
+    cases = sorted({r["spin_ms"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 3.8), squeeze=False)
+    for ax, spin in zip(axes[0], cases):
+        rows = [r for r in result["rows"] if r["spin_ms"] == spin]
+        ax.barh([r["variant"] for r in rows], [r["batches_per_s"] for r in rows],
+                color=["tab:blue" if r["variant"].startswith("dl_ours") or r["variant"] == "recycled" else "tab:gray"
+                       for r in rows])
+        for i, r in enumerate(rows):
+            ax.text(r["batches_per_s"], i, f" {r['batches_per_s']:.0f} ({r['vs_torch']:.2f}x)", va="center",
+                    fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("batches/s")
+        ax.set_title(f"{spin:g} ms of CPU work per batch in a worker")
+        ax.margins(x=0.25)
+    fig.suptitle(f"worker-bound loading, {result.get('gpu') or 'CPU'} (ratios to the row torch)", fontsize=10)
+    return _save(fig, path)
