@@ -82,7 +82,8 @@ class DataLoader(tud.DataLoader[_T_co]):
     ``device`` and worker processes (torch's idiom, a GPU present) a thread of this loader pins in place
     of torch's pin-memory thread, ``prefetch_depth`` batches ahead. Either way the workers' batches
     travel in recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to
-    the GPU in place.
+    the GPU in place. Then, and with persistent workers, one pass runs at a time: ``iter()`` stops the
+    last pass's iterator first (its ``next()`` ends).
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -270,6 +271,10 @@ class DataLoader(tud.DataLoader[_T_co]):
         # thread of a CUDA process can abort on CUDA objects they inherit)
         skip = p.batches if not self._iterable else 0
         pins_here = self._pass_pins = self._pins_here(workers)
+        if pins_here or self.persistent_workers:
+            # the last pass's thread stops first: it would go on pulling from the persistent workers' one
+            # torch iterator, or give back shared-memory segments this pass's copies read
+            self._close_active()
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
         if self.device is not None and self._prefetcher is None:
@@ -466,15 +471,19 @@ class DataLoader(tud.DataLoader[_T_co]):
     def close(self) -> None:
         """Stop prefetching, shut every worker down (persistent ones too), free the pinned pool and unmap
         the workers' recycled shared memory."""
-        active = self._active() if self._active is not None else None
-        if active is not None:
-            active.close()
+        self._close_active()
         self._drop_persistent()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
         if self._returns is not None:  # the prefetch thread has stopped: the workers' segments go
             self._returns.clear()
+
+    def _close_active(self) -> None:
+        """Stop the latest pass's iterator (its threads; its workers unless persistent), if still alive."""
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
 
     def __enter__(self) -> DataLoader:
         return self

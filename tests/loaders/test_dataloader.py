@@ -538,6 +538,21 @@ def test_pin_memory_pins_in_a_thread_of_ours_and_recycles_worker_memory(monkeypa
     assert not dl._returns.kept
 
 
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_new_pass_stops_the_last_ones_pin_thread_first(monkeypatch, persistent):
+    _fake_pinning(monkeypatch)
+    kw = dict(batch_size=4, num_workers=2, persistent_workers=persistent)
+    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    dl = DataLoader(Pictures(), pin_memory=True, **kw)
+    for _ in range(8):  # the old pass still referenced, its thread running ahead
+        old = iter(dl)
+        next(old)
+        assert _run(dl) == ref
+        with pytest.raises(StopIteration):  # superseded: stopped (one pass at a time)
+            next(old)
+    dl.close()
+
+
 def test_without_pinning_or_a_gpu_torch_keeps_its_own_path(monkeypatch):
     kw = dict(batch_size=4, num_workers=2)
     plain = DataLoader(Pictures(), **kw)
