@@ -39,7 +39,7 @@ import torch.utils.data as tud
 from torch.utils.data import IterableDataset
 
 from datapipe.device import autotune
-from datapipe.device.handoff import threaded
+from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from datapipe.order import elastic
 from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, shutdown, tagged_batches
@@ -481,9 +481,7 @@ class DataLoader(tud.DataLoader[_T_co]):
 
     def _close_active(self) -> None:
         """Stop the latest pass's iterator (its threads; its workers unless persistent), if still alive."""
-        active = self._active() if self._active is not None else None
-        if active is not None:
-            active.close()
+        close_last(self._active)
 
     def __enter__(self) -> DataLoader:
         return self

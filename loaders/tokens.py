@@ -4,11 +4,13 @@ from __future__ import annotations
 import io
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
+from datapipe.device.handoff import close_last
 from datapipe.device.prefetch import DevicePrefetcher
 from datapipe.errors import DataError, ErrorPolicy, OnError
 from datapipe.order.seeds import derive_seed
@@ -93,6 +95,7 @@ class TokenLoader:
                        "wait_s": 0.0, "elapsed_s": 0.0}
         self._group = None
         self._producer = None  # the last pass's ProducerMeter
+        self._last_pass = None  # weakref to the latest pass's iterator
 
     # ---- documents --------------------------------------------------------------------------
     def _document(self, sample: dict) -> np.ndarray | None:
@@ -133,6 +136,13 @@ class TokenLoader:
             yield to_torch(batch), snapshot
 
     def __iter__(self) -> Iterator[dict]:
+        """One pass (an epoch, or its rest after a resume); one pass at a time: a new one stops the last."""
+        close_last(self._last_pass)  # one pass at a time: the last one's producer thread stops first
+        batches = self._pass()
+        self._last_pass = weakref.ref(batches)
+        return batches
+
+    def _pass(self) -> Iterator[dict]:
         resume, self._resume = self._resume, None
         if resume is not None:
             self.stream.load_state_dict(resume["stream"])

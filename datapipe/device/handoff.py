@@ -24,7 +24,7 @@ from datapipe.device import forks
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
-__all__ = ["CurrentStream", "Producer", "ProducerMeter", "Retirer", "on_side_stream", "started", "threaded",
+__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "Retirer", "on_side_stream", "started", "threaded",
            "wait_and_keep"]
 
 _POLL_S = 0.05
@@ -351,6 +351,14 @@ def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], stre
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)
+
+
+def close_last(ref) -> None:
+    """Close the iterator behind ``ref`` (a weakref, or None) if it is still alive: a loader whose passes
+    share one source stops the last pass's producer thread before a new pass starts."""
+    it = ref() if ref is not None else None
+    if it is not None:
+        it.close()
 
 
 def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0,

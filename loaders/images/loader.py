@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
-from datapipe.device.handoff import ProducerMeter, on_side_stream
+from datapipe.device.handoff import ProducerMeter, close_last, on_side_stream
 from datapipe.device.queues import widen_hardware_queues
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
@@ -180,6 +181,7 @@ class ImageLoader:
         self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
         self._resumed = False
         self._side_stream = None  # the producer's CUDA stream, the same every epoch
+        self._last_pass = None  # weakref to the latest pass's iterator
         self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
         from datapipe.stream import ShardStream
@@ -378,12 +380,16 @@ class ImageLoader:
 
     # ---- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass (an epoch, or its rest after a resume); one pass at a time: a new one stops the last."""
         if not self._resumed:
             self.stream.set_epoch(self.epoch)
             self._global = None
         self._resumed = False
+        close_last(self._last_pass)  # one pass at a time: the last one's producer thread stops first
         self._source.start()
-        return self._handout(self._source.produce())
+        handout = self._handout(self._source.produce())
+        self._last_pass = weakref.ref(handout)
+        return handout
 
     def _handout(self, produce) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches made ahead in a producer thread (DALI driven, on a side stream).

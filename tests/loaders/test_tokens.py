@@ -183,3 +183,14 @@ def test_resume_on_another_world_size_packs_every_document_once(tmp_path, new_wo
     assert set(per_doc) == set(range(len(lens))) and len(seen) == sum(lens)  # every token of every document
     assert all(len(ns) == 1 for ns in per_doc.values())  # whole documents only, never a part twice
     assert sum(ns.pop() - 1 for ns in per_doc.values()) <= 3 + new_world - 1  # only the plans' padding repeats
+
+
+def test_a_new_pass_stops_the_last_one_first(tmp_path):
+    urls = write_token_shards(tmp_path, lengths(120))
+    loader = TokenLoader(urls, seq_len=128, batch_size=4, buffer_size=64)
+    ref = torch.cat([real_tokens(b) for b in loader]).sort().values
+    old = iter(loader)
+    next(old)  # its producer thread runs ahead on the stream both passes share
+    assert torch.equal(torch.cat([real_tokens(b) for b in loader]).sort().values, ref)
+    with pytest.raises(StopIteration):
+        next(old)

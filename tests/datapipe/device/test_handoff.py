@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from datapipe.device.handoff import on_side_stream, started, threaded
+from datapipe.device.handoff import close_last, on_side_stream, started, threaded
 
 
 def test_threaded_keeps_order_and_reraises():
@@ -52,6 +52,28 @@ def test_closing_stops_the_thread_and_closes_the_producer_in_its_thread():
     it.close()
     assert where["closed_in"] == "producer-under-test"
     assert threading.active_count() == before
+
+
+def test_close_last_closes_a_live_iterator_and_ignores_a_gone_one():
+    import weakref
+
+    closed = []
+
+    def gen():
+        try:
+            yield 1
+            yield 2
+        finally:
+            closed.append(True)
+
+    g = gen()
+    next(g)
+    ref = weakref.ref(g)
+    close_last(ref)
+    assert closed == [True] and next(g, None) is None
+    del g
+    close_last(ref)  # collected: nothing to do
+    close_last(None)
 
 
 def test_on_side_stream_on_cpu_passes_items_through():

@@ -616,3 +616,16 @@ def test_gpu_auto_decoder_switches_once_when_the_consumer_waits(shards, reader):
     assert (x.cpu() - cpu_x).abs().mean() < 0.05
     x2, y2 = collect(dl)  # the next epoch stays on the hardware decoder
     assert dl.stats()["decoder"]["switches"] == 1 and y2.cpu().tolist() == cpu_y.tolist()
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_a_new_pass_stops_the_last_one_first(shards, reader):
+    _, ref = collect(loader(shards, reader="stream"))
+    kw = dict(index_dir=os.path.join(os.path.dirname(shards[0]), "ix_passes")) if reader == "dali" else {}
+    dl = loader(shards, reader=reader, **kw)
+    old = iter(dl)
+    next(old)  # its producer thread runs ahead on the source both passes share (the stream reader crashed)
+    _, y = collect(dl)
+    assert sorted(y.tolist()) == sorted(ref.tolist())
+    with pytest.raises(StopIteration):
+        next(old)
