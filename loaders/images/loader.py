@@ -381,11 +381,11 @@ class ImageLoader:
     # ---- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass (an epoch, or its rest after a resume); one pass at a time: a new one stops the last."""
+        close_last(self._last_pass)  # before this pass touches the source the last one's thread reads
         if not self._resumed:
             self.stream.set_epoch(self.epoch)
             self._global = None
         self._resumed = False
-        close_last(self._last_pass)  # one pass at a time: the last one's producer thread stops first
         self._source.start()
         handout = self._handout(self._source.produce())
         self._last_pass = weakref.ref(handout)
