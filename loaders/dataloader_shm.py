@@ -277,6 +277,7 @@ class SegmentReturns:
         self.released = 0
         self._copying: collections.Counter[int] = collections.Counter()  # segment -> batches a copy reads
         self._leaves = 1
+        self._pid = os.getpid()
 
     def _segments(self, batch):
         for t in _tensors(batch):
@@ -337,3 +338,10 @@ class SegmentReturns:
         for ptr in list(self.kept):
             self._drop(ptr)
         self._copying.clear()
+
+    def __del__(self):  # a loader dropped without close(): registered segments would stay page-locked
+        try:
+            if self.registered and os.getpid() == self._pid:  # not a forked copy: CUDA is the parent's
+                self.clear()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+            pass

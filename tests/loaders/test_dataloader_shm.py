@@ -334,3 +334,15 @@ def test_without_register_or_when_cuda_refuses_the_batch_is_copied_out(monkeypat
     refused.release(t)
     refused.clear()
     assert len(calls) == 1  # nothing registered, nothing to undo
+
+
+def test_returns_dropped_without_clear_unregister_their_segments(monkeypatch):
+    calls = fake_registry(monkeypatch)
+    returns = SegmentReturns(MARK, workers=1, batches=2, register=True)
+    t = SegmentPool(MARK, cap=2).place(torch.uint8, (10,))
+    assert returns.adopt(t)
+    returns.release(t, adopted=True)
+    forked = SegmentReturns(MARK, workers=1, batches=2, register=True)
+    forked.registered, forked._pid = {1}, os.getpid() + 1  # as a copy in a forked worker
+    del returns, forked  # a loader dropped without close(); the worker's copy leaves CUDA alone
+    assert [c[0] for c in calls] == ["register", "unregister"]
