@@ -82,8 +82,8 @@ class DataLoader(tud.DataLoader[_T_co]):
     ``device`` and worker processes (torch's idiom, a GPU present) a thread of this loader pins in place
     of torch's pin-memory thread, ``prefetch_depth`` batches ahead. Either way the workers' batches
     travel in recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to
-    the GPU in place. Then, and with persistent workers, one pass runs at a time: ``iter()`` stops the
-    last pass's iterator first (its ``next()`` ends).
+    the GPU in place. With ``device`` set, a pin thread or persistent workers, one pass runs at a time:
+    ``iter()`` stops the last pass's iterator first (its ``next()`` ends).
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -271,9 +271,9 @@ class DataLoader(tud.DataLoader[_T_co]):
         # thread of a CUDA process can abort on CUDA objects they inherit)
         skip = p.batches if not self._iterable else 0
         pins_here = self._pass_pins = self._pins_here(workers)
-        if pins_here or self.persistent_workers:
+        if pins_here or self.persistent_workers or self.device is not None:
             # the last pass's thread stops first: it would go on pulling from the persistent workers' one
-            # torch iterator, or give back shared-memory segments this pass's copies read
+            # torch iterator, share the one prefetcher's source, or give back segments this pass's copies read
             self._close_active()
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)

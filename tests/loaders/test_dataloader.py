@@ -538,12 +538,12 @@ def test_pin_memory_pins_in_a_thread_of_ours_and_recycles_worker_memory(monkeypa
     assert not dl._returns.kept
 
 
-@pytest.mark.parametrize("persistent", [True, False])
-def test_a_new_pass_stops_the_last_ones_pin_thread_first(monkeypatch, persistent):
+@pytest.mark.parametrize("persistent,where", [(True, "pin"), (False, "pin"), (False, "cpu")])
+def test_a_new_pass_stops_the_last_ones_thread_first(monkeypatch, persistent, where):
     _fake_pinning(monkeypatch)
     kw = dict(batch_size=4, num_workers=2, persistent_workers=persistent)
     ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
-    dl = DataLoader(Pictures(), pin_memory=True, **kw)
+    dl = DataLoader(Pictures(), **(dict(pin_memory=True) if where == "pin" else dict(device="cpu")), **kw)
     for _ in range(8):  # the old pass still referenced, its thread running ahead
         old = iter(dl)
         next(old)
