@@ -23,8 +23,8 @@ Samplers are left alone, as torch does (call ``sampler.set_epoch`` yourself, or 
 The parts: this module is the loader (torch's hooks, the pass, epochs, the public methods);
 :mod:`loaders.dataloader_iter` the pass's stream and the consumer-side iterator;
 :mod:`loaders.dataloader_progress` a pass's position, timing and ``stats()``; where the loader pins
-(``device="cuda"``, or ``pin_memory=True`` with a GPU: in a thread of its own, in place of torch's pin
-thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory.
+(``device="cuda"``, or ``pin_memory=True`` with a GPU and workers: in a thread of its own, in place of
+torch's pin thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory.
 """
 from __future__ import annotations
 
