@@ -20,12 +20,15 @@ memory as torch does. ``default_collate`` (alone or inside a custom collate) sta
 a segment; other tensors of a batch are copied into one. Leaves moved: plain CPU tensors, dense
 (contiguous or channels-last), not needing grad, inside dicts, lists, tuples and namedtuples; a
 tensor sharing its storage with another leaf of the batch, and anything else, travels as torch
-sends it.
+sends it. A batch holding anything but tensors, numbers, strings and those containers (a custom
+batch type, a dataclass, a numpy view) may carry segments out of sight: its segments stay with it,
+never reused, and its worker recycles no more (torch's fresh shared memory from then on).
 """
 from __future__ import annotations
 
 import collections
 import copy
+import numbers
 import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable
@@ -95,6 +98,11 @@ class SegmentPool:
                 header[_STATE] = FREE
         self.taken = []
 
+    def abandon(self) -> None:
+        """Start a new batch, leaving the segments taken since the last call ``BUSY`` for good: a batch
+        that may carry them out of sight went out in them."""
+        self.taken = []
+
     def take(self, nbytes: int) -> torch.UntypedStorage | None:
         need = HEADER + nbytes
         free = [s for s in self.segments if int(s[1][_STATE]) == FREE]
@@ -146,6 +154,7 @@ class PooledCollate:
         self._pool: SegmentPool | None = None
         self._pid: int | None = None
         self._leaves = 1
+        self._off = False  # a batch of a type it cannot look into came: this worker recycles no more
 
     def __getstate__(self):
         return {**self.__dict__, "_pool": None, "_pid": None}
@@ -157,7 +166,7 @@ class PooledCollate:
         return self._pool
 
     def __call__(self, samples):
-        if get_worker_info() is None:
+        if get_worker_info() is None or self._off:
             return self.collate(samples)
         pool = self.pool
         # torch's default_collate, called here or from inside a custom collate, stacks straight into
@@ -167,6 +176,10 @@ class PooledCollate:
         pool.settle()
         try:
             batch = self.collate(samples)
+            if _opaque(batch):  # a custom batch type may hold segments out of sight: none is freed, and
+                pool.abandon()  # this worker sends torch's fresh shared memory from now on
+                self._off = True
+                return batch
             batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
         except BaseException:  # no batch leaves: the segments it took are not lost to the pool
             pool.settle(sent=None)
@@ -200,6 +213,19 @@ def _tensors(batch):
     elif isinstance(batch, (list, tuple)):
         for v in batch:
             yield from _tensors(v)
+
+
+def _opaque(batch) -> bool:
+    """Whether ``batch`` holds anything but tensors, numbers, strings, bytes, None and the containers
+    :func:`_tensors` walks: a custom batch type, a dataclass or a numpy view may carry segments that
+    neither this worker nor the main process can find."""
+    if isinstance(batch, (torch.Tensor, numbers.Number, str, bytes)) or batch is None:
+        return False
+    if isinstance(batch, Mapping):
+        return any(_opaque(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return any(_opaque(v) for v in batch)
+    return True
 
 
 def _shared_storages(batch) -> set[int]:

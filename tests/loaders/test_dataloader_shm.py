@@ -1,11 +1,12 @@
 """loaders.dataloader_shm: worker batches in recycled shared memory, handed back once copied out."""
 import collections
+import dataclasses
 import os
 import time
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from loaders.dataloader_shm import (BUSY, FREE, HEADER, PooledCollate, SegmentPool, SegmentReturns,
                                     recycling_available)
@@ -346,3 +347,42 @@ def test_returns_dropped_without_clear_unregister_their_segments(monkeypatch):
     forked.registered, forked._pid = {1}, os.getpid() + 1  # as a copy in a forked worker
     del returns, forked  # a loader dropped without close(); the worker's copy leaves CUDA alone
     assert [c[0] for c in calls] == ["register", "unregister"]
+
+
+class CustomBatch:
+    """A custom batch type (torch supports them, with a ``pin_memory()`` method): its tensors are out of sight."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def pin_memory(self):
+        return self
+
+
+@dataclasses.dataclass
+class DataBatch:
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+def as_custom(samples):
+    return CustomBatch(*default_collate(samples))
+
+
+def as_dataclass(samples):
+    return DataBatch(*default_collate(samples))
+
+
+def as_numpy(samples):  # a numpy view of default_collate's stack
+    images, labels = default_collate(samples)
+    return images.numpy(), labels
+
+
+@pytest.mark.parametrize("collate", [as_custom, as_dataclass, as_numpy])
+def test_a_batch_that_hides_its_tensors_keeps_its_segments_and_turns_recycling_off(collate):
+    batches = list(loader(collate, prefetch_factor=2))  # all held, none given back: a reused segment would show
+    time.sleep(0.2)
+    for i, batch in enumerate(batches):
+        img, lab = expected(i)
+        images, labels = (batch.images, batch.labels) if hasattr(batch, "labels") else batch
+        assert torch.equal(torch.as_tensor(images), img) and torch.equal(labels, lab), i
