@@ -169,7 +169,8 @@ class DataLoader(tud.DataLoader[_T_co]):
         inner = collate
         if self._recycles(workers):
             self._returns.workers = workers
-            inner = PooledCollate(collate, self._returns.mark, self._returns.batches)
+            inner = PooledCollate(collate, self._returns.mark, self._returns.batches,
+                                  self._returns.pass_counter())
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
         self.collate_fn = inner
@@ -275,6 +276,8 @@ class DataLoader(tud.DataLoader[_T_co]):
             # the last pass's thread stops first: it would go on pulling from the persistent workers' one
             # torch iterator, share the one prefetcher's source, or give back segments this pass's copies read
             self._close_active()
+        if self._returns is not None:
+            self._returns.next_pass()  # persistent workers free what the last pass left in flight
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
         if self.device is not None and self._prefetcher is None:

@@ -88,6 +88,18 @@ class SegmentPool:
         self.segments: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self.fresh = 0
         self.taken: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # since the last ``settle()``
+        self.pass_seen: int | None = None
+
+    def new_pass(self, n: int) -> None:
+        """The loader's pass counter reads ``n``: when it moved on, every segment still ``BUSY`` is free
+        again. A persistent worker's pool outlives a pass, and a new pass starts only once the main
+        process has given back every batch of the last one it took; the batches still in flight as the
+        last pass ended (left unfinished) torch drops unread when it starts the new one."""
+        if n != self.pass_seen:
+            if self.pass_seen is not None:
+                for _, header in self.segments:
+                    header[_STATE] = FREE
+            self.pass_seen = n
 
     def settle(self, sent: set[int] | None = None) -> None:
         """Start a new batch. The segments taken since the last call that the batch going out does not
@@ -147,10 +159,11 @@ class PooledCollate:
     pool's cap is that many times the tensors in a batch.
     """
 
-    def __init__(self, collate_fn: Callable, mark: bytes, batches: int):
+    def __init__(self, collate_fn: Callable, mark: bytes, batches: int, passes: torch.Tensor | None = None):
         self.collate = collate_fn
         self.mark = mark
         self.batches = batches
+        self.passes = passes  # the loader's pass counter, in shared memory (see SegmentPool.new_pass)
         self._pool: SegmentPool | None = None
         self._pid: int | None = None
         self._leaves = 1
@@ -169,6 +182,8 @@ class PooledCollate:
         if get_worker_info() is None or self._off:
             return self.collate(samples)
         pool = self.pool
+        if self.passes is not None:
+            pool.new_pass(int(self.passes[0]))
         # torch's default_collate, called here or from inside a custom collate, stacks straight into
         # segments while this worker (one thread) collates
         saved = default_collate_fn_map[torch.Tensor]
@@ -286,6 +301,9 @@ class SegmentReturns:
     twice the segments the workers can hold are kept (``workers`` x ``batches`` in flight x the
     tensors of a batch), the least recently used dropped first. ``clear()`` drops them all.
 
+    ``next_pass()``: a pass starts; persistent workers then free the segments of batches the last pass
+    left in flight, which torch drops unread (see :meth:`SegmentPool.new_pass`).
+
     ``register=True`` (the loader copies batches to a GPU itself): ``adopt(batch)``, before pinning,
     keeps the batch's segments and page-locks each for CUDA the first time it is seen
     (:mod:`datapipe.device.host_register`), so pinning returns those tensors as they are and the GPU
@@ -304,6 +322,19 @@ class SegmentReturns:
         self._copying: collections.Counter[int] = collections.Counter()  # segment -> batches a copy reads
         self._leaves = 1
         self._pid = os.getpid()
+        self.passes: torch.Tensor | None = None  # the pass counter the workers read (SegmentPool.new_pass)
+
+    def pass_counter(self) -> torch.Tensor:
+        """The loader's pass counter in shared memory (made on first use), for the workers' collates."""
+        if self.passes is None:
+            self.passes = torch.zeros(1, dtype=torch.int64).share_memory_()
+        return self.passes
+
+    def next_pass(self) -> None:
+        """A new pass starts (after the last one gave back all it took): persistent workers free the
+        segments of the batches the last pass left in flight."""
+        if self.passes is not None:
+            self.passes += 1
 
     def _segments(self, batch):
         for t in _tensors(batch):

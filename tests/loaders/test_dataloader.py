@@ -553,6 +553,24 @@ def test_a_new_pass_stops_the_last_ones_thread_first(monkeypatch, persistent, wh
     dl.close()
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_recycle_again_after_passes_left_unfinished(monkeypatch, context):
+    _fake_pinning(monkeypatch)
+    kw = dict(batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context=context)
+    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    dl = DataLoader(Pictures(), pin_memory=True, **kw)
+    assert _run(dl) == ref and dl._returns.released == 24
+    for _ in range(3):  # each leaves its in-flight batches to torch, which drops them unread
+        it = iter(dl)
+        next(it)
+        it.close()
+    before = dl._returns.released
+    held = list(dl)  # a whole pass, every batch kept
+    assert [_plain(b) for b in held] == ref
+    assert dl._returns.released - before == 24  # all recycled again (0 before the workers freed them)
+    dl.close()
+
+
 def test_without_pinning_or_a_gpu_torch_keeps_its_own_path(monkeypatch):
     kw = dict(batch_size=4, num_workers=2)
     plain = DataLoader(Pictures(), **kw)

@@ -386,3 +386,15 @@ def test_a_batch_that_hides_its_tensors_keeps_its_segments_and_turns_recycling_o
         img, lab = expected(i)
         images, labels = (batch.images, batch.labels) if hasattr(batch, "labels") else batch
         assert torch.equal(torch.as_tensor(images), img) and torch.equal(labels, lab), i
+
+
+def test_a_new_pass_frees_what_the_last_one_left_in_flight():
+    pool = SegmentPool(MARK, cap=4)
+    pool.new_pass(0)
+    held = [pool.place(torch.uint8, (10,)) for _ in range(4)]  # sent, never given back (a pass left early)
+    pool.settle({t.untyped_storage().data_ptr() for t in held})
+    assert pool.place(torch.uint8, (10,)) is None  # all busy, the pool full
+    pool.new_pass(0)  # the same pass: nothing changes
+    assert all(state(t) == BUSY for t in held)
+    pool.new_pass(1)
+    assert all(state(t) == FREE for t in held) and pool.place(torch.uint8, (10,)) is not None
