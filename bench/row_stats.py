@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     if args.plot:
         from tools.plots import plot_rows
 
-        print(f"wrote {plot_rows(values, args.plot, target=args.target, xlabel=args.key)}")
+        print(f"wrote {plot_rows(values, pooled, args.plot, target=args.target, xlabel=args.key)}")
     return pooled
 
 

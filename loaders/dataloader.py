@@ -22,14 +22,14 @@ Samplers are left alone, as torch does (call ``sampler.set_epoch`` yourself, or 
 
 The parts: this module is the loader (torch's hooks, the pass, epochs, the public methods);
 :mod:`loaders.dataloader_iter` the pass's stream and the consumer-side iterator;
-:mod:`loaders.dataloader_progress` a pass's position, timing and ``stats()``; where the loader pins
+:mod:`loaders.dataloader_progress` a pass's position, timing and ``stats()``;
+:mod:`loaders.dataloader_tuning` the "auto" choices; where the loader pins
 (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers: in a thread of its own, in place of
 torch's pin thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory.
 """
 from __future__ import annotations
 
 import os
-import statistics
 import time
 import weakref
 from typing import TypeVar
@@ -38,32 +38,21 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data import IterableDataset
 
-from datapipe.device import autotune
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from datapipe.order import elastic
-from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, shutdown, tagged_batches
+from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, pins_for_cuda, shutdown, tagged_batches
 from loaders.dataloader_progress import Progress, stats as pass_stats
 from loaders.dataloader_shm import PooledCollate, SegmentReturns, recycling_available
+from loaders.dataloader_tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
 from loaders.dataloader_resume import (IndexSampler, Plan, as_loadable, check_local, fresh_state, from_global,
-                                       pass_state)
+                                       pass_state, rank_world, record_order)
 from loaders.dataloader_workers import StatefulCollate, has_protocol
 
 __all__ = ["DataLoader"]
 
 _END = object()
 _T_co = TypeVar("_T_co", covariant=True)
-
-
-def _pins_for_cuda(pin_memory_device: str) -> bool:
-    """Whether ``pin_memory=True`` pins for a CUDA device here (torch pins for its current accelerator,
-    or for ``pin_memory_device``)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return not pin_memory_device or torch.device(pin_memory_device).type == "cuda"
-    except RuntimeError:  # a device string torch does not know: torch's pin thread decides
-        return False
 
 
 class DataLoader(tud.DataLoader[_T_co]):
@@ -93,16 +82,10 @@ class DataLoader(tud.DataLoader[_T_co]):
                  pin_memory_device: str = "", in_order: bool = True,
                  device: str | torch.device | int | None = None, prefetch_depth: int | str = 2,
                  seed: int | None = None, max_workers: int | None = None):
-        auto = num_workers == "auto"
-        if not auto and (not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0):
-            raise ValueError(f"num_workers={num_workers!r}: pass an int >= 0 or 'auto'")
-        if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int)
-                                         or isinstance(prefetch_depth, bool) or prefetch_depth < 1):
-            raise ValueError(f"prefetch_depth={prefetch_depth!r}: pass an int >= 1 or 'auto'")
+        check_options(num_workers=num_workers, prefetch_depth=prefetch_depth, max_workers=max_workers)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed={seed!r}: pass an int or None (torch's global RNG)")
-        if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 1):
-            raise ValueError(f"max_workers={max_workers!r}: pass an int >= 1 or None")
+        auto = num_workers == "auto"
         dev = None if device is None else resolve_device(device)
         if dev is not None and dev.type == "cuda":
             # batches are pinned as torch pins them, but in the prefetch thread (dataloader_iter.pinned),
@@ -200,7 +183,7 @@ class DataLoader(tud.DataLoader[_T_co]):
             return False
         if self.device is not None:
             return self.device.type == "cuda"
-        return (bool(self.pin_memory) and _pins_for_cuda(self.pin_memory_device)
+        return (bool(self.pin_memory) and pins_for_cuda(self.pin_memory_device)
                 and (workers > 0 or self._auto_workers_mode))
 
     def _recycles(self, workers: int) -> bool:
@@ -246,12 +229,8 @@ class DataLoader(tud.DataLoader[_T_co]):
 
     def _decide_workers(self, times: list[float], p: Progress) -> None:
         """num_workers="auto", map-style: the worker count from the first batches' production times."""
-        s = p.stats
-        produce = statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else 0.0)
-        consume = s.consume_s / s.consume_n if s.consume_n else None
-        d = autotune.choose_num_workers(
-            produce_s=produce, consume_s=consume, batch_bytes=s.batch_bytes,
-            prefetch_factor=self.prefetch_factor or 2, max_workers=self.max_workers)
+        d = workers_from_first_batches(times, p.stats, prefetch_factor=self.prefetch_factor or 2,
+                                       max_workers=self.max_workers)
         self._auto_workers = d["value"]
         self._auto["num_workers"] = d
 
@@ -297,22 +276,14 @@ class DataLoader(tud.DataLoader[_T_co]):
 
     def _choose_iterable_workers(self) -> None:
         """num_workers="auto", iterable dataset: start at the CPU/memory bound."""
-        d = autotune.choose_num_workers(produce_s=0.0, consume_s=None, batch_bytes=0,
-                                        max_workers=self.max_workers)
-        d["reason"] = "iterable dataset, consumer rate unknown before training: " + d["reason"]
+        d = workers_for_iterable(self.max_workers)
         self._auto_workers = d["value"]
         self._auto["num_workers"] = d
 
     def _restore(self, p: Progress, resume: dict | None) -> None:
         """Record this pass's generator and sampler epoch, or put a pending resume's back (its RNG
         states, sampler epoch and the dataset's state)."""
-        if resume is not None:
-            p.rng.restore(resume)
-            if resume.get("sampler_epoch") is not None and callable(getattr(self.sampler, "set_epoch", None)):
-                self.sampler.set_epoch(resume["sampler_epoch"])
-        elif self.generator is not None:
-            p.rng.generator_state = self.generator.get_state()
-        p.rng.sampler_epoch = getattr(self.sampler, "epoch", None)
+        record_order(p.rng, resume, sampler=self.sampler, generator=self.generator)
         if self._protocol and resume is not None and resume.get("dataset") is not None:
             ds = p.workers.resume(resume)
             self._drop_persistent()  # persistent workers hold a stale dataset copy
@@ -339,18 +310,13 @@ class DataLoader(tud.DataLoader[_T_co]):
 
     def _retune(self, p: Progress) -> None:
         """num_workers / prefetch_depth "auto": grow while the consumer kept waiting in pass ``p``."""
-        s = p.stats
-        elapsed = (s.ended or time.perf_counter()) - (s.started or 0.0)
-        if self.prefetch_depth == "auto" and self.device is not None and s.batch_bytes:
-            d = autotune.choose_depth(batch_bytes=s.batch_bytes, start=self._depth)
-            self._depth_hi = d["bounds"][1]
-            self._depth = d["value"]
-            self._auto["prefetch_depth"] = d
         hi = self._auto["num_workers"]["bounds"][1] if self._auto.get("num_workers") else 1
-        res = autotune.adapt(
-            num_workers=self._auto_workers if self._auto_workers_mode else None, workers_hi=hi,
-            depth=self._depth if (self.prefetch_depth == "auto" and self.device is not None) else None,
-            depth_hi=self._depth_hi, batches=s.yielded, elapsed_s=elapsed, wait_s=s.wait_s)
+        choice, res = retune(p.stats, workers=self._auto_workers if self._auto_workers_mode else None, workers_hi=hi,
+                             depth=self._depth, depth_hi=self._depth_hi,
+                             tune_depth=self.prefetch_depth == "auto" and self.device is not None)
+        if choice is not None:
+            self._depth, self._depth_hi = choice["value"], choice["bounds"][1]
+            self._auto["prefetch_depth"] = choice
         if self._auto_workers_mode and res["num_workers"] is not None:
             if res["num_workers"] != self._auto_workers:
                 self._drop_persistent()
@@ -403,25 +369,16 @@ class DataLoader(tud.DataLoader[_T_co]):
         """
         state = self.state_dict()
         if not elastic.is_global(state) and state.get("dataset") is None:
-            rank, world = self._rank_world()  # nothing handed out this epoch: a fresh start of it
+            rank, world = rank_world(self.dataset)  # nothing handed out this epoch: a fresh start of it
             state = {**state, "rank": rank, "world_size": world}
         return elastic.gather_state(state)
-
-    def _rank_world(self) -> tuple[int, int]:
-        own = getattr(self.dataset, "_rank_world", None) or getattr(getattr(self.dataset, "stream", None),
-                                                                    "_rank_world", None)
-        if callable(own):
-            return own()
-        from datapipe.stream import default_rank_world
-
-        return default_rank_world()
 
     def _load_global(self, state: dict) -> None:
         """Resume a global state (``global_state_dict``): own rank's state on the same shape, else replan."""
         if not self._protocol:
             raise ValueError("a global state resumes only an iterable dataset with the worker-state protocol "
                              "(ShardStream, mix): this loader's dataset has no state_dict/load_state_dict")
-        rank, world = self._rank_world()
+        rank, world = rank_world(self.dataset)
         own, replanned = from_global(state, rank=rank, world_size=world, fixed_workers=self._fixed_workers(),
                                      workers_now=self._workers_now())
         self.load_state_dict(own)
@@ -448,9 +405,7 @@ class DataLoader(tud.DataLoader[_T_co]):
             if self._auto_workers != saved_w:
                 self._drop_persistent()
             self._auto_workers = saved_w
-        active = self._active() if self._active is not None else None
-        if active is not None and not active._p.finished:
-            active.close()
+        self._close_active()
         self._progress = None
         self._epoch = int(state["epoch"])
         self._tell_dataset = True

@@ -10,7 +10,7 @@ import torch
 
 from loaders.dataloader_progress import Progress, count_samples
 
-__all__ = ["Failed", "EpochSource", "LoaderIterator", "pinned", "tagged_batches", "shutdown"]
+__all__ = ["Failed", "EpochSource", "LoaderIterator", "pinned", "pins_for_cuda", "tagged_batches", "shutdown"]
 
 
 class Failed:
@@ -38,6 +38,17 @@ def tagged_batches(torch_it, *, protocol: bool):
             continue
         yield item if protocol else (item, None)
         item = None
+
+
+def pins_for_cuda(pin_memory_device: str) -> bool:
+    """Whether ``pin_memory=True`` pins for a CUDA device here (torch pins for its current accelerator,
+    or for ``pin_memory_device``)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return not pin_memory_device or torch.device(pin_memory_device).type == "cuda"
+    except RuntimeError:  # a device string torch does not know: torch's pin thread decides
+        return False
 
 
 def pinned(stream, device: str | None = None, *, returns=None, keep: bool = False, copy_stream=None):

@@ -30,7 +30,7 @@ from datapipe.order import elastic
 from datapipe.state import check_state
 
 __all__ = ["KIND", "RngRecord", "Plan", "IndexSampler", "fresh_state", "pass_state", "as_loadable",
-           "check_local", "from_global"]
+           "check_local", "from_global", "rank_world", "record_order"]
 
 KIND = "DataLoader"  # the "kind" of its states (datapipe.state)
 
@@ -177,3 +177,25 @@ def from_global(state: dict, *, rank: int, world_size: int, fixed_workers: int |
     return {"epoch": int(state["epoch"]), "batches": 0, "num_workers": workers_now,
             "generator_state": None, "rng_state": None, "sampler_rng_state": None,
             "sampler_epoch": None, "base_seed": None, "dataset": ds}, True
+
+
+def rank_world(dataset) -> tuple[int, int]:
+    """``(rank, world_size)`` as the dataset (or its ``stream``) sees them, else torch.distributed's."""
+    own = getattr(dataset, "_rank_world", None) or getattr(getattr(dataset, "stream", None), "_rank_world", None)
+    if callable(own):
+        return own()
+    from datapipe.stream import default_rank_world
+
+    return default_rank_world()
+
+
+def record_order(rng: RngRecord, resume: dict | None, *, sampler, generator) -> None:
+    """Into ``rng``, a pass's: the generator's state and the sampler's epoch, or a pending resume's put
+    back (its RNG states, and its sampler epoch given to the sampler)."""
+    if resume is not None:
+        rng.restore(resume)
+        if resume.get("sampler_epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(resume["sampler_epoch"])
+    elif generator is not None:
+        rng.generator_state = generator.get_state()
+    rng.sampler_epoch = getattr(sampler, "epoch", None)

@@ -517,7 +517,7 @@ def _fake_pinning(monkeypatch):
         threads.add(threading.current_thread().name)
         return map_tensors(lambda t: t.clone(), data)
 
-    monkeypatch.setattr(module, "_pins_for_cuda", lambda device: True)
+    monkeypatch.setattr(module, "pins_for_cuda", lambda device: True)
     monkeypatch.setattr(torch_pin, "pin_memory", copy_as_pinning)
     return threads
 

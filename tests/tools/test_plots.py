@@ -15,7 +15,9 @@ def _png(path):
 
 def test_rows_plot_draws_every_variant_a_single_row_one_too(tmp_path):
     values = {"imageloader": [0.977, 0.979, 0.981], "il_auto": [0.978, 0.982], "dali_hand": [0.967]}
-    path = plot_rows(values, str(tmp_path / "sub" / "rows.png"), target=0.98)
+    pooled = {v: {"n": len(r), "mean": sum(r) / len(r), "ci95": 0.001 if len(r) > 1 else None}
+              for v, r in values.items()}
+    path = plot_rows(values, pooled, str(tmp_path / "sub" / "rows.png"), target=0.98)
     assert path.endswith("rows.png") and _png(path)
 
 
