@@ -35,7 +35,9 @@ to the producer thread). Rows ending ``_block`` / ``_yield`` / ``_spin`` (image 
 pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
 with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
 shared); ``_syncexec`` with a synchronous, unpipelined one (each batch made when the paced producer
-asks); ``_nommap`` with DALI's reader reading shards by plain file I/O, not memory-mapped. Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
+asks); ``_nommap`` with DALI's reader reading shards by plain file I/O, not memory-mapped; ``_hostready`` /
+``_eventready`` with ``DATAPIPE_READY=host`` / ``event`` (how the producer's batches are awaited: by its
+thread on the host, or by the training stream on an event; ``datapipe.device.handoff.on_side_stream``). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
 Suffixes combine, in any order (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a
 variant (``imageloader2``, ``il_hw075c``), before any suffix (``imageloader2_single``).
 
@@ -321,6 +323,9 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
     print(f"[{name}] ...", file=sys.stderr, flush=True)
     if pace is not None:
         os.environ["DATAPIPE_PACE"] = str(pace)
+    ready = row_ready(name)
+    if ready is not None:
+        os.environ["DATAPIPE_READY"] = ready
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     # rows ending _noretire: the training thread frees handed-out batches itself (before Retirer)
@@ -345,6 +350,7 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
                 gen.close()
             gen = it = None
             os.environ.pop("DATAPIPE_PACE", None)
+            os.environ.pop("DATAPIPE_READY", None)
     exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)
@@ -730,7 +736,9 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, "_noretire", "_single", "_legacy", "_syncexec", "_copyout", "_sync10",
+ROW_READY = {"_hostready": "host", "_eventready": "event"}  # rows named so set DATAPIPE_READY (handoff.on_side_stream)
+
+ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, *ROW_READY, "_noretire", "_single", "_legacy", "_syncexec", "_copyout", "_sync10",
                 "_nommap")
 REPEAT_MARKS = "23456789bcd"  # a row name's last character that repeats a variant: imageloader2, il_hw075b
 
@@ -771,6 +779,11 @@ def row_wait(name: str) -> str | None:
 def row_pace(name: str) -> float | None:
     """The DATAPIPE_PACE a row runs with: its suffix's, else None (the library's default)."""
     return next((ROW_PACE[k] for k in row_suffixes(name) if k in ROW_PACE), None)
+
+
+def row_ready(name: str) -> str | None:
+    """The DATAPIPE_READY a row runs with: its suffix's, else None (the library's default)."""
+    return next((ROW_READY[k] for k in row_suffixes(name) if k in ROW_READY), None)
 
 
 class TokenBatches(torch.utils.data.IterableDataset):

@@ -3,7 +3,10 @@
 # (../shared/device/stage-gpu-wheels.sh). Each argument is a part; results and logs go to $OUT.
 #   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
 #   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
-# Other parts: ceiling anatomy prefetch stalls workershm packing read.
+# Other parts: ceiling anatomy prefetch stalls workershm packing read next.
+# The producer waiting for each batch on the host (DATAPIPE_READY=host) against the event handoff:
+#   NEXT_ARGS="--loaders images --variants default,hostready --rounds 2" bash bench/gpu_suite.sh next
+#   CEILING_ARGS="--steps 80 --only imageloader,imageloader_hostready,imageloader2,imageloader2_hostready,imageloader3,imageloader3_hostready" bash bench/gpu_suite.sh ceiling
 # Deciding an ImageLoader default (pool the rows with bench/row_stats.py --against imageloader; each run
 # gives three rows per variant in ~140 s):
 #   CEILING_ARGS="--steps 80 --budget-s 430 --only imageloader,il_auto,imageloader_pace08,imageloader2,il_autob,imageloader2_pace08,imageloader3,il_autoc,imageloader3_pace08" bash bench/gpu_suite.sh ceiling
@@ -84,6 +87,9 @@ for part in "$@"; do
   packing)
     step packing benchmark
     timeout 200 python bench/packing.py --device cuda --out "$OUT/packing.json" ${PACKING_ARGS:-} 2>&1 | tail -40 | tee -a "$log" ;;
+  next)
+    step next latency: where next takes its time with the batch ready
+    timeout ${NEXT_TIMEOUT:-240} python bench/next_latency.py --out "$OUT" ${NEXT_ARGS:-} 2>&1 | tail -20 | tee -a "$log" ;;
   read)
     step read throughput
     timeout 120 python bench/read_throughput.py --out "$OUT" 2>&1 | tail -8 | tee -a "$log" ;;

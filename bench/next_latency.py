@@ -4,7 +4,9 @@ The ceiling benchmark's loaded loops spend 0.3-0.7 ms per step in ``next()`` alt
 thread is ahead. This times each ``next()`` of TokenLoader (small causal LM step) and ImageLoader
 (ResNet-50 step) in the same loop as bench/ceiling.py, with the producer handoff (event wait +
 record_stream) timed apart from the rest (queue, generator layers, freeing the previous batch),
-with variants: ``free_in_consumer``: the training thread frees handed-out batches itself (as
+with variants (``--variants``; ``--rounds`` repeats them interleaved): ``hostready``: ``DATAPIPE_READY=host``
+(the producer thread waits for each batch's GPU work and records the retire fences, so ``next()``
+makes no CUDA call), ``free_in_consumer``: the training thread frees handed-out batches itself (as
 before ``datapipe.device.handoff.Retirer``), ``switch``: ``sys.setswitchinterval(1e-4)`` (is it
 the GIL handoff?), ``free_first``: the previous batch dropped before ``next()``.
 
@@ -85,6 +87,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens-dir", default="/tmp/datapipe-scaling-tokens")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--variants", default="default,free_in_consumer,free_first,switch",
+                    help="comma-separated: default, hostready, free_in_consumer, free_first, switch")
+    ap.add_argument("--loaders", default="tokens,images", help="comma-separated: tokens, images")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the variants, interleaved (keys get _r2, _r3, ...)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -98,16 +104,23 @@ def main(argv=None) -> dict:
     torch.backends.cudnn.benchmark = True
     istep = ImageStep(device, "resnet50")
     default_switch = sys.getswitchinterval()
-    for variant in ("default", "free_in_consumer", "free_first", "switch"):
+    chosen = args.loaders.split(",")
+    for rnd, variant in ((r, v) for r in range(1, args.rounds + 1) for v in args.variants.split(",")):
         sys.setswitchinterval(1e-4 if variant == "switch" else default_switch)
+        if variant == "hostready":
+            os.environ["DATAPIPE_READY"] = "host"
         for name, make, step in (
             ("tokens", lambda: TokenLoader(urls, seq_len=4096, batch_size=4, device=device), tstep),
             ("images", lambda: ImageLoader(images, batch_size=256, device=device), istep),
         ):
+            if name not in chosen:
+                continue
+            key = f"{name}_{variant}" + (f"_r{rnd}" if rnd > 1 else "")
             with retiring(variant != "free_in_consumer"):  # free_in_consumer: as before handoff.Retirer
-                results[f"{name}_{variant}"] = r = run(make(), step, steps=args.steps, warmup=args.warmup,
-                                                       free_first=variant == "free_first")
-            print(f"{name}_{variant}: {r}", file=sys.stderr, flush=True)
+                results[key] = r = run(make(), step, steps=args.steps, warmup=args.warmup,
+                                       free_first=variant == "free_first")
+            print(f"{key}: {r}", file=sys.stderr, flush=True)
+        os.environ.pop("DATAPIPE_READY", None)
     sys.setswitchinterval(default_switch)
     write_result("next_latency", {"config": vars(args), "results": results}, args.out)
     return results

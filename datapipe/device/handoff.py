@@ -21,77 +21,15 @@ from typing import Any
 import torch
 
 from datapipe.device import forks
+from datapipe.device.pacing import PACE, Pacer, resolve_pace
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
-__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "Retirer", "on_side_stream", "started", "threaded",
-           "wait_and_keep"]
+__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "READY", "Retirer", "on_side_stream", "resolve_ready",
+           "started", "threaded", "wait_and_keep"]
 
 _POLL_S = 0.05
 _END = object()
-
-
-class _Pacer:
-    """Holds the producer's next item back until ``fraction`` of the consumer's step has passed.
-
-    The consumer's ``next()`` frees a slot at the start of its step, exactly when its own thread
-    launches that step's work; a producer starting at once competes with it for the GIL. With an
-    item still queued there is slack: the producer waits until ``fraction`` of the consumer's
-    period after the last take. The period is the median of the last ``SAMPLES`` gaps between
-    takes (a pause for evaluation or a checkpoint does not move it), and after any take that
-    found nothing ready the producer does not hold at all for ``2 * SAMPLES`` items.
-    """
-
-    MAX_DELAY_S = 0.5
-    SAMPLES = 8
-
-    def __init__(self, fraction: float, clock: Callable[[], float] = time.perf_counter):
-        self.fraction = fraction
-        self.clock = clock
-        self.taken: float | None = None
-        self.period: float | None = None
-        self.calm = 0  # items left to make without holding (after the consumer had to wait)
-        self._gaps: deque[float] = deque(maxlen=self.SAMPLES)
-
-    def took(self, waited: bool = False) -> None:
-        """(Consumer) an item was just taken; ``waited``: none was ready when it asked."""
-        now = self.clock()
-        if self.taken is not None:
-            self._gaps.append(now - self.taken)
-            if len(self._gaps) >= 3:
-                gaps = sorted(self._gaps)
-                self.period = gaps[len(gaps) // 2]
-        self.taken = now
-        if waited:
-            self.calm = 2 * self.SAMPLES
-
-    def hold(self, queued: int, stop: threading.Event) -> None:
-        """(Producer) wait, if an item is still queued, until the consumer is ``fraction`` into its step."""
-        if self.calm > 0:
-            self.calm -= 1
-            return
-        taken, period = self.taken, self.period
-        if queued < 1 or taken is None or period is None:
-            return
-        delay = taken + self.fraction * min(period, self.MAX_DELAY_S) - self.clock()
-        if delay > 0:
-            stop.wait(delay)
-
-
-PACE = 0.5  # default of the producers that feed a training loop (DevicePrefetcher, on_side_stream)
-
-
-def resolve_pace(pace: float | None) -> float | None:
-    """The pacing fraction to use: ``DATAPIPE_PACE`` (``0`` turns it off) overrides ``pace``; None or 0: off."""
-    value = os.environ.get("DATAPIPE_PACE", "").strip()
-    if value:
-        try:
-            pace = float(value)
-        except ValueError:
-            raise ValueError(f"DATAPIPE_PACE={value!r}: use a fraction in [0, 1) (0 turns pacing off)") from None
-    if pace is not None and not 0 <= pace < 1:
-        raise ValueError(f"pace={pace!r}: use a fraction in [0, 1) of the consumer's step, or None")
-    return pace or None
 
 
 class ProducerMeter:
@@ -147,37 +85,54 @@ class Retirer:
     allocator's stream bookkeeping): 0.2-0.3 ms of the training thread's step, spent right after
     its ``next()``. The consumer's ``next()`` keeps the last ``keep`` items alive (the training loop
     still holds the previous one while it asks for the next); older ones go to the producer
-    thread with an event recorded on the consumer's stream, and that thread drops them once the
-    event has passed (their last reads are done), after it delivered its next item. A batch the
-    caller still references is freed whenever the caller lets go of it, as before.
+    thread with a fence on the consumer's stream, and that thread drops them once the fence has
+    passed (their last reads are done), after it delivered its next item. A batch the caller
+    still references is freed whenever the caller lets go of it, as before.
+
+    The fence (a CUDA event on the consumer's stream) is recorded in the consumer's ``next()``, or,
+    with ``fence_in_producer``, by the producer thread when it next buries: later, so it covers at
+    least the same work (everything the consumer enqueued before it asked for the next batch), and
+    the consumer's ``next()`` makes no CUDA call for it.
     """
 
     def __init__(self, device: torch.device, keep: int = 2, fence: Callable[[], Any] | None = None,
-                 stream: CurrentStream | None = None):
+                 stream: CurrentStream | None = None, fence_in_producer: bool = False):
         self.device = device
         self.keep = keep
         self.fence = fence  # returns a marker with .query(): True once passed; None: a CUDA event
         # (not a bound method of self: that cycle would leave the batches to the cyclic collector,
         # which may then run in a forked DataLoader worker and free CUDA memory there: abort)
         self.stream = stream or CurrentStream(device)  # the consumer's stream (shared with its handoff)
+        self.fence_in_producer = fence_in_producer
         self._recent: deque = deque()
-        self._dead: deque = deque()  # (item, marker); appended by the consumer, drained by the producer
+        self._retired: deque = deque()  # (item, consumer stream): appended by the consumer, fenced by the producer
+        self._dead: deque = deque()  # (item, marker); drained by the producer
         self._spare: deque = deque()  # CUDA events that passed, recorded again (creating one is an API call)
 
-    def _cuda_fence(self) -> torch.cuda.Event:
+    def _mark(self, stream: torch.cuda.Stream | None) -> Any:
+        if self.fence is not None:
+            return self.fence()
         event = self._spare.pop() if self._spare else torch.cuda.Event()
-        event.record(self.stream())
+        event.record(stream if stream is not None else self.stream())
         return event
 
     def handed(self, item: Any) -> None:
         """(Consumer thread) ``item`` was just handed out."""
         self._recent.append(item)
         if len(self._recent) > self.keep:
-            self._dead.append((self._recent.popleft(), self.fence() if self.fence else self._cuda_fence()))
+            old = self._recent.popleft()
+            if self.fence_in_producer:  # the consumer's stream now (no CUDA call); fenced in bury()
+                self._retired.append((old, self.stream() if self.fence is None else None))
+            else:
+                self._dead.append((old, self._mark(None)))
 
     def bury(self) -> None:
-        """(Producer thread) drop the retired items the consumer's stream is done with."""
-        dead = self._dead
+        """(Producer thread) fence what was retired since the last call; drop the items the consumer's stream is done with."""
+        retired, dead = self._retired, self._dead
+        while retired:
+            item, stream = retired.popleft()
+            dead.append((item, self._mark(stream)))
+            del item
         while dead and dead[0][1].query():
             _, marker = dead.popleft()
             if self.fence is None and len(self._spare) < 2 * self.keep:
@@ -185,6 +140,7 @@ class Retirer:
 
     def clear(self) -> None:
         self._recent.clear()
+        self._retired.clear()
         self._dead.clear()
         self._spare.clear()
 
@@ -196,7 +152,7 @@ class _Failure:
 
 def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaphore, stop: threading.Event,
              setup: Callable[[], None] | None, transform: Callable[[Any], Any] | None,
-             pacer: _Pacer | None = None, meter: ProducerMeter | None = None,
+             pacer: Pacer | None = None, meter: ProducerMeter | None = None,
              retirer: Retirer | None = None) -> None:
     """Producer thread body: take a slot, pull, transform, put; end with _END or a _Failure; stop on request.
 
@@ -253,7 +209,7 @@ class Producer(Iterator):
     consumer up). An exception of the producer is re-raised by ``next()`` (same object, its
     traceback kept; ``note`` is added to it). ``close()`` (or dropping the iterator) stops the
     thread, which closes ``iterable``'s iterator in that thread. ``pace`` (a fraction, see
-    :class:`_Pacer`; ``DATAPIPE_PACE`` overrides it): while an item is still queued, the next one
+    :class:`Pacer`; ``DATAPIPE_PACE`` overrides it): while an item is still queued, the next one
     starts only that far into the consumer's step, not while its thread launches the step.
     ``meter`` (a :class:`ProducerMeter`, shared across epochs if the caller keeps one) counts the
     thread's CPU time per item. ``retire`` (a :class:`Retirer`): handed-out items are dropped in the
@@ -273,7 +229,7 @@ class Producer(Iterator):
         self._done = False
         self._retirer = retire
         pace = resolve_pace(pace)
-        self._pacer = _Pacer(pace) if pace else None
+        self._pacer = Pacer(pace) if pace else None
         self.meter = meter if meter is not None else ProducerMeter()
         self._thread = threading.Thread(
             target=_produce,
@@ -340,14 +296,15 @@ class Producer(Iterator):
             pass
 
 
-def wait_and_keep(event: torch.cuda.Event, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream) -> None:
-    """(Consumer thread) make ``stream`` (the consumer's current one) wait for ``event`` and
-    ``record_stream`` the CUDA tensors on it.
+def wait_and_keep(event: torch.cuda.Event | None, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """(Consumer thread) make ``stream`` (the consumer's current one) wait for ``event`` (None: the
+    work is known done) and ``record_stream`` the CUDA tensors on it.
 
     No host sync; the caching allocator will not reuse the tensors' memory while the consumer's
     stream may still read it.
     """
-    stream.wait_event(event)
+    if event is not None:
+        stream.wait_event(event)
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)
@@ -381,28 +338,49 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
         producer.close()
 
 
+READY = ("event", "host")
+
+
+def resolve_ready(ready: str) -> str:
+    """How a made item's GPU work is awaited: ``DATAPIPE_READY`` (``event`` or ``host``) overrides ``ready``."""
+    value = os.environ.get("DATAPIPE_READY", "").strip() or ready
+    if value not in READY:
+        raise ValueError(f"ready={value!r}: use 'event' (the consumer's stream waits) or 'host' (the producer thread waits)")
+    return value
+
+
 def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, device: torch.device,
                    depth: int, stream: torch.cuda.Stream | None = None, pace: float | None = PACE,
-                   meter: ProducerMeter | None = None) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+                   meter: ProducerMeter | None = None, ready: str = "event") -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
     """Items ``(tensors, meta)`` made in a background thread, ahead of the consumer.
 
     On CUDA the producer's current stream is a side stream of ``device``: whatever it enqueues
     (DALI's output copies, label uploads, casts) overlaps with the consumer's work. Each item's
-    tensors are handed over with an event the consumer's current stream waits on (no host sync)
-    and ``record_stream`` so their memory is not reused while the consumer still reads it.
+    tensors are handed over ``record_stream``-ed on the consumer's stream, so their memory is not
+    reused while the consumer still reads it, and ready in one of two ways (``ready``;
+    ``DATAPIPE_READY`` overrides): ``"event"``, the consumer's current stream waits on an event
+    recorded after the item's work (no host sync); ``"host"``, the producer thread waits for that
+    event (sleeping, a blocking-sync event) before it queues the item, and records the
+    :class:`Retirer`'s fences itself, so the consumer's ``next()`` makes no CUDA driver call.
     Pass the same ``stream`` every epoch: the caching allocator keeps its blocks per stream, so a
     new side stream per epoch strands the last one's cached blocks (2 MB more reserved each epoch).
     Paced (``pace``, see :class:`Producer`) by default: it feeds a training loop. Handed-out
     items are freed in the producer thread (:class:`Retirer`), not in the consumer's.
     """
     cuda = device.type == "cuda"
+    host = resolve_ready(ready) == "host"
     side = (stream or torch.cuda.Stream(device)) if cuda else None
     consumer = CurrentStream(device) if cuda else None
+    done = torch.cuda.Event(blocking=True) if cuda and host else None  # reused: waited for before the next record
 
     def setup() -> None:  # in the producer thread
         torch.cuda.set_stream(side)  # this thread's current stream from now on
 
     def mark(item):  # in the producer thread, after the item's work was enqueued
+        if done is not None:
+            done.record(side)
+            done.synchronize()  # this thread sleeps (GIL released) until the item's work is done
+            return item, None
         event = torch.cuda.Event()
         event.record(side)
         return item, event
@@ -413,8 +391,8 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
         return tensors, meta
 
     producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
-                        transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace,
-                        meter=meter, retire=Retirer(device, stream=consumer) if cuda else None)
+                        transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace, meter=meter,
+                        retire=Retirer(device, stream=consumer, fence_in_producer=host) if cuda else None)
     try:
         yield from producer
     finally:

@@ -43,6 +43,9 @@ KIND = "ImageLoader"
 # bench/results/ceiling_hw0_pace07.json and ceiling_retire_experiment.json: 0.975-0.978 of the
 # ceiling vs 0.963-0.969 at 0.5; TokenLoader measured better at 0.5 (0.999 vs 0.985).
 PACE = 0.7
+# How the training thread gets a finished batch (datapipe.device.handoff.on_side_stream; DATAPIPE_READY
+# overrides): "event", its stream waits on the batch's event and next() records the retire fence.
+READY = "event"
 
 
 def _option(group: str, name: str, doc: str = "") -> property:
@@ -403,7 +406,7 @@ class ImageLoader:
         if self.device.type == "cuda" and self._side_stream is None:  # one for all epochs (see on_side_stream)
             self._side_stream = torch.cuda.Stream(self.device)
         items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth, pace=PACE,
-                               stream=self._side_stream, meter=self._producer)
+                               stream=self._side_stream, meter=self._producer, ready=READY)
         try:
             while True:
                 t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """bench/ceiling.py's row names: which variant a row runs and which settings its suffixes change."""
 import pytest
 
-from bench.ceiling import dali_pipeline_row, row_base, row_pace, row_suffixes, variant_of
+from bench.ceiling import dali_pipeline_row, row_base, row_pace, row_ready, row_suffixes, variant_of
 
 
 def test_suffixes_combine_and_strip_to_the_variant():
@@ -16,6 +16,13 @@ def test_pace_suffixes_are_told_apart():
     assert row_pace("imageloader_pace085") == 0.85
     assert row_pace("imageloader_unpaced") == 0.0
     assert row_pace("imageloader_syncexec") is None  # the library's default
+
+
+def test_ready_suffixes_set_the_handoff_and_strip_to_the_variant():
+    assert row_ready("imageloader2_hostready") == "host"
+    assert row_ready("il_hw0_eventready_pace08") == "event"
+    assert row_ready("imageloader") is None
+    assert variant_of("imageloader2_hostready", {"imageloader": None}) == "imageloader"
 
 
 def _built(name: str):

@@ -98,7 +98,8 @@ def test_started_fetches_the_first_item_now():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_side_stream_work_is_finished_before_the_consumer_reads_it():
+@pytest.mark.parametrize("ready", ["event", "host"])
+def test_side_stream_work_is_finished_before_the_consumer_reads_it(ready):
     """The producer's stream is busy (a long sleep kernel) before it writes; the consumer must see the write."""
     device = torch.device("cuda")
 
@@ -109,8 +110,32 @@ def test_side_stream_work_is_finished_before_the_consumer_reads_it():
             x.fill_(i + 1)
             yield (x,), i
 
-    for (x,), i in on_side_stream(produce(), device=device, depth=2):
-        assert x.sum().item() == (i + 1) * (1 << 20)  # consumer stream waits on the producer's event
+    seen = []
+    for (x,), i in on_side_stream(produce(), device=device, depth=2, ready=ready):
+        seen.append(i)
+        assert x.sum().item() == (i + 1) * (1 << 20)  # event: the consumer's stream waits; host: the producer did
+    assert seen == list(range(5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_ready_batches_stay_intact_while_the_consumer_still_reads_them(monkeypatch):
+    """ready="host": no event wait in next(); the retire fences come from the producer thread, so a batch
+    the consumer's stream is still reading (behind a sleep kernel) is not reused for a later one.
+    record_stream is turned off, as for DALI's memory (not the caching allocator's): only the fences protect it."""
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    device = torch.device("cuda")
+    n = 1 << 22
+
+    def produce():
+        for i in range(12):
+            yield (torch.full((n,), float(i + 1), device=device),), i
+
+    sums = []
+    for (x,), i in on_side_stream(produce(), device=device, depth=2, ready="host"):
+        torch.cuda._sleep(20_000_000)  # the consumer's stream lags: the producer runs ahead meanwhile
+        sums.append(x.sum())  # enqueued behind the sleep
+    assert [round(s.item() / n) for s in sums] == list(range(1, 13))
 
 
 @pytest.mark.gpu
@@ -134,15 +159,19 @@ def test_current_stream_follows_the_threads_stream_and_reuses_its_object():
 def test_cuda_retirer_records_passed_events_again_instead_of_making_new_ones():
     from datapipe.device.handoff import Retirer
 
-    r = Retirer(torch.device("cuda"), keep=2)
-    events = {}  # id -> event, held so no id is reused
-    for i in range(20):
-        r.handed(torch.full((4,), i, device="cuda"))
-        events.update({id(marker): marker for _, marker in r._dead})
-        torch.cuda.synchronize()
-        r.bury()
-    assert not r._dead  # every fence passed after the synchronize: all retired batches freed
-    assert len(events) <= 2  # 18 batches retired through one or two events
+    for in_producer in (False, True):
+        r = Retirer(torch.device("cuda"), keep=2, fence_in_producer=in_producer)
+        events = {}  # id -> event, held so no id is reused
+        for i in range(20):
+            r.handed(torch.full((4,), i, device="cuda"))
+            if in_producer:
+                assert not r._dead  # fenced by the producer's bury(), not in the consumer's next()
+                r.bury()
+            events.update({id(marker): marker for _, marker in r._dead})
+            torch.cuda.synchronize()
+            r.bury()
+        assert not r._dead  # every fence passed after the synchronize: all retired batches freed
+        assert len(events) <= 3  # 18 batches retired through a few events
 
 
 def test_the_producer_waits_for_the_handoff_before_making_more():
@@ -188,7 +217,7 @@ def _taking(pacer, clock, times, waited=()):
 
 
 def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
-    from datapipe.device.handoff import _Pacer
+    from datapipe.device.pacing import Pacer as _Pacer
 
     clock, stop = _Clock(), _Stop()
     pacer = _Pacer(0.5, clock=clock)
@@ -207,7 +236,7 @@ def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
 
 
 def test_a_pause_does_not_stretch_the_period():
-    from datapipe.device.handoff import _Pacer
+    from datapipe.device.pacing import Pacer as _Pacer
 
     clock, stop = _Clock(), _Stop()
     pacer = _Pacer(0.5, clock=clock)
@@ -219,7 +248,7 @@ def test_a_pause_does_not_stretch_the_period():
 
 
 def test_a_consumer_that_waited_turns_holding_off_for_a_while():
-    from datapipe.device.handoff import _Pacer
+    from datapipe.device.pacing import Pacer as _Pacer
 
     clock, stop = _Clock(), _Stop()
     pacer = _Pacer(0.5, clock=clock)
@@ -319,6 +348,51 @@ def test_retirer_keeps_the_last_items_and_frees_older_ones_once_their_fence_pass
     assert alive[1]() is None and alive[2]() is not None and alive[3]() is not None
     r.clear()
     assert all(ref() is None for ref in alive)
+
+
+def test_a_retirer_fencing_in_the_producer_makes_its_fences_in_bury_not_in_handed():
+    import weakref
+
+    from datapipe.device.handoff import Retirer
+
+    markers = []
+
+    def fence():
+        markers.append(_Marker())
+        return markers[-1]
+
+    class Batch:
+        pass
+
+    r = Retirer(torch.device("cpu"), keep=1, fence=fence, fence_in_producer=True)
+    alive = []
+    for _ in range(3):
+        b = Batch()
+        alive.append(weakref.ref(b))
+        r.handed(b)
+        del b
+    assert markers == []  # nothing fenced in the consumer's next()
+    r.bury()
+    assert len(markers) == 2 and all(ref() is not None for ref in alive)  # fenced now; not passed
+    markers[0].passed = True
+    r.bury()
+    assert alive[0]() is None and alive[1]() is not None
+    r.clear()
+    assert all(ref() is None for ref in alive)
+
+
+def test_ready_is_checked_and_the_environment_overrides_it(monkeypatch):
+    from datapipe.device.handoff import resolve_ready
+
+    assert resolve_ready("event") == "event"
+    monkeypatch.setenv("DATAPIPE_READY", "host")
+    assert resolve_ready("event") == "host"
+    monkeypatch.setenv("DATAPIPE_READY", "later")
+    with pytest.raises(ValueError, match="DATAPIPE_READY|ready="):
+        resolve_ready("event")
+    monkeypatch.delenv("DATAPIPE_READY")
+    with pytest.raises(ValueError, match="'event'"):
+        list(on_side_stream(iter([]), device=torch.device("cpu"), depth=1, ready="soon"))
 
 
 def test_producer_frees_retired_items_in_its_own_thread():
