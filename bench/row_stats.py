@@ -9,6 +9,10 @@ suffixes stay, since they change what was measured. Pool only files measured wit
     python bench/row_stats.py bench/results/ceiling*.json --only imageloader,dali_hand --json out.json
     python bench/row_stats.py run1.json run2.json --against imageloader   # does a variant clear the defaults?
     python bench/row_stats.py bench/results/ceiling*.json --plot rows.png --target 0.98   # every row, drawn
+    python bench/row_stats.py old.json "new.json::imageloader=imageloader_hostready"   # a file's variants renamed
+
+A file named ``PATH::OLD=NEW,...`` has its variants renamed before pooling: rows of runs made after a
+default changed pool with the rows that named the same setting explicitly.
 """
 from __future__ import annotations
 
@@ -62,14 +66,18 @@ def summary(values: list[float]) -> dict:
             "ci95": None if ci is None else round(ci, 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
-def gather(results: list[dict], key: str = "ceiling_ratio", only: set[str] | None = None) -> dict[str, list[float]]:
-    """``{variant: [key of each of its rows]}`` for the ``results`` sections of ceiling result files."""
+def gather(results: list[dict], key: str = "ceiling_ratio", only: set[str] | None = None,
+           renames: list[dict[str, str]] | None = None) -> dict[str, list[float]]:
+    """``{variant: [key of each of its rows]}`` for the ``results`` sections of ceiling result files;
+    ``renames[i]`` (old variant -> new) applies to ``results[i]``."""
     known = known_variants()
     found: dict[str, list[float]] = defaultdict(list)
-    for res in results:
+    for i, res in enumerate(results):
+        rename = renames[i] if renames else {}
         for name, row in res.items():
             if isinstance(row, dict) and isinstance(row.get(key), (int, float)):
                 variant = variant_key(name, known)
+                variant = rename.get(variant, variant)
                 if only is None or variant in only:
                     found[variant].append(float(row[key]))
     return dict(sorted(found.items()))
@@ -108,11 +116,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--plot", default=None, help="also draw every row and each mean's interval here (PNG)")
     ap.add_argument("--target", type=float, default=None, help="a target line on the plot (e.g. 0.98)")
     args = ap.parse_args(argv)
-    results = []
-    for path in args.files:
+    results, renames = [], []
+    for spec in args.files:
+        path, _, pairs = spec.partition("::")
+        try:
+            renames.append(dict(pair.split("=", 1) for pair in pairs.split(",")) if pairs else {})
+        except ValueError:
+            ap.error(f"{spec}: rename as PATH::OLD=NEW[,OLD=NEW...]")
         with open(path) as f:
             results.append(json.load(f).get("results", {}))
-    values = gather(results, args.key, set(args.only.split(",")) if args.only else None)
+    values = gather(results, args.key, set(args.only.split(",")) if args.only else None, renames)
     pooled = {v: summary(vals) for v, vals in values.items()}
     if args.against is not None:
         if args.against not in values:

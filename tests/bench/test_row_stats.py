@@ -57,3 +57,21 @@ def test_main_compares_every_variant_against_one(tmp_path):
     assert pooled["il_auto"]["vs"]["imageloader"]["clears"] and "vs" not in pooled["imageloader"]
     with pytest.raises(SystemExit):
         main([str(path), "--against", "dali_hand"])
+
+
+def test_a_files_variants_can_be_renamed_before_pooling(tmp_path):
+    import json
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": {"imageloader": {"ceiling_ratio": 0.97},
+                                           "imageloader_hostready": {"ceiling_ratio": 0.99}}}))
+    new = tmp_path / "new.json"  # made after the default changed: its plain rows are the host ones
+    new.write_text(json.dumps({"results": {"imageloader": {"ceiling_ratio": 0.98},
+                                           "imageloader_eventready": {"ceiling_ratio": 0.96}}}))
+    spec = f"{new}::imageloader=imageloader_hostready,imageloader_eventready=imageloader"
+    pooled = main([str(old), spec])
+    assert pooled["imageloader_hostready"]["n"] == 2 and pooled["imageloader_hostready"]["mean"] == pytest.approx(0.985)
+    assert pooled["imageloader"]["n"] == 2 and pooled["imageloader"]["mean"] == pytest.approx(0.965)
+    assert "imageloader_eventready" not in pooled
+    with pytest.raises(SystemExit):
+        main([f"{new}::imageloader"])
