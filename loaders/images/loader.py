@@ -44,10 +44,11 @@ KIND = "ImageLoader"
 # ceiling vs 0.963-0.969 at 0.5; TokenLoader measured better at 0.5 (0.999 vs 0.985).
 PACE = 0.7
 # How the training thread gets a finished batch (datapipe.device.handoff.on_side_stream; DATAPIPE_READY
-# overrides): "host", the producer thread waits for the batch's GPU work and records the retire fences,
-# so next() makes no CUDA call. bench/results/ceiling_hostready*.json, 15 interleaved rows each:
-# 0.9818 of the ceiling (every row >= 0.980) vs 0.9802 for "event" (the stream waits on an event).
-READY = "host"
+# overrides): "event", its stream waits on the batch's event. "host" (the producer thread waits and records
+# the retire fences; next() makes no CUDA call) led in three interleaved H200 runs (+0.0016 +- 0.0011) but
+# not over all six (bench/results/ceiling_hostready_pooled.json: +0.0006 +- 0.0018; 0.968 in two rows of
+# one run): not the default.
+READY = "event"
 
 
 def _option(group: str, name: str, doc: str = "") -> property:
