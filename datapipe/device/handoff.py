@@ -36,19 +36,24 @@ class ProducerMeter:
     """CPU seconds a producer thread spent making items (``time.thread_time``), and the items made.
 
     An upper bound on that thread's share of the GIL: C code that releases the GIL while it works
-    (copies, DALI, numpy on large arrays) counts too.
+    (copies, DALI, numpy on large arrays) counts too. Also: ``empty_takes``, the consumer's takes
+    that found nothing queued (each pass's first among them), and ``unpaced``, items made without
+    the pacing hold because such a take had just turned it off (see :class:`~datapipe.device.pacing.Pacer`).
     """
 
-    __slots__ = ("cpu_s", "items")
+    __slots__ = ("cpu_s", "items", "empty_takes", "unpaced")
 
     def __init__(self):
         self.cpu_s = 0.0
         self.items = 0
+        self.empty_takes = 0  # counted by the consumer's thread
+        self.unpaced = 0  # counted by the producer's
 
     def stats(self) -> dict:
-        """``cpu_s``, ``batches`` and ``cpu_ms_per_batch``."""
+        """``cpu_s``, ``batches``, ``cpu_ms_per_batch``, ``empty_takes`` and ``unpaced``."""
         per = 1e3 * self.cpu_s / self.items if self.items else 0.0
-        return {"cpu_s": round(self.cpu_s, 4), "batches": self.items, "cpu_ms_per_batch": round(per, 3)}
+        return {"cpu_s": round(self.cpu_s, 4), "batches": self.items, "cpu_ms_per_batch": round(per, 3),
+                "empty_takes": self.empty_takes, "unpaced": self.unpaced}
 
 
 class CurrentStream:
@@ -172,8 +177,8 @@ def _produce(iterable: Iterable, out: queue.SimpleQueue, slots: threading.Semaph
         it = iter(iterable)
         try:
             while take_slot():
-                if pacer is not None:
-                    pacer.hold(out.qsize(), stop)
+                if pacer is not None and pacer.hold(out.qsize(), stop) and meter is not None:
+                    meter.unpaced += 1
                 cpu0 = time.thread_time()
                 try:
                     item = next(it)
@@ -241,7 +246,10 @@ class Producer(Iterator):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        waited = self._pacer is not None and self._queue.empty()
+        empty = self._queue.empty()
+        if empty:
+            self.meter.empty_takes += 1
+        waited = self._pacer is not None and empty
         while True:
             try:
                 item = self._queue.get(timeout=_POLL_S)

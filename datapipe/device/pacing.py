@@ -48,17 +48,19 @@ class Pacer:
         if waited:
             self.calm = 2 * self.SAMPLES
 
-    def hold(self, queued: int, stop: threading.Event) -> None:
-        """(Producer) wait, if an item is still queued, until the consumer is ``fraction`` into its step."""
+    def hold(self, queued: int, stop: threading.Event) -> bool:
+        """(Producer) wait, if an item is still queued, until the consumer is ``fraction`` into its step.
+        True: not held because a take that found nothing ready turned holding off (``calm``)."""
         if self.calm > 0:
             self.calm -= 1
-            return
+            return True
         taken, period = self.taken, self.period
         if queued < 1 or taken is None or period is None:
-            return
+            return False
         delay = taken + self.fraction * min(period, self.MAX_DELAY_S) - self.clock()
         if delay > 0:
             stop.wait(delay)
+        return False
 
 
 PACE = 0.5  # default of the producers that feed a training loop (DevicePrefetcher, on_side_stream)

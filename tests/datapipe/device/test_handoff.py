@@ -191,76 +191,6 @@ def test_the_producer_waits_for_the_handoff_before_making_more():
     assert handed == list(range(6))
 
 
-class _Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-class _Stop:
-    """A stop event whose wait only records the delay asked for."""
-
-    def __init__(self):
-        self.waits = []
-
-    def wait(self, delay):
-        self.waits.append(round(delay, 6))
-        return False
-
-
-def _taking(pacer, clock, times, waited=()):
-    for t in times:
-        clock.now = t
-        pacer.took(t in waited)
-
-
-def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
-    from datapipe.device.pacing import Pacer as _Pacer
-
-    clock, stop = _Clock(), _Stop()
-    pacer = _Pacer(0.5, clock=clock)
-    _taking(pacer, clock, [0.0, 0.1])
-    pacer.hold(1, stop)  # one gap is not yet a period: no hold
-    assert stop.waits == []
-    _taking(pacer, clock, [0.2, 0.3])  # one take every 100 ms
-    assert abs(pacer.period - 0.1) < 1e-9
-    clock.now = 0.301  # the producer got its slot right after the take
-    pacer.hold(1, stop)
-    assert stop.waits == [0.049]  # until half-way into the step
-    pacer.hold(0, stop)  # nothing queued: the consumer would wait for it, so no hold
-    clock.now = 0.4
-    pacer.hold(1, stop)  # already past the point: no hold
-    assert stop.waits == [0.049]
-
-
-def test_a_pause_does_not_stretch_the_period():
-    from datapipe.device.pacing import Pacer as _Pacer
-
-    clock, stop = _Clock(), _Stop()
-    pacer = _Pacer(0.5, clock=clock)
-    _taking(pacer, clock, [0.0, 0.1, 0.2, 0.3, 60.3, 60.4, 60.5])  # a minute of evaluation in between
-    assert abs(pacer.period - 0.1) < 1e-9
-    clock.now = 60.5
-    pacer.hold(1, stop)
-    assert stop.waits == [0.05]
-
-
-def test_a_consumer_that_waited_turns_holding_off_for_a_while():
-    from datapipe.device.pacing import Pacer as _Pacer
-
-    clock, stop = _Clock(), _Stop()
-    pacer = _Pacer(0.5, clock=clock)
-    _taking(pacer, clock, [0.0, 0.1, 0.2, 0.3], waited={0.3})
-    for _ in range(2 * _Pacer.SAMPLES):
-        pacer.hold(1, stop)
-    assert stop.waits == []
-    clock.now = 0.3
-    pacer.hold(1, stop)
-    assert stop.waits == [0.05]
-
-
 def test_paced_producer_times_the_consumer_and_delivers_everything(monkeypatch):
     from datapipe.device.handoff import Producer
 
@@ -269,23 +199,6 @@ def test_paced_producer_times_the_consumer_and_delivers_everything(monkeypatch):
     assert list(producer) == list(range(20))
     assert producer._pacer is not None and producer._pacer.period is not None
     assert Producer(iter(()), depth=2)._pacer is None  # off unless asked for
-
-
-def test_pace_setting_and_environment_override(monkeypatch):
-    from datapipe.device.handoff import resolve_pace
-
-    monkeypatch.delenv("DATAPIPE_PACE", raising=False)
-    assert resolve_pace(0.5) == 0.5 and resolve_pace(None) is None and resolve_pace(0) is None
-    monkeypatch.setenv("DATAPIPE_PACE", "0")
-    assert resolve_pace(0.5) is None  # the environment turns it off
-    monkeypatch.setenv("DATAPIPE_PACE", "0.7")
-    assert resolve_pace(None) == 0.7
-    monkeypatch.setenv("DATAPIPE_PACE", "fast")
-    with pytest.raises(ValueError, match="DATAPIPE_PACE"):
-        resolve_pace(0.5)
-    monkeypatch.delenv("DATAPIPE_PACE")
-    with pytest.raises(ValueError, match="pace"):
-        resolve_pace(1.5)
 
 
 def test_producer_meter_counts_the_threads_cpu_time_per_item():
@@ -306,6 +219,29 @@ def test_producer_meter_counts_the_threads_cpu_time_per_item():
     assert list(Producer(busy_items(2), depth=2, meter=meter)) == [0, 1]  # a kept meter adds up epochs
     stats = meter.stats()
     assert stats["batches"] == 8 and stats["cpu_ms_per_batch"] >= 4.0
+
+
+def test_producer_meter_counts_takes_that_found_nothing_and_items_made_unpaced(monkeypatch):
+    import time
+
+    from datapipe.device.handoff import Producer, ProducerMeter
+
+    monkeypatch.delenv("DATAPIPE_PACE", raising=False)
+
+    def slow(n):
+        for i in range(n):
+            time.sleep(0.02)  # slower than the consumer: it finds the queue empty
+            yield i
+
+    meter = ProducerMeter()
+    assert list(Producer(slow(6), depth=2, meter=meter, pace=0.5)) == list(range(6))
+    stats = meter.stats()
+    assert stats["empty_takes"] >= 3 and stats["unpaced"] >= 1  # an empty take turns holding off
+    fast = ProducerMeter()
+    producer = Producer(iter(range(6)), depth=2, meter=fast)
+    time.sleep(0.2)  # all made ahead
+    assert next(producer) == 0 and fast.empty_takes == 0 and fast.unpaced == 0  # unpaced producer: never held
+    producer.close()
 
 
 class _Marker:

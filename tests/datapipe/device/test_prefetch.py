@@ -288,7 +288,7 @@ def test_producer_stats_count_every_epochs_batches():
     for _ in range(2):
         assert len(list(pf)) == 5
     stats = pf.producer_stats()
-    assert stats["batches"] == 10 and stats["cpu_s"] >= 0.0 and set(stats) == {"cpu_s", "batches", "cpu_ms_per_batch"}
+    assert stats["batches"] == 10 and stats["cpu_s"] >= 0.0 and set(stats) == {"cpu_s", "batches", "cpu_ms_per_batch", "empty_takes", "unpaced"}
 
 
 @pytest.mark.gpu
