@@ -25,7 +25,7 @@ from datapipe.device.pacing import PACE, Pacer, resolve_pace
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
-__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "READY", "Retirer", "on_side_stream", "resolve_ready",
+__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "READY_MODES", "Retirer", "on_side_stream", "resolve_ready",
            "started", "threaded", "wait_and_keep"]
 
 _POLL_S = 0.05
@@ -346,13 +346,13 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
         producer.close()
 
 
-READY = ("event", "host")
+READY_MODES = ("event", "host")
 
 
 def resolve_ready(ready: str) -> str:
     """How a made item's GPU work is awaited: ``DATAPIPE_READY`` (``event`` or ``host``) overrides ``ready``."""
     value = os.environ.get("DATAPIPE_READY", "").strip() or ready
-    if value not in READY:
+    if value not in READY_MODES:
         raise ValueError(f"ready={value!r}: use 'event' (the consumer's stream waits) or 'host' (the producer thread waits)")
     return value
 
