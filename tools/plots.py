@@ -136,6 +136,7 @@ def plot_rows(values: dict[str, list[float]], pooled: dict[str, dict], path: str
         ax.axvline(target, color="tab:red", linestyle="--", label=f"target {target}")
         ax.legend(fontsize=8, loc="lower right")
     ax.set_yticks(range(len(names)), names)
+    ax.set_ylim(-0.6, len(names) - 0.4 + 0.2)  # room above the top variant's label
     ax.set_xlabel(xlabel)
     ax.set_title("rows pooled by variant: mean and its 95% interval")
     ax.grid(axis="x", alpha=0.3)
