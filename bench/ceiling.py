@@ -36,8 +36,8 @@ pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
 with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
 shared); ``_syncexec`` with a synchronous, unpipelined one (each batch made when the paced producer
 asks); ``_nommap`` with DALI's reader reading shards by plain file I/O, not memory-mapped; ``_hostready`` /
-``_eventready`` with ``DATAPIPE_READY=host`` / ``event`` (how the producer's batches are awaited: by its
-thread on the host, or by the training stream on an event; ``datapipe.device.handoff.on_side_stream``). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
+``_eventready`` / ``_checkedready`` with ``DATAPIPE_READY=host`` / ``event`` / ``checked`` (how the producer's
+batches are awaited: ``datapipe.device.side_stream``). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
 Suffixes combine, in any order (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a
 variant (``imageloader2``, ``il_hw075c``), before any suffix (``imageloader2_single``).
 
@@ -736,7 +736,7 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_READY = {"_hostready": "host", "_eventready": "event"}  # rows named so set DATAPIPE_READY (handoff.on_side_stream)
+ROW_READY = {"_hostready": "host", "_eventready": "event", "_checkedready": "checked"}  # DATAPIPE_READY (device.side_stream)
 
 ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, *ROW_READY, "_noretire", "_single", "_legacy", "_syncexec", "_copyout", "_sync10",
                 "_nommap")

@@ -6,7 +6,7 @@ thread is ahead. This times each ``next()`` of TokenLoader (small causal LM step
 record_stream) timed apart from the rest (queue, generator layers, freeing the previous batch),
 with variants (``--variants``; ``--rounds`` repeats them interleaved): ``hostready``: ``DATAPIPE_READY=host``
 (the producer thread waits for each batch's GPU work and records the retire fences, so ``next()``
-makes no CUDA call), ``free_in_consumer``: the training thread frees handed-out batches itself (as
+makes no CUDA call), ``checkedready``: ``DATAPIPE_READY=checked``, ``free_in_consumer``: the training thread frees handed-out batches itself (as
 before ``datapipe.device.handoff.Retirer``), ``switch``: ``sys.setswitchinterval(1e-4)`` (is it
 the GIL handoff?), ``free_first``: the previous batch dropped before ``next()``.
 
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--variants", default="default,free_in_consumer,free_first,switch",
-                    help="comma-separated: default, hostready, free_in_consumer, free_first, switch")
+                    help="comma-separated: default, hostready, checkedready, free_in_consumer, free_first, switch")
     ap.add_argument("--loaders", default="tokens,images", help="comma-separated: tokens, images")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the variants, interleaved (keys get _r2, _r3, ...)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -107,8 +107,8 @@ def main(argv=None) -> dict:
     chosen = args.loaders.split(",")
     for rnd, variant in ((r, v) for r in range(1, args.rounds + 1) for v in args.variants.split(",")):
         sys.setswitchinterval(1e-4 if variant == "switch" else default_switch)
-        if variant == "hostready":
-            os.environ["DATAPIPE_READY"] = "host"
+        if variant in ("hostready", "checkedready"):
+            os.environ["DATAPIPE_READY"] = variant[:-len("ready")]
         for name, make, step in (
             ("tokens", lambda: TokenLoader(urls, seq_len=4096, batch_size=4, device=device), tstep),
             ("images", lambda: ImageLoader(images, batch_size=256, device=device), istep),

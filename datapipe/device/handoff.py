@@ -3,14 +3,13 @@
 :class:`Producer` is the one mechanism: a thread pulls items from an iterable into a queue,
 at most ``depth`` ahead; the consumer's ``next()`` takes one, runs its ``handoff`` and only then
 frees the slot, so the producer's next item starts after the handoff. ``threaded`` runs any
-iterable that way; ``on_side_stream`` does it for a producer of CUDA tensors (ImageLoader drives
-DALI with it) and :class:`datapipe.DevicePrefetcher` for host-to-device copies: the producer's
+iterable that way; :func:`datapipe.device.side_stream.on_side_stream` does it for a producer of CUDA
+tensors (ImageLoader drives DALI with it) and :class:`datapipe.DevicePrefetcher` for host-to-device copies: the producer's
 GPU work runs on its own stream and the consumer's stream waits for it with an event
 (:func:`wait_and_keep`), not the host.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -25,8 +24,7 @@ from datapipe.device.pacing import PACE, Pacer, resolve_pace
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
-__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "READY_MODES", "Retirer", "on_side_stream", "resolve_ready",
-           "started", "threaded", "wait_and_keep"]
+__all__ = ["close_last", "CurrentStream", "PACE", "Producer", "ProducerMeter", "Retirer", "started", "threaded", "wait_and_keep"]
 
 _POLL_S = 0.05
 _END = object()
@@ -340,67 +338,6 @@ def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer",
 
     producer = Producer(iterable, depth=depth, name=name, join_s=join_s,
                         handoff=None if handoff is None else hand)
-    try:
-        yield from producer
-    finally:
-        producer.close()
-
-
-READY_MODES = ("event", "host")
-
-
-def resolve_ready(ready: str) -> str:
-    """How a made item's GPU work is awaited: ``DATAPIPE_READY`` (``event`` or ``host``) overrides ``ready``."""
-    value = os.environ.get("DATAPIPE_READY", "").strip() or ready
-    if value not in READY_MODES:
-        raise ValueError(f"ready={value!r}: use 'event' (the consumer's stream waits) or 'host' (the producer thread waits)")
-    return value
-
-
-def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, device: torch.device,
-                   depth: int, stream: torch.cuda.Stream | None = None, pace: float | None = PACE,
-                   meter: ProducerMeter | None = None, ready: str = "event") -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
-    """Items ``(tensors, meta)`` made in a background thread, ahead of the consumer.
-
-    On CUDA the producer's current stream is a side stream of ``device``: whatever it enqueues
-    (DALI's output copies, label uploads, casts) overlaps with the consumer's work. Each item's
-    tensors are handed over ``record_stream``-ed on the consumer's stream, so their memory is not
-    reused while the consumer still reads it, and ready in one of two ways (``ready``;
-    ``DATAPIPE_READY`` overrides): ``"event"``, the consumer's current stream waits on an event
-    recorded after the item's work (no host sync); ``"host"``, the producer thread waits for that
-    event (sleeping, a blocking-sync event) before it queues the item, and records the
-    :class:`Retirer`'s fences itself, so the consumer's ``next()`` makes no CUDA driver call.
-    Pass the same ``stream`` every epoch: the caching allocator keeps its blocks per stream, so a
-    new side stream per epoch strands the last one's cached blocks (2 MB more reserved each epoch).
-    Paced (``pace``, see :class:`Producer`) by default: it feeds a training loop. Handed-out
-    items are freed in the producer thread (:class:`Retirer`), not in the consumer's.
-    """
-    cuda = device.type == "cuda"
-    host = resolve_ready(ready) == "host"
-    side = (stream or torch.cuda.Stream(device)) if cuda else None
-    consumer = CurrentStream(device) if cuda else None
-    done = torch.cuda.Event(blocking=True) if cuda and host else None  # reused: waited for before the next record
-
-    def setup() -> None:  # in the producer thread
-        torch.cuda.set_stream(side)  # this thread's current stream from now on
-
-    def mark(item):  # in the producer thread, after the item's work was enqueued
-        if done is not None:
-            done.record(side)
-            done.synchronize()  # this thread sleeps (GIL released) until the item's work is done
-            return item, None
-        event = torch.cuda.Event()
-        event.record(side)
-        return item, event
-
-    def handoff(marked):  # in the consumer's thread, before the producer may go on
-        (tensors, meta), event = marked
-        wait_and_keep(event, tensors, consumer())
-        return tensors, meta
-
-    producer = Producer(produce, depth=depth, name="datapipe-device-producer", setup=setup if cuda else None,
-                        transform=mark if cuda else None, handoff=handoff if cuda else None, pace=pace, meter=meter,
-                        retire=Retirer(device, stream=consumer, fence_in_producer=host) if cuda else None)
     try:
         yield from producer
     finally:

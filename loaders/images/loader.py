@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
-from datapipe.device.handoff import ProducerMeter, close_last, on_side_stream
+from datapipe.device.handoff import ProducerMeter, close_last
+from datapipe.device.side_stream import on_side_stream
 from datapipe.device.queues import widen_hardware_queues
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
@@ -43,7 +44,7 @@ KIND = "ImageLoader"
 # bench/results/ceiling_hw0_pace07.json and ceiling_retire_experiment.json: 0.975-0.978 of the
 # ceiling vs 0.963-0.969 at 0.5; TokenLoader measured better at 0.5 (0.999 vs 0.985).
 PACE = 0.7
-# How the training thread gets a finished batch (datapipe.device.handoff.on_side_stream; DATAPIPE_READY
+# How the training thread gets a finished batch (datapipe.device.side_stream; DATAPIPE_READY
 # overrides): "event", its stream waits on the batch's event. "host" (the producer thread waits and records
 # the retire fences; next() makes no CUDA call) led in three interleaved H200 runs (+0.0016 +- 0.0011) but
 # not over all six (bench/results/ceiling_hostready_pooled.json: +0.0006 +- 0.0018; 0.968 in two rows of

@@ -21,6 +21,7 @@ def test_pace_suffixes_are_told_apart():
 def test_ready_suffixes_set_the_handoff_and_strip_to_the_variant():
     assert row_ready("imageloader2_hostready") == "host"
     assert row_ready("il_hw0_eventready_pace08") == "event"
+    assert row_ready("imageloader3_checkedready") == "checked"
     assert row_ready("imageloader") is None
     assert variant_of("imageloader2_hostready", {"imageloader": None}) == "imageloader"
 

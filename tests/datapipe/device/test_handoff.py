@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from datapipe.device.handoff import close_last, on_side_stream, started, threaded
+from datapipe.device.handoff import close_last, started, threaded
 
 
 def test_threaded_keeps_order_and_reraises():
@@ -76,13 +76,6 @@ def test_close_last_closes_a_live_iterator_and_ignores_a_gone_one():
     close_last(None)
 
 
-def test_on_side_stream_on_cpu_passes_items_through():
-    items = [((torch.full((2,), i),), {"i": i}) for i in range(4)]
-    got = list(on_side_stream(iter(items), device=torch.device("cpu"), depth=2))
-    assert [m["i"] for _, m in got] == [0, 1, 2, 3]
-    assert all(torch.equal(t[0], torch.full((2,), i)) for i, (t, _) in enumerate(got))
-
-
 def test_started_fetches_the_first_item_now():
     made = []
 
@@ -94,48 +87,6 @@ def test_started_fetches_the_first_item_now():
     s = started(gen())
     assert made == [0]
     assert list(s) == [0, 1, 2]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("ready", ["event", "host"])
-def test_side_stream_work_is_finished_before_the_consumer_reads_it(ready):
-    """The producer's stream is busy (a long sleep kernel) before it writes; the consumer must see the write."""
-    device = torch.device("cuda")
-
-    def produce():
-        for i in range(5):
-            x = torch.zeros(1 << 20, device=device)
-            torch.cuda._sleep(50_000_000)  # ~tens of ms on the producer's (side) stream
-            x.fill_(i + 1)
-            yield (x,), i
-
-    seen = []
-    for (x,), i in on_side_stream(produce(), device=device, depth=2, ready=ready):
-        seen.append(i)
-        assert x.sum().item() == (i + 1) * (1 << 20)  # event: the consumer's stream waits; host: the producer did
-    assert seen == list(range(5))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_host_ready_batches_stay_intact_while_the_consumer_still_reads_them(monkeypatch):
-    """ready="host": no event wait in next(); the retire fences come from the producer thread, so a batch
-    the consumer's stream is still reading (behind a sleep kernel) is not reused for a later one.
-    record_stream is turned off, as for DALI's memory (not the caching allocator's): only the fences protect it."""
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    device = torch.device("cuda")
-    n = 1 << 22
-
-    def produce():
-        for i in range(12):
-            yield (torch.full((n,), float(i + 1), device=device),), i
-
-    sums = []
-    for (x,), i in on_side_stream(produce(), device=device, depth=2, ready="host"):
-        torch.cuda._sleep(20_000_000)  # the consumer's stream lags: the producer runs ahead meanwhile
-        sums.append(x.sum())  # enqueued behind the sleep
-    assert [round(s.item() / n) for s in sums] == list(range(1, 13))
 
 
 @pytest.mark.gpu
@@ -315,20 +266,6 @@ def test_a_retirer_fencing_in_the_producer_makes_its_fences_in_bury_not_in_hande
     assert alive[0]() is None and alive[1]() is not None
     r.clear()
     assert all(ref() is None for ref in alive)
-
-
-def test_ready_is_checked_and_the_environment_overrides_it(monkeypatch):
-    from datapipe.device.handoff import resolve_ready
-
-    assert resolve_ready("event") == "event"
-    monkeypatch.setenv("DATAPIPE_READY", "host")
-    assert resolve_ready("event") == "host"
-    monkeypatch.setenv("DATAPIPE_READY", "later")
-    with pytest.raises(ValueError, match="DATAPIPE_READY|ready="):
-        resolve_ready("event")
-    monkeypatch.delenv("DATAPIPE_READY")
-    with pytest.raises(ValueError, match="'event'"):
-        list(on_side_stream(iter([]), device=torch.device("cpu"), depth=1, ready="soon"))
 
 
 def test_producer_frees_retired_items_in_its_own_thread():
