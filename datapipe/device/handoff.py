@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from datapipe.device import forks
-from datapipe.device.pacing import PACE, Pacer, resolve_pace
+from datapipe.device.pacing import Pacer, resolve_pace
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
-__all__ = ["close_last", "CurrentStream", "PACE", "Producer", "ProducerMeter", "Retirer", "started", "threaded", "wait_and_keep"]
+__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "Retirer", "started", "threaded", "wait_and_keep"]
 
 _POLL_S = 0.05
 _END = object()

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from datapipe.device.handoff import PACE, CurrentStream, Producer, ProducerMeter, Retirer, resolve_pace, wait_and_keep
+from datapipe.device.handoff import CurrentStream, Producer, ProducerMeter, Retirer, wait_and_keep
+from datapipe.device.pacing import PACE, resolve_pace
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 

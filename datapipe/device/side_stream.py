@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from datapipe.device.handoff import PACE, CurrentStream, Producer, ProducerMeter, Retirer, wait_and_keep
+from datapipe.device.handoff import CurrentStream, Producer, ProducerMeter, Retirer, wait_and_keep
+from datapipe.device.pacing import PACE
 
 __all__ = ["READY_MODES", "on_side_stream", "resolve_ready"]
 
