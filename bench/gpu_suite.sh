@@ -7,7 +7,7 @@
 # How ImageLoader's batches are awaited (DATAPIPE_READY: event, the default; host; checked), interleaved
 # (NEXT_ARGS: --steps 60 at most, one epoch of the 20k images):
 #   NEXT_ARGS="--loaders images --variants default,hostready,checkedready --rounds 2 --steps 60" bash bench/gpu_suite.sh next
-#   CEILING_ARGS="--steps 80 --only imageloader,imageloader_checkedready,imageloader_hostready,imageloader2,imageloader2_checkedready,imageloader2_hostready,imageloader3,imageloader3_checkedready,imageloader3_hostready" bash bench/gpu_suite.sh ceiling
+#   CEILING_ARGS="--steps 80 --burn-in 40 --only imageloader,imageloader_checkedready,imageloader_hostready,imageloader2,imageloader2_checkedready,imageloader2_hostready,imageloader3,imageloader3_checkedready,imageloader3_hostready" bash bench/gpu_suite.sh ceiling
 # Deciding an ImageLoader default (pool the rows with bench/row_stats.py --against imageloader; each run
 # gives three rows per variant in ~140 s):
 #   CEILING_ARGS="--steps 80 --budget-s 430 --only imageloader,il_auto,imageloader_pace08,imageloader2,il_autob,imageloader2_pace08,imageloader3,il_autoc,imageloader3_pace08" bash bench/gpu_suite.sh ceiling
