@@ -26,7 +26,7 @@ import torch
 from datapipe.device.handoff import CurrentStream, Producer, ProducerMeter, Retirer, wait_and_keep
 from datapipe.device.pacing import PACE
 
-__all__ = ["READY_MODES", "on_side_stream", "resolve_ready"]
+__all__ = ["READY_MODES", "confirm_done", "on_side_stream", "resolve_ready"]
 
 READY_MODES = ("event", "host", "checked")
 
@@ -38,6 +38,17 @@ def resolve_ready(ready: str) -> str:
         raise ValueError(f"ready={value!r}: use 'event' (the consumer's stream waits), 'host' (the producer thread "
                          "waits) or 'checked' (the producer checks queued items once)")
     return value
+
+
+def confirm_done(queued: Iterable[list]) -> None:
+    """(Producer thread, ``"checked"``) drop the event of each queued ``[item, event]`` whose work is done.
+
+    One query each: a step after an item was queued its work is likely done. The consumer reads the
+    slot once, in its handoff: the event (a wait on the GPU, harmless once passed) or None, both right.
+    """
+    for held in queued:
+        if held[1] is not None and held[1].query():
+            held[1] = None
 
 
 def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, device: torch.device,
@@ -71,9 +82,7 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
             done.synchronize()  # this thread sleeps (GIL released) until the item's work is done
             return [item, None]
         if mode == "checked":
-            for held in queued:  # one query each: a step after it was queued, its work is likely done
-                if held[1] is not None and held[1].query():
-                    held[1] = None  # the consumer reads this slot once, in handoff(): either value is right
+            confirm_done(queued)
         event = torch.cuda.Event()
         event.record(side)
         marked = [item, event]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from datapipe.device.side_stream import on_side_stream, resolve_ready
+from datapipe.device.side_stream import confirm_done, on_side_stream, resolve_ready
 
 
 def test_on_side_stream_on_cpu_passes_items_through():
@@ -65,3 +65,22 @@ def test_ready_is_checked_and_the_environment_overrides_it(monkeypatch):
     monkeypatch.delenv("DATAPIPE_READY")
     with pytest.raises(ValueError, match="'event'"):
         list(on_side_stream(iter([]), device=torch.device("cpu"), depth=1, ready="soon"))
+
+
+class _Event:
+    def __init__(self, done):
+        self.done, self.queries = done, 0
+
+    def query(self):
+        self.queries += 1
+        return self.done
+
+
+def test_checked_drops_only_the_events_whose_work_is_done_and_asks_each_once():
+    done, pending = _Event(True), _Event(False)
+    queued = [["a", done], ["b", pending], ["c", None]]
+    confirm_done(queued)
+    assert [held[1] for held in queued] == [None, pending, None]  # the consumer's stream still waits on "b"
+    assert done.queries == 1 and pending.queries == 1
+    confirm_done(queued)
+    assert done.queries == 1 and pending.queries == 2  # a confirmed one is not asked again
