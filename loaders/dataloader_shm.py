@@ -94,7 +94,9 @@ class SegmentPool:
         """The loader's pass counter reads ``n``: when it moved on, every segment still ``BUSY`` is free
         again. A persistent worker's pool outlives a pass, and a new pass starts only once the main
         process has given back every batch of the last one it took; the batches still in flight as the
-        last pass ended (left unfinished) torch drops unread when it starts the new one."""
+        last pass ended (left unfinished) torch drops unread when it starts the new one. A batch of the
+        last pass this worker was still collating after the counter moved keeps its segment until the
+        next move (the worker uses fresh shared memory meanwhile): it cannot be told from the new pass's."""
         if n != self.pass_seen:
             if self.pass_seen is not None:
                 for _, header in self.segments:

@@ -567,7 +567,10 @@ def test_persistent_workers_recycle_again_after_passes_left_unfinished(monkeypat
     before = dl._returns.released
     held = list(dl)  # a whole pass, every batch kept
     assert [_plain(b) for b in held] == ref
-    assert dl._returns.released - before == 24  # all recycled again (0 before the workers freed them)
+    # recycled again (0 of 24 before the workers freed them); a batch the last unfinished pass was still
+    # collating when this one began may hold its segment for this pass: at most one per outstanding task
+    stale = kw["num_workers"] * 2 * 2  # workers x prefetch_factor x tensors per batch
+    assert 24 - stale <= dl._returns.released - before <= 24
     dl.close()
 
 
