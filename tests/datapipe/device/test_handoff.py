@@ -203,9 +203,12 @@ class _Marker:
         return self.passed
 
 
-def test_retirer_keeps_the_last_items_and_frees_older_ones_once_their_fence_passed():
-    import weakref
+class _Batch:
+    pass
 
+
+def _fenced_retirer(**options):
+    """A CPU Retirer whose fences are markers the test passes by hand: (retirer, markers made so far)."""
     from datapipe.device.handoff import Retirer
 
     markers = []
@@ -214,16 +217,25 @@ def test_retirer_keeps_the_last_items_and_frees_older_ones_once_their_fence_pass
         markers.append(_Marker())
         return markers[-1]
 
-    class Batch:
-        pass
+    return Retirer(torch.device("cpu"), fence=fence, **options), markers
 
-    r = Retirer(torch.device("cpu"), keep=2, fence=fence)
+
+def _hand(retirer, n: int) -> list:
+    """Hand ``n`` new batches to ``retirer`` and keep no reference: weak references to them."""
+    import weakref
+
     alive = []
-    for _ in range(4):
-        b = Batch()
+    for _ in range(n):
+        b = _Batch()
         alive.append(weakref.ref(b))
-        r.handed(b)
+        retirer.handed(b)
         del b
+    return alive
+
+
+def test_retirer_keeps_the_last_items_and_frees_older_ones_once_their_fence_passed():
+    r, markers = _fenced_retirer(keep=2)
+    alive = _hand(r, 4)
     assert len(markers) == 2  # batches 0 and 1 retired, 2 and 3 kept
     r.bury()
     assert all(ref() is not None for ref in alive)  # fences not passed: nothing freed yet
@@ -238,26 +250,8 @@ def test_retirer_keeps_the_last_items_and_frees_older_ones_once_their_fence_pass
 
 
 def test_a_retirer_fencing_in_the_producer_makes_its_fences_in_bury_not_in_handed():
-    import weakref
-
-    from datapipe.device.handoff import Retirer
-
-    markers = []
-
-    def fence():
-        markers.append(_Marker())
-        return markers[-1]
-
-    class Batch:
-        pass
-
-    r = Retirer(torch.device("cpu"), keep=1, fence=fence, fence_in_producer=True)
-    alive = []
-    for _ in range(3):
-        b = Batch()
-        alive.append(weakref.ref(b))
-        r.handed(b)
-        del b
+    r, markers = _fenced_retirer(keep=1, fence_in_producer=True)
+    alive = _hand(r, 3)
     assert markers == []  # nothing fenced in the consumer's next()
     r.bury()
     assert len(markers) == 2 and all(ref() is not None for ref in alive)  # fenced now; not passed

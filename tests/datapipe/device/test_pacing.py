@@ -29,10 +29,16 @@ def _taking(pacer, clock, times, waited=()):
         pacer.took(t in waited)
 
 
-def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
+def _paced(times, waited=()):
+    """A pacer at 0.5 on a test clock, after takes at ``times`` (``waited``: those that found nothing)."""
     clock, stop = _Clock(), _Stop()
     pacer = Pacer(0.5, clock=clock)
-    _taking(pacer, clock, [0.0, 0.1])
+    _taking(pacer, clock, times, waited)
+    return clock, stop, pacer
+
+
+def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
+    clock, stop, pacer = _paced([0.0, 0.1])
     pacer.hold(1, stop)  # one gap is not yet a period: no hold
     assert stop.waits == []
     _taking(pacer, clock, [0.2, 0.3])  # one take every 100 ms
@@ -47,9 +53,7 @@ def test_pacer_holds_the_next_item_until_its_fraction_of_the_consumers_period():
 
 
 def test_a_pause_does_not_stretch_the_period():
-    clock, stop = _Clock(), _Stop()
-    pacer = Pacer(0.5, clock=clock)
-    _taking(pacer, clock, [0.0, 0.1, 0.2, 0.3, 60.3, 60.4, 60.5])  # a minute of evaluation in between
+    clock, stop, pacer = _paced([0.0, 0.1, 0.2, 0.3, 60.3, 60.4, 60.5])  # a minute of evaluation in between
     assert abs(pacer.period - 0.1) < 1e-9
     clock.now = 60.5
     pacer.hold(1, stop)
@@ -57,9 +61,7 @@ def test_a_pause_does_not_stretch_the_period():
 
 
 def test_a_consumer_that_waited_turns_holding_off_for_a_while():
-    clock, stop = _Clock(), _Stop()
-    pacer = Pacer(0.5, clock=clock)
-    _taking(pacer, clock, [0.0, 0.1, 0.2, 0.3], waited={0.3})
+    clock, stop, pacer = _paced([0.0, 0.1, 0.2, 0.3], waited={0.3})
     for _ in range(2 * Pacer.SAMPLES):
         pacer.hold(1, stop)
     assert stop.waits == []
@@ -69,9 +71,7 @@ def test_a_consumer_that_waited_turns_holding_off_for_a_while():
 
 
 def test_hold_says_when_a_consumers_wait_skipped_it():
-    clock, stop = _Clock(), _Stop()
-    pacer = Pacer(0.5, clock=clock)
-    _taking(pacer, clock, [0.0, 0.1, 0.2, 0.3])
+    clock, stop, pacer = _paced([0.0, 0.1, 0.2, 0.3])
     assert pacer.hold(1, stop) is False
     _taking(pacer, clock, [0.4], waited={0.4})
     assert all(pacer.hold(1, stop) for _ in range(2 * Pacer.SAMPLES))  # calmed: each one counted
