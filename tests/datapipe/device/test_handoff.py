@@ -190,7 +190,9 @@ def test_producer_meter_counts_takes_that_found_nothing_and_items_made_unpaced(m
     assert stats["empty_takes"] >= 3 and stats["unpaced"] >= 1  # an empty take turns holding off
     fast = ProducerMeter()
     producer = Producer(iter(range(6)), depth=2, meter=fast)
-    time.sleep(0.2)  # all made ahead
+    deadline = time.monotonic() + 10
+    while fast.items < 2 and time.monotonic() < deadline:  # item 1 is made after item 0 is queued
+        time.sleep(0.01)
     assert next(producer) == 0 and fast.empty_takes == 0 and fast.unpaced == 0  # unpaced producer: never held
     producer.close()
 
