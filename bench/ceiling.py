@@ -24,7 +24,7 @@ and ``ceiling_ratio`` = loaded rate / their mean. Loaders:
   Hugging Face Llama (random init from a LlamaConfig, bf16 weights, sdpa, AdamW,
   ``packing.batch.hf_inputs``).
 
-Pacing: rows ending ``_unpaced`` run with ``DATAPIPE_PACE=0`` (the producers start their next
+Pacing: rows ending ``_unpaced`` run with ``pace=None`` (the loader's producer starts its next
 batch as soon as a slot frees, as before pacing), ``_pace01`` ... ``_pace085`` with
 that fraction; the others with the library's default (ImageLoader 0.7, DevicePrefetcher 0.5); any
 image variant takes these suffixes (``il_hw0_pace085``). Rows ending ``_noretire``: the training
@@ -36,7 +36,7 @@ pipelines with ``StreamPolicy.SINGLE``; ``_legacy``
 with DALI's legacy executor (``_copyout``: the default one, ImageLoader's outputs copied out, not
 shared); ``_syncexec`` with a synchronous, unpipelined one (each batch made when the paced producer
 asks); ``_nommap`` with DALI's reader reading shards by plain file I/O, not memory-mapped; ``_hostready`` /
-``_eventready`` / ``_checkedready`` with ``DATAPIPE_READY=host`` / ``event`` / ``checked`` (how the producer's
+``_eventready`` / ``_checkedready`` with ``ImageLoader(ready="host")`` / ``"event"`` / ``"checked"`` (how the producer's
 batches are awaited: ``datapipe.device.side_stream``). Rows ending ``_sync10`` wait for the training stream every 10th step only, their ceilings too.
 Suffixes combine, in any order (``imageloader_legacy_sync10``). A last character 2-9 or b-d repeats a
 variant (``imageloader2``, ``il_hw075c``), before any suffix (``imageloader2_single``).
@@ -225,10 +225,19 @@ def replay(batch):
 
 
 # ---- loaders ----------------------------------------------------------------------------------------
+ROW_OPTIONS: dict = {}  # the loader options of the row being run (its suffixes': pace, ready), set by loaded()
+
+
+def row_option(*names: str) -> dict:
+    """Those of the running row's loader options named (for the loaders that take them)."""
+    return {k: v for k, v in ROW_OPTIONS.items() if k in names}
+
+
 def image_loader(urls, args, **options):
     from loaders import ImageLoader
 
-    return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, device=args.device, **options)
+    return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, device=args.device,
+                       **{**row_option("pace", "ready"), **options})
 
 
 def dali_hand(urls, args):
@@ -321,14 +330,11 @@ T0 = time.perf_counter()
 
 
 def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, results: dict, stream=None,
-           steps=None, pace: float | None = None) -> None:
-    """Ceiling, loaded, ceiling: one row of results. ``pace``: the producers' DATAPIPE_PACE for this row."""
+           steps=None) -> None:
+    """Ceiling, loaded, ceiling: one row of results; its loaders take the options its suffixes set (``row_options``)."""
     print(f"[{name}] ...", file=sys.stderr, flush=True)
-    if pace is not None:
-        os.environ["DATAPIPE_PACE"] = str(pace)
-    ready = row_ready(name)
-    if ready is not None:
-        os.environ["DATAPIPE_READY"] = ready
+    ROW_OPTIONS.clear()
+    ROW_OPTIONS.update(row_options(name))
     gen = None
     children = set(_children())  # those of earlier parts (e.g. a dataset writer pool) are not this row's
     # rows ending _noretire: the training thread frees handed-out batches itself (before Retirer)
@@ -352,8 +358,7 @@ def loaded(name: str, make, fmt: str, ceilings: Ceilings, step, args, count, res
             if gen is not None and hasattr(gen, "close"):
                 gen.close()
             gen = it = None
-            os.environ.pop("DATAPIPE_PACE", None)
-            os.environ.pop("DATAPIPE_READY", None)
+            ROW_OPTIONS.clear()
     exited = shutdown_workers(ignore=children)  # worker processes gone before the ceiling after them
     time.sleep(1.0)
     after = ceilings.measure(fmt)
@@ -579,7 +584,7 @@ def image_parts(args, urls, results) -> None:
             LOADERS.clear()
             with wait_mode_row(name, ceilings, args.device, results), dali_pipeline_row(name), \
                     copied_outputs_row(name), sync_every_row(name, ceilings):
-                loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream, pace=row_pace(name))
+                loaded(name, make, fmt, ceilings, step, args, count, results, stream=stream)
     if "standalone" in only and time.perf_counter() - T0 < args.budget_s:
         results["standalone"] = {}
         for name, options in STANDALONE.items():
@@ -603,12 +608,12 @@ def image_parts(args, urls, results) -> None:
                       persistent_workers=True, prefetch_factor=2)
         LOADERS.clear()
         if name.startswith("dl_ours"):
-            make = lambda: tracked(DataLoader(ds, device=args.device, **common))  # noqa: E731
+            make = lambda: tracked(DataLoader(ds, device=args.device, **row_option("pace"), **common))  # noqa: E731
         else:
             make = lambda: to_device(tracked(torch.utils.data.DataLoader(  # noqa: E731
                 ds, pin_memory=args.device.type == "cuda", **common)), args.device)
         with wait_mode_row(name, ceilings, args.device, results), sync_every_row(name, ceilings):
-            loaded(name, make, "u8nchw", ceilings, step, args, count, results, pace=row_pace(name))
+            loaded(name, make, "u8nchw", ceilings, step, args, count, results)
     if "kernels" in only and args.device.type == "cuda":
         results["kernels"] = loader_kernels(urls, args)
     if "profile" in only and args.device.type == "cuda" and time.perf_counter() - T0 < args.budget_s:
@@ -753,7 +758,7 @@ ROW_PACE = {"_unpaced": 0.0, "_pace01": 0.1, "_pace02": 0.2, "_pace03": 0.3, "_p
 
 ROW_WAIT = {"_block": "blocking", "_yield": "yield", "_spin": "spin"}  # rows named so set the CUDA wait mode
 
-ROW_READY = {"_hostready": "host", "_eventready": "event", "_checkedready": "checked"}  # DATAPIPE_READY (device.side_stream)
+ROW_READY = {"_hostready": "host", "_eventready": "event", "_checkedready": "checked"}  # ImageLoader(ready=)
 
 ROW_SUFFIXES = (*ROW_PACE, *ROW_WAIT, *ROW_READY, "_noretire", "_single", "_legacy", "_syncexec", "_copyout", "_sync10",
                 "_nommap")
@@ -794,12 +799,18 @@ def row_wait(name: str) -> str | None:
 
 
 def row_pace(name: str) -> float | None:
-    """The DATAPIPE_PACE a row runs with: its suffix's, else None (the library's default)."""
+    """The ``pace`` a row's loader runs with: its suffix's (0.0: None, off), else None (the library's default)."""
     return next((ROW_PACE[k] for k in row_suffixes(name) if k in ROW_PACE), None)
 
 
+def row_options(name: str) -> dict:
+    """The loader options a row's suffixes set: ``pace`` (``_unpaced``: None, off) and ``ready``."""
+    pace, ready = row_pace(name), row_ready(name)
+    return {**({} if pace is None else {"pace": pace or None}), **({} if ready is None else {"ready": ready})}
+
+
 def row_ready(name: str) -> str | None:
-    """The DATAPIPE_READY a row runs with: its suffix's, else None (the library's default)."""
+    """The ``ready`` a row's ImageLoader runs with: its suffix's, else None (the library's default)."""
     return next((ROW_READY[k] for k in row_suffixes(name) if k in ROW_READY), None)
 
 
@@ -825,21 +836,22 @@ def token_part(args, results) -> None:
     ceilings = Ceilings(step, args, count)
 
     def make():
-        loader = TokenLoader(urls, seq_len=args.seq_len, batch_size=args.token_batch, device=args.device)
+        loader = TokenLoader(urls, seq_len=args.seq_len, batch_size=args.token_batch, device=args.device,
+                             **row_option("pace"))
         return tracked(loader)
 
     def in_worker():  # the packing in one worker process; this process only pins and copies
         from loaders import DataLoader
 
         dataset = TokenBatches(urls, args.seq_len, args.token_batch)
-        return tracked(DataLoader(dataset, batch_size=None, num_workers=1, device=args.device,
+        return tracked(DataLoader(dataset, batch_size=None, num_workers=1, device=args.device, **row_option("pace"),
                                   persistent_workers=True, prefetch_factor=4))
 
     for name, maker in (("tokens", make), ("tokens_unpaced", make), ("tokens_pace07", make),
                         ("tokens_noretire", make), ("tokens_worker", in_worker), ("tokens2", make)):
         if name in args.only and time.perf_counter() - T0 < args.budget_s + 60:
             LOADERS.clear()
-            loaded(name, maker, "tokens", ceilings, step, args, count, results, pace=row_pace(name))
+            loaded(name, maker, "tokens", ceilings, step, args, count, results)
     if "tokens_llama" in args.only and time.perf_counter() - T0 < args.budget_s + 90:
         del step, ceilings
         try:

@@ -4,7 +4,7 @@
 #   bash bench/gpu_suite.sh tests images            # first call (installs the wheels)
 #   bash bench/gpu_suite.sh loader doctor scaling   # next call, same warm machine
 # Other parts: ceiling anatomy prefetch stalls workershm packing read next.
-# How ImageLoader's batches are awaited (DATAPIPE_READY: event, the default; host; checked), interleaved
+# How ImageLoader batches are awaited (its ready= option: event, the default; host; checked), interleaved
 # (NEXT_ARGS: --steps 60 at most, one epoch of the 20k images):
 #   NEXT_ARGS="--loaders images --variants default,hostready,checkedready --rounds 2 --steps 60" bash bench/gpu_suite.sh next
 #   CEILING_ARGS="--steps 80 --burn-in 40 --only imageloader,imageloader_checkedready,imageloader_hostready,imageloader2,imageloader2_checkedready,imageloader2_hostready,imageloader3,imageloader3_checkedready,imageloader3_hostready" bash bench/gpu_suite.sh ceiling

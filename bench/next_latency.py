@@ -4,9 +4,9 @@ The ceiling benchmark's loaded loops spend 0.3-0.7 ms per step in ``next()`` alt
 thread is ahead. This times each ``next()`` of TokenLoader (small causal LM step) and ImageLoader
 (ResNet-50 step) in the same loop as bench/ceiling.py, with the producer handoff (event wait +
 record_stream) timed apart from the rest (queue, generator layers, freeing the previous batch),
-with variants (``--variants``; ``--rounds`` repeats them interleaved): ``hostready``: ``DATAPIPE_READY=host``
+with variants (``--variants``; ``--rounds`` repeats them interleaved): ``hostready``: ``ImageLoader(ready="host")``
 (the producer thread waits for each batch's GPU work and records the retire fences, so ``next()``
-makes no CUDA call), ``checkedready``: ``DATAPIPE_READY=checked``, ``free_in_consumer``: the training thread frees handed-out batches itself (as
+makes no CUDA call), ``checkedready``: ``ready="checked"``, ``free_in_consumer``: the training thread frees handed-out batches itself (as
 before ``datapipe.device.handoff.Retirer``), ``switch``: ``sys.setswitchinterval(1e-4)`` (is it
 the GIL handoff?), ``free_first``: the previous batch dropped before ``next()``.
 
@@ -107,11 +107,10 @@ def main(argv=None) -> dict:
     chosen = args.loaders.split(",")
     for rnd, variant in ((r, v) for r in range(1, args.rounds + 1) for v in args.variants.split(",")):
         sys.setswitchinterval(1e-4 if variant == "switch" else default_switch)
-        if variant in ("hostready", "checkedready"):
-            os.environ["DATAPIPE_READY"] = variant[:-len("ready")]
+        ready = dict(ready=variant[:-len("ready")]) if variant in ("hostready", "checkedready") else {}
         for name, make, step in (
             ("tokens", lambda: TokenLoader(urls, seq_len=4096, batch_size=4, device=device), tstep),
-            ("images", lambda: ImageLoader(images, batch_size=256, device=device), istep),
+            ("images", lambda: ImageLoader(images, batch_size=256, device=device, **ready), istep),
         ):
             if name not in chosen:
                 continue
@@ -120,7 +119,6 @@ def main(argv=None) -> dict:
                 results[key] = r = run(make(), step, steps=args.steps, warmup=args.warmup,
                                        free_first=variant == "free_first")
             print(f"{key}: {r}", file=sys.stderr, flush=True)
-        os.environ.pop("DATAPIPE_READY", None)
     sys.setswitchinterval(default_switch)
     write_result("next_latency", {"config": vars(args), "results": results}, args.out)
     return results

@@ -238,7 +238,7 @@ WORKER_BOUND = ("default", "fresh", "copied", "pin_memory")  # the variants also
 @contextlib.contextmanager
 def ours_variant(variant: str):
     """``loaders.DataLoader`` options and patches for one variant of ours (``--ours``): ``default``;
-    ``unpaced`` (DATAPIPE_PACE=0); ``depth4`` (prefetch_depth=4); ``synced`` (the producer waits for each
+    ``unpaced`` (``pace=None``); ``depth4`` (prefetch_depth=4); ``synced`` (the producer waits for each
     batch's copy before queueing it); ``probe`` (default, counting the batches whose copy had not finished
     when ``next()`` handed them over: ``copy_pending_fraction``); ``switch`` (``sys.setswitchinterval(5e-4)``: a
     thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off);
@@ -252,11 +252,8 @@ def ours_variant(variant: str):
     from datapipe.device import prefetch
 
     counts = {"handed": 0, "pending": 0}
-    saved_env = os.environ.get("DATAPIPE_PACE")
     saved_call, saved_handoff = prefetch._CudaTransfer.__call__, prefetch._handoff
-    options = {"prefetch_depth": 4} if variant == "depth4" else {}
-    if variant == "unpaced":
-        os.environ["DATAPIPE_PACE"] = "0"
+    options = {"prefetch_depth": 4} if variant == "depth4" else {"pace": None} if variant == "unpaced" else {}
     if variant == "synced":
         def synced_call(self, batch):
             out = saved_call(self, batch)
@@ -284,10 +281,6 @@ def ours_variant(variant: str):
         sys.setswitchinterval(interval)
         gc.enable()
         prefetch._CudaTransfer.__call__, prefetch._handoff = saved_call, saved_handoff
-        if saved_env is None:
-            os.environ.pop("DATAPIPE_PACE", None)
-        else:
-            os.environ["DATAPIPE_PACE"] = saved_env
         PROBE.append({"copy_pending_fraction": round(counts["pending"] / counts["handed"], 4)}
                      if counts["handed"] else {})
 

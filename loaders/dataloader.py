@@ -39,6 +39,7 @@ import torch.utils.data as tud
 from torch.utils.data import IterableDataset
 
 from datapipe.device.handoff import close_last, threaded
+from datapipe.device.pacing import PACE, check_pace
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from datapipe.order import elastic
 from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, pins_for_cuda, shutdown, tagged_batches
@@ -59,7 +60,8 @@ class DataLoader(tud.DataLoader[_T_co]):
     """``torch.utils.data.DataLoader`` plus ``device=`` prefetch, resumable state, stats, autotune.
 
     Positional and keyword arguments are torch's; ours are keyword-only: ``device``,
-    ``prefetch_depth``, ``seed`` (``None``: torch's seeding) and ``max_workers``.
+    ``prefetch_depth``, ``pace`` (the prefetch thread's, as ``DevicePrefetcher``'s), ``seed`` (``None``:
+    torch's seeding) and ``max_workers``.
     ``num_workers="auto"`` and ``prefetch_depth="auto"`` are chosen from measured rates (see
     :mod:`datapipe.device.autotune`): a map-style dataset serves its first batches from the main process
     while timing production and the consumer, then continues (same order) with the chosen worker
@@ -81,8 +83,9 @@ class DataLoader(tud.DataLoader[_T_co]):
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
                  device: str | torch.device | int | None = None, prefetch_depth: int | str = 2,
-                 seed: int | None = None, max_workers: int | None = None):
+                 pace: float | None = PACE, seed: int | None = None, max_workers: int | None = None):
         check_options(num_workers=num_workers, prefetch_depth=prefetch_depth, max_workers=max_workers)
+        self.pace = check_pace(pace)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed={seed!r}: pass an int or None (torch's global RNG)")
         auto = num_workers == "auto"
@@ -102,9 +105,8 @@ class DataLoader(tud.DataLoader[_T_co]):
         self.device = dev
         self._own_pinning = True  # False: torch's pin-memory thread pins (bench/prefetch.py's "pinthread")
         self._pass_pins = False  # whether a thread of ours pins this pass's batches (_pins_here)
-        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm),
-        # with device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory
-        # per batch, as torch
+        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm), with
+        # device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory per batch
         self._returns: SegmentReturns | None = SegmentReturns(
             os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2,
             register=dev is not None and dev.type == "cuda")
@@ -260,7 +262,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
         if self.device is not None and self._prefetcher is None:
-            self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
+            self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth, pace=self.pace)
         if pins_here:
             stream = pinned(stream, self.pin_memory_device or None, returns=self._returns,
                             keep=self.persistent_workers, copy_stream=getattr(self._prefetcher, "stream", None))

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from datapipe.device.handoff import close_last
+from datapipe.device.pacing import PACE, check_pace
 from datapipe.device.prefetch import DevicePrefetcher
 from datapipe.errors import DataError, ErrorPolicy, OnError
 from datapipe.order.seeds import derive_seed
@@ -41,7 +42,8 @@ class TokenLoader:
     (``str -> list[int]``). Documents stream through ``ShardStream`` (splitting, shuffling, resume,
     ``on_error``) into ``packing.Packer`` (``batching="packed"``: the packed-batch format of
     ``packing.batch``) or ``packing.TokenBudgetBatcher`` (``batching="dynamic"``: padded batches
-    of at most ``max_tokens``), and reach ``device`` through ``DevicePrefetcher``.
+    of at most ``max_tokens``), and reach ``device`` through ``DevicePrefetcher`` (``prefetch_depth``
+    batches ahead, paced by ``pace``: see its docstring).
 
     When torch.distributed is initialised, ranks agree each step (a one-int all-reduce on a gloo
     group, started a step ahead so that it overlaps training) to stop together when the first runs
@@ -59,7 +61,8 @@ class TokenLoader:
                  shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
                  on_error: OnError = "raise", buffer_size: int = 2048, overflow: str = "split",
                  eos_id: int | None = None, bos_id: int | None = None, pad_id: int = 0, algorithm: str = "bfd",
-                 prefetch_depth: int = 2, sync_ranks: bool = True, stream_options: dict | None = None):
+                 prefetch_depth: int = 2, pace: float | None = PACE, sync_ranks: bool = True,
+                 stream_options: dict | None = None):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         if batch_size < 1 or seq_len < 1:
@@ -77,6 +80,7 @@ class TokenLoader:
         self.on_error = on_error
         self._errors = ErrorPolicy(on_error, log=log)  # bad documents (the stream counts its own)
         self.prefetch_depth = prefetch_depth
+        self.pace = check_pace(pace)
         self.sync_ranks = sync_ranks
         if batching == "packed":
             from packing import Packer
@@ -151,7 +155,7 @@ class TokenLoader:
         else:
             self._stats["batches"] = 0
         group = self._sync_group()
-        prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
+        prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth, pace=self.pace)
         self._producer = prefetcher.meter
         it = iter(prefetcher)
         start = time.perf_counter()

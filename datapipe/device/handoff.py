@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from datapipe.device import forks
-from datapipe.device.pacing import Pacer, resolve_pace
+from datapipe.device.pacing import Pacer, check_pace
 
 forks.install()  # a forked worker must not free this module's device batches (see forks)
 
@@ -212,7 +212,7 @@ class Producer(Iterator):
     consumer up). An exception of the producer is re-raised by ``next()`` (same object, its
     traceback kept; ``note`` is added to it). ``close()`` (or dropping the iterator) stops the
     thread, which closes ``iterable``'s iterator in that thread. ``pace`` (a fraction, see
-    :class:`Pacer`; ``DATAPIPE_PACE`` overrides it): while an item is still queued, the next one
+    :class:`Pacer`): while an item is still queued, the next one
     starts only that far into the consumer's step, not while its thread launches the step.
     ``meter`` (a :class:`ProducerMeter`, shared across epochs if the caller keeps one) counts the
     thread's CPU time per item. ``retire`` (a :class:`Retirer`): handed-out items are dropped in the
@@ -231,7 +231,7 @@ class Producer(Iterator):
         self._join_s = join_s
         self._done = False
         self._retirer = retire
-        pace = resolve_pace(pace)
+        pace = check_pace(pace)
         self._pacer = Pacer(pace) if pace else None
         self.meter = meter if meter is not None else ProducerMeter()
         self._thread = threading.Thread(

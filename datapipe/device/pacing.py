@@ -5,13 +5,12 @@ thread while it launches its step; :class:`Pacer` holds it back (README, "Pacing
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["PACE", "Pacer", "resolve_pace"]
+__all__ = ["PACE", "Pacer", "check_pace"]
 
 
 class Pacer:
@@ -66,14 +65,9 @@ class Pacer:
 PACE = 0.5  # default of the producers that feed a training loop (DevicePrefetcher, on_side_stream)
 
 
-def resolve_pace(pace: float | None) -> float | None:
-    """The pacing fraction to use: ``DATAPIPE_PACE`` (``0`` turns it off) overrides ``pace``; None or 0: off."""
-    value = os.environ.get("DATAPIPE_PACE", "").strip()
-    if value:
-        try:
-            pace = float(value)
-        except ValueError:
-            raise ValueError(f"DATAPIPE_PACE={value!r}: use a fraction in [0, 1) (0 turns pacing off)") from None
-    if pace is not None and not 0 <= pace < 1:
-        raise ValueError(f"pace={pace!r}: use a fraction in [0, 1) of the consumer's step, or None")
+def check_pace(pace: float | None) -> float | None:
+    """``pace`` checked (a fraction in [0, 1) of the consumer's step): the fraction, or None when off (None or 0)."""
+    if pace is not None and (isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace < 1):
+        raise ValueError(f"pace={pace!r}: use a fraction in [0, 1) of the consumer's step, or None (0 and None turn "
+                         "pacing off)")
     return pace or None

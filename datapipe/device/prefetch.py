@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from datapipe.device.handoff import CurrentStream, Producer, ProducerMeter, Retirer, wait_and_keep
-from datapipe.device.pacing import PACE, resolve_pace
+from datapipe.device.pacing import PACE, check_pace
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -252,7 +252,7 @@ class DevicePrefetcher:
     A source tensor that is already pinned is copied directly, so its owner must not overwrite it
     until the consumer's stream has used the batch. An exception raised by ``iterable`` is
     re-raised by ``next()`` in the consumer (same object, producer traceback kept). ``pace``
-    (default 0.5; None turns it off; ``DATAPIPE_PACE`` overrides): while a batch is still queued,
+    (default 0.5; None or 0 turns it off): while a batch is still queued,
     the next one is made only half-way into the consumer's step, so the producer thread does not
     compete for the GIL with the training thread while it launches the step (README, "Pacing").
     On CUDA the last two batches handed out stay referenced and older ones are freed in the
@@ -269,7 +269,7 @@ class DevicePrefetcher:
         self.iterable = iterable
         self.device = resolve_device(device)
         self.depth = depth
-        self.pace = resolve_pace(pace)
+        self.pace = check_pace(pace)
         self.meter = ProducerMeter()  # the producer threads' CPU time, over every epoch
         self.max_pinned_bytes = max_pinned_bytes
         self.stream = None

@@ -1,6 +1,6 @@
 """A producer of CUDA tensors on a side stream, handed to the consumer ready to read (``ImageLoader`` drives DALI with it).
 
-How the consumer learns an item's GPU work is done is ``ready`` (``DATAPIPE_READY`` overrides):
+How the consumer learns an item's GPU work is done is ``ready`` (``ImageLoader(ready=...)``):
 
 - ``"event"`` (the default): the consumer's stream waits on an event recorded after the item's work
   (``cudaStreamWaitEvent`` in ``next()``, no host sync), and ``next()`` records the freeing fence;
@@ -16,7 +16,6 @@ README, "The handoff without CUDA calls in ``next()``", has what each measured.
 """
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,18 +25,17 @@ import torch
 from datapipe.device.handoff import CurrentStream, Producer, ProducerMeter, Retirer, wait_and_keep
 from datapipe.device.pacing import PACE
 
-__all__ = ["READY_MODES", "confirm_done", "on_side_stream", "resolve_ready"]
+__all__ = ["READY_MODES", "check_ready", "confirm_done", "on_side_stream"]
 
 READY_MODES = ("event", "host", "checked")
 
 
-def resolve_ready(ready: str) -> str:
-    """How a made item's GPU work is awaited: ``DATAPIPE_READY`` (one of :data:`READY_MODES`) overrides ``ready``."""
-    value = os.environ.get("DATAPIPE_READY", "").strip() or ready
-    if value not in READY_MODES:
-        raise ValueError(f"ready={value!r}: use 'event' (the consumer's stream waits), 'host' (the producer thread "
+def check_ready(ready: str) -> str:
+    """``ready`` checked: one of :data:`READY_MODES`."""
+    if ready not in READY_MODES:
+        raise ValueError(f"ready={ready!r}: use 'event' (the consumer's stream waits), 'host' (the producer thread "
                          "waits) or 'checked' (the producer checks queued items once)")
-    return value
+    return ready
 
 
 def confirm_done(queued: Iterable[list]) -> None:
@@ -67,7 +65,7 @@ def on_side_stream(produce: Iterable[tuple[tuple[torch.Tensor, ...], Any]], *, d
     not in the consumer's.
     """
     cuda = device.type == "cuda"
-    mode = resolve_ready(ready)
+    mode = check_ready(ready)
     side = (stream or torch.cuda.Stream(device)) if cuda else None
     consumer = CurrentStream(device) if cuda else None
     done = torch.cuda.Event(blocking=True) if cuda and mode == "host" else None  # reused: waited for before the next record

@@ -32,24 +32,14 @@ from datapipe.state import check_state
 from loaders.images.dali_reader import DaliReader
 from loaders.images.decoder_choice import DecoderChoice
 from loaders.images.encoded import parse_label
-from loaders.images.options import DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions, ReadOptions
+from loaders.images.options import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, PACE, READY, AugmentOptions, DecodeOptions,
+                                     ReadOptions)
 from loaders.images.outputs import HostUpload, dali_to_torch
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
 
 widen_hardware_queues()  # before CUDA starts: DALI's streams get queues of their own (datapipe.device.queues)
 
 KIND = "ImageLoader"
-# The producer starts its next batch 70% into the training step (while one is still queued), not
-# the DevicePrefetcher's 50%: DALI's work is then launched after the step's own kernels.
-# bench/results/ceiling_hw0_pace07.json and ceiling_retire_experiment.json: 0.975-0.978 of the
-# ceiling vs 0.963-0.969 at 0.5; TokenLoader measured better at 0.5 (0.999 vs 0.985).
-PACE = 0.7
-# How the training thread gets a finished batch (datapipe.device.side_stream; DATAPIPE_READY
-# overrides): "event", its stream waits on the batch's event. "host" (the producer thread waits and records
-# the retire fences; next() makes no CUDA call) led in three interleaved H200 runs (+0.0016 +- 0.0011) but
-# not over all six (bench/results/ceiling_hostready_pooled.json: +0.0006 +- 0.0018; 0.968 in two rows of
-# one run): not the default.
-READY = "event"
 
 
 def _option(group: str, name: str, doc: str = "") -> property:
@@ -111,7 +101,9 @@ class ImageLoader:
     0.980, 0.75 0.979 on average over 11 rows each), auto on ~8.5 cores against ~3; with the
     driver's 8 queues the CUDA decoder was ahead by ~0.5%. ``stats()["decoder"]`` says which
     decoder runs and when it switched; the two decoders' images differ in their low bits.
-    The producer starts each batch 70% into the training step while one is still queued (``PACE``).
+    ``pace`` (default 0.7; None turns it off): while a batch is still queued, the producer starts the
+    next only that far into the training step (README, "Pacing"). ``ready``: how the training thread
+    gets a finished batch, ``"event"`` (default), ``"host"`` or ``"checked"`` (:mod:`datapipe.device.side_stream`).
     Importing this module asks the CUDA driver for 32 hardware queues instead of 8 (unless
     ``CUDA_DEVICE_MAX_CONNECTIONS`` is set, or CUDA has already started): DALI's streams then
     seldom share a queue with the training stream (``datapipe.device.queues``).
@@ -151,6 +143,8 @@ class ImageLoader:
         stream_options: dict | None = None,
         decode_device: str | None = None,
         antialias: bool = True,
+        pace: float | None = PACE,
+        ready: str = READY,
     ):
         device = torch.device(device)
         if device.type not in ("cuda", "cpu"):
@@ -174,6 +168,7 @@ class ImageLoader:
             on_error=on_error, label_key=label_key, label_decoder=label_decoder,
             image_exts=tuple(e for e in image_key.split(";") if e), read_workers=int(read_workers),
             prefetch_queue_depth=int(prefetch_queue_depth), drop_last=train if drop_last is None else bool(drop_last),
+            pace=pace, ready=ready,
             index_dir=index_dir, stream_options=dict(stream_options or {}))
         self.label_decoder = label_decoder or parse_label
         self._decoder = DecoderChoice(self.decode.hw_decoder_load, cuda=self._dali_cuda, threads=num_threads,
@@ -236,6 +231,8 @@ class ImageLoader:
     read_workers = _option("read", "read_workers")
     prefetch_queue_depth = _option("read", "prefetch_queue_depth")
     drop_last = _option("read", "drop_last")
+    pace = _option("read", "pace")
+    ready = _option("read", "ready")
     index_dir = _option("read", "index_dir")
 
     # ---- configuration ------------------------------------------------------------------------
@@ -409,8 +406,8 @@ class ImageLoader:
         decoder.start()
         if self.device.type == "cuda" and self._side_stream is None:  # one for all epochs (see on_side_stream)
             self._side_stream = torch.cuda.Stream(self.device)
-        items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth, pace=PACE,
-                               stream=self._side_stream, meter=self._producer, ready=READY)
+        items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth, pace=self.read.pace,
+                               stream=self._side_stream, meter=self._producer, ready=self.read.ready)
         try:
             while True:
                 t0 = time.perf_counter()

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from datapipe.device.pacing import check_pace
+from datapipe.device.side_stream import check_ready
 from datapipe.errors import OnError, check_on_error
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -18,6 +20,16 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
 READERS = ("auto", "stream", "dali")
+# The producer starts its next batch 70% into the training step (while one is still queued), not
+# the DevicePrefetcher's 50%: DALI's work is then launched after the step's own kernels.
+# bench/results/ceiling_hw0_pace07.json and ceiling_retire_experiment.json: 0.975-0.978 of the
+# ceiling vs 0.963-0.969 at 0.5; TokenLoader measured better at 0.5 (0.999 vs 0.985).
+PACE = 0.7
+# How the training thread gets a finished batch (datapipe.device.side_stream): "event", its stream
+# waits on the batch's event. "host" (the producer thread waits and records the retire fences; next()
+# makes no CUDA call) led in three interleaved H200 runs (+0.0016 +- 0.0011) but not over all six
+# (bench/results/ceiling_hostready_pooled.json: +0.0006 +- 0.0018; 0.968 in two rows of one run).
+READY = "event"
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,8 @@ class ReadOptions:
     image_exts: tuple[str, ...] = ("jpg", "jpeg", "png")
     read_workers: int = 0
     prefetch_queue_depth: int = 2
+    pace: float | None = PACE  # how far into the training step the producer starts the next batch
+    ready: str = READY  # how the training thread gets a finished batch's GPU work
     drop_last: bool = True
     index_dir: str | None = None
     stream_options: dict = field(default_factory=dict)
@@ -103,3 +117,5 @@ class ReadOptions:
             raise ValueError(f"prefetch_queue_depth must be >= 1, got {self.prefetch_queue_depth}")
         if self.read_workers < 0:
             raise ValueError(f"read_workers must be >= 0, got {self.read_workers}")
+        check_pace(self.pace)
+        check_ready(self.ready)

@@ -1,7 +1,7 @@
 """bench/ceiling.py's row names: which variant a row runs and which settings its suffixes change."""
 import pytest
 
-from bench.ceiling import dali_pipeline_row, row_base, row_pace, row_ready, row_suffixes, variant_of
+from bench.ceiling import dali_pipeline_row, row_base, row_options, row_pace, row_ready, row_suffixes, variant_of
 
 
 def test_suffixes_combine_and_strip_to_the_variant():
@@ -24,6 +24,26 @@ def test_ready_suffixes_set_the_handoff_and_strip_to_the_variant():
     assert row_ready("imageloader3_checkedready") == "checked"
     assert row_ready("imageloader") is None
     assert variant_of("imageloader2_hostready", {"imageloader": None}) == "imageloader"
+    assert row_options("imageloader2_checkedready_unpaced") == {"pace": None, "ready": "checked"}
+    assert row_options("tokens_pace07") == {"pace": 0.7} and row_options("imageloader2") == {}
+
+
+def test_a_rows_suffixes_reach_its_loaders_options(monkeypatch):
+    import types
+
+    import loaders
+    from bench import ceiling
+
+    made = []
+    monkeypatch.setattr(loaders, "ImageLoader", lambda urls, **kw: made.append(kw))
+    args = types.SimpleNamespace(batch_size=2, image_size=16, device="cpu")
+    monkeypatch.setattr(ceiling, "ROW_OPTIONS", {"pace": None, "ready": "host"})  # as loaded() sets a row's
+    ceiling.image_loader(["a.tar"], args, hw_decoder_load=0.0)
+    assert made[-1] == dict(batch_size=2, image_size=16, device="cpu", pace=None, ready="host", hw_decoder_load=0.0)
+    assert ceiling.row_option("pace") == {"pace": None}
+    monkeypatch.setattr(ceiling, "ROW_OPTIONS", {})  # a row without such suffixes: the library's defaults
+    ceiling.image_loader(["a.tar"], args)
+    assert made[-1] == dict(batch_size=2, image_size=16, device="cpu") and ceiling.row_option("pace") == {}
 
 
 def _built(name: str):

@@ -501,6 +501,14 @@ def test_bad_arguments():
         DataLoader(Squares(), prefetch_depth=0)
     with pytest.raises(ValueError, match="shuffle"):  # torch's own validation
         DataLoader(Squares(), sampler=Fixed([0]), shuffle=True)
+    with pytest.raises(ValueError, match="pace="):
+        DataLoader(Squares(), pace=1.0)
+
+
+def test_pace_reaches_the_prefetch_thread():
+    default, off = DataLoader(Squares(), device="cpu"), DataLoader(Squares(), device="cpu", pace=None)
+    assert _run(off) == _run(default)
+    assert (default.pace, default._prefetcher.pace) == (0.5, 0.5) and (off.pace, off._prefetcher.pace) == (None, None)
 
 
 def _fake_pinning(monkeypatch):

@@ -59,6 +59,25 @@ def test_every_token_exactly_once_in_packed_rows(tmp_path):
                 assert torch.equal(toks - toks[0], torch.arange(len(toks), dtype=toks.dtype))
 
 
+def test_pace_reaches_the_prefetcher_and_is_checked(tmp_path, monkeypatch):
+    import loaders.tokens as module
+
+    paces = []
+    real = module.DevicePrefetcher
+
+    def spy(*args, **kw):
+        paces.append(kw["pace"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, "DevicePrefetcher", spy)
+    urls = write_token_shards(tmp_path, lengths(30))
+    unpaced = list(TokenLoader(urls, seq_len=128, batch_size=4, pace=None))
+    paced = list(TokenLoader(urls, seq_len=128, batch_size=4))
+    assert paces == [None, 0.5] and len(unpaced) == len(paced)
+    with pytest.raises(ValueError, match="pace="):
+        TokenLoader(urls, seq_len=128, batch_size=4, pace=2)
+
+
 def test_positions_restart_and_labels_mask_boundaries(tmp_path):
     urls = write_token_shards(tmp_path, [5, 7, 3])
     (batch,) = list(TokenLoader(urls, seq_len=16, batch_size=2, shuffle=False))

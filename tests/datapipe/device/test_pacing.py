@@ -78,18 +78,11 @@ def test_hold_says_when_a_consumers_wait_skipped_it():
     assert pacer.hold(1, stop) is False
 
 
-def test_pace_setting_and_environment_override(monkeypatch):
-    from datapipe.device.pacing import resolve_pace
+def test_pace_is_checked_and_the_environment_does_not_change_it(monkeypatch):
+    from datapipe.device.pacing import check_pace
 
-    monkeypatch.delenv("DATAPIPE_PACE", raising=False)
-    assert resolve_pace(0.5) == 0.5 and resolve_pace(None) is None and resolve_pace(0) is None
-    monkeypatch.setenv("DATAPIPE_PACE", "0")
-    assert resolve_pace(0.5) is None  # the environment turns it off
-    monkeypatch.setenv("DATAPIPE_PACE", "0.7")
-    assert resolve_pace(None) == 0.7
-    monkeypatch.setenv("DATAPIPE_PACE", "fast")
-    with pytest.raises(ValueError, match="DATAPIPE_PACE"):
-        resolve_pace(0.5)
-    monkeypatch.delenv("DATAPIPE_PACE")
-    with pytest.raises(ValueError, match="pace"):
-        resolve_pace(1.5)
+    monkeypatch.setenv("DATAPIPE_PACE", "0")  # the variable of earlier versions: no effect now
+    assert check_pace(0.5) == 0.5 and check_pace(None) is None and check_pace(0) is None
+    for bad in (1.5, -0.1, 1, "0.5", True):
+        with pytest.raises(ValueError, match="pace="):
+            check_pace(bad)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from datapipe.device.side_stream import confirm_done, on_side_stream, resolve_ready
+from datapipe.device.side_stream import check_ready, confirm_done, on_side_stream
 
 
 def test_on_side_stream_on_cpu_passes_items_through():
@@ -55,14 +55,12 @@ def test_batches_stay_intact_while_the_consumer_still_reads_them_with_fences_fro
     assert [round(s.item() / n) for s in sums] == list(range(1, 13))
 
 
-def test_ready_is_checked_and_the_environment_overrides_it(monkeypatch):
-    assert resolve_ready("event") == "event" and resolve_ready("checked") == "checked"
-    monkeypatch.setenv("DATAPIPE_READY", "host")
-    assert resolve_ready("event") == "host"
-    monkeypatch.setenv("DATAPIPE_READY", "later")
-    with pytest.raises(ValueError, match="DATAPIPE_READY|ready="):
-        resolve_ready("event")
-    monkeypatch.delenv("DATAPIPE_READY")
+def test_ready_is_checked_and_the_environment_does_not_change_it(monkeypatch):
+    assert check_ready("event") == "event" and check_ready("checked") == "checked"
+    monkeypatch.setenv("DATAPIPE_READY", "host")  # the variable of earlier versions: no effect now
+    assert check_ready("event") == "event"
+    with pytest.raises(ValueError, match="ready='later'"):
+        check_ready("later")
     with pytest.raises(ValueError, match="'event'"):
         list(on_side_stream(iter([]), device=torch.device("cpu"), depth=1, ready="soon"))
 

@@ -234,6 +234,28 @@ def test_bad_arguments(shards):
         loader(["s3://bucket/shard-000000.tar"], reader="dali")
 
 
+def test_pace_and_ready_reach_the_handoff_and_are_checked(shards, monkeypatch):
+    import loaders.images.loader as module
+
+    seen = []
+    real = module.on_side_stream
+
+    def spy(produce, **kw):
+        seen.append((kw["pace"], kw["ready"]))
+        return real(produce, **kw)
+
+    monkeypatch.setattr(module, "on_side_stream", spy)
+    monkeypatch.setenv("DATAPIPE_READY", "host")  # the variable of earlier versions: no effect now
+    default = loader(shards)
+    assert (default.pace, default.ready) == (0.7, "event")
+    tuned = loader(shards, pace=None, ready="checked")
+    assert collect(tuned)[1].numel() == collect(default)[1].numel() == N
+    assert seen == [(None, "checked"), (0.7, "event")]  # tuned's pass ran first
+    for bad in (dict(pace=1.0), dict(pace="fast"), dict(ready="soon")):
+        with pytest.raises(ValueError, match="pace=|ready="):
+            loader(shards, **bad)
+
+
 @pytest.mark.gpu
 def test_gpu_pipeline_agrees_with_cpu(shards):
     cpu_x, cpu_y = collect(loader(shards))
