@@ -269,6 +269,14 @@ def test_gpu_pipeline_agrees_with_cpu(shards):
     assert tx.dtype == torch.bfloat16 and tx.shape == (N // 8 * 8, 3, S, S) and tx.is_cuda
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ready", ["host", "checked"])
+def test_gpu_batches_are_the_same_however_their_readiness_is_learned(shards, ready):
+    event_x, event_y = collect(loader(shards, device="cuda", hw_decoder_load=0.0))
+    x, y = collect(loader(shards, device="cuda", hw_decoder_load=0.0, ready=ready))
+    assert torch.equal(y, event_y) and torch.equal(x, event_x)  # the same decoder, complete batches
+
+
 def test_reader_workers_cover_every_sample_once_per_epoch(shards):
     dl = loader(shards, train=True, read_workers=2, drop_last=False, **by_key())
     _, e0 = collect(dl)
