@@ -5,6 +5,7 @@ thread while it launches its step; :class:`Pacer` holds it back (README, "Pacing
 """
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections import deque
@@ -67,7 +68,7 @@ PACE = 0.5  # default of the producers that feed a training loop (DevicePrefetch
 
 def check_pace(pace: float | None) -> float | None:
     """``pace`` checked (a fraction in [0, 1) of the consumer's step): the fraction, or None when off (None or 0)."""
-    if pace is not None and (isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace < 1):
+    if pace is not None and (isinstance(pace, bool) or not isinstance(pace, numbers.Real) or not 0 <= pace < 1):
         raise ValueError(f"pace={pace!r}: use a fraction in [0, 1) of the consumer's step, or None (0 and None turn "
                          "pacing off)")
-    return pace or None
+    return None if pace is None else float(pace) or None

@@ -1,4 +1,5 @@
 """datapipe.device.pacing: when a paced producer makes its next item."""
+import numpy as np
 import pytest
 
 from datapipe.device.pacing import Pacer
@@ -83,6 +84,7 @@ def test_pace_is_checked_and_the_environment_does_not_change_it(monkeypatch):
 
     monkeypatch.setenv("DATAPIPE_PACE", "0")  # the variable of earlier versions: no effect now
     assert check_pace(0.5) == 0.5 and check_pace(None) is None and check_pace(0) is None
+    assert type(check_pace(np.float32(0.25))) is float  # any real number in range
     for bad in (1.5, -0.1, 1, "0.5", True):
         with pytest.raises(ValueError, match="pace="):
             check_pace(bad)
