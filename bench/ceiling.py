@@ -85,7 +85,7 @@ DEFAULT_ONLY = ("imageloader,il_cpu,dali_hand,il_cpu_u8,imageloader2,il_cpu2,dal
 # the variants measured once (bench/results/ceiling_variants.json): il_hw1,il_hw09,il_depth1,il_prio,il_stream;
 # bench/results/ceiling_host_experiments.json: DALI outputs in host order, a DALI checkpoint every 8 batches,
 # outputs copied out of DALI (no DLPack export), DALI_USE_VMM=0 / DALI_USE_CUDA_MALLOC_ASYNC=1, a 0.5 ms GIL
-# switch interval, pacing at 0.1-0.3: none helped (README, "Where the rest goes")
+# switch interval, pacing at 0.1-0.3: none helped (bench/HISTORY.md, "Where the rest goes")
 
 
 # ---- the steps ------------------------------------------------------------------------------------
@@ -421,7 +421,7 @@ def dali_pipeline_row(name: str):
     ImageLoader copies its outputs out); ``_syncexec``: neither asynchronous nor pipelined, so each batch is
     made inside the producer's ``pipe.run()``, when the (paced) producer asks, not whenever DALI's own
     prefetch frees a slot; ``_nommap``: ``readers.webdataset(dont_use_mmap=True)``, shards read with plain file
-    I/O, not memory-mapped (README, "ImageLoader's shards read without memory mapping"). Other rows: DALI's
+    I/O, not memory-mapped (bench/HISTORY.md, "ImageLoader's shards read without memory mapping"). Other rows: DALI's
     defaults."""
     suffixes = row_suffixes(name)
     if not {"_single", "_legacy", "_syncexec", "_nommap"} & set(suffixes):

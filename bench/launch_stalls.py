@@ -1,7 +1,7 @@
 """Which host activity stalls a training thread's kernel launches: launch-call times beside each one.
 
 ImageLoader's remaining loss against the data-free ceiling is mostly GPU idle while the training
-threads' launch calls are blocked (README, "Where the rest goes"), and a few rare 2.7-4.7 ms stalls
+threads' launch calls are blocked (bench/HISTORY.md, "Where the rest goes"), and a few rare 2.7-4.7 ms stalls
 (a DALI thread's copy call and a training launch blocked together) weigh most. Throughput ratios
 move by +-0.3% from row to row; counting blocked launch calls is a far finer test. Each activity
 runs in a fresh process: its main thread launches a tiny kernel in a loop (synchronising every 64

@@ -125,7 +125,7 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                              "nvJPEG's CUDA decoder with the Huffman stage on the CPU instead of the hardware "
                              "decoder while it keeps up, the hardware decoder once the loop waits (ResNet-50 on an "
                              "H200: 0.978-0.981 of the ceiling vs 0.974 with the driver's 8 hardware queues; with "
-                             "32, level: 0.979 over 13 rows vs 0.978 over 30; README, \"Where the rest goes\")",
+                             "32, level: 0.979 over 13 rows vs 0.978 over 30; bench/HISTORY.md, \"Where the rest goes\")",
             ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
     kind = (m.get("loader") or {}).get("type") or ""
     if (cuda and wait > WAIT_HIGH and isinstance(workers, int) and workers > 0 and batch.get("host_tensors")
