@@ -168,7 +168,7 @@ class ImageLoader:
             on_error=on_error, label_key=label_key, label_decoder=label_decoder,
             image_exts=tuple(e for e in image_key.split(";") if e), read_workers=int(read_workers),
             prefetch_queue_depth=int(prefetch_queue_depth), drop_last=train if drop_last is None else bool(drop_last),
-            pace=pace or None, ready=ready,
+            pace=pace, ready=ready,
             index_dir=index_dir, stream_options=dict(stream_options or {}))
         self.label_decoder = label_decoder or parse_label
         self._decoder = DecoderChoice(self.decode.hw_decoder_load, cuda=self._dali_cuda, threads=num_threads,

@@ -117,5 +117,5 @@ class ReadOptions:
             raise ValueError(f"prefetch_queue_depth must be >= 1, got {self.prefetch_queue_depth}")
         if self.read_workers < 0:
             raise ValueError(f"read_workers must be >= 0, got {self.read_workers}")
-        check_pace(self.pace)
+        object.__setattr__(self, "pace", check_pace(self.pace))  # 0 reads back as None (off), as elsewhere
         check_ready(self.ready)
