@@ -1,6 +1,6 @@
 """Shared bits of the benchmark scripts: the environment record, tables, writing results, batch feeds.
 
-The environment record and the table format are the library's own (``tools.bench.cli``), so the
+The environment record and the table format are the library's own (``datapipe.tools.bench.cli``), so the
 scripts here and ``datapipe bench`` write results alike.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import contextlib
 import json
 import os
 
-from tools.bench.cli import environment, table  # noqa: F401  (re-exported for the scripts)
+from datapipe.tools.bench.cli import environment, table  # noqa: F401  (re-exported for the scripts)
 
 
 def write_result(name: str, result: dict, directory: str | None = None) -> str:

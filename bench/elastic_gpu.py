@@ -154,7 +154,7 @@ def driver(args) -> dict:
     import torch
 
     from bench.common import write_result
-    from tools.synthetic import make_image_dataset
+    from datapipe.tools.synthetic import make_image_dataset
 
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "elastic_gpu.log"), "a")

@@ -33,7 +33,7 @@ for part in "$@"; do
     step gpu tests
     timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/datapipe/device tests/loaders/test_dataloader.py \
       tests/loaders/test_dataloader_compat.py tests/loaders/images/test_loader.py tests/loaders/images/test_outputs.py tests/loaders/test_tokens.py \
-      tests/tools/bench/test_cli.py tests/tools/doctor/test_report.py tests/bench/test_wait_mode.py tests/bench/test_prefetch.py 2>&1 \
+      tests/datapipe/tools/bench/test_cli.py tests/datapipe/tools/doctor/test_report.py tests/bench/test_wait_mode.py tests/bench/test_prefetch.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -25 | tee -a "$log" ;;
   images)
     step images benchmark

@@ -36,7 +36,7 @@ STD = (0.229, 0.224, 0.225)
 # ---- data ---------------------------------------------------------------------------------------
 def ensure_dataset(directory: str, num_images: int, *, workers: int, per_shard: int) -> tuple[list[str], dict]:
     from datapipe.tar.dali_index import default_index_path
-    from tools.synthetic import make_image_dataset
+    from datapipe.tools.synthetic import make_image_dataset
 
     manifest = os.path.join(directory, "manifest.json")
     if os.path.exists(manifest):

@@ -1,7 +1,7 @@
 """Preprocessing throughput: ``datapipe shard`` against the plain loop it replaces, in the same run.
 
 The input is an ImageNet-like image folder (real JPEG photographs from
-:func:`tools.synthetic.iter_image_samples`, class sub-folders). The baseline is what people
+:func:`datapipe.tools.synthetic.iter_image_samples`, class sub-folders). The baseline is what people
 write by hand: one process walks the folder and writes samples with ``webdataset.ShardWriter``.
 Two modes: ``copy`` (bytes as they are; datapipe checks every image, ``--check-images open`` by
 default and ``decode``, at 1 and N workers, plus both sides end to end in a fresh interpreter) and
@@ -30,7 +30,7 @@ from bench.common import table, write_result  # noqa: E402
 
 def make_folder(root: str, n: int, classes: int) -> int:
     """Write ``n`` JPEGs into ``root/<class>/``; returns the total bytes (reuses a complete folder)."""
-    from tools.synthetic import iter_image_samples
+    from datapipe.tools.synthetic import iter_image_samples
 
     marker = os.path.join(root, f".complete-{n}-{classes}")
     if not os.path.exists(marker):
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     import webdataset  # noqa: F401  (imported before timing: both sides start warm)
     from PIL import Image  # noqa: F401
 
-    from jobs.shard.job import shard
+    from datapipe.jobs.shard.job import shard
 
     tmp = tempfile.mkdtemp(prefix="bench-preprocess-")
     root = args.data_dir or os.path.join(tmp, "images")

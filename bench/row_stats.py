@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump({"files": args.files, "key": args.key, "pooled": pooled}, f, indent=1)
     if args.plot:
-        from tools.plots import plot_rows
+        from datapipe.tools.plots import plot_rows
 
         print(f"wrote {plot_rows(values, pooled, args.plot, target=args.target, xlabel=args.key)}")
     return pooled

@@ -40,7 +40,7 @@ def cpu_seconds() -> float:
 
 def ensure_images(directory: str, n: int, rank: int) -> list[str]:
     from datapipe.tar.manifest import read_manifest
-    from tools.synthetic import make_image_dataset
+    from datapipe.tools.synthetic import make_image_dataset
 
     if rank == 0 and (read_manifest(directory) or {}).get("num_samples") != n:
         make_image_dataset(directory, num_images=n, num_classes=1000, shard_max_count=256,

@@ -2,7 +2,7 @@
 
 The script writes ImageNet-like shards (random payloads of ~110 KB per sample), serves them from
 an HTTP server (tests/servers.py) and from moto's S3 server, both on 127.0.0.1 in this process, and
-runs ``tools.bench.storage.run_storage`` on each: a sequential read, ShardStream parsing and a
+runs ``datapipe.tools.bench.storage.run_storage`` on each: a sequential read, ShardStream parsing and a
 concurrency x block-size sweep of ranged reads. Local files are read cold (page cache dropped with
 posix_fadvise and verified) where possible. The servers share this machine's cores with the
 client, so remote figures are a client + server CPU cost on loopback, not a network measurement.
@@ -41,9 +41,9 @@ def main(argv=None):
     if args.quick:
         args.mb, args.seconds, args.concurrency, args.block_size = 16, 0.5, "1,4", "1M,4M"
 
-    from tools import plots
+    from datapipe.tools import plots
     from datapipe.units import format_size, parse_size
-    from tools.bench.storage import parse_list, run_storage
+    from datapipe.tools.bench.storage import parse_list, run_storage
     from tests.servers import http_server, s3_server
 
     concurrency = parse_list(args.concurrency)

@@ -191,7 +191,7 @@ def main(argv=None) -> dict:
     print(table(rows, ["spin_ms", "variant", "batches_per_s", "vs_torch", "rounds"]))
     print(f"wrote {path}")
     if args.plot:
-        from tools.plots import plot_worker_shm
+        from datapipe.tools.plots import plot_worker_shm
 
         print(f"wrote {plot_worker_shm(result, os.path.splitext(path)[0] + '.png')}")
     return result

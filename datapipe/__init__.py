@@ -1,8 +1,8 @@
 """datapipe: keeps GPUs fed.
 
 Sharded WebDataset streaming from any fsspec storage, shard writing, pinned-memory device
-prefetch: the engine. The preprocessing jobs live in ``jobs``, the benchmarks, doctor and other
-tools in ``tools``. Public names are imported lazily so that
+prefetch: the engine. The preprocessing jobs live in ``datapipe.jobs``, the benchmarks, doctor and
+other tools in ``datapipe.tools``. Public names are imported lazily so that
 ``import datapipe`` stays cheap and never pulls in DALI, Ray or s3fs.
 """
 from importlib import import_module

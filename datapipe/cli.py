@@ -12,12 +12,12 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "shard": ("jobs.shard.cli", "convert image folders, JSONL/Parquet text or tars into WebDataset shards"),
+    "shard": ("datapipe.jobs.shard.cli", "convert image folders, JSONL/Parquet text or tars into WebDataset shards"),
     "index": ("datapipe.tar.dali_index", "write DALI index files (wds2idx format) for shards"),
-    "inspect": ("tools.inspect", "summarise shards or a shard directory; exit 1 on corrupt shards"),
-    "bench": ("tools.bench.loader_cli", "measure storage and loader throughput"),
-    "doctor": ("tools.doctor.cli", "run a training script and report where its step time goes"),
-    "demo": ("tools.demo", "make a small real dataset and stream it through the loaders"),
+    "inspect": ("datapipe.tools.inspect", "summarise shards or a shard directory; exit 1 on corrupt shards"),
+    "bench": ("datapipe.tools.bench.loader_cli", "measure storage and loader throughput"),
+    "doctor": ("datapipe.tools.doctor.cli", "run a training script and report where its step time goes"),
+    "demo": ("datapipe.tools.demo", "make a small real dataset and stream it through the loaders"),
 }
 
 

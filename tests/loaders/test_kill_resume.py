@@ -52,7 +52,7 @@ def make_data(case: str, root: str) -> dict:
 
         return {"urls": write_token_shards(root, lengths(40, seed=3, high=60), per_shard=10)}
     pytest.importorskip("nvidia.dali")
-    from tools.synthetic import make_image_dataset
+    from datapipe.tools.synthetic import make_image_dataset
 
     info = make_image_dataset(root, num_images=36, num_classes=5, seed=2, shard_max_count=10, size=(48, 40),
                               progress=False)

@@ -11,7 +11,7 @@ from PIL import Image
 pytest.importorskip("nvidia.dali")
 
 from datapipe.errors import DataError  # noqa: E402
-from tools.synthetic import iter_image_samples, make_image_dataset  # noqa: E402
+from datapipe.tools.synthetic import iter_image_samples, make_image_dataset  # noqa: E402
 from loaders.images.loader import IMAGENET_MEAN, IMAGENET_STD, ImageLoader  # noqa: E402
 
 S = 32  # output size: small keeps the CPU pipeline fast

@@ -43,7 +43,7 @@ def test_the_legacy_executor_gives_the_default_executors_batches(tmp_path, monke
     pytest.importorskip("nvidia.dali")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from tools.synthetic import make_image_dataset
+    from datapipe.tools.synthetic import make_image_dataset
 
     urls = make_image_dataset(str(tmp_path), num_images=40, num_classes=10, seed=5, shard_max_count=12,
                               size=(96, 72), progress=False)["shards"]

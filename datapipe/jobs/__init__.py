@@ -1,0 +1,1 @@
+"""Preprocessing jobs: ``datapipe shard`` (WebDataset shards from folders, text and tars) and tokenisation."""

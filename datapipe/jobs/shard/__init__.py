@@ -1,0 +1,1 @@
+"""datapipe.jobs.shard."""

@@ -1,0 +1,79 @@
+"""``datapipe shard SRC OUT``: the command line of the shard job (:mod:`datapipe.jobs.shard.job`).
+
+``configure_parser`` declares the options, ``run_command`` runs the job and turns its outcome into
+one line and an exit status: 0 done, 2 a usage mistake, 1 a failure (no traceback unless ``-v``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from datapipe.errors import DataError
+from datapipe.units import parse_size
+from datapipe.jobs.shard.job import shard
+from datapipe.jobs.shard.options import CHECKS, ENGINES, UsageError
+from datapipe.jobs.shard.sources import KINDS
+
+
+def _size(text: str) -> int:
+    """A byte count for argparse: ``datapipe.units.parse_size`` with argparse's error type."""
+    try:
+        return parse_size(text, minimum=0)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="image folder (class sub-folders), .csv/.jsonl list of path,label, "
+                                    "JSONL/Parquet text (file or folder), or tar shards (file, folder or brace spec)")
+    parser.add_argument("out", help="output folder (local path or fsspec URL)")
+    parser.add_argument("--input-kind", default="auto", choices=KINDS, help="what SRC is (default: guess)")
+    parser.add_argument("--max-bytes", type=_size, default=1 << 30, help="shard size limit (default 1G)")
+    parser.add_argument("--max-count", type=int, default=100_000, help="samples per shard limit (default 100000)")
+    parser.add_argument("--pattern", default="shard-%06d.tar", help="shard file names (default shard-%%06d.tar)")
+    parser.add_argument("--shuffle", action="store_true", help="shuffle samples (seeded, deterministic)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    parser.add_argument("--resize", type=int, metavar="SHORT_SIDE", help="shrink images to this shorter side")
+    parser.add_argument("--quality", type=int, metavar="Q", help="re-encode images as JPEG of this quality")
+    parser.add_argument("--check-images", nargs="?", const="decode", default="open", choices=CHECKS,
+                        help="how images are checked before they are copied: 'open' (default: PIL opens the file "
+                             "and reads its size, no pixel decode), 'decode' (full decode; also the meaning of a "
+                             "bare --check-images), 'none' (unsafe: damaged files reach the shards)")
+    parser.add_argument("--text-field", help="text field of JSONL/Parquet records (default 'text')")
+    parser.add_argument("--key-field", help="record field to use as sample key (default: file and offset)")
+    parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json: also store token ids as .npy int32")
+    parser.add_argument("--index", action="store_true", help="write DALI index files (.idx) beside the shards")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
+    parser.add_argument("--engine", default="local", choices=ENGINES, help="local process pool or Ray Data")
+    parser.add_argument("--partition-size", type=int, help="items per partition (default: about 2 shards)")
+    parser.add_argument("--partition-bytes", type=_size, default=32 << 20, help="JSONL bytes per partition")
+    parser.add_argument("--strict", action="store_true", help="fail on the first unreadable input item")
+    parser.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        report = shard(args.src, args.out, kind=args.input_kind, max_bytes=args.max_bytes, max_count=args.max_count,
+                       pattern=args.pattern, shuffle=args.shuffle, seed=args.seed, resize=args.resize,
+                       quality=args.quality, check_images=args.check_images, text_field=args.text_field,
+                       key_field=args.key_field, tokenizer=args.tokenizer, index=args.index, workers=args.workers,
+                       engine=args.engine, strict=args.strict, overwrite=args.overwrite,
+                       partition_size=args.partition_size, partition_bytes=args.partition_bytes,
+                       progress=not args.no_progress)
+    except UsageError as e:
+        print(f"datapipe shard: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, DataError, OSError) as e:
+        print(f"datapipe shard: failed: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # one line, no traceback (``datapipe -v`` shows it)
+        if getattr(args, "verbose", False):
+            raise
+        print(f"datapipe shard: failed: {type(e).__name__}: {e} (run `datapipe -v shard ...` for the traceback)",
+              file=sys.stderr)
+        return 1
+    print(f"{report['out']}: {report['samples']} samples in {report['shards']} shards, "
+          f"{report['bytes'] / 1e6:.1f} MB, {report['num_skipped']} skipped "
+          f"({report['samples_per_s']} samples/s, {report['mb_per_s']} MB/s)")
+    return 0

@@ -1,0 +1,123 @@
+"""The commit of ``datapipe shard``: part shards become the final, densely numbered shards.
+
+The small last shards of partitions (under half the limits) are merged, in order, into full shards;
+the plan of renames is written to ``commit.json`` before any rename, so a commit interrupted half
+way is replayed exactly; then ``manifest.json`` and ``classes.json`` are written. Also: finding and
+removing the outputs of an earlier job in ``OUT``.
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+from typing import Any
+
+from datapipe.storage.files import filesystem
+from datapipe.tar.manifest import make_manifest, write_manifest
+from datapipe.jobs.shard.journal import JOB_DIR, join_url, read_json, write_json
+
+
+def _final_glob(pattern: str) -> str:
+    return re.sub(r"%0?\d*d", "*", pattern)
+
+
+def existing_outputs(out: str, pattern: str, opts: dict) -> list[str]:
+    """The final shards and manifest an earlier job left in ``out``."""
+    fs, path = filesystem(out, opts)
+    if not fs.exists(path):
+        return []
+    found = fs.glob(posixpath.join(path, _final_glob(pattern)))
+    if fs.exists(posixpath.join(path, "manifest.json")):
+        found.append(posixpath.join(path, "manifest.json"))
+    return sorted(found)
+
+
+def remove_outputs(out: str, pattern: str, opts: dict) -> None:
+    """Delete an earlier job's outputs from ``out``: shards, indexes, manifest, reports, job directory."""
+    fs, path = filesystem(out, opts)
+    for p in existing_outputs(out, pattern, opts):
+        fs.rm(p)
+        idx = _idx(p) if p.endswith(".tar") else None
+        if idx and fs.exists(idx):
+            fs.rm(idx)
+    for name in ("report.json", "classes.json"):
+        if fs.exists(posixpath.join(path, name)):
+            fs.rm(posixpath.join(path, name))
+    if fs.exists(posixpath.join(path, JOB_DIR)):
+        fs.rm(posixpath.join(path, JOB_DIR), recursive=True)
+
+
+def _move(fs, src: str, dst: str) -> None:
+    if fs.exists(src):
+        fs.mv(src, dst)
+
+
+def _idx(path: str) -> str:
+    return path[: -len(".tar")] + ".idx" if path.endswith(".tar") else path + ".idx"
+
+
+def _merge_tails(job: dict, tails: list[dict]) -> list[dict]:
+    """Concatenate small part shards, in order, into full shards under ``merged/``; returns their entries."""
+    from datapipe.storage.files import open_shard
+    from datapipe.tar.blocks import reader_for
+    from datapipe.tar.reader import iter_samples
+    from datapipe.tar.writer import ShardWriter
+
+    opts = job["storage_options"]
+    done = read_json(join_url(job["job_dir"], "merged.json"), opts)
+    if done is not None:
+        return done
+    fs, mpath = filesystem(join_url(job["job_dir"], "merged"), opts)
+    if fs.exists(mpath):
+        fs.rm(mpath, recursive=True)
+    with ShardWriter(join_url(job["job_dir"], "merged", "merged-%06d.tar"), max_bytes=job["max_bytes"],
+                     max_count=job["max_count"], index=job["index"], manifest=False, storage_options=opts) as w:
+        for entry in tails:
+            url = join_url(job["job_dir"], "parts", entry["name"])
+            f, seekable = open_shard(url, storage_options=opts)
+            try:
+                for event in iter_samples(reader_for(f, seekable=seekable), url):
+                    w.write({k: bytes(v) if isinstance(v, memoryview) else v
+                             for k, v in event.sample.items() if k != "__url__"})
+            finally:
+                f.close()
+    merged = [dict(s, dir="merged") for s in w.shards]
+    write_json(join_url(job["job_dir"], "merged.json"), merged, opts)
+    return merged
+
+
+def commit(job: dict, markers: list[dict], *, skipped: int = 0, ignored: int = 0) -> dict:
+    """Merge small tails, rename parts to dense final names, write the manifest; idempotent.
+
+    ``skipped``: input items left out as unreadable; ``ignored``: input files the source kind does not
+    read (the manifest records the counts; report.json lists them).
+    """
+    opts = job["storage_options"]
+    fs, out_path = filesystem(job["out"], opts)
+    plan = read_json(join_url(job["job_dir"], "commit.json"), opts)
+    if plan is None:
+        keep, tails = [], []
+        for m in markers:
+            for i, s in enumerate(m["shards"]):
+                small = s["count"] < job["max_count"] / 2 and s["bytes"] < job["max_bytes"] / 2
+                (tails if i == len(m["shards"]) - 1 and small else keep).append((m["partition"], i, dict(s, dir="parts")))
+        if len(tails) >= 2:
+            ordered = [s for _, _, s in keep] + _merge_tails(job, [s for _, _, s in tails])
+        else:
+            ordered = [s for _, _, s in sorted(keep + tails, key=lambda t: t[:2])]
+        plan = [dict(s, src=join_url(s.pop("dir"), s["name"]), name=job["pattern"] % i) for i, s in enumerate(ordered)]
+        write_json(join_url(job["job_dir"], "commit.json"), plan, opts)
+    jpath = filesystem(job["job_dir"], opts)[1]
+    for entry in plan:
+        src, dst = posixpath.join(jpath, entry["src"]), posixpath.join(out_path, entry["name"])
+        _move(fs, src, dst)
+        if job["index"]:
+            _move(fs, _idx(src), _idx(dst))
+    shards = [{k: e[k] for k in ("name", "count", "bytes", "sha256")} for e in plan]
+    extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}, "num_skipped": skipped,
+                             "num_ignored": ignored, "check_images": job["check_images"]}
+    if job["classes"]:
+        extra["classes"] = job["classes"]
+        write_json(join_url(job["out"], "classes.json"), job["classes"], opts)
+    manifest = make_manifest(shards, **extra)
+    write_manifest(job["out"], manifest, storage_options=opts)
+    return manifest

@@ -1,0 +1,1 @@
+"""Tools on top of the engine and loaders: bench, doctor, inspect, demo, synthetic data, plots."""

@@ -1,0 +1,562 @@
+"""``datapipe bench loader``: one dataset through several input pipelines side by side, plus a per-stage breakdown.
+
+Image shards (``jpg``/``png`` + ``cls``): ``torch`` (torch DataLoader over webdataset with PIL decode
+and a numpy resize / center-crop / normalise), ``webdataset`` (``webdataset.WebLoader``), ``dali``
+(DALI's own ``fn.readers.webdataset`` graph; CPU operators without a GPU), ``datapipe-images``
+(``loaders.ImageLoader``) and ``datapipe-loader`` (``loaders.DataLoader`` over ShardStream with the
+same PIL transform). Token shards (``npy``): ``datapipe-tokens`` (``loaders.TokenLoader``, packed)
+and ``naive-pad`` (documents batched in order, padded to the batch's longest).
+
+Per pipeline: samples/s, MB/s (encoded bytes), CPU cores used (process + children CPU time / wall,
+from ``resource.getrusage``), time waiting in ``next()``, GPU busy time of the consume step on
+CUDA (CUDA events; "n/a" on CPU). Stages are timed separately (fetch -> parse -> decode ->
+host-to-device -> consume) so that the slowest one is named. This module imports ``loaders``
+lazily: it is the benchmark of the whole stack.
+
+No ``ceiling_ratio`` here: the consume step is a stand-in (a copy and a reduction), not a training
+step, so "rate with the loader / rate with a cached batch" would only restate the loader's own
+throughput. The figures that make sense without a model are the rate, the wait fraction and the
+GPU busy time; the result's ``ceiling`` entry says so and names where the ratio is measured:
+``datapipe doctor --ceiling-steps N -- train.py`` (your own step) and ``bench/ceiling.py``.
+"""
+from __future__ import annotations
+
+import io
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from datapipe.device.autotune import usable_cores
+from datapipe.tools.bench.storage import Store, measure_reads, measure_stream, resolve
+
+IMAGE_PIPELINES = ("torch", "webdataset", "dali", "datapipe-images", "datapipe-loader")
+TOKEN_PIPELINES = ("datapipe-tokens", "naive-pad")
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+IMAGE_EXTS = ("jpg", "jpeg", "png")
+
+
+# ---- the CPU transform of the baselines (no torchvision needed) ----------------------------------
+class PilTransform:
+    """PIL image -> resize the shorter side to ``size`` -> center crop -> normalise -> float32 CHW tensor."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, img):
+        from PIL import Image
+
+        img = img.convert("RGB")
+        w, h = img.size
+        scale = self.size / min(w, h)
+        nw, nh = max(self.size, round(w * scale)), max(self.size, round(h * scale))
+        img = img.resize((nw, nh), Image.Resampling.BILINEAR)
+        left, top = (nw - self.size) // 2, (nh - self.size) // 2
+        img = img.crop((left, top, left + self.size, top + self.size))
+        a = (np.asarray(img, dtype=np.float32) / 255.0 - MEAN) / STD
+        return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1)))
+
+
+def decode_image(data, transform: PilTransform):
+    from PIL import Image
+
+    return transform(Image.open(io.BytesIO(bytes(data))))
+
+
+class DecodedStream(torch.utils.data.IterableDataset):
+    """ShardStream samples -> ``(image tensor, label)`` with :class:`PilTransform` (for loaders.DataLoader)."""
+
+    def __init__(self, stream, size: int):
+        self.stream = stream
+        self.transform = PilTransform(size)
+
+    def __iter__(self):
+        for sample in self.stream:
+            data = next(sample[e] for e in IMAGE_EXTS if e in sample)
+            yield decode_image(data, self.transform), int(bytes(sample["cls"]))
+
+
+# ---- pipelines: factories returning an iterable of batches ---------------------------------------
+def _wds(urls, cfg, batched: bool):
+    import webdataset as wds
+
+    ds = (wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode("pil")
+          .to_tuple("jpg;jpeg;png", "cls").map_tuple(PilTransform(cfg["image_size"]), int))
+    return ds.batched(cfg["batch_size"], partial=True) if batched else ds
+
+
+def make_torch(urls, cfg):
+
+    w = cfg["workers"]
+    return torch.utils.data.DataLoader(_wds(urls, cfg, False), batch_size=cfg["batch_size"], num_workers=w,
+                                       pin_memory=cfg["device"] == "cuda", prefetch_factor=2 if w else None)
+
+
+def make_webdataset(urls, cfg):
+    import webdataset as wds
+
+    w = cfg["workers"]
+    return wds.WebLoader(_wds(urls, cfg, True), batch_size=None, num_workers=w,
+                         pin_memory=cfg["device"] == "cuda", prefetch_factor=2 if w else None)
+
+
+class DaliReader:
+    """DALI's own graph: ``fn.readers.webdataset`` -> decode -> resize shorter side -> center crop + normalise."""
+
+    def __init__(self, urls, cfg):
+        from nvidia.dali import fn, types
+        from nvidia.dali.pipeline import Pipeline
+
+        from datapipe.tar.dali_index import write_dali_index
+        from datapipe.storage.urls import is_local, local_path
+
+        if not all(is_local(u) for u in urls):
+            raise ValueError("the dali pipeline reads local shards only")
+        paths = [local_path(u) for u in urls]
+        self._tmp = tempfile.TemporaryDirectory(prefix="datapipe-bench-idx-")
+        index = [write_dali_index(p, os.path.join(self._tmp.name, f"{i}.idx")) for i, p in enumerate(paths)]
+        self.gpu = cfg["device"] == "cuda"
+        size = cfg["image_size"]
+        pipe = Pipeline(batch_size=cfg["batch_size"], num_threads=max(1, cfg["workers"]),
+                        device_id=0 if self.gpu else None, seed=0, prefetch_queue_depth=2)
+        with pipe:
+            jpg, cls = fn.readers.webdataset(paths=paths, index_paths=index, ext=["jpg;jpeg;png", "cls"],
+                                             random_shuffle=False, name="Reader")
+            images = fn.decoders.image(jpg, device="mixed" if self.gpu else "cpu", output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=size, interp_type=types.INTERP_LINEAR, antialias=True)
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", crop=(size, size),
+                                              mean=list(MEAN * 255), std=list(STD * 255))
+            pipe.set_outputs(images, cls)
+        pipe.build()
+        self.pipe = pipe
+
+    def __iter__(self):
+
+        while True:
+            images, labels = self.pipe.run()
+            t = images.as_tensor()
+            if self.gpu:
+                from nvidia.dali.plugin.pytorch import feed_ndarray
+
+                x = torch.empty(t.shape(), dtype=torch.float32, device="cuda")
+                feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream())
+            else:
+                x = torch.from_numpy(np.array(t))
+            y = torch.tensor([int(np.asarray(labels.at(i)).tobytes()) for i in range(len(labels))])
+            yield x, y
+
+
+def make_dali(urls, cfg):
+    return DaliReader(urls, cfg)
+
+
+def make_image_loader(urls, cfg):
+    from loaders import ImageLoader
+
+    return ImageLoader(urls, batch_size=cfg["batch_size"], image_size=cfg["image_size"], train=False,
+                       device=cfg["device"], num_threads=max(1, cfg["workers"]), drop_last=False)
+
+
+def make_datapipe_loader(urls, cfg):
+    from datapipe.stream import ShardStream
+    from loaders import DataLoader
+
+    ds = DecodedStream(ShardStream(urls, rank=0, world_size=1), cfg["image_size"])
+    return DataLoader(ds, batch_size=cfg["batch_size"], num_workers=cfg["workers"], device=cfg["device"])
+
+
+def make_token_loader(urls, cfg):
+    from loaders import TokenLoader
+
+    return TokenLoader(urls, seq_len=cfg["seq_len"], batch_size=cfg["batch_size"], device=cfg["device"],
+                       shuffle=False, rank=0, world_size=1)
+
+
+class NaivePad:
+    """Documents in shard order, ``batch_size`` at a time, truncated to ``seq_len`` and padded to the longest."""
+
+    def __init__(self, urls, cfg):
+        from datapipe.stream import ShardStream
+
+        self.stream = ShardStream(urls, rank=0, world_size=1)
+        self.seq_len, self.batch_size = cfg["seq_len"], cfg["batch_size"]
+
+    def __iter__(self):
+
+        docs = []
+        for sample in self.stream:
+            docs.append(np.load(io.BytesIO(bytes(sample["npy"])), allow_pickle=False)[: self.seq_len])
+            if len(docs) == self.batch_size:
+                yield self._pad(docs, torch)
+                docs = []
+        if docs:
+            yield self._pad(docs, torch)
+
+    def _pad(self, docs, torch):
+        width = max(len(d) for d in docs)
+        ids = np.zeros((len(docs), width), dtype=np.int64)
+        mask = np.zeros((len(docs), width), dtype=np.int64)
+        for i, d in enumerate(docs):
+            ids[i, : len(d)] = d
+            mask[i, : len(d)] = 1
+        labels = np.where(mask == 1, ids, -100)
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
+                "labels": torch.from_numpy(labels)}
+
+
+FACTORIES: dict[str, Callable] = {
+    "torch": make_torch, "webdataset": make_webdataset, "dali": make_dali, "datapipe-images": make_image_loader,
+    "datapipe-loader": make_datapipe_loader, "datapipe-tokens": make_token_loader, "naive-pad": NaivePad,
+}
+
+
+# ---- measuring --------------------------------------------------------------------------------------
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its waited-for children."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def first_tensor(batch):
+
+    if torch.is_tensor(batch):
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            t = first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def batch_counts(batch, kind: str) -> tuple[int, int, int]:
+    """``(samples, real tokens, padded tokens)`` of a batch."""
+    if kind == "tokens" and isinstance(batch, dict):
+        if "attention_mask" in batch:
+            real = int(batch["attention_mask"].sum())
+            rows, width = batch["attention_mask"].shape
+            docs = rows
+        else:
+            doc = batch["document_ids"]
+            real = int((doc >= 0).sum())
+            rows, width = doc.shape
+            docs = int(((batch["position_ids"] == 0) & (doc >= 0)).sum())
+        return docs, real, rows * width - real
+    t = first_tensor(batch)
+    return (int(t.shape[0]) if t is not None and t.dim() else 1), 0, 0
+
+
+def consume(batch, device: str):
+    """Host-to-device copy (non-blocking when pinned) and a reduction on the device: a stand-in model step."""
+
+    t = first_tensor(batch)
+    if t is None:
+        return None
+    if device == "cuda" and t.device.type != "cuda":
+        t = t.to("cuda", non_blocking=t.is_pinned())
+    return t.float().sum()
+
+
+def _endless(loader) -> Iterator:
+    epoch = 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        n = 0
+        it = iter(loader)
+        try:
+            for batch in it:
+                n += 1
+                yield batch
+        finally:
+            _close(it)
+        if n == 0:
+            raise ValueError("the pipeline produced no batches")
+        epoch += 1
+
+
+def _close(it) -> None:
+    for name in ("_shutdown_workers", "close"):
+        fn = getattr(it, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception:
+                pass
+
+
+def measure_pipeline(name: str, loader, *, kind: str, steps: int, warmup: int, device: str,
+                     sample_bytes: float, progress=None) -> dict[str, Any]:
+    """Pull ``warmup`` then ``steps`` batches through ``consume``; rates, CPU cores used, wait and GPU time."""
+
+    cuda = device == "cuda" and torch.cuda.is_available()
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    gen = _endless(loader)
+    for _ in range(warmup):
+        consume(next(gen), device)
+    if cuda:
+        torch.cuda.synchronize()
+    samples = real = pad = 0
+    wait = 0.0
+    events = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = next(gen)
+        wait += time.perf_counter() - t0
+        n, r, p = batch_counts(batch, kind)
+        samples, real, pad = samples + n, real + r, pad + p
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            consume(batch, device)
+            e1.record()
+            events.append((e0, e1))
+        else:
+            consume(batch, device)
+        if progress is not None:
+            progress.update(1)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    gen.close()  # shuts the workers down, so RUSAGE_CHILDREN counts them
+    del loader
+    wall = time.perf_counter() - wall0
+    cpu = cpu_seconds() - cpu0
+    out = {"name": name, "steps": steps, "samples": samples, "seconds": round(elapsed, 4),
+           "samples_per_s": round(samples / elapsed, 2), "batches_per_s": round(steps / elapsed, 3),
+           "mb_per_s": round(samples / elapsed * sample_bytes / 1e6, 3),
+           "cpu_cores_used": round(cpu / wall, 2), "wait_fraction": round(wait / elapsed, 4),
+           "gpu_busy_fraction": "n/a", "gpu_busy_s": "n/a"}
+    if events:
+        busy = sum(a.elapsed_time(b) for a, b in events) / 1e3
+        out.update(gpu_busy_s=round(busy, 4), gpu_busy_fraction=round(busy / elapsed, 4))
+    if kind == "tokens":
+        out["tokens_per_s"] = round(real / elapsed, 1)
+        out["padding_fraction"] = round(pad / max(1, real + pad), 4)
+    return out
+
+
+# ---- stages ------------------------------------------------------------------------------------------
+def _first_samples(urls: list[str], n: int) -> list[dict]:
+    from datapipe.stream import ShardStream
+
+    out = []
+    for sample in ShardStream(urls, rank=0, world_size=1):
+        out.append(sample)
+        if len(out) >= n:
+            break
+    return out
+
+
+def _rate(fn, items, seconds: float) -> float:
+    """Items per second of ``fn`` over ``items`` (cycled until ``seconds`` pass, at least one pass)."""
+    n, start = 0, time.perf_counter()
+    while True:
+        for item in items:
+            fn(item)
+            n += 1
+        if time.perf_counter() - start >= seconds:
+            break
+    return n / (time.perf_counter() - start)
+
+
+def measure_stages(urls: list[str], *, kind: str, cfg: dict, sample_bytes: float, seconds: float) -> list[dict]:
+    """Each stage on its own: fetch (raw read), parse (ShardStream), decode (or pack), H2D, consume."""
+
+    par = max(1, min(cfg["workers"], usable_cores()))
+    store = Store(urls)
+    sizes = [store.size(u) for u in urls]
+    fetch = measure_reads(store, sizes, block=4 << 20, concurrency=1, seconds=seconds)
+    stages = [{"stage": "fetch", "samples_per_s": fetch["mb_per_s"] * 1e6 / sample_bytes, "parallel": 1,
+               "note": f"raw read, {fetch['mb_per_s']:.0f} MB/s (page cache as it is)"}]
+    parse = measure_stream(urls, seconds=seconds)
+    stages.append({"stage": "parse", "samples_per_s": parse["samples_per_s"] * par, "parallel": par,
+                   "one_core": parse["samples_per_s"], "note": "ShardStream, per core x workers"})
+    samples = _first_samples(urls, 16)
+    bs = cfg["batch_size"]
+    if kind == "images":
+        transform = PilTransform(cfg["image_size"])
+        data = [next(s[e] for e in IMAGE_EXTS if e in s) for s in samples]
+        one = _rate(lambda d: decode_image(d, transform), data, seconds)
+        stages.append({"stage": "decode", "samples_per_s": one * par, "parallel": par, "one_core": one,
+                       "note": "PIL decode + resize/crop/normalise, per core x workers"})
+        batch = torch.zeros(bs, 3, cfg["image_size"], cfg["image_size"])
+    else:
+        from packing import Packer
+
+        docs = [np.load(io.BytesIO(bytes(s["npy"])), allow_pickle=False) for s in samples]
+        one = _rate(lambda s: np.load(io.BytesIO(bytes(s["npy"])), allow_pickle=False), samples, seconds / 2)
+        stages.append({"stage": "decode", "samples_per_s": one * par, "parallel": par, "one_core": one,
+                       "note": "np.load of npy documents"})
+        many = docs * max(1, (8 * bs) // max(1, len(docs)))
+        t0 = time.perf_counter()
+        rows = sum(len(b["input_ids"]) for b in Packer(cfg["seq_len"], buffer_size=256).batches(many, bs))
+        dt = time.perf_counter() - t0
+        stages.append({"stage": "pack", "samples_per_s": len(many) / dt, "parallel": 1, "one_core": len(many) / dt,
+                       "note": f"packing.Packer ({rows} rows of {cfg['seq_len']})"})
+        mean_len = max(1, int(np.mean([len(d) for d in docs])))
+        batch = torch.zeros(bs, min(cfg["seq_len"], mean_len * 4), dtype=torch.int64)
+    if cfg["device"] == "cuda" and torch.cuda.is_available():
+        pinned = batch.pin_memory()
+        gpu = torch.empty_like(pinned, device="cuda")
+        torch.cuda.synchronize()
+        reps, t0 = 20, time.perf_counter()
+        for _ in range(reps):
+            gpu.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+        stages.append({"stage": "host-to-device", "samples_per_s": reps * bs / (time.perf_counter() - t0),
+                       "parallel": 1, "note": f"pinned copy of a [{', '.join(map(str, batch.shape))}] batch"})
+        batch = gpu
+    else:
+        stages.append({"stage": "host-to-device", "samples_per_s": None, "parallel": 1, "note": "n/a on CPU"})
+    dev = cfg["device"]
+    rate = _rate(lambda b: consume(b, dev), [batch], seconds / 2) * bs
+    if dev == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stages.append({"stage": "consume", "samples_per_s": rate, "parallel": 1,
+                   "note": "the stand-in step (reduction over the batch)"})
+    for s in stages:
+        if s["samples_per_s"] is not None:
+            s["samples_per_s"] = round(s["samples_per_s"], 1)
+    return stages
+
+
+def bottleneck(stages: list[dict]) -> dict:
+    timed = sorted((s for s in stages if s["samples_per_s"]), key=lambda s: s["samples_per_s"])
+    worst = timed[0]
+    text = f"{worst['samples_per_s']:.0f} samples/s"
+    if worst.get("parallel", 1) > 1:
+        text += f" with {worst['parallel']} workers"
+    if len(timed) > 1:
+        text += f", {timed[1]['samples_per_s'] / worst['samples_per_s']:.1f}x below the next slowest ({timed[1]['stage']})"
+    return {"stage": worst["stage"], "samples_per_s": worst["samples_per_s"], "text": text}
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+def detect_kind(urls: list[str]) -> str:
+    sample = next(iter(_first_samples(urls, 1)), None)
+    if sample is None:
+        raise ValueError("the shards hold no samples")
+    keys = {k for k in sample if not k.startswith("__")}
+    if keys & set(IMAGE_EXTS):
+        return "images"
+    if "npy" in keys:
+        return "tokens"
+    raise ValueError(f"samples have {sorted(keys)}: need images (jpg/png + cls) or token documents (npy)")
+
+
+def ensure_data(data: str, make_images: int, *, progress: bool) -> None:
+    from datapipe.storage.urls import is_local
+
+    if make_images <= 0 or not is_local(data):
+        return
+    if os.path.isdir(data) and any(f.endswith(".tar") for f in os.listdir(data)):
+        return
+    from datapipe.tools.synthetic import make_image_dataset
+
+    make_image_dataset(data, num_images=make_images, num_classes=1000, shard_max_count=500, progress=progress,
+                       num_workers=max(1, min(4, usable_cores())))
+
+
+def run_loader(data: str, *, pipelines: list[str] | None = None, batch_size: int = 64, workers: int | None = None,
+               device: str = "cpu", steps: int = 20, warmup: int = 2, image_size: int = 224, make_images: int = 0,
+               seq_len: int = 2048, stage_seconds: float = 1.0, progress: bool = True) -> dict[str, Any]:
+    """Run ``pipelines`` over the shards of ``data``; returns per-pipeline and per-stage figures."""
+    from tqdm import tqdm
+
+    if batch_size < 1 or steps < 1 or warmup < 0:
+        raise ValueError("batch_size and steps must be >= 1, warmup >= 0")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device: use --device cpu")
+    workers = usable_cores() if workers is None else workers
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers}")
+    ensure_data(data, make_images, progress=progress)
+    urls = resolve([data])
+    kind = detect_kind(urls)
+    fit = IMAGE_PIPELINES if kind == "images" else TOKEN_PIPELINES
+    chosen = list(pipelines) if pipelines else list(fit)
+    unknown = [p for p in chosen if p not in FACTORIES]
+    if unknown:
+        raise ValueError(f"unknown pipelines {unknown}: choose from {', '.join(FACTORIES)}")
+    wrong = [p for p in chosen if p not in fit]
+    if wrong:
+        raise ValueError(f"pipelines {wrong} do not read {kind} shards; for {kind} use {', '.join(fit)}")
+    from datapipe.tar.manifest import counts_from_manifests
+
+    store = Store(urls)
+    total = sum(store.size(u) for u in urls)
+    counts = counts_from_manifests(urls)
+    n_samples = sum(counts.values()) if len(counts) == len(urls) else None
+    if n_samples is None:
+        from datapipe.stream import ShardStream
+
+        n_samples = len(ShardStream(urls, rank=0, world_size=1))
+    sample_bytes = total / max(1, n_samples)
+    cfg = {"batch_size": batch_size, "workers": workers, "device": device, "image_size": image_size,
+           "seq_len": seq_len}
+    result: dict[str, Any] = {"data": data, "kind": kind, "shards": len(urls), "samples_in_data": n_samples,
+                              "bytes": total, "mean_sample_bytes": round(sample_bytes, 1), "device": device,
+                              "config": {**cfg, "steps": steps, "warmup": warmup}, "pipelines": []}
+    bar = tqdm(total=steps * len(chosen), desc="bench loader", unit="batch", file=sys.stderr, disable=not progress)
+    for name in chosen:
+        bar.set_postfix_str(name)
+        try:
+            loader = FACTORIES[name](urls, cfg)
+            r = measure_pipeline(name, loader, kind=kind, steps=steps, warmup=warmup, device=device,
+                                 sample_bytes=sample_bytes, progress=bar)
+        except Exception as e:  # one broken pipeline (e.g. DALI missing) must not end the comparison
+            r = {"name": name, "error": f"{type(e).__name__}: {e}"}
+        result["pipelines"].append(r)
+    bar.close()
+    result["stages"] = measure_stages(urls, kind=kind, cfg=cfg, sample_bytes=sample_bytes, seconds=stage_seconds)
+    result["bottleneck"] = bottleneck(result["stages"])
+    ok = [p for p in result["pipelines"] if not p.get("error")]
+    if ok:
+        best = max(ok, key=lambda p: p["samples_per_s"])
+        result["fastest"] = {"name": best["name"], "samples_per_s": best["samples_per_s"]}
+    result["ceiling"] = {"ceiling_ratio": None, "note": CEILING_NOTE}
+    return result
+
+
+CEILING_NOTE = ("not measured: the consume step is a stand-in reduction, not a training step; "
+                "`datapipe doctor --ceiling-steps N -- train.py` reports ceiling_ratio on your own step "
+                "(bench/ceiling.py on ResNet-50 and LMs)")
+
+TABLE_COLUMNS = ["pipeline", "samples/s", "MB/s", "tokens/s", "padding", "CPU cores", "wait", "GPU busy", "error"]
+STAGE_COLUMNS = ["stage", "samples/s", "parallel", "note"]
+
+
+def rows_for_table(result: dict) -> list[dict]:
+    rows = []
+    for p in result["pipelines"]:
+        if p.get("error"):
+            rows.append({"pipeline": p["name"], "error": p["error"][:80]})
+            continue
+        gpu = p["gpu_busy_fraction"]
+        rows.append({"pipeline": p["name"], "samples/s": f"{p['samples_per_s']:.1f}", "MB/s": f"{p['mb_per_s']:.1f}",
+                     "tokens/s": f"{p['tokens_per_s']:.0f}" if "tokens_per_s" in p else "",
+                     "padding": f"{p['padding_fraction']:.0%}" if "padding_fraction" in p else "",
+                     "CPU cores": f"{p['cpu_cores_used']:.2f}", "wait": f"{p['wait_fraction']:.0%}",
+                     "GPU busy": gpu if isinstance(gpu, str) else f"{gpu:.0%}"})
+    return rows
+
+
+def stage_rows(result: dict) -> list[dict]:
+    worst = result["bottleneck"]["stage"]
+    return [{"stage": s["stage"] + (" <- bottleneck" if s["stage"] == worst else ""),
+             "samples/s": "n/a" if s["samples_per_s"] is None else f"{s['samples_per_s']:.0f}",
+             "parallel": s.get("parallel", 1), "note": s.get("note", "")} for s in result["stages"]]

@@ -1,0 +1,111 @@
+"""``datapipe doctor [--json F] [--plot F.png] -- SCRIPT [ARGS...]``: run a training script under the doctor.
+
+The measurements are :mod:`datapipe.tools.doctor.report` (``datapipe.doctor()``); this command line module
+lives in ``loaders`` because it also times the ``loaders`` loaders the script iterates.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import traceback
+
+from datapipe.tools.doctor.report import Doctor, doctor
+
+
+# ---- running a script with the doctor installed -----------------------------------------------------------
+def _inner_call(frame) -> bool:
+    """Whether iter() was called by datapipe / loaders themselves (an inner loader, timed by the outer one)."""
+    import datapipe
+
+    roots = [os.path.dirname(os.path.abspath(datapipe.__file__))]
+    loaders = sys.modules.get("loaders")
+    if loaders is not None and getattr(loaders, "__file__", None):
+        roots.append(os.path.dirname(os.path.abspath(loaders.__file__)))
+    while frame is not None and frame.f_code.co_name == "__iter__":
+        frame = frame.f_back
+    name = os.path.abspath(frame.f_code.co_filename) if frame is not None else ""
+    return any(name.startswith(r + os.sep) for r in roots)
+
+
+def install(d: Doctor):
+    """Patch ``__iter__`` of torch's DataLoader and the ``loaders`` loaders to time through ``d``; returns undo()."""
+    import torch.utils.data
+
+    classes = [torch.utils.data.DataLoader]
+    import loaders
+
+    classes += [loaders.DataLoader, loaders.ImageLoader, loaders.TokenLoader]
+    saved = []
+    for cls in classes:
+        original = cls.__dict__["__iter__"]
+
+        def patched(self, _original=original):
+            it = _original(self)
+            if d._probing or _inner_call(sys._getframe(1)):
+                return it
+            return d._timed(self, it)
+
+        saved.append((cls, original))
+        cls.__iter__ = patched
+
+    def undo():
+        for cls, original in saved:
+            cls.__iter__ = original
+
+    return undo
+
+
+def run_script(d: Doctor, script: str, args: list[str]) -> int:
+    """Run ``script`` as ``__main__`` with ``args`` under the doctor; returns its exit status."""
+    if not os.path.isfile(script):
+        print(f"datapipe doctor: no such script: {script}", file=sys.stderr)
+        return 1
+    undo = install(d)
+    argv, path0 = sys.argv[:], list(sys.path)
+    sys.argv = [script] + list(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.argv, sys.path[:] = argv, path0
+        undo()
+    d.finish()
+    return code
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", default=None, help="write the report as JSON here")
+    parser.add_argument("--plot", default=None, help="PNG of data wait over time (default: next to --json)")
+    parser.add_argument("--probe-capacity", action="store_true",
+                        help="at the end, pull batches without a consumer to measure the input capacity")
+    parser.add_argument("--probe-seconds", type=float, default=2.0)
+    parser.add_argument("--ceiling-steps", type=int, default=0,
+                        help="after a few batches, replay the last one through the step N times: the data-free "
+                             "rate, reported as ceiling_ratio next to the wait fraction")
+    parser.add_argument("script", help="the training script (put -- before it)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    script_args = list(args.args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    d = doctor(report=args.json, plot=args.plot, probe_capacity=args.probe_capacity, probe_seconds=args.probe_seconds,
+               ceiling_steps=args.ceiling_steps)
+    return run_script(d, args.script, script_args)

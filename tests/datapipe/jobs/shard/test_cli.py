@@ -1,0 +1,77 @@
+import argparse
+import json
+import os
+
+import pytest
+
+from datapipe.jobs.shard.cli import _size
+from datapipe.jobs.shard.job import shard
+from tests.datapipe.jobs.shard.test_job import images, run_cli  # noqa: F401 (fixture)
+
+
+def test_sizes():
+    assert _size("1000000") == 1_000_000
+    assert _size("512M") == 512 << 20 and _size("1G") == _size("1GiB") == _size("1gb") == 1 << 30
+    assert _size("1.5k") == 1536
+    with pytest.raises(argparse.ArgumentTypeError, match="bad size .lots."):
+        _size("lots")
+
+
+def test_existing_output_and_usage_errors(images, tmp_path, capsys):
+    root, files = images
+    out = tmp_path / "out"
+    assert run_cli(root, out, "--workers", "1") == 0
+    assert run_cli(root, out, "--workers", "1", "--max-count", "3") == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert run_cli(root, out, "--workers", "1", "--max-count", "3", "--overwrite") == 0
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["num_samples"] == len(files) and all(s["count"] <= 3 for s in manifest["shards"])
+    assert len([n for n in os.listdir(out) if n.endswith(".tar")]) == len(manifest["shards"])
+    # same arguments again: already complete, nothing rewritten
+    assert shard(root, str(out), max_count=3, workers=1, progress=False)["status"] == "already complete"
+    assert run_cli(root, tmp_path / "x", "--pattern", "shard.tar") == 2
+    assert run_cli(root, tmp_path / "x", "--quality", "0") == 2
+    assert run_cli(tmp_path / "does-not-exist", tmp_path / "x") == 1
+    (tmp_path / "empty").mkdir()
+    assert run_cli(tmp_path / "empty", tmp_path / "x") == 1
+
+
+def _zero_sample_inputs(tmp_path):
+    (tmp_path / "notatar.tar").write_text("this is a text file, not a tar\n")
+    for rel in ("dog/a.txt", "cat/b.json"):
+        (tmp_path / "meta" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "meta" / rel).write_text('{"caption": "a dog"}\n')
+    for rel in ("dog/1.jpg", "cat/2.jpg"):
+        (tmp_path / "fake" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / rel).write_text("plain text named like a JPEG\n")
+    return {
+        "brace pattern matching no file": (str(tmp_path / "none-{000..009}.tar"), "no file matches"),
+        "non-tar file as tar source": (str(tmp_path / "notatar.tar"), "not a tar file"),
+        "class folders of .txt/.json only": (str(tmp_path / "meta"), "a.txt"),
+        "text files named .jpg": (str(tmp_path / "fake"), "not an image"),
+    }
+
+
+def test_a_job_that_writes_nothing_fails_saying_why(tmp_path, capsys):
+    for case, (src, why) in _zero_sample_inputs(tmp_path).items():
+        capsys.readouterr()
+        out = tmp_path / f"out-{len(case)}"
+        assert run_cli(src, out, "--workers", "1") == 1, case
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("datapipe shard: failed:") and why in last, (case, err)
+        assert "Traceback" not in err, case
+        assert not (out / "manifest.json").exists(), case
+
+
+def test_cli_messages_for_a_missing_source_and_a_file_as_output(images, tmp_path, capsys):
+    root, _ = images
+    assert run_cli(tmp_path / "missing", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "missing" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "afile").write_text("x")
+    assert run_cli(root, tmp_path / "afile") == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and "Errno" not in err and len(err.strip().splitlines()) == 1
+
+

@@ -1,0 +1,47 @@
+import json
+import os
+
+import pytest
+
+import datapipe.jobs.shard.commit as commit
+from datapipe.jobs.shard.commit import existing_outputs, remove_outputs
+from datapipe.jobs.shard.job import shard
+from tests.datapipe.jobs.shard.test_job import images  # noqa: F401 (fixture)
+
+
+def test_commit_is_resumable(images, tmp_path, monkeypatch):
+    """A crash in the middle of the final renames: the re-run completes with the same shards."""
+    root, _ = images
+    shard(root, str(tmp_path / "ref"), max_count=4, partition_size=6, workers=1, progress=False)
+    real_move, calls = commit._move, []
+
+    def flaky(fs, src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError("simulated crash")
+        real_move(fs, src, dst)
+
+    monkeypatch.setattr(commit, "_move", flaky)
+    with pytest.raises(OSError):
+        shard(root, str(tmp_path / "out"), max_count=4, partition_size=6, workers=1, progress=False)
+    monkeypatch.setattr(commit, "_move", real_move)
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+    report = shard(root, str(tmp_path / "out"), max_count=4, partition_size=6, workers=1, progress=False)
+    assert report["resumed_partitions"] == report["partitions"]
+    ref = json.load(open(tmp_path / "ref" / "manifest.json"))["shards"]
+    assert json.load(open(tmp_path / "out" / "manifest.json"))["shards"] == ref
+
+
+
+
+def test_existing_and_removed_outputs(tmp_path):
+    out = tmp_path / "out"
+    (out / ".datapipe-job" / "done").mkdir(parents=True)
+    for name in ("shard-000000.tar", "shard-000000.idx", "shard-000001.tar", "manifest.json", "report.json",
+                 "classes.json", "notes.txt"):
+        (out / name).write_text("x")
+    found = [os.path.basename(p) for p in existing_outputs(str(out), "shard-%06d.tar", {})]
+    assert found == ["manifest.json", "shard-000000.tar", "shard-000001.tar"]
+    remove_outputs(str(out), "shard-%06d.tar", {})
+    assert os.listdir(out) == ["notes.txt"]  # what the job did not write stays
+    assert existing_outputs(str(tmp_path / "missing"), "shard-%06d.tar", {}) == []

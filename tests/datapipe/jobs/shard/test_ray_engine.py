@@ -1,0 +1,37 @@
+import json
+import os
+
+import pytest
+
+from datapipe.jobs.shard.job import shard
+from tests.datapipe.jobs.shard.test_job import make_image_folder, read_all
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_engine_matches_local(ray_cluster, tmp_path):
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=20, classes=("a", "b"))
+    (root / "b" / "broken.jpg").write_bytes(b"garbage")
+    opts = dict(max_count=4, partition_size=6, check_images=True, shuffle=True, seed=1, workers=2, progress=False)
+    local = shard(str(root), str(tmp_path / "local"), engine="local", **opts)
+    remote = shard(str(root), str(tmp_path / "ray"), engine="ray", **opts)
+    assert remote["samples"] == local["samples"] == 20
+    assert remote["num_skipped"] == local["num_skipped"] == 1
+    ml = json.load(open(tmp_path / "local" / "manifest.json"))
+    mr = json.load(open(tmp_path / "ray" / "manifest.json"))
+    assert mr["shards"] == ml["shards"] and mr["classes"] == ml["classes"]  # byte-identical shards
+    assert [s["__key__"] for s in read_all(str(tmp_path / "ray"))] == [s["__key__"] for s in read_all(str(tmp_path / "local"))]
+    # strict failures come back from the workers as a DataError naming the item
+    from datapipe.errors import DataError
+
+    with pytest.raises(DataError, match="broken.jpg"):
+        shard(str(root), str(tmp_path / "strict"), engine="ray", strict=True, **opts)
+    assert not os.path.exists(tmp_path / "strict" / "manifest.json")

@@ -1,0 +1,85 @@
+"""datapipe.tools.doctor.advice: what a batch holds, and the advice rules (each with the number that triggered it)."""
+import torch
+
+from datapipe.tools.doctor.advice import advise, inspect_batch
+
+
+def _m(wait=0.3, workers=0, cores=4, cuda=False, **batch):
+    return {"wait_fraction": wait, "cores": cores, "cuda": cuda, "loader": {"num_workers": workers},
+            "batch": batch, "rates": {}}
+
+
+def _ids(m):
+    return [a["id"] for a in advise(m)]
+
+
+def test_advice_rules():
+    assert "more_workers" in _ids(_m(wait=0.3, workers=1, cores=4))
+    assert "30%" in next(a for a in advise(_m(wait=0.3)) if a["id"] == "more_workers")["advice"]
+    assert "more_workers" not in _ids(_m(wait=0.05, workers=1, cores=4))
+    assert "more_workers" not in _ids(_m(wait=0.3, workers=4, cores=4))
+    assert "cpu_bound" in _ids(_m(wait=0.3, workers=4, cores=4))
+    assert _ids(_m(wait=0.01)) == ["not_bottleneck"]
+    assert "pin_memory" in _ids(_m(cuda=True, unpinned_host_tensors=2))
+    assert "pin_memory" not in _ids(_m(cuda=False, unpinned_host_tensors=2))
+    assert "pin_memory" not in _ids(_m(cuda=True, unpinned_host_tensors=0))
+    assert "gpu_decode" in _ids(_m(cuda=True, images_on_host=[32, 3, 224, 224]))
+    assert "gpu_decode" in _ids(_m(cuda=True, jpeg_bytes=True))
+    assert "gpu_decode" not in _ids(_m(cuda=False, images_on_host=[32, 3, 224, 224]))
+    assert "gpu_decode" not in _ids(_m(wait=0.01, cuda=True, images_on_host=[32, 3, 224, 224]))
+    rb = [a for a in advise(_m(cuda=True, batch_size=30)) if a["id"] == "round_batch"]
+    assert rb and "32" in rb[0]["advice"] and rb[0]["trigger"] == {"batch_size": 30}
+    assert "round_batch" not in _ids(_m(cuda=True, batch_size=32))
+    assert "round_batch" not in _ids(_m(cuda=False, batch_size=30))
+    assert "packing" in _ids(_m(padding_fraction=0.3))
+    assert "packing" not in _ids(_m(padding_fraction=0.1))
+    m = _m(wait=0.3)
+    m["rates"] = {"capacity_batches_per_s": 10.0, "consumption_batches_per_s": 20.0}
+    cap = next(a for a in advise(m) if a["id"] == "capacity")
+    assert "50%" in cap["advice"]
+    m["rates"] = {"capacity_batches_per_s": 40.0, "consumption_batches_per_s": 20.0}
+    assert "prefetch" in _ids(m) and "capacity" not in _ids(m)
+
+
+def test_recycled_workers_advice_for_torchs_loader_waited_on_with_workers():
+    def m(wait=0.3, workers=4, cuda=True, kind="torch.utils.data.dataloader.DataLoader", host=2):
+        out = _m(wait=wait, workers=workers, cores=16, cuda=cuda, host_tensors=host)
+        out["loader"]["type"] = kind
+        return out
+
+    advice = next(a for a in advise(m()) if a["id"] == "recycled_workers")
+    assert "30%" in advice["advice"] and "4 workers" in advice["advice"] and "device='cuda'" in advice["advice"]
+    assert "recycled_workers" not in _ids(m(wait=0.05))  # not waiting: nothing to gain
+    assert "recycled_workers" not in _ids(m(workers=0))  # no worker processes, no shared memory
+    assert "recycled_workers" not in _ids(m(cuda=False))  # the recycling needs the GPU path
+    assert "recycled_workers" not in _ids(m(kind="loaders.dataloader.DataLoader"))  # ours already
+    assert "recycled_workers" not in _ids(m(host=0))  # batches already on the device
+
+
+def test_inspect_batch():
+    info = inspect_batch((torch.zeros(8, 3, 32, 32), torch.zeros(8, dtype=torch.int64)))
+    assert info["batch_size"] == 8 and info["images_on_host"] == [8, 3, 32, 32]
+    assert info["devices"] == ["cpu"] and info["unpinned_host_tensors"] == 2
+    assert inspect_batch({"jpg": [b"\xff\xd8\xff\xe0rest", b"\xff\xd8\xff\xe0x"]})["jpeg_bytes"]
+    assert not inspect_batch({"txt": [b"hello", b"world"]})["jpeg_bytes"]
+    labels = torch.tensor([[1, 2, -100, -100]])
+    assert inspect_batch({"labels": labels})["pad"] == 2
+
+
+def test_hybrid_decode_advice_when_the_loader_costs_the_step_without_waits():
+    def m(ratio=0.97, wait=0.005, hw=0.75, cores=16, cuda=True, auto=False):
+        return {**_m(wait=wait, cores=cores, cuda=cuda), "ceiling_ratio": ratio,
+                "loader": {"num_workers": None, "hw_decoder_load": hw, "hw_decoder_auto": auto}}
+
+    advice = next(a for a in advise(m()) if a["id"] == "hybrid_decode")
+    assert "97.0%" in advice["advice"] and 'hw_decoder_load="auto"' in advice["advice"]
+    assert "With 16 cores" in advice["advice"]
+    assert advice["trigger"]["hw_decoder_load"] == 0.75
+    assert "hybrid_decode" not in _ids(m(ratio=0.985))  # at the ceiling already
+    assert "hybrid_decode" not in _ids(m(wait=0.05))  # waiting for data: decoding slower would hurt
+    assert "hybrid_decode" not in _ids(m(hw=0.0))  # already off the hardware decoder
+    assert "hybrid_decode" not in _ids(m(hw=None))  # not an ImageLoader
+    assert "hybrid_decode" not in _ids(m(cores=6))  # too few cores for the Huffman stage
+    assert "hybrid_decode" not in _ids(m(auto=True))  # "auto" chose the hardware decoder itself (the loop waited)
+    assert "hybrid_decode" not in _ids(m(cuda=False))
+    assert "hybrid_decode" not in _ids({**m(), "ceiling_ratio": None})  # no ceiling measured

@@ -1,0 +1,226 @@
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+import datapipe.tools.doctor.report as doctor_report
+from datapipe.cli import main
+from datapipe.tools.doctor.report import Doctor
+
+
+def sleepy(n, fetch_s):
+    for i in range(n):
+        time.sleep(fetch_s)
+        yield torch.full((4,), float(i))
+
+
+class SleepyDataset(torch.utils.data.Dataset):
+    def __init__(self, n, fetch_s):
+        self.n, self.fetch_s = n, fetch_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.fetch_s)
+        return torch.zeros(2)
+
+
+def test_wait_fraction_of_known_sleeps(tmp_path):
+    """A loader sleeping 20 ms per batch and a 10 ms step: about 2/3 of the time is data wait."""
+    with doctor_report.doctor(report=str(tmp_path / "d.json"), print_report=False) as d:
+        for _ in d.wrap(sleepy(15, 0.02)):
+            time.sleep(0.01)
+    rep = json.loads((tmp_path / "d.json").read_text())
+    assert rep["steps"] == 15
+    assert 0.5 < rep["wait_fraction"] < 0.8
+    assert 0.2 < rep["compute_fraction"] < 0.45
+    assert rep["other_fraction"] < 0.1
+    assert 18 <= rep["wait_ms"]["p50"] <= 60 and 9 <= rep["compute_ms"]["p50"] <= 40
+    assert rep["wait_ms"]["p50"] <= rep["wait_ms"]["p90"] <= rep["wait_ms"]["p99"]
+    assert abs(rep["wait_s"] + rep["compute_s"] + rep["other_s"] - rep["wall_s"]) < 1e-3
+    assert len(rep["timeline"]["t_s"]) == len(rep["timeline"]["wait_fraction"]) > 0
+    assert (tmp_path / "d.png").stat().st_size > 1000  # plot next to the JSON
+
+
+def test_start_up_wait_is_reported_apart_from_the_steady_state():
+    """A loader that takes 300 ms to deliver its first batch (a pipeline build), then 5 ms per batch."""
+    def slow_start(n):
+        time.sleep(0.3)
+        for i in range(n):
+            time.sleep(0.005)
+            yield i
+
+    d = Doctor(print_report=False)
+    for _ in d.wrap(slow_start(10)):
+        time.sleep(0.02)
+    rep = d.finish()
+    (e,) = rep["loaders"]
+    assert 0.3 <= e["startup_wait_s"] < 0.5 and e["iterations"] == 1
+    assert e["wait_fraction"] > 0.5  # over everything, start-up dominates
+    assert 0.1 < e["steady_wait_fraction"] < 0.35  # after it: ~5 ms of ~25 ms per step
+
+
+def test_manual_api_and_other_time():
+    d = Doctor(print_report=False)
+    with d:
+        for _ in range(10):
+            time.sleep(0.02)  # fetching
+            d.data_ready()
+            time.sleep(0.01)  # the step
+            d.step()
+    rep = d.finish()
+    assert rep["steps"] == 10 and 0.5 < rep["wait_fraction"] < 0.8
+    d2 = Doctor(print_report=False)
+    for _ in d2.wrap(sleepy(10, 0.0)):
+        time.sleep(0.01)
+        d2.step()
+        time.sleep(0.02)  # after step(): neither wait nor compute
+    rep2 = d2.finish()
+    assert rep2["steps"] == 10
+    assert 0.5 < rep2["other_fraction"] < 0.8 and rep2["wait_fraction"] < 0.1
+
+
+def test_wrap_reiterates_epochs():
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(12.0)), batch_size=4)
+    d = Doctor(print_report=False)
+    wrapped = d.wrap(loader)
+    assert len(wrapped) == 3
+    for _ in range(2):
+        for _ in wrapped:
+            pass
+    rep = d.finish()
+    assert rep["steps"] == 6 and rep["loader"]["num_workers"] == 0 and rep["batch"]["batch_size"] == 4
+
+
+def test_advice_from_a_real_loop():
+    loader = torch.utils.data.DataLoader(SleepyDataset(8, 0.02), batch_size=1, num_workers=0)
+    d = Doctor(print_report=False, probe_capacity=True, probe_seconds=0.2)
+    for _ in d.wrap(loader):
+        time.sleep(0.002)
+    rep = d.finish()
+    ids = [a["id"] for a in rep["advice"]]
+    assert "more_workers" in ids and "not_bottleneck" not in ids
+    cap = rep["rates"]["capacity_batches_per_s"]
+    assert cap is not None and 0 < cap <= 55  # a 20 ms sleep per batch bounds it at 50/s
+    assert "capacity" in ids  # the model consumes faster than the pipeline delivers
+    fast = Doctor(print_report=False)
+    for _ in fast.wrap([torch.zeros(2, 2)] * 8):  # data in hand: next() costs microseconds
+        time.sleep(0.02)
+    ids = [a["id"] for a in fast.finish()["advice"]]
+    assert ids == ["not_bottleneck"]
+
+
+def test_padding_advice_from_token_batches():
+    def batches(pad_cols):
+        for _ in range(4):
+            mask = torch.ones(4, 10, dtype=torch.int64)
+            if pad_cols:
+                mask[:, -pad_cols:] = 0
+            yield {"input_ids": torch.zeros(4, 10, dtype=torch.int64), "attention_mask": mask}
+
+    d = Doctor(print_report=False)
+    for _ in d.wrap(batches(5)):
+        pass
+    rep = d.finish()
+    assert rep["batch"]["padding_fraction"] == pytest.approx(0.5)
+    packing = [a for a in rep["advice"] if a["id"] == "packing"]
+    assert packing and "50%" in packing[0]["advice"]
+    d = Doctor(print_report=False)
+    for _ in d.wrap(batches(1)):
+        pass
+    assert not [a for a in d.finish()["advice"] if a["id"] == "packing"]
+
+
+def test_doctor_is_the_public_entry_point():
+    d = doctor_report.doctor(print_report=False)
+    assert isinstance(d, Doctor)
+
+
+SCRIPT = """
+import sys, time, torch
+ds = torch.utils.data.TensorDataset(torch.arange(24.0))
+for epoch in range(2):
+    for (x,) in torch.utils.data.DataLoader(ds, batch_size=4):
+        time.sleep(0.001)
+import loaders
+for (x,) in loaders.DataLoader(ds, batch_size=8):
+    pass
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_cli_runs_script_and_propagates_exit_code(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "doc.json"
+    argv = list(sys.argv)
+    assert main(["doctor", "--json", str(out), "--", str(script), "3"]) == 3
+    assert sys.argv == argv
+    rep = json.loads(out.read_text())
+    assert rep["steps"] == 2 * 6 + 3  # the loaders.DataLoader's inner torch loader is not counted twice
+    assert [entry["batches"] for entry in rep["loaders"]] == [6, 6, 3]
+    assert rep["loader"]["wait_s"] == max(entry["wait_s"] for entry in rep["loaders"])
+    assert "datapipe doctor:" in capsys.readouterr().err
+    assert main(["doctor", "--", str(script), "0"]) == 0
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('boom')\n")
+    assert main(["doctor", "--", str(bad)]) == 1
+    assert "boom" in capsys.readouterr().err
+    assert main(["doctor", "--", str(tmp_path / "missing.py")]) == 1
+    import torch.utils.data
+
+    assert "patched" not in torch.utils.data.DataLoader.__iter__.__name__
+
+
+@pytest.mark.gpu
+def test_cuda_advice_on_pageable_batches():
+    torch.zeros(1, device="cuda")  # CUDA initialised: the doctor synchronises at step ends
+    d = Doctor(print_report=False)
+    for x in d.wrap(sleepy(6, 0.01)):
+        x.to("cuda").sum().item()
+    rep = d.finish()
+    assert rep["cuda"] and rep["cuda_sync"]
+    assert "pin_memory" in [a["id"] for a in rep["advice"]]
+
+
+def test_ceiling_replays_one_cached_batch_through_the_step():
+    """ceiling_steps: after `ceiling_after` batches the last one is replayed; nothing of the loader is lost."""
+    seen = []
+    with Doctor(print_report=False, ceiling_steps=6, ceiling_after=3) as d:
+        for batch in d.wrap(sleepy(10, 0.0)):
+            seen.append(batch)
+    rep = d.finish()
+    assert len(seen) == 10 + 6
+    assert all(b is seen[2] for b in seen[3:9])  # the third batch, replayed 6 times
+    assert [int(b[0]) for b in seen[:3] + seen[9:]] == list(range(10))  # every loader batch, in order
+    assert rep["steps"] == 10  # the replay is not counted as the loader's steps
+    assert rep["ceiling_steps"] == 6 and rep["ceiling_batches_per_s"] > 0
+
+
+def test_ceiling_ratio_of_a_slow_and_a_fast_loader():
+    """A 10 ms step fed by a loader sleeping 30 ms per batch runs at ~1/3 of its data-free rate."""
+    def run(fetch_s):
+        with Doctor(print_report=False, ceiling_steps=5, ceiling_after=2) as d:
+            for _ in d.wrap(sleepy(12, fetch_s)):
+                time.sleep(0.01)
+        return d.finish()
+
+    slow, fast = run(0.03), run(0.0)
+    assert slow["ceiling_ratio"] < 0.6 < fast["ceiling_ratio"]
+    assert "ceiling ratio" in doctor_report.format_report(slow)
+
+
+def test_ceiling_not_measured_is_said_and_bad_arguments_raise():
+    with Doctor(print_report=False, ceiling_steps=5, ceiling_after=4) as d:
+        for _ in d.wrap(sleepy(3, 0.0)):
+            pass
+    rep = d.finish()
+    assert rep["ceiling_ratio"] is None and "not measured" in rep["ceiling"]
+    assert Doctor(print_report=False).report()["ceiling"].startswith("not requested")
+    with pytest.raises(ValueError, match="ceiling_steps"):
+        Doctor(ceiling_steps=-1)
+    with pytest.raises(ValueError, match="ceiling_after"):
+        Doctor(ceiling_after=0)

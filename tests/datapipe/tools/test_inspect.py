@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from datapipe.cli import main
+from datapipe.tools.inspect import inspect_shards
+from datapipe.jobs.shard.job import shard
+from tests.datapipe.jobs.shard.test_job import make_image_folder
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imgs")
+    make_image_folder(str(root), n=12, classes=("a", "b"))
+    out = tmp_path_factory.mktemp("shards")
+    shard(str(root), str(out), max_count=5, workers=1, progress=False)
+    return out
+
+
+def test_summary_of_shard_output(out, capsys):
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "3 shards, 12 samples" in text and "manifest: yes" in text
+    assert "cls (12)" in text and "jpg (12)" in text
+    assert "PROBLEM" not in text
+
+
+def test_json_report(out, capsys):
+    assert main(["inspect", str(out), "--json", "--preview", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["samples"] == 12 and [s["samples"] for s in report["shards"]] == [5, 5, 2]
+    assert report["extensions"] == {"cls": 12, "jpg": 12} and len(report["preview"]) == 2
+    assert report["problems"] == [] and report["manifest"] is True
+
+
+def test_corrupted_shard_exits_1(out, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    path = bad / "shard-000001.tar"
+    data = bytearray(path.read_bytes())
+    data[100:108] = b"\xff" * 8  # the first member header's mode field: checksum no longer matches
+    path.write_bytes(bytes(data))
+    assert main(["inspect", str(bad)]) == 1
+    assert "PROBLEM" in capsys.readouterr().out and "shard-000001.tar" in str(inspect_shards(str(bad))["problems"])
+    assert main(["inspect", str(bad / "shard-000000.tar")]) == 0
+
+
+def test_brace_pattern_finds_the_manifest_beside(out, capsys):
+    assert main(["inspect", str(out / "shard-{000000..000002}.tar")]) == 0
+    assert "manifest: yes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [b"just some notes\n", b"x" * 2000, b""])
+def test_a_file_that_is_not_a_tar_is_one_line(tmp_path, capsys, content):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "neither a tar file nor a directory" in err and "Not a directory" not in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_missing_target_and_bad_storage_options(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path), "--storage-options", "{not json"]) == 2
+    assert "--storage-options must be a JSON object" in capsys.readouterr().err
+
+
+def test_truncated_shard_named_with_its_byte(out, tmp_path, capsys):
+    data = (out / "shard-000000.tar").read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:len(data) // 2 // 512 * 512 + 100])
+    assert main(["inspect", str(tmp_path / "cut.tar")]) == 1
+    assert "byte" in capsys.readouterr().out
