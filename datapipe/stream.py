@@ -101,6 +101,7 @@ class ShardStream(ShardCounts, SegmentReading, torch.utils.data.IterableDataset)
             raise TypeError(f"on_error must be a handler name or a callable, got {type(on_error).__name__} "
                             f"{on_error!r}")
         check_on_error(on_error)
+        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         if shuffle_buffer < 0:
             raise ValueError("shuffle_buffer must be >= 0 (0 disables the sample shuffle buffer)")
         if (rank is None) != (world_size is None):
@@ -141,6 +142,13 @@ class ShardStream(ShardCounts, SegmentReading, torch.utils.data.IterableDataset)
         self._num_workers = 0
         self._stats = {"samples": 0, "padded": 0, "retries": 0, "shards_opened": 0, "bytes_read": 0, "cache_hits": 0}
         self._errors = ErrorPolicy(on_error, log=log)  # counts errors, skipped, last_errors
+
+    def replace(self, **changes: Any) -> "ShardStream":
+        """A new stream with the same settings except ``changes`` (constructor keyword names); a fresh epoch 0."""
+        unknown = sorted(set(changes) - set(self._init_args))
+        if unknown:
+            raise ValueError(f"ShardStream has no option {unknown[0]!r}; options: {sorted(self._init_args)}")
+        return type(self)(**{**self._init_args, **changes})
 
     # ---- storage (counts: datapipe.shard_counts; segment reads: datapipe.segments) ---------
     def _options(self, url: str) -> dict:
