@@ -1,5 +1,8 @@
 """Shared bits of the benchmark scripts: the environment record, tables, writing results, batch feeds.
 
+The baselines (torch + PIL, webdataset, hand-written DALI, endless / replayed sources) live in
+``datapipe.tools.bench.baselines``.
+
 The environment record and the table format are the library's own (``datapipe.tools.bench.cli``), so the
 scripts here and ``datapipe bench`` write results alike.
 """
@@ -9,6 +12,7 @@ import contextlib
 import json
 import os
 
+from datapipe.tools.bench.baselines import endless, replay  # noqa: F401  (re-exported for the scripts)
 from datapipe.tools.bench.cli import environment, table  # noqa: F401  (re-exported for the scripts)
 
 
@@ -21,16 +25,6 @@ def write_result(name: str, result: dict, directory: str | None = None) -> str:
         json.dump({"environment": environment(), **result}, f, indent=1, default=str)
         f.write("\n")
     return path
-
-
-def endless(loader):
-    """Epoch after epoch of ``loader`` (``set_epoch(epoch)`` first when it has one)."""
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 def to_device(batches, device):

@@ -1,20 +1,20 @@
-"""Image loading: torch DataLoader + webdataset + PIL vs WebLoader vs hand-written DALI vs ImageLoader.
+"""Images/s: ImageLoader against the baselines (torch + PIL, webdataset, hand-written DALI), then training.
 
-Same shards (made by datapipe.make_image_dataset, cached in --data), same augmentation
-(random-resized-crop, flip, normalise), same batch size. Then the starvation test: a ResNet-50
-(random init, bf16 autocast, channels_last) training step fed by the PIL DataLoader and by
-ImageLoader: images/s and the fraction of wall time spent waiting for data.
-Writes bench/results/images.json.
+Same shards (made by ``datapipe.tools.synthetic.make_image_dataset``, cached in ``--data``), same
+augmentation (random-resized-crop, flip, normalise), same batch size; the baselines are
+``datapipe.tools.bench.baselines``. Parts: (a) torch DataLoader + webdataset + PIL, (b)
+webdataset.WebLoader, (c) hand-written DALI, (d) ``loaders.ImageLoader`` defaults; ``train``: a
+ResNet-50 (random init, bf16 autocast, channels_last) step fed by each of ``--train-loaders``:
+images/s and the fraction of wall time spent waiting for data. Writes ``bench/results/images.json``.
 
-    python bench/images.py --device cuda [--num-images 20000 --steps 60 --train-steps 150 --data DIR]
-    python bench/images.py --quick          # small CPU smoke run
+    python bench/images.py --device cuda          # the H200 run (20k images, batch 256)
+    python bench/images.py --quick                # small CPU smoke run
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import json
-import math
 import os
 import sys
 import time
@@ -25,12 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench import common  # noqa: E402
 from bench.common import sync, table, to_device, write_result  # noqa: E402
+from datapipe.tools.bench import baselines  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
-
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -55,121 +52,30 @@ def ensure_dataset(directory: str, num_images: int, *, workers: int, per_shard: 
     return info["shards"], gen
 
 
-# ---- (a) / (b): webdataset + PIL ----------------------------------------------------------------
-class PilTrainTransform:
-    """torchvision's RandomResizedCrop + RandomHorizontalFlip + ToTensor + Normalize (PIL fallback without torchvision)."""
-
-    def __init__(self, size: int):
-        self.size = size
-        try:
-            import torchvision.transforms as T
-
-            self.tv = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
-                                 T.Normalize(MEAN, STD)])
-        except ImportError:
-            self.tv = None
-
-    def __call__(self, img):
-        if self.tv is not None:
-            return self.tv(img)
-        import random
-
-        from PIL import Image
-
-        w, h = img.size
-        for _ in range(10):
-            area = w * h * random.uniform(0.08, 1.0)
-            ratio = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
-            cw, ch = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
-            if 0 < cw <= w and 0 < ch <= h:
-                x, y = random.randint(0, w - cw), random.randint(0, h - ch)
-                break
-        else:
-            cw, ch, x, y = w, h, 0, 0
-        img = img.resize((self.size, self.size), Image.Resampling.BILINEAR, box=(x, y, x + cw, y + ch))
-        if random.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        a = (np.asarray(img, dtype=np.float32) / 255 - MEAN) / STD
-        return torch.from_numpy(a.transpose(2, 0, 1).astype(np.float32))
-
-
-def pil_webdataset(urls, image_size, *, batch_size=None):
-    """The baselines' pipeline: shard shuffle, a 1000-sample buffer, PIL decode, torchvision train transform."""
-    import webdataset as wds
-
-    ds = (wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.single_node_only, empty_check=False)
-          .shuffle(1000).decode("pil").to_tuple("jpg", "cls").map_tuple(PilTrainTransform(image_size), int))
-    if batch_size:
-        ds = ds.batched(batch_size, partial=False)
-    return ds
-
-
+# ---- the loaders ------------------------------------------------------------------------------------
 def torch_dataloader(urls, args):
-    ds = pil_webdataset(urls, args.image_size)
-    return torch.utils.data.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers,
-                                       pin_memory=args.device == "cuda", drop_last=True, persistent_workers=False,
-                                       prefetch_factor=2 if args.workers else None)
+    """(a): torch DataLoader + webdataset + PIL (``args``: batch_size, image_size, workers, device)."""
+    return baselines.torch_loader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
+                                  workers=args.workers, device=args.device)
 
 
 def web_loader(urls, args):
-    import webdataset as wds
-
-    ds = pil_webdataset(urls, args.image_size, batch_size=args.batch_size)
-    return wds.WebLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=args.device == "cuda",
-                         prefetch_factor=2 if args.workers else None)
+    """(b): webdataset.WebLoader, batched in the workers."""
+    return baselines.webdataset_loader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
+                                       workers=args.workers, device=args.device)
 
 
-# ---- (c): hand-written DALI ---------------------------------------------------------------------
 def dali_handwritten(urls, args):
-    from nvidia.dali import fn, types
-    from nvidia.dali.pipeline import Pipeline
-    from nvidia.dali.plugin.pytorch import feed_ndarray
-
-    from datapipe.tar.dali_index import default_index_path
-
-    gpu = args.device == "cuda"
-    pipe = Pipeline(batch_size=args.batch_size, num_threads=args.dali_threads, device_id=0 if gpu else None,
-                    seed=0, prefetch_queue_depth=2)
-    with pipe:
-        jpg, cls = fn.readers.webdataset(paths=urls, index_paths=[default_index_path(u) for u in urls],
-                                         ext=["jpg", "cls"], random_shuffle=True, initial_fill=2000, name="Reader")
-        extra = dict(hw_decoder_load=args.hw_decoder_load, device_memory_padding=211025920,
-                     host_memory_padding=140544512, preallocate_width_hint=5980,
-                     preallocate_height_hint=6430) if gpu else {}
-        images = fn.decoders.image_random_crop(jpg, device="mixed" if gpu else "cpu", output_type=types.RGB,
-                                               random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3],
-                                               num_attempts=100, **extra)
-        images = fn.resize(images, device="gpu" if gpu else "cpu", resize_x=args.image_size,
-                           resize_y=args.image_size, interp_type=types.INTERP_LINEAR, antialias=True)
-        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                          crop=(args.image_size, args.image_size),
-                                          mean=[m * 255 for m in MEAN], std=[s * 255 for s in STD],
-                                          mirror=fn.random.coin_flip(probability=0.5))
-        pipe.set_outputs(images, cls)
-    pipe.build()
-    device = torch.device("cuda" if gpu else "cpu")
-
-    def batches():
-        while True:
-            stream = torch.cuda.current_stream() if gpu else None
-            imgs, labels = pipe.run(stream) if gpu else pipe.run()
-            t = imgs.as_tensor()
-            x = torch.empty(t.shape(), dtype=torch.float32, device=device)
-            feed_ndarray(t, x, cuda_stream=stream)
-            y = torch.tensor([int(np.asarray(labels.at(i)).tobytes()) for i in range(len(labels))])
-            yield x, y.to(device, non_blocking=True)
-
-    return batches()
+    """(c): the hand-written DALI graph."""
+    return baselines.DaliBaseline(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
+                                  device=args.device, threads=args.dali_threads, hw_decoder_load=args.hw_decoder_load)
 
 
-# ---- (d): ImageLoader ---------------------------------------------------------------------------
-def image_loader(urls, args, reader="auto", read_workers=0, depth=2, hw_decoder_load=None):
+def image_loader(urls, args):
+    """(d): ``loaders.ImageLoader`` with its defaults."""
     from loaders import ImageLoader
 
-    hw = args.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
-    return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True,
-                       device=args.device, num_threads=args.dali_threads, hw_decoder_load=hw,
-                       reader=reader, index_dir=None, read_workers=read_workers, prefetch_queue_depth=depth)
+    return ImageLoader(urls, batch_size=args.batch_size, image_size=args.image_size, train=True, device=args.device)
 
 
 LAST_LOADER: list = []  # the loader behind the last endless() (its stats() split the time in next())
@@ -179,7 +85,7 @@ def endless(make):
     """Epoch after epoch of a loader (set_epoch when it has one)."""
     loader = make()
     LAST_LOADER[:] = [loader]
-    yield from common.endless(loader)
+    yield from baselines.endless(loader)
 
 
 # ---- measurements -------------------------------------------------------------------------------
@@ -254,13 +160,12 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=16, help="DataLoader workers for (a) and (b)")
     p.add_argument("--dali-threads", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--gen-workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--hw-decoder-load", type=float, default=0.75)
+    p.add_argument("--hw-decoder-load", type=float, default=0.75, help="hand-written DALI's hardware decoder share")
     p.add_argument("--steps", type=int, default=60, help="timed batches per loader")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--train-steps", type=int, default=150)
-    p.add_argument("--read-workers", type=int, default=4, help="reader processes of the d_workers variant")
-    p.add_argument("--only", default="a,b,c,d,d_stream,train", help="comma list of parts to run")
-    p.add_argument("--train-loaders", default="a,c,d,d_stream", help="loaders that feed the training test")
+    p.add_argument("--only", default="a,b,c,d,train", help="comma list of parts to run (a,b,c,d,train)")
+    p.add_argument("--train-loaders", default="a,c,d", help="loaders that feed the training test")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no training part)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
@@ -279,19 +184,8 @@ def main(argv=None) -> int:
         "a": ("torch DataLoader + webdataset + PIL", lambda: to_device(endless(lambda: torch_dataloader(urls, args)),
                                                                        args.device)),
         "b": ("webdataset.WebLoader + PIL", lambda: to_device(endless(lambda: web_loader(urls, args)), args.device)),
-        "c": ("hand-written DALI (readers.webdataset)", lambda: dali_handwritten(urls, args)),
-        "d": ("loaders.ImageLoader (defaults: reader=auto -> DALI's reader)",
-              lambda: endless(lambda: image_loader(urls, args))),
-        "d_stream": ("loaders.ImageLoader (reader=stream)", lambda: endless(lambda: image_loader(urls, args, "stream"))),
-        "d_dali": ("loaders.ImageLoader (reader=dali)", lambda: endless(lambda: image_loader(urls, args, "dali"))),
-        "d_deep": ("loaders.ImageLoader (reader=stream, prefetch_queue_depth=4)",
-                   lambda: endless(lambda: image_loader(urls, args, "stream", depth=4))),
-        "d_dali_deep": ("loaders.ImageLoader (reader=dali, prefetch_queue_depth=4)",
-                        lambda: endless(lambda: image_loader(urls, args, "dali", depth=4))),
-        "d_hw": ("loaders.ImageLoader (reader=stream, hw_decoder_load=1.0)",
-                 lambda: endless(lambda: image_loader(urls, args, "stream", hw_decoder_load=1.0))),
-        "d_workers": (f"loaders.ImageLoader (reader=stream, read_workers={args.read_workers})",
-                      lambda: endless(lambda: image_loader(urls, args, "stream", read_workers=args.read_workers))),
+        "c": ("hand-written DALI (readers.webdataset)", lambda: iter(dali_handwritten(urls, args))),
+        "d": ("loaders.ImageLoader (defaults)", lambda: endless(lambda: image_loader(urls, args))),
     }
     for key, (name, make) in candidates.items():
         if key not in parts:

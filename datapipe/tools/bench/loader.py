@@ -1,8 +1,9 @@
 """``datapipe bench loader``: one dataset through several input pipelines side by side, plus a per-stage breakdown.
 
-Image shards (``jpg``/``png`` + ``cls``): ``torch`` (torch DataLoader over webdataset with PIL decode
-and a numpy resize / center-crop / normalise), ``webdataset`` (``webdataset.WebLoader``), ``dali``
-(DALI's own ``fn.readers.webdataset`` graph; CPU operators without a GPU), ``datapipe-images``
+Image shards (``jpg``/``png`` + ``cls``): the baselines of :mod:`datapipe.tools.bench.baselines` in
+their eval form, ``torch`` (torch DataLoader over webdataset with PIL decode, resize / center-crop /
+normalise), ``webdataset`` (``webdataset.WebLoader``), ``dali`` (the hand-written DALI graph; CPU
+operators without a GPU), then ``datapipe-images``
 (``loaders.ImageLoader``) and ``datapipe-loader`` (``loaders.DataLoader`` over ShardStream with the
 same PIL transform). Token shards (``npy``): ``datapipe-tokens`` (``loaders.TokenLoader``, packed)
 and ``naive-pad`` (documents batched in order, padded to the batch's longest).
@@ -25,136 +26,48 @@ import io
 import os
 import resource
 import sys
-import tempfile
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.utils.data
 
 from datapipe.device.autotune import usable_cores
+from datapipe.tools.bench.baselines import (IMAGE_EXTS, DaliBaseline, PilEval, decode_image, endless, image_bytes,
+                                            torch_loader, webdataset_loader)
 from datapipe.tools.bench.storage import Store, measure_reads, measure_stream, resolve
 
 IMAGE_PIPELINES = ("torch", "webdataset", "dali", "datapipe-images", "datapipe-loader")
 TOKEN_PIPELINES = ("datapipe-tokens", "naive-pad")
-MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
-STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
-IMAGE_EXTS = ("jpg", "jpeg", "png")
-
-
-# ---- the CPU transform of the baselines (no torchvision needed) ----------------------------------
-class PilTransform:
-    """PIL image -> resize the shorter side to ``size`` -> center crop -> normalise -> float32 CHW tensor."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def __call__(self, img):
-        from PIL import Image
-
-        img = img.convert("RGB")
-        w, h = img.size
-        scale = self.size / min(w, h)
-        nw, nh = max(self.size, round(w * scale)), max(self.size, round(h * scale))
-        img = img.resize((nw, nh), Image.Resampling.BILINEAR)
-        left, top = (nw - self.size) // 2, (nh - self.size) // 2
-        img = img.crop((left, top, left + self.size, top + self.size))
-        a = (np.asarray(img, dtype=np.float32) / 255.0 - MEAN) / STD
-        return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1)))
-
-
-def decode_image(data, transform: PilTransform):
-    from PIL import Image
-
-    return transform(Image.open(io.BytesIO(bytes(data))))
 
 
 class DecodedStream(torch.utils.data.IterableDataset):
-    """ShardStream samples -> ``(image tensor, label)`` with :class:`PilTransform` (for loaders.DataLoader)."""
+    """ShardStream samples -> ``(image tensor, label)`` with :class:`PilEval` (for loaders.DataLoader)."""
 
     def __init__(self, stream, size: int):
         self.stream = stream
-        self.transform = PilTransform(size)
+        self.transform = PilEval(size)
 
     def __iter__(self):
         for sample in self.stream:
-            data = next(sample[e] for e in IMAGE_EXTS if e in sample)
-            yield decode_image(data, self.transform), int(bytes(sample["cls"]))
+            yield self.transform(decode_image(image_bytes(sample))), int(bytes(sample["cls"]))
 
 
-# ---- pipelines: factories returning an iterable of batches ---------------------------------------
-def _wds(urls, cfg, batched: bool):
-    import webdataset as wds
-
-    ds = (wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode("pil")
-          .to_tuple("jpg;jpeg;png", "cls").map_tuple(PilTransform(cfg["image_size"]), int))
-    return ds.batched(cfg["batch_size"], partial=True) if batched else ds
-
-
+# ---- pipelines: factories returning an iterable of batches (the baselines evaluate: no augmentation) -----
 def make_torch(urls, cfg):
-
-    w = cfg["workers"]
-    return torch.utils.data.DataLoader(_wds(urls, cfg, False), batch_size=cfg["batch_size"], num_workers=w,
-                                       pin_memory=cfg["device"] == "cuda", prefetch_factor=2 if w else None)
+    return torch_loader(urls, batch_size=cfg["batch_size"], image_size=cfg["image_size"], train=False,
+                        workers=cfg["workers"], device=cfg["device"])
 
 
 def make_webdataset(urls, cfg):
-    import webdataset as wds
-
-    w = cfg["workers"]
-    return wds.WebLoader(_wds(urls, cfg, True), batch_size=None, num_workers=w,
-                         pin_memory=cfg["device"] == "cuda", prefetch_factor=2 if w else None)
-
-
-class DaliReader:
-    """DALI's own graph: ``fn.readers.webdataset`` -> decode -> resize shorter side -> center crop + normalise."""
-
-    def __init__(self, urls, cfg):
-        from nvidia.dali import fn, types
-        from nvidia.dali.pipeline import Pipeline
-
-        from datapipe.tar.dali_index import write_dali_index
-        from datapipe.storage.urls import is_local, local_path
-
-        if not all(is_local(u) for u in urls):
-            raise ValueError("the dali pipeline reads local shards only")
-        paths = [local_path(u) for u in urls]
-        self._tmp = tempfile.TemporaryDirectory(prefix="datapipe-bench-idx-")
-        index = [write_dali_index(p, os.path.join(self._tmp.name, f"{i}.idx")) for i, p in enumerate(paths)]
-        self.gpu = cfg["device"] == "cuda"
-        size = cfg["image_size"]
-        pipe = Pipeline(batch_size=cfg["batch_size"], num_threads=max(1, cfg["workers"]),
-                        device_id=0 if self.gpu else None, seed=0, prefetch_queue_depth=2)
-        with pipe:
-            jpg, cls = fn.readers.webdataset(paths=paths, index_paths=index, ext=["jpg;jpeg;png", "cls"],
-                                             random_shuffle=False, name="Reader")
-            images = fn.decoders.image(jpg, device="mixed" if self.gpu else "cpu", output_type=types.RGB)
-            images = fn.resize(images, resize_shorter=size, interp_type=types.INTERP_LINEAR, antialias=True)
-            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", crop=(size, size),
-                                              mean=list(MEAN * 255), std=list(STD * 255))
-            pipe.set_outputs(images, cls)
-        pipe.build()
-        self.pipe = pipe
-
-    def __iter__(self):
-
-        while True:
-            images, labels = self.pipe.run()
-            t = images.as_tensor()
-            if self.gpu:
-                from nvidia.dali.plugin.pytorch import feed_ndarray
-
-                x = torch.empty(t.shape(), dtype=torch.float32, device="cuda")
-                feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream())
-            else:
-                x = torch.from_numpy(np.array(t))
-            y = torch.tensor([int(np.asarray(labels.at(i)).tobytes()) for i in range(len(labels))])
-            yield x, y
+    return webdataset_loader(urls, batch_size=cfg["batch_size"], image_size=cfg["image_size"], train=False,
+                             workers=cfg["workers"], device=cfg["device"])
 
 
 def make_dali(urls, cfg):
-    return DaliReader(urls, cfg)
+    return DaliBaseline(urls, batch_size=cfg["batch_size"], image_size=cfg["image_size"], train=False,
+                        device=cfg["device"], threads=max(1, cfg["workers"]))
 
 
 def make_image_loader(urls, cfg):
@@ -266,41 +179,13 @@ def consume(batch, device: str):
     return t.float().sum()
 
 
-def _endless(loader) -> Iterator:
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        n = 0
-        it = iter(loader)
-        try:
-            for batch in it:
-                n += 1
-                yield batch
-        finally:
-            _close(it)
-        if n == 0:
-            raise ValueError("the pipeline produced no batches")
-        epoch += 1
-
-
-def _close(it) -> None:
-    for name in ("_shutdown_workers", "close"):
-        fn = getattr(it, name, None)
-        if callable(fn):
-            try:
-                fn()
-            except Exception:
-                pass
-
-
 def measure_pipeline(name: str, loader, *, kind: str, steps: int, warmup: int, device: str,
                      sample_bytes: float, progress=None) -> dict[str, Any]:
     """Pull ``warmup`` then ``steps`` batches through ``consume``; rates, CPU cores used, wait and GPU time."""
 
     cuda = device == "cuda" and torch.cuda.is_available()
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
-    gen = _endless(loader)
+    gen = endless(loader)
     for _ in range(warmup):
         consume(next(gen), device)
     if cuda:
@@ -385,9 +270,9 @@ def measure_stages(urls: list[str], *, kind: str, cfg: dict, sample_bytes: float
     samples = _first_samples(urls, 16)
     bs = cfg["batch_size"]
     if kind == "images":
-        transform = PilTransform(cfg["image_size"])
-        data = [next(s[e] for e in IMAGE_EXTS if e in s) for s in samples]
-        one = _rate(lambda d: decode_image(d, transform), data, seconds)
+        transform = PilEval(cfg["image_size"])
+        data = [image_bytes(s) for s in samples]
+        one = _rate(lambda d: transform(decode_image(d)), data, seconds)
         stages.append({"stage": "decode", "samples_per_s": one * par, "parallel": par, "one_core": one,
                        "note": "PIL decode + resize/crop/normalise, per core x workers"})
         batch = torch.zeros(bs, 3, cfg["image_size"], cfg["image_size"])
