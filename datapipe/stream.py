@@ -1,6 +1,7 @@
 """``ShardStream``: WebDataset samples from sharded tars on any storage, split over ranks and workers."""
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from numbers import Integral, Real
@@ -8,7 +9,8 @@ from typing import Any, Iterator
 
 import torch.utils.data
 
-from datapipe.errors import ErrorPolicy, OnError, check_on_error
+from datapipe.decode import Decode, Map, run_steps
+from datapipe.errors import DataError, ErrorPolicy, OnError, check_on_error
 from datapipe.order import elastic
 from datapipe.order.plan import WorkerPlan, samples_per_rank, shard_order, worker_plan
 from datapipe.order.shuffle import ShuffleBuffer, replay_positions
@@ -142,13 +144,44 @@ class ShardStream(ShardCounts, SegmentReading, torch.utils.data.IterableDataset)
         self._num_workers = 0
         self._stats = {"samples": 0, "padded": 0, "retries": 0, "shards_opened": 0, "bytes_read": 0, "cache_hits": 0}
         self._errors = ErrorPolicy(on_error, log=log)  # counts errors, skipped, last_errors
+        self._steps: tuple = ()  # per-sample steps (decode, map), run where the samples are read
 
     def replace(self, **changes: Any) -> "ShardStream":
         """A new stream with the same settings except ``changes`` (constructor keyword names); a fresh epoch 0."""
         unknown = sorted(set(changes) - set(self._init_args))
         if unknown:
             raise ValueError(f"ShardStream has no option {unknown[0]!r}; options: {sorted(self._init_args)}")
-        return type(self)(**{**self._init_args, **changes})
+        out = type(self)(**{**self._init_args, **changes})
+        out._steps = self._steps
+        return out
+
+    # ---- per-sample steps (datapipe.decode) ---------------------------------------------------
+    def decode(self, images: str = "pil") -> "ShardStream":
+        """A new stream whose samples are decoded by extension, in the process that reads them.
+
+        Images (``jpg``, ``jpeg``, ``png``, ``webp``, ...) become PIL RGB images (``"pil"``), numpy uint8
+        HWC arrays (``"rgb8"``) or uint8 CHW tensors (``"torch"``); always ``cls`` / ``cls2`` / ``index`` /
+        ``id`` -> int, ``txt`` -> str, ``json`` -> object, ``npy`` -> numpy array; others stay bytes.
+        A sample that fails to decode goes to ``on_error`` (a ``DataError`` naming its shard and key).
+        """
+        return self._with_step(Decode(images))
+
+    def map(self, fn) -> "ShardStream":
+        """A new stream whose samples are ``fn(sample)`` (after the steps before it), run where samples are read.
+
+        ``fn`` must pickle when DataLoader workers start by spawn (a module-level function). Its
+        exceptions go to ``on_error`` as a ``DataError`` naming the sample's shard and key.
+        """
+        return self._with_step(Map(fn))
+
+    def _with_step(self, step) -> "ShardStream":
+        """A copy of this stream (same settings, epoch and pending resume; fresh counts) with ``step`` appended."""
+        out = copy.copy(self)
+        out._steps = self._steps + (step,)
+        out._stats = dict.fromkeys(self._stats, 0)
+        out._errors = ErrorPolicy(self.on_error, log=log)
+        out._positions = {}
+        return out
 
     # ---- storage (counts: datapipe.shard_counts; segment reads: datapipe.segments) ---------
     def _options(self, url: str) -> dict:
@@ -280,45 +313,56 @@ class ShardStream(ShardCounts, SegmentReading, torch.utils.data.IterableDataset)
         yield from self._iterate(plan, seed, position)
         position["done"] = True
 
-    def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _iterate(self, plan: WorkerPlan, seed: int, position: dict[str, Any]) -> Iterator[Any]:
+        """The worker's samples: read (through the shuffle buffer), stepped, then counted and delivered."""
         draws = position["draws"]
-        stats = self._stats
-        if self.shuffle_buffer <= 1 and self._rank_world()[1] > 1:  # DDP: every rank yields as many as planned
-            yield from self._pad_lost(((None, item) for item in self._read_items(plan, draws)), position)
-            return
-        if self.shuffle_buffer <= 1:  # no buffer: read straight through (the hot path, kept lean)
-            for item in self._read_items(plan, draws):
-                position["draws"] += 1
-                if item is not LOST:
-                    stats["samples"] += 1
-                    yield item
-            return
+        if self.shuffle_buffer <= 1:
+            items = self._read_items(plan, draws)
         else:
-            buffer, pulled = replay_positions(self.shuffle_buffer, seed, len(plan), draws)
-            source = self._read_positions(plan, min(buffer.slots + [pulled]))
-            wanted = {p: i for i, p in enumerate(buffer.slots)}
-            slots = [None] * len(buffer.slots)
-            while wanted:
-                pos, item = next(source)
-                if pos in wanted:
-                    slots[wanted.pop(pos)] = (pos, item)
-            live = ShuffleBuffer(self.shuffle_buffer, buffer.rng, slots)
-            items = live.run(item for item in source if item[0] >= pulled)
-        if self._rank_world()[1] > 1:
+            items = self._shuffled(plan, seed, draws)
+        if self._steps:
+            items = self._stepped(items)
+        if self._rank_world()[1] > 1:  # DDP: every rank yields as many as planned
             yield from self._pad_lost(items, position)
             return
-        for _, item in items:
+        stats = self._stats
+        for item in items:
             position["draws"] += 1
-            if item is LOST:
-                continue
-            self._stats["samples"] += 1
+            if item is not LOST:
+                stats["samples"] += 1
+                yield item
+
+    def _shuffled(self, plan: WorkerPlan, seed: int, draws: int) -> Iterator[Any]:
+        """The plan's items through the shuffle buffer, from draw ``draws`` on (the buffer rebuilt by replay)."""
+        buffer, pulled = replay_positions(self.shuffle_buffer, seed, len(plan), draws)
+        source = self._read_positions(plan, min(buffer.slots + [pulled]))
+        wanted = {p: i for i, p in enumerate(buffer.slots)}
+        slots = [None] * len(buffer.slots)
+        while wanted:
+            pos, item = next(source)
+            if pos in wanted:
+                slots[wanted.pop(pos)] = (pos, item)
+        live = ShuffleBuffer(self.shuffle_buffer, buffer.rng, slots)
+        for _, item in live.run(item for item in source if item[0] >= pulled):
             yield item
 
+    def _stepped(self, items: Iterator[Any]) -> Iterator[Any]:
+        """Items through the decode/map steps; a sample whose step fails goes to ``on_error`` and is LOST."""
+        steps = self._steps
+        for item in items:
+            if item is LOST:
+                yield item
+                continue
+            try:
+                yield run_steps(steps, item)
+            except DataError as e:
+                yield from self._lose(e, 1)
+
     def _pad_lost(self, items, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """Deliver ``(pos, item)`` items; each LOST one becomes a repeat of a delivered sample (counted
+        """Deliver items; each LOST one becomes a repeat of a delivered sample (counted
         in ``padded``), so that a rank whose shards turned out shorter still yields its planned count."""
         last, owed = None, 0
-        for _, item in items:
+        for item in items:
             position["draws"] += 1
             if item is LOST:
                 if last is None:
