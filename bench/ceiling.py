@@ -827,7 +827,7 @@ class TokenBatches(torch.utils.data.IterableDataset):
 
 
 def token_part(args, results) -> None:
-    from bench.scaling import ensure_tokens
+    from bench.common import ensure_tokens
     from loaders import TokenLoader
 
     urls = ensure_tokens(args.tokens_dir, args.docs, 0)

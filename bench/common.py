@@ -95,3 +95,23 @@ class GpuSampler:
             return {}
         n = len(rows)
         return {"sm_mhz": round(sum(r[0] for r in rows) / n), "power_w": round(sum(r[1] for r in rows) / n, 1)}
+
+
+def ensure_tokens(directory: str, docs: int, rank: int = 0) -> list[str]:
+    """Token shards of ``docs`` documents (log-normal lengths, int32 ``npy``) in ``directory``, made once."""
+    import io
+
+    import numpy as np
+
+    from datapipe import ShardWriter
+    from datapipe.tar.manifest import read_manifest
+
+    if rank == 0 and (read_manifest(directory) or {}).get("num_samples") != docs:
+        rng = np.random.default_rng(0)
+        lengths = np.clip(rng.lognormal(6.5, 1.0, docs).astype(int), 1, 8192)
+        with ShardWriter(os.path.join(directory, "tok-%05d.tar"), max_count=2000) as writer:
+            for i, n in enumerate(lengths):
+                buf = io.BytesIO()
+                np.save(buf, rng.integers(0, 32000, n, dtype=np.int32))
+                writer.write({"__key__": f"{i:08d}", "npy": buf.getvalue()})
+    return [os.path.join(directory, s["name"]) for s in read_manifest(directory)["shards"]]

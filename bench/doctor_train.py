@@ -30,14 +30,14 @@ def model_for(device: torch.device) -> nn.Module:
 
 
 def torch_loader(urls: list[str], size: int, batch_size: int, workers: int, cuda: bool):
-    from bench.images import pil_webdataset
+    from datapipe.tools.bench.baselines import torch_loader as baseline
 
-    return torch.utils.data.DataLoader(pil_webdataset(urls, size), batch_size=batch_size, num_workers=workers,
-                                       pin_memory=cuda, drop_last=True)
+    return baseline(urls, batch_size=batch_size, image_size=size, train=True, workers=workers,
+                    device="cuda" if cuda else "cpu")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shards", help="directory of image shards (shard-*.tar with jpg + cls)")
     p.add_argument("steps", type=int, nargs="?", default=60)
     p.add_argument("--workers", type=int, default=8, help="torch DataLoader workers")

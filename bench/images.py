@@ -150,7 +150,7 @@ def loader_seconds() -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--data", default="/tmp/datapipe-bench-images", help="dataset cache directory")
     p.add_argument("--num-images", type=int, default=20000)

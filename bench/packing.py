@@ -400,7 +400,7 @@ def print_table(res: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda adds the training part)")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     p.add_argument("--train", action="store_true", help="run the training part on CPU too (with --quick)")

@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from bench.common import sync, table, write_result  # noqa: E402
+from bench.common import replay, sync, table, write_result  # noqa: E402
 from datapipe.units import percentiles  # noqa: E402
 from datapipe import DevicePrefetcher  # noqa: E402
 from loaders import DataLoader  # noqa: E402
@@ -210,12 +209,6 @@ def gpu_timeline(marks: list) -> dict:
 TIMELINE = ("gpu_busy_mean_ms", "gpu_turnaround_mean_ms", "gpu_busy_p50_ms", "gpu_turnaround_p50_ms")
 
 
-def cached(batch):
-    """The data-free feed: one batch already on the device, forever."""
-    while True:
-        yield batch
-
-
 def alone(loader, batches: int, warmup: int) -> float:
     """Batches per second the loader delivers with no training step: can its workers keep up at all?"""
     it = iter(loader)
@@ -229,93 +222,11 @@ def alone(loader, batches: int, warmup: int) -> float:
     return round(rate, 2)
 
 
-PROBE: list[dict] = [{}]  # the last ours_variant's probe counts
-
-
-WORKER_BOUND = ("default", "fresh", "copied", "pin_memory")  # the variants also run where the workers cannot keep up
-
-
-@contextlib.contextmanager
-def ours_variant(variant: str):
-    """``loaders.DataLoader`` options and patches for one variant of ours (``--ours``): ``default``;
-    ``unpaced`` (``pace=None``); ``depth4`` (prefetch_depth=4); ``synced`` (the producer waits for each
-    batch's copy before queueing it); ``probe`` (default, counting the batches whose copy had not finished
-    when ``next()`` handed them over: ``copy_pending_fraction``); ``switch`` (``sys.setswitchinterval(5e-4)``: a
-    thread waiting for the GIL asks its holder for it after 0.5 ms, not 5); ``nogc`` (the cyclic collector off);
-    ``pinthread`` (torch's pin-memory thread pins, as before ``loaders.dataloader_iter.pinned``); ``fresh``
-    (workers' batches in fresh shared memory, as before ``loaders.dataloader_shm``); ``copied`` (recycled
-    segments copied into pinned memory, not registered for CUDA and copied in place); ``pin_memory`` (torch's
-    idiom with our loader: ``pin_memory=True``, no ``device``, ``.to(non_blocking=True)`` in the loop). The
-    last three also run where the workers cannot keep up."""
-    import gc
-
-    from datapipe.device import prefetch
-
-    counts = {"handed": 0, "pending": 0}
-    saved_call, saved_handoff = prefetch._CudaTransfer.__call__, prefetch._handoff
-    options = {"prefetch_depth": 4} if variant == "depth4" else {"pace": None} if variant == "unpaced" else {}
-    if variant == "synced":
-        def synced_call(self, batch):
-            out = saved_call(self, batch)
-            out[1].synchronize()
-            return out
-        prefetch._CudaTransfer.__call__ = synced_call
-    if variant == "probe":
-        def probed_handoff(consumer):
-            inner = saved_handoff(consumer)
-
-            def handoff(item):
-                counts["handed"] += 1
-                counts["pending"] += not item[1].query()
-                return inner(item)
-            return handoff
-        prefetch._handoff = probed_handoff
-    interval = sys.getswitchinterval()
-    if variant == "switch":
-        sys.setswitchinterval(5e-4)
-    if variant == "nogc":
-        gc.disable()
-    try:
-        yield options
-    finally:
-        sys.setswitchinterval(interval)
-        gc.enable()
-        prefetch._CudaTransfer.__call__, prefetch._handoff = saved_call, saved_handoff
-        PROBE.append({"copy_pending_fraction": round(counts["pending"] / counts["handed"], 4)}
-                     if counts["handed"] else {})
-
-
-def trace_ours(loader, step: Step, device: torch.device, steps: int, warmup: int, path: str) -> str:
-    """``steps`` steps of ``loader`` under torch.profiler with Python stacks of every thread (``with_stack``),
-    each step and ``next()`` annotated; the chrome trace is written gzipped to ``path``."""
-    import gzip
-    import shutil
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    it = iter(loader)
-    for _ in range(warmup):
-        step(next(it)[0])
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for _ in range(steps):
-            with record_function("prefetch_next"):
-                x, _ = next(it)
-            with record_function("prefetch_step"):
-                step(x)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(raw)
-        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    return path
-
-
 def training(device: torch.device, *, workers: int, batch: int, shape: tuple, step_s: float, dim: int,
-             steps: int, warmup: int, repeats: int = 1, variants: tuple = ("default",),
-             trace: str | None = None, trace_steps: int = 40) -> list[dict]:
+             steps: int, warmup: int, repeats: int = 1) -> list[dict]:
     """Per case and round: the ceiling (the same loop fed one cached device batch), torch's
-    DataLoader(pin_memory) and ours, in turn; each loader's rate as a ratio to the ceilings
+    DataLoader(pin_memory) + ``.to()``, ours with ``device=`` and ours in torch's idiom
+    (``pin_memory=True`` + ``.to()``), in turn; each loader's rate as a ratio to the ceilings
     measured right before and after its round. Per case, the workers' rate with no step at all."""
     step = Step(device, step_s, dim)
     rows = []
@@ -329,30 +240,21 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
         ideal = min(1 / step.seconds, workers / batch_cost if workers else 1 / (batch_cost + step.seconds))
         worker_rate = alone(torch.utils.data.DataLoader(ds, **common, **extra), batches=max(10, steps // 2),
                             warmup=max(2, workers))
-        ceiling_runs = [train(cached(device_batch), step, device, steps, warmup, move=False)]
+        ceiling_runs = [train(replay(device_batch), step, device, steps, warmup, move=False)]
         for repeat in range(repeats):
             round_rows = []
             torch_loader = torch.utils.data.DataLoader(
                 ds, pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(0), **common, **extra)
             r = train(torch_loader, step, device, steps, warmup, move=True)
             round_rows.append({"case": case, "loader": "torch DataLoader(pin_memory)", **r})
-            for variant in variants if case == "host keeps up" else [v for v in variants if v in WORKER_BOUND]:
-                with ours_variant(variant) as options:
-                    drop_in = variant == "pin_memory"  # torch's idiom: pinned CPU batches, .to() in the loop
-                    where = dict(pin_memory=device.type == "cuda") if drop_in else dict(device=device)
-                    ours = DataLoader(ds, **where, **common, **extra, **options)
-                    if variant == "pinthread":  # as before: torch's pin-memory thread pins
-                        ours._own_pinning = False
-                    if variant in ("pinthread", "fresh"):  # fresh shared memory per batch, as before recycling
-                        ours._returns = None
-                    if variant == "copied":  # recycled segments copied into pinned memory, as before registering
-                        ours._returns.register = False
-                    r = train(ours, step, device, steps, warmup, move=drop_in)
-                    ours.close()
-                name = ("loaders.DataLoader(pin_memory) + .to()" if drop_in else
-                        "loaders.DataLoader(device)" + ("" if variant == "default" else f" {variant}"))
-                round_rows.append({"case": case, "loader": name, **r, **PROBE.pop()})
-            ceiling_runs.append(train(cached(device_batch), step, device, steps, warmup, move=False))
+            for drop_in in (False, True):  # ours with device=, then torch's idiom with ours
+                where = dict(pin_memory=device.type == "cuda") if drop_in else dict(device=device)
+                ours = DataLoader(ds, **where, **common, **extra)
+                r = train(ours, step, device, steps, warmup, move=drop_in)
+                ours.close()
+                name = "loaders.DataLoader(pin_memory) + .to()" if drop_in else "loaders.DataLoader(device)"
+                round_rows.append({"case": case, "loader": name, **r})
+            ceiling_runs.append(train(replay(device_batch), step, device, steps, warmup, move=False))
             before, after = ceiling_runs[-2], ceiling_runs[-1]
             ceiling = (before["steps_per_s"] + after["steps_per_s"]) / 2
             for row in round_rows:
@@ -366,15 +268,11 @@ def training(device: torch.device, *, workers: int, batch: int, shape: tuple, st
                            workers_alone_batches_per_s=worker_rate,
                            samples_per_s=round(row["steps_per_s"] * batch, 1))
             rows += round_rows
-        if trace and case == "host keeps up" and device.type == "cuda":
-            ours = DataLoader(ds, device=device, **common, **extra)
-            print(f"trace: {trace_ours(ours, step, device, trace_steps, warmup, trace)}", file=sys.stderr)
-            ours.close()
     return rows
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--iters", type=int, default=20, help="copies per bandwidth measurement")
@@ -386,13 +284,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps first: the workers fill the pipeline")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each loader per case, in turn")
-    ap.add_argument("--ours", default="default",
-                    help="variants of ours in the keeps-up case (default, fresh, copied and pin_memory in the "
-                         "worker-bound one too), comma-separated: default, unpaced, depth4, synced, probe, switch, "
-                         "nogc, pinthread, fresh, copied, pin_memory (see ours_variant)")
-    ap.add_argument("--trace-steps", type=int, default=0,
-                    help="then profile this many steps of ours (keeps-up case, Python stacks of every thread) into "
-                         "prefetch_trace.json.gz beside the result")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU smoke check")
     ap.add_argument("--out", default=None, help="directory for prefetch.json (default bench/results)")
     args = ap.parse_args(argv)
@@ -404,8 +295,7 @@ def main(argv=None) -> dict:
     bw = [r for size in args.sizes_mb for r in bandwidth(device, size, args.iters)]
     tr = training(device, workers=args.workers, batch=args.batch, shape=tuple(args.image),
                   step_s=args.step_ms / 1e3, dim=args.dim, steps=args.steps, warmup=args.warmup,
-                  repeats=args.repeats, variants=tuple(args.ours.split(",")), trace_steps=args.trace_steps,
-                  trace=os.path.join(args.out or "bench/results", "prefetch_trace.json.gz") if args.trace_steps else None)
+                  repeats=args.repeats)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "cpu_count": os.cpu_count(), "args": vars(args), "bandwidth": bw, "training": tr,
               "target": "DevicePrefetcher >= 0.85 x pinned ceiling"}
@@ -415,8 +305,7 @@ def main(argv=None) -> dict:
     print(table(tr, ["case", "loader", "repeat", "batch_cpu_ms", "workers_alone_batches_per_s", "steps_per_s",
                      "ceiling_steps_per_s", "ceiling_ratio", "of_ideal", "wait_fraction", "step_p50_ms",
                      "step_p90_ms", "ceiling_step_p50_ms", "gpu_busy_mean_ms", "ceiling_gpu_busy_mean_ms",
-                     "gpu_turnaround_mean_ms", "ceiling_gpu_turnaround_mean_ms", "gpu_turnaround_p90_ms",
-                     "copy_pending_fraction"]))
+                     "gpu_turnaround_mean_ms", "ceiling_gpu_turnaround_mean_ms", "gpu_turnaround_p90_ms"]))
     print(f"\nwrote {path}")
     return result
 

@@ -14,6 +14,7 @@ Writes bench/results/storage.json and storage.png.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 import tempfile
@@ -21,9 +22,28 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import table, write_result  # noqa: E402
-from bench.read_throughput import make_shards  # noqa: E402
 
 KEY, SECRET = "AKIAEXAMPLEKEY123456", "bench-secret-key-0000000000000000000000"
+
+
+def make_shards(directory: str, samples: int, *, mean_kb: float = 110.0, per_shard: int = 1000, seed: int = 0):
+    """Shards whose payload sizes follow ImageNet's JPEG sizes (log-normal, mean ~110 KB)."""
+    import numpy as np
+
+    from datapipe import ShardWriter
+
+    urls = sorted(glob.glob(os.path.join(directory, "shard-*.tar")))
+    if urls and os.path.exists(os.path.join(directory, "manifest.json")):
+        return urls
+    rng = np.random.default_rng(seed)
+    sigma = 0.5
+    sizes = rng.lognormal(np.log(mean_kb * 1024) - sigma**2 / 2, sigma, samples).astype(int).clip(2000, 2_000_000)
+    pool = rng.integers(0, 256, int(sizes.max()) + 4096, dtype=np.uint8).tobytes()
+    with ShardWriter(os.path.join(directory, "shard-%06d.tar"), max_count=per_shard) as writer:
+        for i, size in enumerate(sizes):
+            off = int(rng.integers(0, 4096))
+            writer.write({"__key__": f"{i:08d}", "jpg": pool[off:off + size], "cls": str(i % 1000).encode()})
+    return sorted(glob.glob(os.path.join(directory, "shard-*.tar")))
 
 
 def main(argv=None):

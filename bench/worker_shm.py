@@ -9,9 +9,7 @@ variants interleaved in each round):
   copies each batch out (the pinning stand-in) and drops it;
 - ``recycled``: the same with ``PooledCollate``, each batch's segments given back after the copy;
 - on CUDA, the loaders as users run them: ``dl_torch`` torch's ``pin_memory=True`` + ``.to(non_blocking)``,
-  ``dl_ours`` ``loaders.DataLoader(device="cuda")``, ``dl_ours_fresh`` the same with recycling off,
-  ``dl_ours_copied`` with the segments copied into pinned memory (not registered for CUDA),
-  ``dl_ours_pin_memory`` ``loaders.DataLoader(pin_memory=True)`` + ``.to(non_blocking)`` (torch's idiom).
+  ``dl_ours`` ``loaders.DataLoader(device="cuda")``, ``dl_ours_pin_memory`` ``loaders.DataLoader(pin_memory=True)`` + ``.to(non_blocking)`` (torch's idiom).
 
     python bench/worker_shm.py                      # CPU: bench/results/worker_shm.json
     python bench/worker_shm.py --device cuda        # the H200 run, all variants
@@ -113,7 +111,6 @@ def variants(args, spin_ms: float) -> dict:
     runs = {"torch": torch_run, "recycled": recycled_run}
     if args.device == "cuda":
         from loaders import DataLoader
-        import loaders.dataloader as ours
 
         device = torch.device("cuda")
 
@@ -126,18 +123,11 @@ def variants(args, spin_ms: float) -> dict:
                              **common)
             return drain(dl, args.batches, args.warmup, to_gpu, torch.cuda.synchronize)
 
-        def dl_ours(fresh: bool = False, copied: bool = False):
-            available = ours.recycling_available
-            if fresh:
-                ours.recycling_available = lambda: False
-            try:
-                dl = DataLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), device="cuda",
-                                **common)
-                dl._returns.register = not copied
-                rate = drain(dl, args.batches, args.warmup, lambda b: None, torch.cuda.synchronize)
-                dl.close()
-            finally:
-                ours.recycling_available = available
+        def dl_ours():
+            dl = DataLoader(Frames(n, args.size), collate_fn=Spin(default_collate, spin_ms), device="cuda",
+                            **common)
+            rate = drain(dl, args.batches, args.warmup, lambda b: None, torch.cuda.synchronize)
+            dl.close()
             return rate
 
         def dl_ours_pin_memory():  # torch's idiom with our loader: pinned CPU batches, .to() by the loop
@@ -147,13 +137,12 @@ def variants(args, spin_ms: float) -> dict:
             dl.close()
             return rate
 
-        runs.update(dl_torch=dl_torch, dl_ours=dl_ours, dl_ours_fresh=lambda: dl_ours(fresh=True),
-                    dl_ours_copied=lambda: dl_ours(copied=True), dl_ours_pin_memory=dl_ours_pin_memory)
+        runs.update(dl_torch=dl_torch, dl_ours=dl_ours, dl_ours_pin_memory=dl_ours_pin_memory)
     return runs
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--workers", type=int, default=None, help="default: 8 on CUDA, else min(4, cores)")
     ap.add_argument("--batch-size", type=int, default=128)

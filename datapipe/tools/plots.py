@@ -116,33 +116,6 @@ def plot_doctor(report: dict, path: str) -> str:
     return _save(fig, path)
 
 
-def plot_rows(values: dict[str, list[float]], pooled: dict[str, dict], path: str, *, target: float | None = None,
-              xlabel: str = "ceiling ratio") -> str:
-    """Every row of each variant (dots, ``values``) with the mean and its 95% interval (``pooled``:
-    ``bench/row_stats.py``'s ``n``, ``mean``, ``ci95`` per variant), one line per variant; ``target`` as a
-    dashed line."""
-    plt = _plt()
-    names = sorted(values, key=lambda v: pooled[v]["mean"])
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
-    for i, name in enumerate(names):
-        rows = values[name]
-        ax.scatter(rows, [i + 0.12 * ((k % 5) - 2) / 2 for k in range(len(rows))], s=12, color="tab:gray",
-                   alpha=0.7)
-        s = pooled[name]
-        ax.errorbar([s["mean"]], [i], xerr=[[s["ci95"] or 0.0], [s["ci95"] or 0.0]], fmt="o", color="tab:blue",
-                    capsize=4)
-        ax.text(s["mean"], i + 0.3, f"{s['mean']:.4f} (n={s['n']})", ha="center", fontsize=7)
-    if target is not None:
-        ax.axvline(target, color="tab:red", linestyle="--", label=f"target {target}")
-        ax.legend(fontsize=8, loc="lower right")
-    ax.set_yticks(range(len(names)), names)
-    ax.set_ylim(-0.6, len(names) - 0.4 + 0.2)  # room above the top variant's label
-    ax.set_xlabel(xlabel)
-    ax.set_title("rows pooled by variant: mean and its 95% interval")
-    ax.grid(axis="x", alpha=0.3)
-    return _save(fig, path)
-
-
 def plot_worker_shm(result: dict, path: str) -> str:
     """``bench/worker_shm.py``: batches per second of each variant, one panel per case (the workers' CPU
     work per batch), each bar labelled with its ratio to torch's loader."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bench.prefetch import cached, train
+from bench.prefetch import replay as cached, train
 
 
 def test_train_reports_the_steps_own_time_apart_from_the_wait():
@@ -36,18 +36,13 @@ def test_the_gpu_timeline_splits_the_step_into_busy_and_turnaround():
     assert abs(out["gpu_busy_mean_ms"] + out["gpu_turnaround_mean_ms"] - period_ms) < 0.2 * period_ms
 
 
-def test_ours_variants_set_their_options_and_restore_the_library(monkeypatch):
-    from bench.prefetch import PROBE, ours_variant
-    from datapipe.device import prefetch
+def test_quick_run_writes_every_loader_of_both_cases(tmp_path):
+    from bench.prefetch import main
 
-    call, handoff = prefetch._CudaTransfer.__call__, prefetch._handoff
-    with ours_variant("depth4") as options:
-        assert options == {"prefetch_depth": 4}
-    for variant in ("unpaced", "synced", "probe"):
-        with ours_variant(variant) as options:
-            if variant == "unpaced":
-                assert options == {"pace": None}
-            else:
-                assert options == {} and (prefetch._CudaTransfer.__call__, prefetch._handoff) != (call, handoff)
-        assert (prefetch._CudaTransfer.__call__, prefetch._handoff) == (call, handoff)
-        assert PROBE[-1] == {}  # nothing was handed over
+    res = main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    loaders = {(r["case"], r["loader"]) for r in res["training"]}
+    assert loaders == {(c, l) for c in ("host keeps up", "host cannot keep up")
+                       for l in ("torch DataLoader(pin_memory)", "loaders.DataLoader(device)",
+                                 "loaders.DataLoader(pin_memory) + .to()")}
+    assert all(r["ceiling_ratio"] > 0 for r in res["training"])
+    assert (tmp_path / "prefetch.json").exists()

@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from datapipe.tools.plots import plot_rows, plot_worker_shm  # noqa: E402
+from datapipe.tools.plots import plot_worker_shm  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -11,14 +11,6 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def _png(path):
     with open(path, "rb") as f:
         return f.read(8) == PNG
-
-
-def test_rows_plot_draws_every_variant_a_single_row_one_too(tmp_path):
-    values = {"imageloader": [0.977, 0.979, 0.981], "il_auto": [0.978, 0.982], "dali_hand": [0.967]}
-    pooled = {v: {"n": len(r), "mean": sum(r) / len(r), "ci95": 0.001 if len(r) > 1 else None}
-              for v, r in values.items()}
-    path = plot_rows(values, pooled, str(tmp_path / "sub" / "rows.png"), target=0.98)
-    assert path.endswith("rows.png") and _png(path)
 
 
 def test_worker_shm_plot_draws_two_cases(tmp_path):
