@@ -17,14 +17,15 @@ LAST_ERRORS = 10  # how many error messages stats() keeps
 
 
 class DataError(Exception):
-    """Bad data or unreadable storage. ``url`` and ``key`` name where (credentials redacted)."""
+    """Bad data or unreadable storage. ``url`` and ``key`` name where (credentials redacted); ``what``
+    says what ``url`` is (``"shard"``, ``"manifest"``, ``"folder"``)."""
 
-    def __init__(self, message: str, *, url: str | None = None, key: str | None = None):
+    def __init__(self, message: str, *, url: str | None = None, key: str | None = None, what: str = "shard"):
         self.url = url
         self.key = key
         where = []
         if url is not None:
-            where.append(f"shard {url}")
+            where.append(f"{what} {url}")
         if key is not None:
             where.append(f"key {key!r}")
         super().__init__(f"{message} ({', '.join(where)})" if where else message)

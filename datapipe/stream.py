@@ -116,7 +116,7 @@ class ShardStream(ShardCounts, SegmentReading, torch.utils.data.IterableDataset)
             raise ValueError("retries and backoff must be >= 0")
         if cache_limit is not None and cache_dir is None:
             raise ValueError("cache_limit needs cache_dir: give the local directory to cache remote shards in")
-        self.urls = expand_urls(urls, allow_pipe=allow_pipe)
+        self.urls = expand_urls(urls, allow_pipe=allow_pipe, storage_options=storage_options)
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer

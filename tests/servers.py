@@ -24,6 +24,7 @@ class Faults:
         self.body_hangs = 0      # the next N data requests send half the body, then hang hang_s
         self.hang_s = 30.0
         self.corruptions = 0     # the next N data requests get a body with one byte flipped (right length)
+        self.access_key = None   # proxy: answer 403 (S3's InvalidAccessKeyId) unless the request is signed with it
         self.requests = 0
         self.paths: list[str] = []  # path of every request, in order
 
@@ -150,25 +151,32 @@ def _proxy_handler(upstream: str, faults: Faults, is_data):
         def log_message(self, *args):
             pass
 
+        def _s3_error(self, status: int, code: str, message: str):
+            payload = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                       f"<Message>{message}</Message></Error>").encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(payload)
+
         def _forward(self):
             with faults.lock:
                 faults.requests += 1
                 faults.paths.append(f"{self.command} {self.path}")
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
+            if faults.access_key and f"Credential={faults.access_key}/" not in (self.headers.get("Authorization") or ""):
+                self._s3_error(403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist.")
+                return
             data_request = self.command == "GET" and is_data(self.path)
             if data_request and faults.take("hangs"):
                 time.sleep(faults.hang_s)
                 self.close_connection = True
                 return
             if data_request and faults.take("errors_5xx"):
-                payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>ServiceUnavailable</Code>"
-                           b"<Message>injected</Message></Error>")
-                self.send_response(503)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                self._s3_error(503, "ServiceUnavailable", "injected")
                 return
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
             try:

@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 import fsspec
 
 from datapipe.errors import DataError
-from datapipe.storage.urls import _SECRET_QUERY_KEYS, is_local, local_path, redact_url, url_scheme
+from datapipe.storage.locations import _SECRET_QUERY_KEYS, is_local, local_path, redact_url, url_scheme
 
 log = logging.getLogger("datapipe.storage.files")
 
@@ -179,8 +179,10 @@ def describe(e: BaseException, secrets: list[str]) -> tuple[str, BaseException]:
 
 
 def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_backoff: float = 5.0,
-               storage_options: dict | None = None):
-    """Call ``fn()``, retrying transient failures with exponential backoff; permanent ones pass through."""
+               storage_options: dict | None = None, what: str = "shard"):
+    """Call ``fn()``, retrying transient failures with exponential backoff; permanent ones pass through.
+
+    ``what`` names ``url`` in the ``DataError`` (``"shard"``, ``"manifest"``...)."""
     failures = 0
     while True:
         try:
@@ -188,13 +190,14 @@ def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_back
         except Exception as e:
             if is_credential_error(e):
                 text, cause = describe(e, secrets_of(url, storage_options))
-                raise DataError(f"no usable credentials: {text}", url=redact_url(url)) from cause
+                raise DataError(f"no usable credentials: {text}", url=redact_url(url), what=what) from cause
             if is_permanent(e):
                 raise
             failures += 1
             text, cause = describe(e, secrets_of(url, storage_options))
             if failures > retries:
-                raise DataError(f"giving up after {retries} retries: {text}", url=redact_url(url)) from cause
+                raise DataError(f"giving up after {retries} retries: {text}", url=redact_url(url),
+                                what=what) from cause
             delay = min(max_backoff, backoff * 2 ** (failures - 1))
             log.warning("retrying %s in %.2fs after %s", redact_url(url), delay, text)
             time.sleep(delay)

@@ -1,48 +1,134 @@
 """Shard URL specs: brace expansion, ``::`` joins, scheme checks and credential redaction."""
 from __future__ import annotations
 
+import os
+import posixpath
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 import braceexpand
 
-_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
-_SECRET_QUERY_KEYS = re.compile(
-    r"(?i)^(x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|token|access_token|"
-    r"auth|password|passwd|secret|key|apikey|api_key|x-goog-signature|x-goog-credential|sv|se|sp|skoid)$"
-)
+from datapipe.errors import DataError
+from datapipe.storage.locations import is_local, local_path, redact_url, url_scheme
+
+__all__ = ["expand_urls", "is_local", "local_path", "redact_url", "url_scheme", "SHARD_SUFFIXES"]
 
 
-def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = False) -> list[str]:
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = False,
+                storage_options: dict | None = None) -> list[str]:
     """Expand a shard spec into a list of URLs.
 
     ``spec`` is a string (brace ranges ``{000..127}``, lists ``{a,b}``, several specs joined by
-    ``::``) or a list of such strings. ``pipe:`` URLs run shell commands and are refused unless
-    ``allow_pipe=True``.
+    ``::``) or a list of such strings. A folder (local, or any fsspec URL; an ``http(s)`` one ends
+    in ``/``) stands for its dataset: the shards its ``manifest.json`` lists, else its ``.tar``
+    files in name order. ``pipe:`` URLs run shell commands and are refused unless ``allow_pipe=True``.
+    ``storage_options`` are passed to fsspec where a remote folder is listed.
     """
     if isinstance(spec, (list, tuple)):
         parts = list(spec)
-    elif isinstance(spec, str):
-        parts = spec.split("::")
+    elif isinstance(spec, (str, os.PathLike)):
+        parts = os.fspath(spec).split("::")
     else:
         raise ValueError(f"shard spec must be a string or a list of strings, got {type(spec).__name__}")
     urls: list[str] = []
     for part in parts:
+        if isinstance(part, os.PathLike):
+            part = os.fspath(part)
         if not isinstance(part, str):
             raise ValueError(f"shard spec entries must be strings, got {type(part).__name__}")
         part = part.strip()
         if not part:
             raise ValueError(f"empty shard spec in {redact_url(str(spec))!r}: give a path or URL, e.g. 'data/shard-{{000..009}}.tar'")
         _check_braces(part)
-        for url in braceexpand.braceexpand(part):
+        expanded = list(braceexpand.braceexpand(part))
+        _check_padding(part, expanded)
+        for url in expanded:
             if url.startswith("pipe:") and not allow_pipe:
                 raise ValueError(
                     f"pipe: URLs run shell commands and are refused: {redact_url(url)!r}; pass allow_pipe=True to allow them"
                 )
-            urls.append(url)
+            if _is_folder(url, single=len(expanded) == 1, storage_options=storage_options):
+                urls += folder_urls(url, storage_options=storage_options)
+            else:
+                urls.append(url)
     if not urls:
         raise ValueError("shard spec expanded to no URLs")
     return urls
+
+
+def _shard_name(url: str) -> str:
+    return url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+def _is_folder(url: str, *, single: bool, storage_options: dict | None) -> bool:
+    """Whether ``url`` names a folder: a local stat; remotely one listing, only for a spec's single URL."""
+    if url.startswith("pipe:"):
+        return False
+    if is_local(url):
+        return os.path.isdir(local_path(url))
+    name = _shard_name(url)
+    if not single or name.endswith(SHARD_SUFFIXES + _COMPRESSED):
+        return False
+    if url_scheme(url) in ("http", "https"):
+        return url.split("?", 1)[0].endswith("/")  # a GET is the only way to ask, and a file would come whole
+    try:
+        from datapipe.storage.files import filesystem
+
+        fs, path = filesystem(url, storage_options)
+        return bool(fs.isdir(path))
+    except Exception:  # not listable (or no access): reading it as a shard says what is wrong
+        return False
+
+
+def folder_urls(url: str, *, storage_options: dict | None = None) -> list[str]:
+    """The shards of the folder ``url``: its manifest's, else its ``.tar`` files in name order."""
+    from datapipe.storage.files import filesystem
+    from datapipe.tar.manifest import MANIFEST_NAME, read_manifest
+
+    base = url.rstrip("/") or url
+    manifest = read_manifest(base, storage_options=storage_options)
+    if manifest is not None:
+        names = [str(s["name"]) for s in manifest["shards"]]
+        if not names:
+            raise DataError(f"the folder's {MANIFEST_NAME} lists no shards", url=redact_url(url), what="folder")
+    else:
+        try:
+            if is_local(url):
+                found = os.listdir(local_path(base))
+            else:
+                fs, path = filesystem(url, storage_options)
+                found = [_shard_name(p) for p in fs.ls(path, detail=False)]
+        except OSError as e:
+            raise DataError(f"cannot list the folder: {type(e).__name__}: {e}", url=redact_url(url),
+                            what="folder") from e
+        names = sorted(n for n in found if n.endswith(SHARD_SUFFIXES))
+        if not names:
+            raise DataError(f"the folder holds no {MANIFEST_NAME} and no .tar shards: give a folder of shards "
+                            "(e.g. the OUT of `datapipe shard`) or a shard pattern like 'data/shard-{000000..000009}.tar'",
+                            url=redact_url(url), what="folder")
+    return [posixpath.join(base, n) for n in names]
+
+
+def _check_padding(part: str, expanded: list[str]) -> None:
+    """A range without zero padding (``{0..6}``) whose first local file is missing while a zero-padded
+    name exists (``shard-000000.tar``): ``DataError`` naming the padded range to write."""
+    m = _RANGE.search(part)
+    if m is None or not is_local(expanded[0]) or os.path.exists(local_path(expanded[0])):
+        return
+    lo, hi = m.group(1), m.group(2)
+    if lo != str(int(lo)):  # already padded
+        return
+    for width in range(len(hi) + 1, 11):
+        padded = f"{{{int(lo):0{width}d}..{int(hi):0{width}d}}}"
+        candidate = part[:m.start()] + padded + part[m.end():]
+        first = next(iter(braceexpand.braceexpand(candidate)))
+        if os.path.exists(local_path(first)):
+            raise DataError(f"no file {expanded[0]!r}, but {first!r} exists: the names are zero-padded, write "
+                            f"{padded} instead of {m.group(0)}", url=redact_url(part))
 
 
 def _check_braces(part: str) -> None:
@@ -65,39 +151,3 @@ def _check_braces(part: str) -> None:
                 raise ValueError(f"brace range {{{body}}} in {redact_url(part)!r} is empty: the start is above the end")
 
 
-def url_scheme(url: str) -> str:
-    """The URL's scheme (``file`` for plain paths)."""
-    m = _SCHEME.match(url)
-    return m.group(1).lower() if m else "file"
-
-
-def is_local(url: str) -> bool:
-    return url_scheme(url) == "file"
-
-
-def local_path(url: str) -> str:
-    """The filesystem path of a local URL (plain path or ``file://``)."""
-    return url[len("file://"):] if url.startswith("file://") else url
-
-
-def redact_url(url: str) -> str:
-    """Hide passwords in the netloc and secret-looking query values, for errors and logs."""
-    if not isinstance(url, str) or "://" not in url:
-        return url
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
-    query = parts.query
-    if query:
-        items = []
-        for item in query.split("&"):
-            k, eq, v = item.partition("=")
-            items.append(f"{k}=***" if eq and _SECRET_QUERY_KEYS.match(k) else item)
-        query = "&".join(items)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -105,7 +105,7 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
 
     try:
         urls = [u for p in paths for u in expand_urls(p)]
-    except ValueError as e:
+    except (ValueError, DataError) as e:
         log.error("%s", e)
         return 1
     if not urls:

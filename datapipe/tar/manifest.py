@@ -40,22 +40,31 @@ def write_manifest(directory: str, manifest: dict[str, Any], *, storage_options:
 def read_manifest(directory: str, *, storage_options: dict | None = None, retries: int = 5,
                   backoff: float = 0.2) -> dict[str, Any] | None:
     """The manifest of a shard directory, or None when it has none. Transient failures are retried
-    (``retries`` times, exponential backoff from ``backoff`` seconds)."""
-    from datapipe.storage.files import retry_call
+    (``retries`` times, exponential backoff from ``backoff`` seconds). A manifest that cannot be read
+    (no permission, wrong credentials, no connection, not JSON) is a ``DataError`` naming it."""
+    from datapipe.errors import DataError
+    from datapipe.storage.files import describe, retry_call, secrets_of
+    from datapipe.storage.locations import redact_url
 
     url = manifest_url(directory)
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
 
     def load():
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         with fs.open(path, "r") as f:
             return json.load(f)
 
     try:
-        manifest = retry_call(load, url, retries=retries, backoff=backoff, storage_options=storage_options)
-    except FileNotFoundError:
+        manifest = retry_call(load, url, retries=retries, backoff=backoff, storage_options=storage_options,
+                              what="manifest")
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except DataError:
+        raise
+    except Exception as e:
+        text, cause = describe(e, secrets_of(url, storage_options))
+        raise DataError(f"cannot read the manifest: {text}", url=redact_url(url), what="manifest") from cause
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
-        raise ValueError(f"{url} is not a datapipe manifest (no 'shards' list)")
+        raise DataError("not a datapipe manifest (no 'shards' list)", url=redact_url(url), what="manifest")
     return manifest
 
 

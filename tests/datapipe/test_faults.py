@@ -158,3 +158,34 @@ def test_s3_persistent_fault_is_a_data_error_and_secrets_stay_hidden(s3, caplog)
         faults.errors_5xx = 0
     text = full_text(info.value) + caplog.text
     assert SECRET not in text and KEY not in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_s3_wrong_credentials_without_counts_is_a_data_error_naming_the_manifest(s3, on_error):
+    spec, samples, faults, options = s3
+    _reset(faults)
+    wrong = {**options, "key": "AKIAWRONGKEY00000000", "secret": "not-the-secret-0000000000000000000000"}
+    faults.access_key = KEY  # the proxy checks the key like S3 does (moto accepts any)
+    try:
+        stream = ShardStream(spec, storage_options=wrong, on_error=on_error, timeout=2.0, retries=1, backoff=0.02)
+        with pytest.raises(DataError, match=r"manifest s3://bucket/data/manifest\.json") as info:
+            list(stream)
+    finally:
+        faults.access_key = None
+    assert "not-the-secret" not in full_text(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_connection_failure_on_the_manifest_names_the_manifest():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stream = ShardStream(f"http://127.0.0.1:{port}/d/shard-{{000000..000001}}.tar", retries=1, backoff=0.01,
+                         timeout=2.0)
+    with pytest.raises(DataError) as info:
+        stream.counts
+    assert f"manifest http://127.0.0.1:{port}/d/manifest.json" in str(info.value)
+    assert "shard http" not in str(info.value)

@@ -1,6 +1,8 @@
+import os
+
 import pytest
 
-from datapipe import expand_urls, redact_url
+from datapipe import DataError, expand_urls, redact_url
 
 
 def test_brace_ranges_lists_and_joins():
@@ -41,3 +43,60 @@ def test_errors_never_show_credentials():
     with pytest.raises(ValueError) as info:
         expand_urls("https://u:topsecret@h/x{1..")
     assert "topsecret" not in str(info.value)
+
+
+# ---- a folder is a dataset ----------------------------------------------------------------------
+
+def test_a_folder_with_a_manifest_stands_for_its_shards(tmp_path):
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "shards", [2, 3])
+    (tmp_path / "shards" / "stray.tar").write_bytes(b"")  # not listed: not part of the dataset
+    assert expand_urls(str(tmp_path / "shards")) == urls
+    assert expand_urls(str(tmp_path / "shards") + "/") == urls
+
+
+def test_a_folder_without_a_manifest_stands_for_its_tars_in_name_order(tmp_path):
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "shards", [2, 3, 1], manifest=False)
+    (tmp_path / "shards" / "notes.txt").write_text("not a shard")
+    os.makedirs(tmp_path / "shards" / "sub.tar.d")
+    assert expand_urls(str(tmp_path / "shards")) == sorted(urls)
+    assert expand_urls(f"{tmp_path}/shards::{urls[0]}") == sorted(urls) + [urls[0]]
+
+
+def test_an_fsspec_folder_stands_for_its_tars():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for name in ("b.tar", "a.tar", "x.json"):
+        fs.pipe(f"/dsfolder/{name}", b"x")
+    assert expand_urls("memory://dsfolder") == ["memory://dsfolder/a.tar", "memory://dsfolder/b.tar"]
+
+
+def test_an_empty_folder_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"no manifest\.json and no \.tar shards.*folder .*empty"):
+        expand_urls(str(tmp_path / "empty"))
+
+
+def test_a_stream_and_the_index_take_a_folder(tmp_path):
+    from datapipe import ShardStream
+    from tests.shards import write_shards
+
+    _, samples = write_shards(tmp_path / "shards", [2, 3])
+    stream = ShardStream(str(tmp_path / "shards"))
+    assert [s["__key__"] for s in stream] == [s["__key__"] for s in samples]
+    assert stream.counts == [2, 3]
+    _, more = write_shards(tmp_path / "plain", [1, 2], manifest=False, prefix="p")
+    assert [s["__key__"] for s in ShardStream(tmp_path / "plain")] == [s["__key__"] for s in more]
+
+
+def test_unpadded_range_over_zero_padded_names_hints_at_padding(tmp_path):
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "shards", [1, 1])
+    with pytest.raises(DataError, match=r"zero-padded, write \{000000\.\.000006\}"):
+        expand_urls(f"{tmp_path}/shards/shard-{{0..6}}.tar")
+    assert len(expand_urls(f"{tmp_path}/shards/shard-{{000000..000001}}.tar")) == 2

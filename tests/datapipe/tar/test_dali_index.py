@@ -155,3 +155,11 @@ def test_index_dir_that_is_a_file_is_one_line_error(tmp_path, capsys):
                           "--index-dir", str(tmp_path / "afile")], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "is a file, not a directory" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_index_takes_a_folder(tmp_path):
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "shards", [2, 3], manifest=False)
+    assert index_command([str(tmp_path / "shards")]) == 0
+    assert all(os.path.exists(default_index_path(u)) for u in urls)
