@@ -1,7 +1,8 @@
 """``datapipe shard SRC OUT``: the command line of the shard job (:mod:`datapipe.jobs.shard.job`).
 
 ``configure_parser`` declares the options, ``run_command`` runs the job and turns its outcome into
-one line and an exit status: 0 done, 2 a usage mistake, 1 a failure (no traceback unless ``-v``).
+one line and an exit status: 0 done, 2 a usage mistake, 1 a failure (no traceback unless ``-v``),
+130 interrupted (Ctrl-C: the journal keeps what is done; the same command resumes).
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 from datapipe.errors import DataError
 from datapipe.units import parse_size
 from datapipe.jobs.shard.job import shard
-from datapipe.jobs.shard.options import CHECKS, ENGINES, UsageError
+from datapipe.jobs.shard.lock import LockedError
+from datapipe.jobs.shard.options import CHECKS, ENGINES, ImageOptions, ShardOptions, TextOptions, UsageError
 from datapipe.jobs.shard.sources import KINDS
 
 
@@ -41,7 +43,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "bare --check-images), 'none' (unsafe: damaged files reach the shards)")
     parser.add_argument("--text-field", help="text field of JSONL/Parquet records (default 'text')")
     parser.add_argument("--key-field", help="record field to use as sample key (default: file and offset)")
-    parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json: also store token ids as .npy int32")
+    parser.add_argument("--tokenizer", help="text input: also store each record's token ids as an int32 .npy entry "
+                                            "beside its .txt ('byte': UTF-8 bytes as ids; or a Hugging Face "
+                                            "tokenizer.json; no EOS is added); TokenLoader reads them")
     parser.add_argument("--index", action="store_true", help="write DALI index files (.idx) beside the shards")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     parser.add_argument("--engine", default="local", choices=ENGINES, help="local process pool or Ray Data")
@@ -52,19 +56,27 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def options_from_args(args: argparse.Namespace) -> ShardOptions:
+    """The :class:`ShardOptions` the command line asks for (raises UsageError for a bad value)."""
+    return ShardOptions(
+        kind=args.input_kind, pattern=args.pattern, max_bytes=args.max_bytes, max_count=args.max_count,
+        shuffle=args.shuffle, seed=args.seed, index=args.index, strict=args.strict, overwrite=args.overwrite,
+        partition_size=args.partition_size, partition_bytes=args.partition_bytes,
+        images=ImageOptions(check=args.check_images, resize=args.resize, quality=args.quality),
+        text=TextOptions(text_field=args.text_field, key_field=args.key_field, tokenizer=args.tokenizer))
+
+
 def run_command(args: argparse.Namespace) -> int:
     try:
-        report = shard(args.src, args.out, kind=args.input_kind, max_bytes=args.max_bytes, max_count=args.max_count,
-                       pattern=args.pattern, shuffle=args.shuffle, seed=args.seed, resize=args.resize,
-                       quality=args.quality, check_images=args.check_images, text_field=args.text_field,
-                       key_field=args.key_field, tokenizer=args.tokenizer, index=args.index, workers=args.workers,
-                       engine=args.engine, strict=args.strict, overwrite=args.overwrite,
-                       partition_size=args.partition_size, partition_bytes=args.partition_bytes,
+        report = shard(args.src, args.out, options_from_args(args), engine=args.engine, workers=args.workers,
                        progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("datapipe shard: interrupted: rerun the same command to resume", file=sys.stderr)
+        return 130
     except UsageError as e:
         print(f"datapipe shard: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, DataError, OSError) as e:
+    except (ValueError, DataError, OSError, LockedError) as e:
         print(f"datapipe shard: failed: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # one line, no traceback (``datapipe -v`` shows it)

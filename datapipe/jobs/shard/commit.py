@@ -2,15 +2,18 @@
 
 The small last shards of partitions (under half the limits) are merged, in order, into full shards;
 the plan of renames is written to ``commit.json`` before any rename, so a commit interrupted half
-way is replayed exactly; then ``manifest.json`` and ``classes.json`` are written. Also: finding and
+way is replayed exactly; every final shard is then verified (present, its size and sha256 as
+written) before ``manifest.json`` and ``classes.json`` are written. Also: finding, verifying and
 removing the outputs of an earlier job in ``OUT``.
 """
 from __future__ import annotations
 
+import hashlib
 import posixpath
 import re
 from typing import Any
 
+from datapipe.errors import DataError
 from datapipe.storage.files import filesystem
 from datapipe.tar.manifest import make_manifest, write_manifest
 from datapipe.jobs.shard.journal import JOB_DIR, join_url, read_json, write_json
@@ -21,14 +24,62 @@ def _final_glob(pattern: str) -> str:
 
 
 def existing_outputs(out: str, pattern: str, opts: dict) -> list[str]:
-    """The final shards and manifest an earlier job left in ``out``."""
+    """The final shards and manifest an earlier job left in ``out``: shards named by ``pattern``, by the
+    earlier job's own pattern (its journal) and by its manifest, whatever names they have."""
     fs, path = filesystem(out, opts)
     if not fs.exists(path):
         return []
-    found = fs.glob(posixpath.join(path, _final_glob(pattern)))
-    if fs.exists(posixpath.join(path, "manifest.json")):
-        found.append(posixpath.join(path, "manifest.json"))
+    patterns = {pattern}
+    earlier = _json_or_none(join_url(out, JOB_DIR, "config.json"), opts)
+    if isinstance(earlier, dict) and isinstance((earlier.get("config") or {}).get("pattern"), str):
+        patterns.add(earlier["config"]["pattern"])
+    found = set()
+    for p in patterns:
+        found |= set(fs.glob(posixpath.join(path, _final_glob(p))))
+    manifest_path = posixpath.join(path, "manifest.json")
+    if fs.exists(manifest_path):
+        found.add(manifest_path)
+        manifest = _json_or_none(join_url(out, "manifest.json"), opts)
+        for entry in (manifest or {}).get("shards", []) if isinstance(manifest, dict) else []:
+            name = entry.get("name") if isinstance(entry, dict) else None
+            if isinstance(name, str) and "/" not in name and fs.exists(posixpath.join(path, name)):
+                found.add(posixpath.join(path, name))
     return sorted(found)
+
+
+def _json_or_none(url: str, opts: dict):
+    try:
+        return read_json(url, opts)
+    except ValueError:  # damaged: its files are found by name patterns only
+        return None
+
+
+def file_sha256(fs, path: str) -> str:
+    """The sha256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_shards(out: str, shards: list[dict], opts: dict) -> list[str]:
+    """What is wrong with the shards ``shards`` (manifest entries) in ``out``: one line per problem, [] if all
+    are present with their size and sha256."""
+    fs, path = filesystem(out, opts)
+    problems = []
+    for entry in shards:
+        p = posixpath.join(path, entry["name"])
+        try:
+            size = fs.size(p)
+        except FileNotFoundError:
+            problems.append(f"{entry['name']} is missing")
+            continue
+        if size != entry["bytes"]:
+            problems.append(f"{entry['name']} has {size} bytes, the manifest says {entry['bytes']}")
+        elif entry.get("sha256") and file_sha256(fs, p) != entry["sha256"]:
+            problems.append(f"{entry['name']} does not match the manifest's sha256 (its bytes changed)")
+    return problems
 
 
 def remove_outputs(out: str, pattern: str, opts: dict) -> None:
@@ -113,6 +164,11 @@ def commit(job: dict, markers: list[dict], *, skipped: int = 0, ignored: int = 0
         if job["index"]:
             _move(fs, _idx(src), _idx(dst))
     shards = [{k: e[k] for k in ("name", "count", "bytes", "sha256")} for e in plan]
+    problems = verify_shards(job["out"], shards, opts)
+    if problems:
+        raise DataError(f"commit of {job['out']} failed: {len(problems)} of {len(shards)} shards are not as written "
+                        f"({'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}); no manifest was written. "
+                        "Rerun the same command to rebuild them")
     extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}, "num_skipped": skipped,
                              "num_ignored": ignored, "check_images": job["check_images"]}
     if job["classes"]:

@@ -19,13 +19,19 @@ How a job runs (the same for ``engine="local"`` and ``engine="ray"``):
    final names ``shard-000000.tar ...``; then ``manifest.json``, ``classes.json`` (image classes)
    and ``report.json`` are written and the journal's bulk is removed (:mod:`datapipe.jobs.shard.commit`).
 
+Ownership: a job holds an exclusive lock on OUT while it runs (:mod:`datapipe.jobs.shard.lock`);
+a second job on the same OUT fails at once, naming the holder. The commit verifies every final
+shard (present, size and sha256 as written) before it writes the manifest.
+
 Resuming: a re-run with the same arguments finds ``.datapipe-job/config.json`` with the same
 fingerprint, skips partitions with done markers, deletes the leftovers of the others, and replays
-the (idempotent) commit. Final names only ever appear by renaming complete files. The job
-directory's layout: :mod:`datapipe.jobs.shard.journal`.
+the (idempotent) commit. A re-run of a completed job verifies the output against its manifest and
+rebuilds it when a shard is missing or changed. Final names only ever appear by renaming complete
+files. The job directory's layout: :mod:`datapipe.jobs.shard.journal`.
 
-This module runs a job (:func:`shard`) on an engine (the local process pool here, Ray in
-:mod:`datapipe.jobs.shard.ray_engine`); the command line is :mod:`datapipe.jobs.shard.cli`.
+This module runs a job (:func:`shard`) on an engine (the local process pool in
+:mod:`datapipe.jobs.shard.local_engine`, Ray in :mod:`datapipe.jobs.shard.ray_engine`); the command
+line is :mod:`datapipe.jobs.shard.cli`.
 """
 from __future__ import annotations
 
@@ -34,132 +40,47 @@ import os
 import posixpath
 import sys
 import time
-from typing import Callable, Iterator
 
 from datapipe.errors import DataError
 from datapipe.storage.files import filesystem
-from datapipe.jobs.shard.commit import commit, existing_outputs, remove_outputs
+from datapipe.jobs.shard.commit import commit, existing_outputs, remove_outputs, verify_shards
 from datapipe.jobs.shard.journal import JOB_DIR, clean_partition, join_url, marker_url, read_json, write_json
-from datapipe.jobs.shard.options import UsageError, check_options, image_check
-from datapipe.jobs.shard.partition import run_partition
+from datapipe.jobs.shard.local_engine import run_local
+from datapipe.jobs.shard.lock import OutputLock
+from datapipe.jobs.shard.options import ShardOptions, UsageError, check_run
 from datapipe.jobs.shard.sources import open_source
 
 log = logging.getLogger("datapipe.jobs.shard.job")
 
 JOURNAL_VERSION = 1
 SEED_RULE = 2  # shuffled orders from datapipe.order.seeds.derive_seed (1: ad-hoc seeds, before #16)
-CHECK_POOL_MIN_ITEMS = 256  # fewer images are checked in the writing process (a pool costs more)
 
 
-# ---- the local engine -----------------------------------------------------------------------
-
-_progress_queue = None  # set in pool workers by _init_worker only
-
-
-def _init_worker(queue) -> None:
-    global _progress_queue
-    _progress_queue = queue
-
-
-def _pool_run(job: dict, part: dict) -> dict:
-    queue = _progress_queue
-    report = (lambda n, b: queue.put((n, b))) if queue is not None else None
-    return run_partition(job, part, report)
-
-
-def run_local(job: dict, parts: list[dict], *, workers: int, progress: Callable[[int, int], None]) -> Iterator[dict]:
-    """Run partitions in a process pool (in this process when ``workers == 1``); yield done markers.
-
-    Copy jobs (image bytes kept as they are) write in this process, one shard-sized partition
-    after the other, and spread only the image checks over ``workers`` processes: writing a
-    shard costs less than checking its images, and no partition leaves a tail to merge.
-    """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    items = sum(len(p.get("items", ())) for p in parts)
-    if job.get("copy") and job["check_images"] != "none" and workers > 1 and items >= CHECK_POOL_MIN_ITEMS:
-        with ctx.Pool(workers) as pool:
-            for part in parts:
-                yield run_partition(job, part, progress, check_pool=pool)
-        return
-    if workers <= 1 or len(parts) <= 1:
-        for part in parts:
-            yield run_partition(job, part, progress)
-        return
-    import queue as queuelib
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
-    q = ctx.Queue()
-
-    def drain():
-        while True:
-            try:
-                progress(*q.get_nowait())
-            except queuelib.Empty:
-                return
-
-    todo = list(parts)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(q,)) as pool:
-        running = set()
-        try:
-            while todo or running:
-                while todo and len(running) < 2 * workers:  # bounded: a few partitions in flight
-                    running.add(pool.submit(_pool_run, job, todo.pop(0)))
-                done, running = wait(running, timeout=0.2, return_when=FIRST_COMPLETED)
-                drain()
-                for fut in done:
-                    yield fut.result()  # re-raises a worker's exception here
-        except BaseException:
-            for fut in running:
-                fut.cancel()
-            raise
-        finally:
-            drain()
-
-
-# ---- the job ---------------------------------------------------------------------------------
-
-
-def shard(
-    src: str,
-    out: str,
-    *,
-    kind: str = "auto",
-    max_bytes: int = 1 << 30,
-    max_count: int = 100_000,
-    pattern: str = "shard-%06d.tar",
-    shuffle: bool = False,
-    seed: int = 0,
-    resize: int | None = None,
-    quality: int | None = None,
-    check_images: str | bool = "open",
-    text_field: str | None = None,
-    key_field: str | None = None,
-    tokenizer: str | None = None,
-    index: bool = False,
-    workers: int | None = None,
-    engine: str = "local",
-    strict: bool = False,
-    overwrite: bool = False,
-    partition_size: int | None = None,
-    partition_bytes: int = 32 << 20,
-    progress: bool = True,
-    storage_options: dict | None = None,
-) -> dict:
+def shard(src: str, out: str, options: ShardOptions | None = None, *, engine: str = "local",
+          workers: int | None = None, progress: bool = True, storage_options: dict | None = None) -> dict:
     """Convert ``src`` into WebDataset shards in the folder ``out``; returns the job report (also ``OUT/report.json``).
 
+    Args:
+        src: an image folder (class sub-folders), a .csv/.jsonl list of ``path,label``, JSONL/Parquet
+            text (a file or a folder), or tar shards (a file, a folder or a brace spec).
+        out: the output folder (a local path or an fsspec URL).
+        options: what to write (:class:`ShardOptions`: limits, names, order, checks, transforms).
+        engine: ``"local"`` (a process pool) or ``"ray"`` (Ray Data); the shards are the same.
+        workers: worker processes (default: the CPU count).
+        progress: show a progress bar on stderr.
+        storage_options: fsspec options for ``src`` and ``out``.
+
     Raises :class:`UsageError` for bad options or an ``out`` that already holds shards (without
-    ``overwrite``), ``ValueError`` for input that cannot be listed, and :class:`DataError` for an
-    unreadable item under ``strict``. See the module docstring for the engine and resume design.
+    ``overwrite``), :class:`~datapipe.jobs.shard.lock.LockedError` when another job writes ``out``,
+    ``ValueError`` for input that cannot be listed, and :class:`DataError` for an unreadable item
+    under ``strict`` or an output that fails its verification. See the module docstring.
     """
-    t0 = time.perf_counter()
-    opts = dict(storage_options or {})
+    options = ShardOptions() if options is None else options
+    if not isinstance(options, ShardOptions):
+        raise UsageError(f"options must be a ShardOptions(...), got {type(options).__name__}")
     workers = (os.cpu_count() or 1) if workers is None else workers
-    check_options(kind=kind, max_bytes=max_bytes, max_count=max_count, pattern=pattern, resize=resize,
-                  quality=quality, workers=workers, engine=engine, partition_size=partition_size,
-                  partition_bytes=partition_bytes, tokenizer=tokenizer)
-    check_images = image_check(check_images)
+    check_run(engine=engine, workers=workers)
+    opts = dict(storage_options or {})
     out = out.rstrip("/") or "/"
     ofs, opath = filesystem(out, opts)
     if ofs.exists(opath) and not ofs.isdir(opath):
@@ -167,43 +88,58 @@ def shard(
     sfs, spath = filesystem(src, opts) if "{" not in src and "::" not in src else (None, None)
     if sfs is not None and sfs.protocol == ofs.protocol and spath.rstrip("/") == opath.rstrip("/"):
         raise UsageError(f"OUT {out!r} is SRC itself: give a separate folder for the shards")
-    copy = not (resize or quality or tokenizer)
-    source = open_source(src, kind=kind, text_field=text_field, key_field=key_field, partition_size=partition_size,
-                         partition_bytes=partition_bytes, max_bytes=max_bytes, max_count=max_count, shuffle=shuffle,
-                         seed=seed, fill_shards=copy, storage_options=opts)
+    with OutputLock(out, storage_options=opts) as lock:
+        return _run(src, out, options, engine=engine, workers=workers, progress=progress, opts=opts, lock=lock)
+
+
+def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, progress: bool, opts: dict,
+         lock: OutputLock) -> dict:
+    """The job, with OUT locked."""
+    t0 = time.perf_counter()
+    im, tx = o.images, o.text
+    copy = not (im.resize or im.quality or tx.tokenizer)
+    source = open_source(src, kind=o.kind, text_field=tx.text_field, key_field=tx.key_field,
+                         partition_size=o.partition_size, partition_bytes=o.partition_bytes, max_bytes=o.max_bytes,
+                         max_count=o.max_count, shuffle=o.shuffle, seed=o.seed, fill_shards=copy,
+                         storage_options=opts)
     if source.ignored:
         log.warning("ignored %d files that the %r source does not read: %s", len(source.ignored), source.kind,
                     _some(source.ignored))
-    if strict and source.skipped:
+    if o.strict and source.skipped:
         bad = source.skipped[0]
         raise DataError(f"--strict: unreadable input {bad['item']}: {bad['error']}")
     job = {
         "version": JOURNAL_VERSION, "src": src, "out": out, "kind": source.kind, "fingerprint": source.fingerprint,
-        "pattern": pattern, "max_bytes": int(max_bytes), "max_count": int(max_count), "shuffle": shuffle,
-        "seed": seed, "resize": resize, "quality": quality, "check_images": check_images, "tokenizer": tokenizer,
-        "index": index, "partitions": len(source.partitions), "classes": source.classes, "copy": copy,
+        "pattern": o.pattern, "max_bytes": int(o.max_bytes), "max_count": int(o.max_count), "shuffle": o.shuffle,
+        "seed": o.seed, "resize": im.resize, "quality": im.quality, "check_images": im.check,
+        "tokenizer": tx.tokenizer, "index": o.index, "partitions": len(source.partitions), "classes": source.classes,
+        "copy": copy,
     }
-    if shuffle:  # the orders of the seed rule (#16): a journal of the earlier rule is not resumed
+    if o.shuffle:  # the orders of the seed rule (#16): a journal of the earlier rule is not resumed
         job["seed_rule"] = SEED_RULE
     config = dict(job)
-    job.update(job_dir=join_url(out, JOB_DIR), storage_options=opts, strict=strict)
-    previous = read_json(join_url(job["job_dir"], "config.json"), opts)
-    resuming = previous is not None and previous.get("config") == config
+    job.update(job_dir=join_url(out, JOB_DIR), storage_options=opts, strict=o.strict)
+    config_url = join_url(job["job_dir"], "config.json")
+    previous = read_json(config_url, opts)
+    same = previous is not None and previous.get("config") == config
+    resuming, rebuild = same and not previous.get("broken"), same and bool(previous.get("broken"))
     if resuming and previous.get("complete"):
-        report = read_json(join_url(out, "report.json"), opts)
-        if report is not None:
-            log.info("%s already holds the output of this job; nothing to do", out)
+        problems = _verify_output(out, opts)
+        if not problems:
+            report = read_json(join_url(out, "report.json"), opts) or {}
+            log.info("%s already holds the output of this job (verified); nothing to do", out)
             return dict(report, status="already complete")
-        resuming = False
+        log.warning("%s is broken (%s): rebuilding it", out, "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else ""))
+        resuming, rebuild = False, True
     if not resuming:
-        existing = existing_outputs(out, pattern, opts)
-        if existing and not overwrite:
+        existing = existing_outputs(out, o.pattern, opts)
+        if existing and not o.overwrite and not rebuild:
             raise UsageError(f"{out} already holds shards or a manifest ({posixpath.basename(existing[0])}, ...): "
                              "pass --overwrite to replace them, or choose another OUT")
-        remove_outputs(out, pattern, opts)
+        remove_outputs(out, o.pattern, opts)
         fs, path = filesystem(out, opts)
         fs.makedirs(posixpath.join(path, JOB_DIR, "done"), exist_ok=True)
-        write_json(join_url(job["job_dir"], "config.json"), {"config": config, "complete": False}, opts)
+        write_json(config_url, {"config": config, "complete": False}, opts)
 
     markers: dict[int, dict] = {}
     for p in source.partitions:
@@ -236,7 +172,7 @@ def shard(
 
             runner = run_ray(job, todo, workers=workers, progress=advance)
         else:
-            runner = run_local(job, todo, workers=workers, progress=advance)
+            runner = run_local(job, todo, workers=workers, progress=advance, lock_fd=lock.fileno())
         for marker in runner:
             markers[marker["partition"]] = marker
     except DataError as e:
@@ -253,7 +189,11 @@ def shard(
                    "skipped": skipped, "num_ignored": len(source.ignored), "ignored": source.ignored}
         write_json(join_url(out, "report.json"), failure, opts)
         raise DataError(why)
-    manifest = commit(job, ordered, skipped=len(skipped), ignored=len(source.ignored))
+    try:
+        manifest = commit(job, ordered, skipped=len(skipped), ignored=len(source.ignored))
+    except DataError:  # the final shards are not as written: the next run of this job rebuilds them
+        write_json(config_url, {"config": config, "complete": False, "broken": True}, opts)
+        raise
     seconds = time.perf_counter() - t0
     written = sum(m["bytes"] for m in ordered)
     report = {
@@ -261,12 +201,12 @@ def shard(
         "samples": manifest["num_samples"], "shards": len(manifest["shards"]), "bytes": manifest["num_bytes"],
         "value_bytes": written, "partitions": len(source.partitions), "resumed_partitions": resumed,
         "num_skipped": len(skipped), "skipped": skipped, "num_ignored": len(source.ignored),
-        "ignored": source.ignored, "check_images": check_images, "classes": len(source.classes or []),
+        "ignored": source.ignored, "check_images": im.check, "classes": len(source.classes or []),
         "seconds": round(seconds, 3), "samples_per_s": round(manifest["num_samples"] / seconds, 1),
         "mb_per_s": round(manifest["num_bytes"] / 1e6 / seconds, 2),
     }
     write_json(join_url(out, "report.json"), report, opts)
-    write_json(join_url(job["job_dir"], "config.json"), {"config": config, "complete": True}, opts)
+    write_json(config_url, {"config": config, "complete": True}, opts)
     fs, path = filesystem(job["job_dir"], opts)
     for sub in ("parts", "done", "merged", "merged.json", "commit.json"):
         if fs.exists(posixpath.join(path, sub)):
@@ -274,6 +214,17 @@ def shard(
     if skipped:
         log.warning("skipped %d unreadable items (listed in %s)", len(skipped), join_url(out, "report.json"))
     return report
+
+
+def _verify_output(out: str, opts: dict) -> list[str]:
+    """What is wrong with a completed job's output: its manifest, and every shard it lists."""
+    try:
+        manifest = read_json(join_url(out, "manifest.json"), opts)
+    except ValueError:
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        return ["manifest.json is missing or unreadable"]
+    return verify_shards(out, manifest["shards"], opts)
 
 
 def _some(names: list[str], n: int = 3) -> str:

@@ -4,8 +4,7 @@ import pytest
 
 from datapipe.cli import main
 from datapipe.tools.inspect import inspect_shards
-from datapipe.jobs.shard.job import shard
-from tests.datapipe.jobs.shard.test_job import make_image_folder
+from tests.datapipe.jobs.shard.test_job import run_shard, make_image_folder
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +12,7 @@ def out(tmp_path_factory):
     root = tmp_path_factory.mktemp("imgs")
     make_image_folder(str(root), n=12, classes=("a", "b"))
     out = tmp_path_factory.mktemp("shards")
-    shard(str(root), str(out), max_count=5, workers=1, progress=False)
+    run_shard(str(root), str(out), max_count=5, workers=1, progress=False)
     return out
 
 

@@ -5,8 +5,7 @@ import os
 import pytest
 
 from datapipe.jobs.shard.cli import _size
-from datapipe.jobs.shard.job import shard
-from tests.datapipe.jobs.shard.test_job import images, run_cli  # noqa: F401 (fixture)
+from tests.datapipe.jobs.shard.test_job import run_shard, images, run_cli  # noqa: F401 (fixture)
 
 
 def test_sizes():
@@ -28,7 +27,7 @@ def test_existing_output_and_usage_errors(images, tmp_path, capsys):
     assert manifest["num_samples"] == len(files) and all(s["count"] <= 3 for s in manifest["shards"])
     assert len([n for n in os.listdir(out) if n.endswith(".tar")]) == len(manifest["shards"])
     # same arguments again: already complete, nothing rewritten
-    assert shard(root, str(out), max_count=3, workers=1, progress=False)["status"] == "already complete"
+    assert run_shard(root, str(out), max_count=3, workers=1, progress=False)["status"] == "already complete"
     assert run_cli(root, tmp_path / "x", "--pattern", "shard.tar") == 2
     assert run_cli(root, tmp_path / "x", "--quality", "0") == 2
     assert run_cli(tmp_path / "does-not-exist", tmp_path / "x") == 1

@@ -5,14 +5,13 @@ import pytest
 
 import datapipe.jobs.shard.commit as commit
 from datapipe.jobs.shard.commit import existing_outputs, remove_outputs
-from datapipe.jobs.shard.job import shard
-from tests.datapipe.jobs.shard.test_job import images  # noqa: F401 (fixture)
+from tests.datapipe.jobs.shard.test_job import run_shard, images  # noqa: F401 (fixture)
 
 
 def test_commit_is_resumable(images, tmp_path, monkeypatch):
     """A crash in the middle of the final renames: the re-run completes with the same shards."""
     root, _ = images
-    shard(root, str(tmp_path / "ref"), max_count=4, partition_size=6, workers=1, progress=False)
+    run_shard(root, str(tmp_path / "ref"), max_count=4, partition_size=6, workers=1, progress=False)
     real_move, calls = commit._move, []
 
     def flaky(fs, src, dst):
@@ -23,10 +22,10 @@ def test_commit_is_resumable(images, tmp_path, monkeypatch):
 
     monkeypatch.setattr(commit, "_move", flaky)
     with pytest.raises(OSError):
-        shard(root, str(tmp_path / "out"), max_count=4, partition_size=6, workers=1, progress=False)
+        run_shard(root, str(tmp_path / "out"), max_count=4, partition_size=6, workers=1, progress=False)
     monkeypatch.setattr(commit, "_move", real_move)
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
-    report = shard(root, str(tmp_path / "out"), max_count=4, partition_size=6, workers=1, progress=False)
+    report = run_shard(root, str(tmp_path / "out"), max_count=4, partition_size=6, workers=1, progress=False)
     assert report["resumed_partitions"] == report["partitions"]
     ref = json.load(open(tmp_path / "ref" / "manifest.json"))["shards"]
     assert json.load(open(tmp_path / "out" / "manifest.json"))["shards"] == ref

@@ -15,10 +15,23 @@ from PIL import Image
 from datapipe import ShardStream
 from datapipe.cli import main
 from datapipe.jobs.shard.job import shard
+from datapipe.jobs.shard.options import ImageOptions, ShardOptions, TextOptions
 from datapipe.tools.synthetic import iter_image_samples
 from tests.shards import write_shards
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+
+_IMAGE = {"check_images": "check", "resize": "resize", "quality": "quality"}
+_TEXT = ("text_field", "key_field", "tokenizer")
+
+
+def run_shard(src, out, *, engine="local", workers=1, progress=False, **flat):
+    """``shard(src, out, ShardOptions(...))`` from flat option names (the CLI's), for short tests."""
+    images = ImageOptions(**{_IMAGE[k]: flat.pop(k) for k in list(flat) if k in _IMAGE})
+    text = TextOptions(**{k: flat.pop(k) for k in list(flat) if k in _TEXT})
+    return shard(str(src), str(out), ShardOptions(images=images, text=text, **flat), engine=engine, workers=workers,
+                 progress=progress)
 
 
 def make_image_folder(root, n=24, classes=("cat", "dog", "emu"), size=(40, 30)):
@@ -53,7 +66,7 @@ def run_cli(*args):
 def test_image_folder_to_shards(images, tmp_path):
     root, files = images
     out = str(tmp_path / "out")
-    report = shard(root, out, max_count=5, partition_size=7, workers=1, progress=False)
+    report = run_shard(root, out, max_count=5, partition_size=7, workers=1, progress=False)
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert manifest["num_samples"] == len(files) == report["samples"]
     assert manifest["classes"] == ["cat", "dog", "emu"]
@@ -77,9 +90,9 @@ def test_image_folder_to_shards(images, tmp_path):
 
 def test_output_independent_of_workers_and_deterministic(images, tmp_path):
     root, _ = images
-    a = shard(root, str(tmp_path / "a"), max_count=4, partition_size=5, workers=1, shuffle=True, seed=3,
+    a = run_shard(root, str(tmp_path / "a"), max_count=4, partition_size=5, workers=1, shuffle=True, seed=3,
               progress=False)
-    b = shard(root, str(tmp_path / "b"), max_count=4, partition_size=5, workers=2, shuffle=True, seed=3,
+    b = run_shard(root, str(tmp_path / "b"), max_count=4, partition_size=5, workers=2, shuffle=True, seed=3,
               progress=False)
     assert a["samples"] == b["samples"]
     ma = json.load(open(tmp_path / "a" / "manifest.json"))["shards"]
@@ -92,7 +105,7 @@ def test_shuffle_is_seeded_and_keeps_the_sample_set(images, tmp_path):
     order = {}
     for name, kw in {"plain": {}, "s1": dict(shuffle=True, seed=1), "s1b": dict(shuffle=True, seed=1),
                      "s2": dict(shuffle=True, seed=2)}.items():
-        shard(root, str(tmp_path / name), partition_size=6, workers=1, progress=False, **kw)
+        run_shard(root, str(tmp_path / name), partition_size=6, workers=1, progress=False, **kw)
         order[name] = [s["__key__"] for s in read_all(str(tmp_path / name))]
     assert order["s1"] == order["s1b"]
     assert order["s1"] != order["plain"] and order["s1"] != order["s2"]
@@ -102,7 +115,7 @@ def test_shuffle_is_seeded_and_keeps_the_sample_set(images, tmp_path):
 
 def test_resize_and_reencode(images, tmp_path):
     root, files = images
-    report = shard(root, str(tmp_path / "out"), resize=16, quality=70, index=True, workers=1, progress=False)
+    report = run_shard(root, str(tmp_path / "out"), resize=16, quality=70, index=True, workers=1, progress=False)
     assert report["samples"] == len(files)
     for s in read_all(str(tmp_path / "out")):
         im = Image.open(io.BytesIO(s["jpg"]))
@@ -137,7 +150,7 @@ def test_csv_list_with_missing_file(images, tmp_path):
     lines = ["path,label"] + [f"{os.path.join(root, rel)},{rel.split('/')[0]}" for rel in sorted(files)[::5]]
     lines.append("nowhere/missing.jpg,cat")
     (tmp_path / "list.csv").write_text("\n".join(lines) + "\n")
-    report = shard(str(tmp_path / "list.csv"), str(tmp_path / "out"), workers=1, progress=False)
+    report = run_shard(str(tmp_path / "list.csv"), str(tmp_path / "out"), workers=1, progress=False)
     assert report["samples"] == 5 and report["num_skipped"] == 1
     assert "missing.jpg" in report["skipped"][0]["item"]
     manifest = json.load(open(tmp_path / "out" / "manifest.json"))
@@ -157,7 +170,7 @@ def write_jsonl(path, texts, bad_line=True):
 def test_jsonl_text_with_byte_tokenizer(tmp_path):
     texts = [f"document {i} " + "héllo wörld " * (i % 5) for i in range(40)]
     write_jsonl(tmp_path / "docs.jsonl", texts)
-    report = shard(str(tmp_path / "docs.jsonl"), str(tmp_path / "out"), tokenizer="byte", partition_bytes=300,
+    report = run_shard(str(tmp_path / "docs.jsonl"), str(tmp_path / "out"), tokenizer="byte", partition_bytes=300,
                    max_count=8, workers=2, progress=False)
     assert report["partitions"] > 3
     assert report["samples"] == 40 and report["num_skipped"] == 1
@@ -180,7 +193,7 @@ def test_jsonl_key_field_and_hf_tokenizer(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tok.json"))
     write_jsonl(tmp_path / "d.jsonl", ["hello world", "data data hello", "what"], bad_line=False)
-    shard(str(tmp_path / "d.jsonl"), str(tmp_path / "out"), tokenizer=str(tmp_path / "tok.json"), key_field="id",
+    run_shard(str(tmp_path / "d.jsonl"), str(tmp_path / "out"), tokenizer=str(tmp_path / "tok.json"), key_field="id",
           workers=1, progress=False)
     samples = read_all(str(tmp_path / "out"))
     assert [s["__key__"] for s in samples] == ["doc0", "doc1", "doc2"]
@@ -192,14 +205,14 @@ def test_parquet_text(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     texts = [f"row {i}" for i in range(25)]
     pq.write_table(pa.table({"body": texts, "n": list(range(25))}), tmp_path / "t.parquet", row_group_size=10)
-    report = shard(str(tmp_path / "t.parquet"), str(tmp_path / "out"), text_field="body", workers=1, progress=False)
+    report = run_shard(str(tmp_path / "t.parquet"), str(tmp_path / "out"), text_field="body", workers=1, progress=False)
     assert report["partitions"] == 3 and report["samples"] == 25
     assert [s["txt"].decode() for s in read_all(str(tmp_path / "out"))] == texts
 
 
 def test_reshard_tars_and_truncated_tar(tmp_path):
     urls, samples = write_shards(tmp_path / "in", [10, 3, 0, 8, 5], manifest=False)
-    report = shard(str(tmp_path / "in"), str(tmp_path / "out"), max_count=12, workers=2, progress=False)
+    report = run_shard(str(tmp_path / "in"), str(tmp_path / "out"), max_count=12, workers=2, progress=False)
     assert report["samples"] == 26
     counts = [s["count"] for s in json.load(open(tmp_path / "out" / "manifest.json"))["shards"]]
     assert sum(counts) == 26 and max(counts) <= 12 and len(counts) < 5  # small inputs merged into bigger shards
@@ -209,7 +222,7 @@ def test_reshard_tars_and_truncated_tar(tmp_path):
     data = open(urls[0], "rb").read()
     with open(urls[0], "wb") as f:
         f.write(data[: len(data) // 2 + 100])
-    report = shard(str(tmp_path / "in"), str(tmp_path / "out2"), workers=1, progress=False)
+    report = run_shard(str(tmp_path / "in"), str(tmp_path / "out2"), workers=1, progress=False)
     assert 16 <= report["samples"] < 26 and report["num_skipped"] >= 1
     assert "shard-000000.tar" in report["skipped"][-1]["item"] or "shard-000000.tar" in str(report["skipped"])
     assert run_cli(tmp_path / "in", tmp_path / "strict", "--strict", "--workers", "1") == 1
@@ -219,7 +232,7 @@ def test_fsspec_destination(images):
     import fsspec
 
     root, files = images
-    report = shard(root, "memory://dp-test/out", max_count=10, workers=1, progress=False)
+    report = run_shard(root, "memory://dp-test/out", max_count=10, workers=1, progress=False)
     fs = fsspec.filesystem("memory")
     manifest = json.loads(fs.cat("/dp-test/out/manifest.json"))
     assert manifest["num_samples"] == len(files) == report["samples"]
@@ -297,13 +310,13 @@ def test_decode_check_catches_what_the_open_check_lets_through(tmp_path):
     make_image_folder(str(root), n=4, classes=("a",), size=(200, 150))
     good = (root / "a" / "img.000.jpg").read_bytes()
     (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])  # header intact, scan data cut
-    opened = shard(str(root), str(tmp_path / "open"), workers=1, progress=False)
+    opened = run_shard(str(root), str(tmp_path / "open"), workers=1, progress=False)
     assert opened["samples"] == 5 and opened["num_skipped"] == 0  # the cheap check reads headers only
-    decoded = shard(str(root), str(tmp_path / "decode"), check_images="decode", workers=1, progress=False)
+    decoded = run_shard(str(root), str(tmp_path / "decode"), check_images="decode", workers=1, progress=False)
     assert decoded["samples"] == 4 and decoded["num_skipped"] == 1
     assert decoded["skipped"][0]["item"].endswith("cut.jpg") and "decode" in decoded["skipped"][0]["error"]
     with pytest.raises(ValueError, match="check-images"):
-        shard(str(root), str(tmp_path / "x"), check_images="full", progress=False)
+        run_shard(str(root), str(tmp_path / "x"), check_images="full", progress=False)
 
 
 def test_ignored_files_are_counted_and_named(tmp_path, caplog):
@@ -323,19 +336,19 @@ def test_ignored_files_are_counted_and_named(tmp_path, caplog):
 def test_copy_mode_partitions_are_whole_shards(images, tmp_path):
     """Copying image bytes: one partition per shard, so no tail is merged (rewritten); same bytes for any workers."""
     root, files = images
-    one = shard(root, str(tmp_path / "one"), max_count=5, workers=1, progress=False)
-    two = shard(root, str(tmp_path / "two"), max_count=5, workers=2, progress=False)
+    one = run_shard(root, str(tmp_path / "one"), max_count=5, workers=1, progress=False)
+    two = run_shard(root, str(tmp_path / "two"), max_count=5, workers=2, progress=False)
     assert one["partitions"] == one["shards"] == -(-len(files) // 5)
     assert [s["count"] for s in json.load(open(tmp_path / "one" / "manifest.json"))["shards"]] == [5, 5, 5, 5, 4]
     assert json.load(open(tmp_path / "one" / "manifest.json"))["shards"] == \
         json.load(open(tmp_path / "two" / "manifest.json"))["shards"]
-    by_bytes = shard(root, str(tmp_path / "bytes"), max_bytes=8 * 1024, workers=1, progress=False)
+    by_bytes = run_shard(root, str(tmp_path / "bytes"), max_bytes=8 * 1024, workers=1, progress=False)
     assert by_bytes["partitions"] == by_bytes["shards"] > 1
 
 
 def test_checks_in_a_pool_give_the_same_shards(tmp_path, monkeypatch):
     """Copy jobs check images in a process pool while one process writes: same verdicts and bytes as inline."""
-    import datapipe.jobs.shard.job as job
+    import datapipe.jobs.shard.local_engine as job
 
     root = tmp_path / "imgs"
     make_image_folder(str(root), n=30, classes=("a", "b"), size=(64, 48))
@@ -347,11 +360,11 @@ def test_checks_in_a_pool_give_the_same_shards(tmp_path, monkeypatch):
     real = job.run_partition
     monkeypatch.setattr(job, "run_partition", lambda *a, **k: calls.append(k.get("check_pool")) or real(*a, **k))
     for check, bad in (("open", {"broken.jpg"}), ("decode", {"broken.jpg", "cut.jpg"})):
-        pooled = shard(str(root), str(tmp_path / f"pool-{check}"), check_images=check, max_count=7, workers=2,
+        pooled = run_shard(str(root), str(tmp_path / f"pool-{check}"), check_images=check, max_count=7, workers=2,
                        progress=False)
         assert calls and all(c is not None for c in calls)
         calls.clear()
-        inline = shard(str(root), str(tmp_path / f"inline-{check}"), check_images=check, max_count=7, workers=1,
+        inline = run_shard(str(root), str(tmp_path / f"inline-{check}"), check_images=check, max_count=7, workers=1,
                        progress=False)
         assert calls and all(c is None for c in calls)
         calls.clear()
@@ -366,12 +379,12 @@ def test_a_journal_of_the_earlier_seed_rule_is_not_resumed(images, tmp_path):
     root, _ = images
     out = tmp_path / "out"
     kw = dict(max_count=5, shuffle=True, seed=4, workers=1, progress=False)
-    shard(root, str(out), **kw)
+    run_shard(root, str(out), **kw)
     path = out / ".datapipe-job" / "config.json"
     journal = json.load(open(path))
     del journal["config"]["seed_rule"]  # as the earlier rule wrote it
     path.write_text(json.dumps(journal))
     with pytest.raises(ValueError, match="--overwrite"):
-        shard(root, str(out), **kw)
-    assert shard(root, str(out), overwrite=True, **kw)["status"] == "ok"
-    assert shard(root, str(out), **kw)["status"] == "already complete"
+        run_shard(root, str(out), **kw)
+    assert run_shard(root, str(out), overwrite=True, **kw)["status"] == "ok"
+    assert run_shard(root, str(out), **kw)["status"] == "already complete"

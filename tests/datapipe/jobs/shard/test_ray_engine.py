@@ -3,8 +3,7 @@ import os
 
 import pytest
 
-from datapipe.jobs.shard.job import shard
-from tests.datapipe.jobs.shard.test_job import make_image_folder, read_all
+from tests.datapipe.jobs.shard.test_job import run_shard, make_image_folder, read_all
 
 ray = pytest.importorskip("ray")
 
@@ -21,8 +20,8 @@ def test_ray_engine_matches_local(ray_cluster, tmp_path):
     make_image_folder(str(root), n=20, classes=("a", "b"))
     (root / "b" / "broken.jpg").write_bytes(b"garbage")
     opts = dict(max_count=4, partition_size=6, check_images=True, shuffle=True, seed=1, workers=2, progress=False)
-    local = shard(str(root), str(tmp_path / "local"), engine="local", **opts)
-    remote = shard(str(root), str(tmp_path / "ray"), engine="ray", **opts)
+    local = run_shard(str(root), str(tmp_path / "local"), engine="local", **opts)
+    remote = run_shard(str(root), str(tmp_path / "ray"), engine="ray", **opts)
     assert remote["samples"] == local["samples"] == 20
     assert remote["num_skipped"] == local["num_skipped"] == 1
     ml = json.load(open(tmp_path / "local" / "manifest.json"))
@@ -33,5 +32,5 @@ def test_ray_engine_matches_local(ray_cluster, tmp_path):
     from datapipe.errors import DataError
 
     with pytest.raises(DataError, match="broken.jpg"):
-        shard(str(root), str(tmp_path / "strict"), engine="ray", strict=True, **opts)
+        run_shard(str(root), str(tmp_path / "strict"), engine="ray", strict=True, **opts)
     assert not os.path.exists(tmp_path / "strict" / "manifest.json")
