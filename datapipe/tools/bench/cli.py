@@ -102,6 +102,8 @@ def _storage_command(args) -> int:
     print(table(bs.rows_for_table(result), bs.TABLE_COLUMNS))
     print(f"page cache: {result['page_cache']['reason']}")
     print(f"recommendation: {result['recommendation']['text']}")
+    if result["recommendation"].get("warning"):
+        print(f"warning: {result['recommendation']['warning']}")
     _outputs(args, result, "storage")
     return 0
 

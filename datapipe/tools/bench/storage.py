@@ -6,7 +6,8 @@ largest block size: the single-stream ceiling), ShardStream parsing (with and wi
 block sizes, each request a ranged read of ``block_size`` bytes. Every measurement reports MB/s,
 files/s and per-request latency percentiles. Local files are read cold where the page cache can be
 dropped (``posix_fadvise(POSIX_FADV_DONTNEED)``, verified with ``mincore``) and warm; remote
-storage has no local page cache.
+storage has no local page cache. The recommendation names what to set where (readers in parallel are
+the DataLoader's ``num_workers``) and warns when the data set is too small for the figures to hold.
 """
 from __future__ import annotations
 
@@ -383,21 +384,74 @@ def run_storage(targets: list[str] | str, *, concurrency: list[int] = (1, 2, 4, 
     return result
 
 
+MIN_BYTES = 256_000_000  # a smaller data set reads in a blink: start-up and noise, not throughput
+MIN_SECONDS = 0.5  # a one-pass measurement shorter than this is noise too
+
+
+def size_warning(result: dict) -> str | None:
+    """Why the figures may mean little (too few bytes, or one-pass reads over in a blink), else ``None``."""
+    runs = list(result["sequential"].values()) + result["sweep"]
+    short = [r for r in runs if r.get("cache") == "cold" or r is result["sequential"].get("cold")]
+    fastest = min((r["seconds"] for r in short), default=None)
+    if result["bytes"] >= MIN_BYTES and (fastest is None or fastest >= MIN_SECONDS):
+        return None
+    text = f"the data set is {result['bytes'] / 1e6:.1f} MB"
+    if fastest is not None and fastest < MIN_SECONDS:
+        text += f" and a cold pass over it took {fastest * 1e3:.0f} ms"
+    return (text + f": these figures are mostly start-up and noise; measure at least {MIN_BYTES / 1e6:.0f} MB "
+            "(more or bigger shards) for throughput that holds")
+
+
+def _loader_block() -> int | None:
+    try:
+        from datapipe.storage.files import REMOTE_BLOCK
+    except ImportError:
+        return None
+    return REMOTE_BLOCK
+
+
 def recommend(result: dict) -> dict:
+    """What to set where, from the sweep: readers in parallel (the loader's workers), and what block size gives.
+
+    ShardStream streams one shard at a time per reader; parallel readers are the DataLoader's
+    worker processes (``num_workers``) each holding its own shards. The request size for remote shards
+    is the library's (not an option), so a better block size is reported as a fact, not a setting.
+    """
     rows = result["sweep"]
     if not rows:
-        return {"text": "no sweep measured"}
+        return {"text": "no sweep measured", "warning": size_warning(result)}
     best = max(rows, key=lambda r: r["mb_per_s"])
-    seq = next(iter(result["sequential"].values()), None)
-    text = (f"use concurrency {best['concurrency']} ({best['mode']}) with {format_size(best['block_size'])} blocks: "
-            f"{best['mb_per_s']:.0f} MB/s ({best['cache']})")
-    if seq and seq["mb_per_s"] > 0:
-        text += f", {best['mb_per_s'] / seq['mb_per_s']:.1f}x one sequential stream"
+    one = max((r for r in rows if r["concurrency"] == 1), key=lambda r: r["mb_per_s"], default=None)
+    gain = best["mb_per_s"] / one["mb_per_s"] if one and one["mb_per_s"] > 0 else None
+    c, shards = best["concurrency"], result["shards"]
+    if c > 1 and gain is not None and gain >= 1.2:
+        text = (f"reads scale to {c} in parallel: {best['mb_per_s']:.0f} MB/s, {gain:.1f}x one reader "
+                f"({best['cache']}). Read with at least {c} readers: loaders.DataLoader(..., num_workers={c}) or "
+                f"torch's DataLoader over a ShardStream (each worker streams its own shards)")
+        if shards < c:
+            text += f"; with {shards} shards at most {shards} readers are busy: write more, smaller shards"
+    else:
+        text = (f"one reader already gets {one['mb_per_s'] if one else best['mb_per_s']:.0f} MB/s "
+                f"({best['cache']}); more readers in parallel do not read faster here, so choose num_workers for "
+                "decoding, not for reading")
+    block = _loader_block()
+    if block and result.get("storage") != "local":
+        at_c = [r for r in rows if r["concurrency"] == c and r["mode"] == best["mode"]]
+        ours = next((r for r in at_c if r["block_size"] == block), None)
+        top = max(at_c, key=lambda r: r["mb_per_s"])
+        if ours and top["block_size"] != block and top["mb_per_s"] >= 1.2 * ours["mb_per_s"]:
+            text += (f". ShardStream requests {format_size(block)} per read of a remote shard (fixed); "
+                     f"{format_size(top['block_size'])} requests read {top['mb_per_s'] / ours['mb_per_s']:.1f}x "
+                     "faster here")
     st = result["stream"].get("zero_copy") or result["stream"].get("copy")
     if st and st["mb_per_s"] > 0:
-        text += f"; ShardStream parses {st['mb_per_s']:.0f} MB/s on one core"
-    return {"mode": best["mode"], "concurrency": best["concurrency"], "block_size": best["block_size"],
-            "mb_per_s": best["mb_per_s"], "text": text}
+        text += f". ShardStream parses {st['mb_per_s']:.0f} MB/s in one process"
+        if result.get("storage") == "local" and "zero_copy" in result["stream"]:
+            text += " with zero_copy=True"
+    warning = size_warning(result)
+    return {"mode": best["mode"], "concurrency": c, "block_size": best["block_size"], "mb_per_s": best["mb_per_s"],
+            "num_workers": c if c > 1 and gain is not None and gain >= 1.2 else None, "text": text,
+            "warning": warning}
 
 
 def rows_for_table(result: dict) -> list[dict]:
