@@ -5,6 +5,12 @@ _EXPORTS = {
     "DataLoader": "loaders.dataloader",
     "ImageLoader": "loaders.images.loader",
     "TokenLoader": "loaders.tokens",
+    # the loaders' option groups
+    "AugmentOptions": "loaders.images.options",
+    "DecodeOptions": "loaders.images.options",
+    "ReadOptions": "loaders.images.options",
+    "DocumentOptions": "loaders.token_options",
+    "PackOptions": "loaders.token_options",
 }
 
 __all__ = sorted(_EXPORTS)

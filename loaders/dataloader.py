@@ -38,8 +38,8 @@ import torch
 import torch.utils.data as tud
 from torch.utils.data import IterableDataset
 
+from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
-from datapipe.device.pacing import PACE, check_pace
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from datapipe.order import elastic
 from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, pins_for_cuda, shutdown, tagged_batches
@@ -60,8 +60,7 @@ class DataLoader(tud.DataLoader[_T_co]):
     """``torch.utils.data.DataLoader`` plus ``device=`` prefetch, resumable state, stats, autotune.
 
     Positional and keyword arguments are torch's; ours are keyword-only: ``device``,
-    ``prefetch_depth``, ``pace`` (the prefetch thread's, as ``DevicePrefetcher``'s), ``seed`` (``None``:
-    torch's seeding) and ``max_workers``.
+    ``prefetch_depth``, ``seed`` (``None``: torch's seeding) and ``max_workers``.
     ``num_workers="auto"`` and ``prefetch_depth="auto"`` are chosen from measured rates (see
     :mod:`datapipe.device.autotune`): a map-style dataset serves its first batches from the main process
     while timing production and the consumer, then continues (same order) with the chosen worker
@@ -83,9 +82,8 @@ class DataLoader(tud.DataLoader[_T_co]):
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
                  device: str | torch.device | int | None = None, prefetch_depth: int | str = 2,
-                 pace: float | None = PACE, seed: int | None = None, max_workers: int | None = None):
+                 seed: int | None = None, max_workers: int | None = None):
         check_options(num_workers=num_workers, prefetch_depth=prefetch_depth, max_workers=max_workers)
-        self.pace = check_pace(pace)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed={seed!r}: pass an int or None (torch's global RNG)")
         auto = num_workers == "auto"
@@ -103,7 +101,6 @@ class DataLoader(tud.DataLoader[_T_co]):
                          generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
-        self._own_pinning = True  # False: torch's pin-memory thread pins (bench/prefetch.py's "pinthread")
         self._pass_pins = False  # whether a thread of ours pins this pass's batches (_pins_here)
         # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm), with
         # device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory per batch
@@ -161,7 +158,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         self.collate_fn = inner
         if self._pass_pins:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
-        # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
+        forks.install()  # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
             if replay and rng.rng_state is not None:
                 with torch.random.fork_rng(devices=[]):
@@ -181,8 +178,6 @@ class DataLoader(tud.DataLoader[_T_co]):
         torch: the prefetch thread with ``device="cuda"``; with ``device=None`` and ``pin_memory=True`` (for a
         CUDA device) and worker processes, a pin thread of ours in place of torch's. Without workers torch
         pins in the training thread, the dataset running there too, and so it stays."""
-        if not self._own_pinning:
-            return False
         if self.device is not None:
             return self.device.type == "cuda"
         return (bool(self.pin_memory) and pins_for_cuda(self.pin_memory_device)
@@ -262,7 +257,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
         if self.device is not None and self._prefetcher is None:
-            self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth, pace=self.pace)
+            self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
         if pins_here:
             stream = pinned(stream, self.pin_memory_device or None, returns=self._returns,
                             keep=self.persistent_workers, copy_stream=getattr(self._prefetcher, "stream", None))

@@ -11,10 +11,12 @@ __all__ = ["check_options", "workers_from_first_batches", "workers_for_iterable"
 
 
 def check_options(*, num_workers, prefetch_depth, max_workers) -> None:
-    """``ValueError`` for a worker count, prefetch depth or worker cap the loader cannot take."""
-    if num_workers != "auto" and (not isinstance(num_workers, int) or isinstance(num_workers, bool)
-                                  or num_workers < 0):
-        raise ValueError(f"num_workers={num_workers!r}: pass an int >= 0 or 'auto'")
+    """``ValueError`` for a worker count, prefetch depth or worker cap the loader cannot take.
+
+    A negative ``num_workers`` is left to torch's own check (its ValueError and words); a worker
+    count that is not an int is a TypeError, as in torch."""
+    if num_workers != "auto" and (not isinstance(num_workers, int) or isinstance(num_workers, bool)):
+        raise TypeError(f"num_workers={num_workers!r}: pass an int >= 0 or 'auto'")
     if prefetch_depth != "auto" and (not isinstance(prefetch_depth, int)
                                      or isinstance(prefetch_depth, bool) or prefetch_depth < 1):
         raise ValueError(f"prefetch_depth={prefetch_depth!r}: pass an int >= 1 or 'auto'")

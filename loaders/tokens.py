@@ -11,19 +11,21 @@ import numpy as np
 import torch
 
 from datapipe.device.handoff import close_last
-from datapipe.device.pacing import PACE, check_pace
 from datapipe.device.prefetch import DevicePrefetcher
-from datapipe.errors import DataError, ErrorPolicy, OnError
+from datapipe.errors import DataError, ErrorPolicy
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
-from datapipe.stream import ShardStream
+from loaders.source import as_stream, check_positive_int, option_group
+from loaders.token_options import DocumentOptions, PackOptions
 
 log = logging.getLogger("datapipe.tokens")
 
-BATCHING = ("packed", "dynamic")
+SHUFFLE_BUFFER = 1000  # the sample shuffle buffer of a stream the loader builds from URLs
 
 
 def decode_npy(data) -> np.ndarray:
+    if isinstance(data, np.ndarray):  # a stream with .decode() steps gives arrays already
+        return data
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
@@ -35,64 +37,66 @@ def _real_tokens(batch: dict) -> int:
 
 
 class TokenLoader:
-    """Packed LLM batches from WebDataset shards of tokenised documents.
+    """Packed LLM batches from WebDataset shards of tokenised documents, on ``device``.
 
-    Each sample holds one document: token ids as ``.npy`` (default ``token_key="npy"``), raw ints
-    (``token_key="ids"`` with ``token_dtype``), or text (``text_key``) with a ``tokenizer`` callable
-    (``str -> list[int]``). Documents stream through ``ShardStream`` (splitting, shuffling, resume,
-    ``on_error``) into ``packing.Packer`` (``batching="packed"``: the packed-batch format of
-    ``packing.batch``) or ``packing.TokenBudgetBatcher`` (``batching="dynamic"``: padded batches
-    of at most ``max_tokens``), and reach ``device`` through ``DevicePrefetcher`` (``prefetch_depth``
-    batches ahead, paced by ``pace``: see its docstring).
+    Each sample holds one document: token ids as ``.npy`` (``documents.token_key``), raw ints, or
+    text with a ``tokenizer``. Documents stream through the source ``ShardStream`` (splitting,
+    shuffling, resume, ``on_error``) into ``packing.Packer`` (``packing.batching="packed"``: dicts
+    of ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``cu_seqlens``, ``max_seqlen``)
+    or ``packing.TokenBudgetBatcher`` (``"dynamic"``: ``input_ids``, ``attention_mask``, ``labels``,
+    padded), and reach ``device`` through ``DevicePrefetcher`` ``prefetch_depth`` batches ahead.
+    No EOS token is added unless ``packing.eos_id`` is given.
 
     When torch.distributed is initialised, ranks agree each step (a one-int all-reduce on a gloo
     group, started a step ahead so that it overlaps training) to stop together when the first runs
     out, so every rank yields the same number of batches; the few batches a rank drops at the end
-    of the epoch are counted in ``stats()``.
-    ``state_dict()`` is exact for the batches handed out, not the ones prefetched.
-    ``on_error`` (a handler name or a callable, as for ``ShardStream``) also rules bad documents.
-    ``seed`` orders the stream; the dynamic batcher shuffles with ``derive_seed(seed, 0, "token_budget")``.
+    of the epoch are counted in ``stats()``. ``state_dict()`` is exact for the batches handed out,
+    not the ones prefetched. Bad documents follow the stream's ``on_error``.
+
+    Args:
+        source: a URL pattern, a list of URLs, a folder, or a :class:`datapipe.ShardStream` (used as it
+            is: its shuffle, seed, rank, ``on_error``, storage and cache settings). From URLs the loader
+            builds ``ShardStream(source, shuffle=True, shuffle_buffer=1000, seed=0)``.
+        seq_len: tokens per row.
+        batch_size: rows per batch (``"dynamic"``: at most this many).
+        device: where batches go (``None``: stay on the CPU).
+        tokenizer: ``str -> list[int]`` for samples that hold text instead of token ids.
+        packing: :class:`~loaders.token_options.PackOptions` (batching, buffer, algorithm, ``eos_id``...).
+        documents: :class:`~loaders.token_options.DocumentOptions` (which entries hold tokens or text).
+        prefetch_depth: batches prepared ahead of the training loop.
+        sync_ranks: stop every rank together (see above).
     """
 
-    def __init__(self, urls: str | list[str], *, seq_len: int, batch_size: int, device=None,
-                 batching: str = "packed", max_tokens: int | None = None, pad_to_multiple_of: int = 8,
-                 token_key: str = "npy", token_dtype: str = "int32", text_key: str = "txt",
-                 tokenizer: Callable[[str], Any] | None = None, shuffle: bool = True, seed: int = 0,
-                 shuffle_buffer: int = 1000, rank: int | None = None, world_size: int | None = None,
-                 on_error: OnError = "raise", buffer_size: int = 2048, overflow: str = "split",
-                 eos_id: int | None = None, bos_id: int | None = None, pad_id: int = 0, algorithm: str = "bfd",
-                 prefetch_depth: int = 2, pace: float | None = PACE, sync_ranks: bool = True,
-                 stream_options: dict | None = None):
-        if batching not in BATCHING:
-            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError("seq_len and batch_size must be >= 1")
-        self.stream = ShardStream(urls, shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer, rank=rank,
-                                  world_size=world_size, on_error=on_error, **(stream_options or {}))
-        self.seq_len = int(seq_len)
-        self.batch_size = int(batch_size)
+    def __init__(self, source, *, seq_len: int, batch_size: int, device=None,
+                 tokenizer: Callable[[str], Any] | None = None, packing: PackOptions | None = None,
+                 documents: DocumentOptions | None = None, prefetch_depth: int = 2, sync_ranks: bool = True):
+        self.seq_len = check_positive_int("seq_len", seq_len)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.prefetch_depth = check_positive_int("prefetch_depth", prefetch_depth)
+        if tokenizer is not None and not callable(tokenizer):
+            raise TypeError(f"tokenizer: pass a callable str -> list[int], got {type(tokenizer).__name__}")
+        self.packing = packing = option_group(packing, PackOptions, "packing")
+        self.documents = option_group(documents, DocumentOptions, "documents")
+        self.stream = as_stream(source, shuffle=True, shuffle_buffer=SHUFFLE_BUFFER)
         self.device = device
-        self.batching = batching
-        self.token_key = token_key
-        self.token_dtype = np.dtype(token_dtype)
-        self.text_key = text_key
         self.tokenizer = tokenizer
-        self.on_error = on_error
-        self._errors = ErrorPolicy(on_error, log=log)  # bad documents (the stream counts its own)
-        self.prefetch_depth = prefetch_depth
-        self.pace = check_pace(pace)
-        self.sync_ranks = sync_ranks
-        if batching == "packed":
+        self._token_dtype = np.dtype(self.documents.token_dtype)
+        self._errors = ErrorPolicy(self.stream.on_error, log=log)  # bad documents (the stream counts its own)
+        self.sync_ranks = bool(sync_ranks)
+        if packing.batching == "packed":
             from packing import Packer
 
-            self.batcher = Packer(seq_len, buffer_size=buffer_size, overflow=overflow, eos_id=eos_id, bos_id=bos_id,
-                                  pad_id=pad_id, algorithm=algorithm)
+            self.batcher = Packer(self.seq_len, buffer_size=packing.buffer_size, overflow=packing.overflow,
+                                  eos_id=packing.eos_id, bos_id=packing.bos_id, pad_id=packing.pad_id,
+                                  algorithm=packing.algorithm)
         else:
             from packing import TokenBudgetBatcher
 
-            self.batcher = TokenBudgetBatcher(max_tokens or seq_len * batch_size, buffer_size=buffer_size,
-                                              max_batch_size=batch_size, pad_to_multiple_of=pad_to_multiple_of,
-                                              seed=derive_seed(seed, 0, "token_budget"), pad_id=pad_id)
+            self.batcher = TokenBudgetBatcher(packing.max_tokens or self.seq_len * self.batch_size,
+                                              buffer_size=packing.buffer_size, max_batch_size=self.batch_size,
+                                              pad_to_multiple_of=packing.pad_to_multiple_of,
+                                              seed=derive_seed(self.stream.seed, 0, "token_budget"),
+                                              pad_id=packing.pad_id)
         self._delivered: dict[str, Any] | None = None  # snapshot after the last batch handed out
         self._resume: dict[str, Any] | None = None
         self._stats = {"batches": 0, "tokens": 0, "dropped_tail_batches": 0,
@@ -103,14 +107,17 @@ class TokenLoader:
 
     # ---- documents --------------------------------------------------------------------------
     def _document(self, sample: dict) -> np.ndarray | None:
+        docs = self.documents
         try:
-            if self.token_key in sample:
-                data = sample[self.token_key]
-                ids = decode_npy(data) if self.token_key == "npy" else np.frombuffer(data, dtype=self.token_dtype)
-            elif self.tokenizer is not None and self.text_key in sample:
-                ids = np.asarray(self.tokenizer(bytes(sample[self.text_key]).decode("utf-8")), dtype=np.int64)
+            if docs.token_key in sample:
+                data = sample[docs.token_key]
+                ids = decode_npy(data) if docs.token_key == "npy" else np.frombuffer(data, dtype=self._token_dtype)
+            elif self.tokenizer is not None and docs.text_key in sample:
+                text = sample[docs.text_key]
+                text = text if isinstance(text, str) else bytes(text).decode("utf-8")
+                ids = np.asarray(self.tokenizer(text), dtype=np.int64)
             else:
-                raise KeyError(f"no {self.token_key!r} entry" + (f" and no {self.text_key!r} text" if self.tokenizer
+                raise KeyError(f"no {docs.token_key!r} entry" + (f" and no {docs.text_key!r} text" if self.tokenizer
                                                                  else " (give tokenizer= to read text)"))
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
                 raise ValueError(f"token ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
@@ -132,7 +139,7 @@ class TokenLoader:
         """Batches as torch tensors (host), each with the snapshot of the state right after it."""
         from packing.batch import to_torch
 
-        batches = (self.batcher.batches(self._documents(), self.batch_size) if self.batching == "packed"
+        batches = (self.batcher.batches(self._documents(), self.batch_size) if self.packing.batching == "packed"
                    else self.batcher.batches(self._documents()))
         for batch in batches:
             snapshot = {"stream": self.stream.state_dict(), "batcher": self.batcher.snapshot(),
@@ -155,7 +162,7 @@ class TokenLoader:
         else:
             self._stats["batches"] = 0
         group = self._sync_group()
-        prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth, pace=self.pace)
+        prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
         self._producer = prefetcher.meter
         it = iter(prefetcher)
         start = time.perf_counter()
@@ -255,7 +262,7 @@ class TokenLoader:
     def _reshape(self, g: dict, rank: int, world: int) -> dict:
         from datapipe.order import elastic
 
-        if self.batching != "packed":
+        if self.packing.batching != "packed":
             raise ValueError("only batching='packed' resumes on another world size; use the same world size")
         from packing.packer import held_pieces, holding_state
 

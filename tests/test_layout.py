@@ -141,3 +141,23 @@ def test_every_stateful_stage_names_its_kind_and_refuses_another(tmp_path):
         stream.load_state_dict(mixed.state_dict())
     with pytest.raises(ValueError, match="not a Packer state"):
         packer.load_state_dict(stream.state_dict())
+
+
+def test_import_changes_no_environment_variable_and_starts_no_thread():
+    """No work at import (DESIGN.md): importing the packages writes no variable and starts no thread."""
+    code = ("import os, threading, json\n"
+            "env, threads = dict(os.environ), {t.ident for t in threading.enumerate()}\n"
+            "import datapipe, loaders, packing, loaders.images, loaders.images.loader, loaders.tokens, loaders.dataloader\n"
+            "for name in ('DataError', 'expand_urls', 'ShardStream', 'ShardWriter', 'DevicePrefetcher', 'mix'):\n"
+            "    getattr(datapipe, name)\n"
+            "for name in ('DataLoader', 'ImageLoader', 'TokenLoader'):\n"
+            "    getattr(loaders, name)\n"
+            "changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))\n"
+            "started = [t.name for t in threading.enumerate() if t.ident not in threads]\n"
+            "print(json.dumps({'changed': changed, 'started': started}))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"changed": [], "started": []}

@@ -4,10 +4,10 @@ A forked worker (torch's DataLoader, ``multiprocessing``) inherits a copy of eve
 parent, including garbage in reference cycles the parent has not collected yet. If the child's
 collector frees one, its destructor runs in the child: a CUDA tensor calls into a CUDA context the
 child cannot use (abort), a DALI pipeline joins threads that exist only in the parent (segfault),
-a buffered file flushes the parent's data a second time. So, once :func:`install` ran (importing
-``datapipe.device.handoff`` does, hence every loader), every ``os.fork`` freezes the collector's
-objects (``gc.freeze``) just before and thaws them again in the parent only: the child keeps
-them out of its collector. A process that froze objects itself is left as it is.
+a buffered file flushes the parent's data a second time. So, once :func:`install` ran (the loaders
+call it on first use: when a producer thread starts, when a DataLoader starts its workers; never
+at import), every ``os.fork`` freezes the collector's objects (``gc.freeze``) just before and
+thaws them again in the parent only: the child keeps them out of its collector. A process that froze objects itself is left as it is.
 """
 from __future__ import annotations
 

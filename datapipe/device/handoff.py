@@ -22,8 +22,6 @@ import torch
 from datapipe.device import forks
 from datapipe.device.pacing import Pacer, check_pace
 
-forks.install()  # a forked worker must not free this module's device batches (see forks)
-
 __all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "Retirer", "started", "threaded", "wait_and_keep"]
 
 _POLL_S = 0.05
@@ -92,50 +90,37 @@ class Retirer:
     passed (their last reads are done), after it delivered its next item. A batch the caller
     still references is freed whenever the caller lets go of it, as before.
 
-    The fence (a CUDA event on the consumer's stream) is recorded in the consumer's ``next()``, or,
-    with ``fence_in_producer``, by the producer thread when it next buries: later, so it covers at
-    least the same work (everything the consumer enqueued before it asked for the next batch), and
-    the consumer's ``next()`` makes no CUDA call for it.
+    The fence (a CUDA event on the consumer's stream) is recorded in the consumer's ``next()``.
     """
 
     def __init__(self, device: torch.device, keep: int = 2, fence: Callable[[], Any] | None = None,
-                 stream: CurrentStream | None = None, fence_in_producer: bool = False):
+                 stream: CurrentStream | None = None):
         self.device = device
         self.keep = keep
         self.fence = fence  # returns a marker with .query(): True once passed; None: a CUDA event
         # (not a bound method of self: that cycle would leave the batches to the cyclic collector,
         # which may then run in a forked DataLoader worker and free CUDA memory there: abort)
         self.stream = stream or CurrentStream(device)  # the consumer's stream (shared with its handoff)
-        self.fence_in_producer = fence_in_producer
         self._recent: deque = deque()
-        self._retired: deque = deque()  # (item, consumer stream): appended by the consumer, fenced by the producer
         self._dead: deque = deque()  # (item, marker); drained by the producer
         self._spare: deque = deque()  # CUDA events that passed, recorded again (creating one is an API call)
 
-    def _mark(self, stream: torch.cuda.Stream | None) -> Any:
+    def _mark(self) -> Any:
         if self.fence is not None:
             return self.fence()
         event = self._spare.pop() if self._spare else torch.cuda.Event()
-        event.record(stream if stream is not None else self.stream())
+        event.record(self.stream())
         return event
 
     def handed(self, item: Any) -> None:
         """(Consumer thread) ``item`` was just handed out."""
         self._recent.append(item)
         if len(self._recent) > self.keep:
-            old = self._recent.popleft()
-            if self.fence_in_producer:  # the consumer's stream now (no CUDA call); fenced in bury()
-                self._retired.append((old, self.stream() if self.fence is None else None))
-            else:
-                self._dead.append((old, self._mark(None)))
+            self._dead.append((self._recent.popleft(), self._mark()))
 
     def bury(self) -> None:
-        """(Producer thread) fence what was retired since the last call; drop the items the consumer's stream is done with."""
-        retired, dead = self._retired, self._dead
-        while retired:
-            item, stream = retired.popleft()
-            dead.append((item, self._mark(stream)))
-            del item
+        """(Producer thread) drop the items the consumer's stream is done with."""
+        dead = self._dead
         while dead and dead[0][1].query():
             _, marker = dead.popleft()
             if self.fence is None and len(self._spare) < 2 * self.keep:
@@ -143,7 +128,6 @@ class Retirer:
 
     def clear(self) -> None:
         self._recent.clear()
-        self._retired.clear()
         self._dead.clear()
         self._spare.clear()
 
@@ -223,6 +207,7 @@ class Producer(Iterator):
                  setup: Callable[[], None] | None = None, transform: Callable[[Any], Any] | None = None,
                  handoff: Callable[[Any], Any] | None = None, note: str | None = None, join_s: float = 60.0,
                  pace: float | None = None, meter: ProducerMeter | None = None, retire: Retirer | None = None):
+        forks.install()  # from now on a forked worker never frees the items this thread makes (see forks)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the slots: depth items ahead
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = threading.Event()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from datapipe.device.handoff import CurrentStream, Producer, ProducerMeter, Retirer, wait_and_keep
-from datapipe.device.pacing import PACE, check_pace
+from datapipe.device.pacing import PACE
 
 __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 
@@ -228,7 +228,7 @@ class _PrefetchIterator(Producer):
             setup = handoff = None
             transform = lambda batch: map_tensors(lambda t: t.to(device), batch)  # noqa: E731
         super().__init__(owner.iterable, depth=owner.depth, name="datapipe-prefetch", setup=setup,
-                         transform=transform, handoff=handoff, join_s=30.0, pace=owner.pace, meter=owner.meter,
+                         transform=transform, handoff=handoff, join_s=30.0, pace=PACE, meter=owner.meter,
                          note="(raised while producing a batch in the DevicePrefetcher thread)",
                          retire=Retirer(device, stream=consumer) if device.type == "cuda" else None)
 
@@ -251,17 +251,17 @@ class DevicePrefetcher:
     ``max_pinned_bytes`` in total, if given) that lives across epochs and is freed by ``close()``.
     A source tensor that is already pinned is copied directly, so its owner must not overwrite it
     until the consumer's stream has used the batch. An exception raised by ``iterable`` is
-    re-raised by ``next()`` in the consumer (same object, producer traceback kept). ``pace``
-    (default 0.5; None or 0 turns it off): while a batch is still queued,
-    the next one is made only half-way into the consumer's step, so the producer thread does not
-    compete for the GIL with the training thread while it launches the step (README, "Pacing").
+    re-raised by ``next()`` in the consumer (same object, producer traceback kept). While a batch
+    is still queued, the next one is made only half-way into the consumer's step
+    (:data:`datapipe.device.pacing.PACE`), so the producer thread does not compete for the GIL
+    with the training thread while it launches the step.
     On CUDA the last two batches handed out stay referenced and older ones are freed in the
     producer thread once the consumer's stream is past them (``handoff.Retirer``): up to two more
     batches on the device than the caller holds, and none of the freeing in the caller's ``next()``.
     """
 
     def __init__(self, iterable: Iterable, *, device: str | torch.device | int | None,
-                 depth: int = 2, max_pinned_bytes: int | None = None, pace: float | None = PACE):
+                 depth: int = 2, max_pinned_bytes: int | None = None):
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth={depth!r}: pass an int >= 1 (batches prepared ahead of the consumer)")
         if max_pinned_bytes is not None and max_pinned_bytes <= 0:
@@ -269,7 +269,6 @@ class DevicePrefetcher:
         self.iterable = iterable
         self.device = resolve_device(device)
         self.depth = depth
-        self.pace = check_pace(pace)
         self.meter = ProducerMeter()  # the producer threads' CPU time, over every epoch
         self.max_pinned_bytes = max_pinned_bytes
         self.stream = None

@@ -318,8 +318,8 @@ class DaliReader:
         reader = dict(
             paths=paths, index_paths=indexes,
             ext=[";".join(read.image_exts), read.label_key],
-            missing_component_behavior="error", random_shuffle=read.shuffle,
-            initial_fill=max(1, read.shuffle_buffer), shard_id=rank, num_shards=world, stick_to_shard=True,
+            missing_component_behavior="error", random_shuffle=self.stream.shuffle,
+            initial_fill=max(1, self.stream.shuffle_buffer), shard_id=rank, num_shards=world, stick_to_shard=True,
             pad_last_batch=True, read_ahead=False,
         )
         first = 0

@@ -1,12 +1,8 @@
 """``ImageLoader(hw_decoder_load="auto")``: which JPEG decoder runs, chosen by whether the training loop waits.
 
 nvJPEG's CUDA decoder (the Huffman stage on DALI's CPU threads, the rest on the GPU) decodes ~3x
-slower than the GPU's hardware decoder (an H200 with 16 cores: ~7.6k images/s on 12 threads
-against ~25k) and uses more cores, but slowed a training step beside it less while the CUDA
-driver fed the GPU through its default 8 hardware queues (ResNet-50: ~0.5% more of its
-data-free rate). With the 32 queues ``loaders.images`` asks for, the two are level within noise
-(0.980 vs 0.979 of the ceiling on average over 11 rows each, ``bench/results/ceiling_auto*.json``).
-``"auto"`` starts on the CUDA decoder where the process has the cores for it, and moves to the
+slower than the GPU's hardware decoder and uses more cores, but can slow a training step beside it
+less. ``"auto"`` starts on the CUDA decoder where the process has the cores for it, and moves to the
 hardware decoder, once and for good, as soon as the consumer is seen waiting for batches:
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
@@ -15,7 +11,7 @@ hardware decoder, once and for good, as soon as the consumer is seen waiting for
   ``EARLY`` batches of a window it switches without waiting for the window's end.
 
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
-repeating nothing; 0.5 s on the H200 under ResNet-18, ``ceiling_resnet18_auto.json``). Few cores
+repeating nothing; about half a second). Few cores
 (fewer than ``MIN_CORES`` for this process) start on the hardware decoder. The images the two
 decoders make differ in their low bits: pass a number for bit-identical reruns.
 """

@@ -1,12 +1,10 @@
 """``ImageLoader``: WebDataset image shards -> DALI decode + augment -> ``(images, labels)`` on the device.
 
-Samples come from :class:`datapipe.ShardStream` (any storage, rank/epoch shuffling, resume,
+Samples come from a :class:`datapipe.ShardStream` (any storage, rank/epoch shuffling, resume,
 ``on_error``), read and checked in a background thread, and enter DALI through
-``fn.external_source`` as zero-copy uint8 arrays. ``device="cuda"`` decodes with nvImageCodec
-(``mixed``, hardware JPEG decoder where present) and augments on the GPU; ``device="cpu"`` runs
-the same graph with CPU operators. DALI's own ``fn.readers.webdataset`` reads local shards
-instead when it can (``reader="auto"``: faster, fewer guarantees; see :class:`ImageLoader`). A producer
-thread drives DALI ahead of the training loop (:mod:`datapipe.device.handoff`).
+``fn.external_source`` as zero-copy uint8 arrays; or DALI's own ``fn.readers.webdataset`` reads
+local shards (``reader="auto"``, with the stream's settings). A producer thread drives DALI ahead of
+the training loop (:mod:`datapipe.device.handoff`).
 
 The reader modes are separate classes behind this one: :class:`loaders.images.stream_reader.StreamReader`
 (a thread), :class:`~loaders.images.stream_reader.WorkerStreamReader` (``read_workers`` processes)
@@ -16,168 +14,106 @@ and :class:`loaders.images.dali_reader.DaliReader`; the options are grouped in
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import ProducerMeter, close_last
+from datapipe.device.pacing import IMAGE_PACE
 from datapipe.device.side_stream import on_side_stream
-from datapipe.device.queues import widen_hardware_queues
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
 from loaders.images.dali_reader import DaliReader
 from loaders.images.decoder_choice import DecoderChoice
 from loaders.images.encoded import parse_label
-from loaders.images.options import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, PACE, READY, AugmentOptions, DecodeOptions,
+from loaders.images.options import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions,  # noqa: F401
                                      ReadOptions)
 from loaders.images.outputs import HostUpload, dali_to_torch
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
-
-widen_hardware_queues()  # before CUDA starts: DALI's streams get queues of their own (datapipe.device.queues)
+from loaders.source import as_stream, check_positive_int, option_group, stream_steps
 
 KIND = "ImageLoader"
-
-
-def _option(group: str, name: str, doc: str = "") -> property:
-    return property(lambda self: getattr(getattr(self, group), name), doc=doc or f"``{group}.{name}``")
+SHUFFLE_BUFFER = 2000  # the sample shuffle buffer of a stream the loader builds from URLs (train=True)
 
 
 class ImageLoader:
     """Batches ``(images, labels)`` of decoded, augmented images from WebDataset shards, on ``device``.
 
-    ``train=True``: random-resized-crop (``random_area``, ``random_aspect_ratio``) fused into
-    decoding, resize to ``image_size``, random horizontal flip, normalise. ``train=False``: resize
-    the shorter side to ``resize_size`` (default ``image_size``), center crop ``image_size``,
-    normalise, shard order. Images are ``dtype`` (float32, float16, bfloat16 or uint8 = raw
-    pixels, not normalised) in ``layout`` ``"NCHW"`` or ``"NHWC"``; labels int64 from
-    ``label_key`` (ASCII int, or ``label_decoder(bytes)``).
+    ``train=True``: random-resized-crop (``augment``) fused into decoding, resize to ``image_size``,
+    random horizontal flip, normalise; the last partial batch is dropped. ``train=False``: resize the
+    shorter side (to ``decode.resize_size``, default ``image_size``), center crop ``image_size``,
+    normalise; every sample, the last batch possibly smaller. Labels are int64 from ``read.label_key``.
 
-    Errors: samples without an image, with a wrong signature or an undecodable label, and images
-    DALI fails to decode are raised as :class:`DataError` (``on_error="raise"``) or dropped and
-    counted in ``stats()`` (``"skip"``; ``"warn"`` also logs). A batch that lost images to a decode
-    error comes out smaller.
+    Errors follow the stream's ``on_error``: samples without an image, with a wrong signature or an
+    undecodable label, and images DALI fails to decode raise :class:`datapipe.DataError` naming the
+    shard and key (``"raise"``), or are dropped and counted in ``stats()`` (``"skip"``; ``"warn"``
+    also logs). A batch that lost images to a decode error comes out smaller.
 
-    ``reader="stream"`` reads with ShardStream: every guarantee of it holds (any storage,
-    ``on_error="skip"``, key labels). ``reader="dali"`` reads local shards with DALI's
-    ``fn.readers.webdataset`` and index files (``index_dir``, made there when missing): no
-    ``on_error="skip"``, DALI's buffer shuffle, contiguous per-rank partitions
-    (``ceil(N / world_size)`` samples each; the last batch of a short rank repeats a sample);
-    decode failures become DataErrors naming the shard and key. ``"auto"`` (default) takes DALI's
-    reader where it can (local shards, ``on_error="raise"``, a member label, no ``read_workers``):
-    it measured faster and with far less Python work per batch (README). Both resume exactly
-    (``state_dict``; for DALI's reader a pipeline checkpoint of reader positions and random states).
-    Both readers keep one DALI pipeline for all epochs (building one takes seconds), driven by a
-    producer thread ``prefetch_queue_depth`` finished batches ahead: on CUDA it shares DALI's
-    outputs with torch (DLPack) on a side stream and hands them over with an event, so the
-    training thread's ``next()`` only takes a batch off a queue. ``stats()["seconds"]``: ``wait``
-    (the consumer's time in ``next()``) and the producer's ``read`` (waiting for the stream
-    reader), ``dali`` (waiting for DALI's outputs), ``copy`` (outputs to torch tensors, labels).
+    Both readers resume exactly (``state_dict`` / ``load_state_dict``, also on another world size)
+    and keep one DALI pipeline for all epochs, driven by a producer thread
+    ``read.prefetch_queue_depth`` finished batches ahead; on CUDA it hands batches over on a side
+    stream with an event, so the training thread's ``next()`` only takes a batch off a queue.
 
-    ``read_workers > 0`` (stream reader) reads and batches the shards in that many processes and
-    hands DALI views of shared-memory batches; with ``drop_last`` each worker drops its own
-    partial last batch.
-
-    ``decode_device="cpu"`` with ``device="cuda"`` keeps the loader's work off the GPU's SMs:
-    DALI decodes (random-crop ROI decoding), resizes and flips on the CPU with ``num_threads``
-    (default: the usable cores minus 2) into uint8 HWC; the batch goes through reused pinned
-    buffers to the GPU on the producer's side stream, and one kernel there does the permute, the
-    cast and the normalisation (none with ``dtype=torch.uint8``). It needs the CPU cores to keep
-    up (README). Default ``None``: decode where ``device`` is (``"gpu"`` on CUDA, nvImageCodec);
-    ``"cpu"`` with ``device="cpu"`` gives the same images through the same uint8 path.
-
-    ``antialias=False`` resizes without DALI's low-pass filter when shrinking (less GPU time per
-    batch, slightly more aliasing; torchvision's PIL path filters, as the default here does).
-
-    ``hw_decoder_load``: the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG's
-    CUDA decoder, its Huffman stage on DALI's CPU threads). ``"auto"``: the CUDA decoder alone (on
-    up to 12 threads unless ``num_threads`` is given) while the training loop does not wait for
-    batches, then 0.75 for good, switched once by rebuilding the pipeline where it stopped
-    (:mod:`loaders.images.decoder_choice`: nothing lost or repeated; 0.5 s on an H200). With 32
-    hardware queues (below) both kept ResNet-50 on an H200 at ~0.98 of its data-free rate (auto
-    0.980, 0.75 0.979 on average over 11 rows each), auto on ~8.5 cores against ~3; with the
-    driver's 8 queues the CUDA decoder was ahead by ~0.5%. ``stats()["decoder"]`` says which
-    decoder runs and when it switched; the two decoders' images differ in their low bits.
-    ``pace`` (default 0.7; None turns it off): while a batch is still queued, the producer starts the
-    next only that far into the training step (README, "Pacing"). ``ready``: how the training thread
-    gets a finished batch, ``"event"`` (default), ``"host"`` or ``"checked"`` (:mod:`datapipe.device.side_stream`).
-    Importing this module asks the CUDA driver for 32 hardware queues instead of 8 (unless
-    ``CUDA_DEVICE_MAX_CONNECTIONS`` is set, or CUDA has already started): DALI's streams then
-    seldom share a queue with the training stream (``datapipe.device.queues``).
+    Args:
+        source: a URL pattern (``"shards/shard-{000000..000099}.tar"``), a list of URLs, a folder, or a
+            :class:`datapipe.ShardStream`, whose shuffle, seed, rank, ``on_error``, storage and cache
+            settings are used as they are. From URLs the loader builds
+            ``ShardStream(source, shuffle=train, shuffle_buffer=2000 if train else 0, seed=0)``.
+        batch_size: images per batch.
+        image_size: the output's height and width.
+        train: augment and shuffle (see above); ``False``: evaluation transforms, shard order.
+        device: ``"cuda"`` (DALI decodes on the GPU) or ``"cpu"`` (DALI's CPU operators, no GPU needed).
+        dtype: ``torch.float32`` (default), ``float16``, ``bfloat16``, or ``uint8`` (raw pixels, not normalised).
+        decode: :class:`~loaders.images.options.DecodeOptions` (layout, mean/std, resize_size,
+            decode_device, num_threads, hw_decoder_load, antialias).
+        augment: :class:`~loaders.images.options.AugmentOptions` (random-resized-crop ranges).
+        read: :class:`~loaders.images.options.ReadOptions` (reader, labels, image entries, read
+            workers, read-ahead, drop_last, DALI index folder).
     """
 
     def __init__(
         self,
-        urls: str | list[str],
+        source,
         *,
         batch_size: int,
         image_size: int = 224,
         train: bool = True,
         device: str | torch.device = "cuda",
         dtype: torch.dtype = torch.float32,
-        layout: str = "NCHW",
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
-        seed: int = 0,
-        shuffle: bool | None = None,
-        shuffle_buffer: int = 2000,
-        rank: int | None = None,
-        world_size: int | None = None,
-        on_error: str = "raise",
-        label_key: str = "cls",
-        label_decoder: Callable[[bytes], int] | None = None,
-        image_key: str = "jpg;jpeg;png",
-        num_threads: int | None = None,
-        read_workers: int = 0,
-        prefetch_queue_depth: int = 2,
-        hw_decoder_load: float | str = 0.75,
-        drop_last: bool | None = None,
-        reader: str = "auto",
-        random_area: Sequence[float] = (0.08, 1.0),
-        random_aspect_ratio: Sequence[float] = (3 / 4, 4 / 3),
-        resize_size: int | None = None,
-        index_dir: str | None = None,
-        stream_options: dict | None = None,
-        decode_device: str | None = None,
-        antialias: bool = True,
-        pace: float | None = PACE,
-        ready: str = READY,
+        decode: DecodeOptions | None = None,
+        augment: AugmentOptions | None = None,
+        read: ReadOptions | None = None,
     ):
-        device = torch.device(device)
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.device = device
-        self.batch_size = int(batch_size)
-        train = bool(train)
-        shuffle = train if shuffle is None else bool(shuffle)
-        self.decode = DecodeOptions(
-            image_size=int(image_size), resize_size=resize_size, dtype=dtype, layout=layout,
-            mean=tuple(float(m) for m in mean), std=tuple(float(s) for s in std),
-            hw_decoder_load=hw_decoder_load if isinstance(hw_decoder_load, str) else float(hw_decoder_load),
-            antialias=bool(antialias),
-            **DecodeOptions.resolve(device, decode_device, num_threads))
-        self.augment = AugmentOptions(train=train, random_area=tuple(random_area),
-                                      random_aspect_ratio=tuple(random_aspect_ratio))
-        self.read = ReadOptions(
-            reader=reader, seed=int(seed), shuffle=shuffle, shuffle_buffer=int(shuffle_buffer) if shuffle else 0,
-            on_error=on_error, label_key=label_key, label_decoder=label_decoder,
-            image_exts=tuple(e for e in image_key.split(";") if e), read_workers=int(read_workers),
-            prefetch_queue_depth=int(prefetch_queue_depth), drop_last=train if drop_last is None else bool(drop_last),
-            pace=pace, ready=ready,
-            index_dir=index_dir, stream_options=dict(stream_options or {}))
-        self.label_decoder = label_decoder or parse_label
-        self._decoder = DecoderChoice(self.decode.hw_decoder_load, cuda=self._dali_cuda, threads=num_threads,
-                                      hardware_threads=self.decode.num_threads)
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.image_size = check_positive_int("image_size", image_size)
+        self.train = bool(train)
+        self.device = _image_device(device)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {list(DTYPES)}")
+        self.dtype = dtype
+        self.decode = option_group(decode, DecodeOptions, "decode")
+        self.augment = option_group(augment, AugmentOptions, "augment")
+        read = option_group(read, ReadOptions, "read")
+        self.read = read if read.drop_last is not None else dataclasses.replace(read, drop_last=self.train)
         dec = self.decode
-        self._upload = HostUpload(device, dtype=dec.dtype, layout=dec.layout, mean=dec.mean, std=dec.std,
+        if dec.resize_size is not None and dec.resize_size < self.image_size:
+            raise ValueError(f"decode.resize_size={dec.resize_size} is below image_size={self.image_size}: "
+                             "pass resize_size >= image_size (or None)")
+        if dec.decode_device == "gpu" and self.device.type != "cuda":
+            raise ValueError("decode_device='gpu' needs device='cuda'")
+        self._host_decode = dec.decode_device == "cpu"
+        self._threads = _threads(dec.num_threads, host_decode=self._host_decode, cuda=self.device.type == "cuda")
+        self.label_decoder = self.read.label_decoder or parse_label
+        self._decoder = DecoderChoice(dec.hw_decoder_load, cuda=self._dali_cuda, threads=dec.num_threads,
+                                      hardware_threads=self._threads)
+        self._upload = HostUpload(self.device, dtype=dtype, layout=dec.layout, mean=dec.mean, std=dec.std,
                                   buffers=self.read.prefetch_queue_depth + 2)  # decode_device="cpu"'s batches
         self.epoch = 0
-        self._errors = ErrorPolicy(on_error)  # the images DALI cannot decode (the stream reader finds them)
         self._stats = {"batches": 0, "samples": 0, "skipped": 0, "decode_errors": 0, "last_errors": []}
         self._seconds = {"wait": 0.0, "read": 0.0, "dali": 0.0, "copy": 0.0}
         self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
@@ -186,12 +122,13 @@ class ImageLoader:
         self._last_pass = None  # weakref to the latest pass's iterator
         self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
-        from datapipe.stream import ShardStream
-
-        self.stream = ShardStream(urls, shuffle=shuffle, seed=self.read.seed, shuffle_buffer=self.read.shuffle_buffer,
-                                  rank=rank, world_size=world_size, on_error=on_error,
-                                  **{"zero_copy": True, **self.read.stream_options})  # DALI reads the mapped bytes
-        self.reader = self._choose_reader(reader)
+        stream = as_stream(source, shuffle=self.train, shuffle_buffer=SHUFFLE_BUFFER)
+        if stream_steps(stream):
+            raise ValueError("ImageLoader decodes the images itself (with DALI): pass a ShardStream without "
+                             ".decode()/.map() steps, or use loaders.DataLoader for decoded samples")
+        self.stream = stream.replace(zero_copy=True)  # DALI reads the mapped bytes
+        self._errors = ErrorPolicy(self.stream.on_error)  # the images DALI cannot decode (the stream reader finds them)
+        self.reader = self._choose_reader(self.read.reader)
         if self.reader == "dali":
             self._source = DaliReader(self)
         elif self.read.read_workers:
@@ -199,14 +136,10 @@ class ImageLoader:
         else:
             self._source = StreamReader(self)
 
-    # the keyword arguments, as attributes (read-only: the option groups are frozen)
-    image_size = _option("decode", "image_size")
-    resize_size = _option("decode", "resize_size")
-    dtype = _option("decode", "dtype")
-    layout = _option("decode", "layout")
-    mean = _option("decode", "mean")
-    std = _option("decode", "std")
-    decode_device = _option("decode", "decode_device", "Where DALI decodes: 'gpu' or 'cpu'.")
+    @property
+    def decode_device(self) -> str:
+        """Where DALI decodes: ``"gpu"`` or ``"cpu"``."""
+        return "gpu" if self._dali_cuda else "cpu"
 
     @property
     def num_threads(self) -> int:
@@ -215,42 +148,33 @@ class ImageLoader:
 
     @property
     def hw_decoder_load(self) -> float:
-        """The hardware decoder's share in use now (``"auto"``: 0.0 until it switches; ``decode.hw_decoder_load``
-        holds the setting)."""
+        """The hardware decoder's share in use now (``"auto"``: 0.0 until it switches)."""
         return self._decoder.load
 
-    train = _option("augment", "train")
-    random_area = _option("augment", "random_area")
-    random_aspect_ratio = _option("augment", "random_aspect_ratio")
-    seed = _option("read", "seed")
-    shuffle = _option("read", "shuffle")
-    shuffle_buffer = _option("read", "shuffle_buffer")
-    on_error = _option("read", "on_error")
-    label_key = _option("read", "label_key")
-    image_exts = _option("read", "image_exts")
-    read_workers = _option("read", "read_workers")
-    prefetch_queue_depth = _option("read", "prefetch_queue_depth")
-    drop_last = _option("read", "drop_last")
-    pace = _option("read", "pace")
-    ready = _option("read", "ready")
-    index_dir = _option("read", "index_dir")
+    @property
+    def drop_last(self) -> bool:
+        """Whether the last partial batch of an epoch is dropped (``read.drop_last``, default ``train``)."""
+        return self.read.drop_last
 
     # ---- configuration ------------------------------------------------------------------------
     def _choose_reader(self, reader: str) -> str:
         from datapipe.storage.urls import is_local
 
-        dali_ok = all(is_local(u) for u in self.stream.urls) and self._errors.raises
+        stream = self.stream
+        dali_ok = (all(is_local(u) for u in stream.urls) and self._errors.raises
+                   and getattr(stream, "cache_dir", None) is None)
         if reader == "dali" and not dali_ok:
-            raise ValueError("reader='dali' needs local shards and on_error='raise'; use reader='stream'")
-        if reader == "auto":  # DALI's reader: faster and less GIL work than feeding DALI from Python (README)
-            plain = not (self.read.label_key.startswith("__") or self.read.read_workers or self.read.stream_options)
+            raise ValueError("reader='dali' needs local shards, on_error='raise' and no cache_dir on the stream; "
+                             "use reader='stream'")
+        if reader == "auto":  # DALI's reader: faster and less GIL work than feeding DALI from Python
+            plain = not (self.read.label_key.startswith("__") or self.read.read_workers)
             return "dali" if dali_ok and plain else "stream"
         return reader
 
     @property
     def _dali_cuda(self) -> bool:
         """The DALI pipeline runs on the GPU (decode_device 'gpu')."""
-        return self.device.type == "cuda" and not self.decode.host_decode
+        return self.device.type == "cuda" and not self._host_decode
 
     def _rank_world(self) -> tuple[int, int]:
         return self.stream._rank_world()
@@ -262,12 +186,12 @@ class ImageLoader:
         rank, _ = self._rank_world()
         dec, aug = self.decode, self.augment
         return build_image_pipeline(
-            batch_size=batch_size or self.batch_size, image_size=dec.image_size, train=aug.train,
+            batch_size=batch_size or self.batch_size, image_size=self.image_size, train=self.train,
             device="cuda" if self._dali_cuda else "cpu", device_id=self.device.index or 0 if self._dali_cuda else None,
-            dtype="uint8" if dec.host_decode else DTYPES[dec.dtype],
-            layout="NHWC" if dec.host_decode else dec.layout,
+            dtype="uint8" if self._host_decode else DTYPES[self.dtype],
+            layout="NHWC" if self._host_decode else dec.layout,
             mean=[m * 255 for m in dec.mean], std=[s * 255 for s in dec.std],
-            seed=derive_seed(self.read.seed, self.epoch, rank, "dali", bits=31) if seed is None else seed,
+            seed=derive_seed(self.stream.seed, self.epoch, rank, "dali", bits=31) if seed is None else seed,
             num_threads=self._decoder.threads, prefetch_queue_depth=depth or self.read.prefetch_queue_depth,
             hw_decoder_load=self._decoder.load, random_area=aug.random_area,
             random_aspect_ratio=aug.random_aspect_ratio, resize_size=dec.resize_size,
@@ -406,8 +330,8 @@ class ImageLoader:
         decoder.start()
         if self.device.type == "cuda" and self._side_stream is None:  # one for all epochs (see on_side_stream)
             self._side_stream = torch.cuda.Stream(self.device)
-        items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth, pace=self.read.pace,
-                               stream=self._side_stream, meter=self._producer, ready=self.read.ready)
+        items = on_side_stream(produce, device=self.device, depth=self.read.prefetch_queue_depth, pace=IMAGE_PACE,
+                               stream=self._side_stream, meter=self._producer)
         try:
             while True:
                 t0 = time.perf_counter()
@@ -431,7 +355,7 @@ class ImageLoader:
         out = torch.tensor(labels, dtype=torch.int64)
         if self.device.type == "cuda":
             out = out.pin_memory().to(self.device, non_blocking=True)
-        if self.decode.host_decode:
+        if self._host_decode:
             return self._upload(images), out
         if self.dtype == torch.bfloat16:
             images = images.to(torch.bfloat16)
@@ -440,3 +364,27 @@ class ImageLoader:
     def _to_torch(self, tensor_list, stream, *, zero_copy: bool = True) -> torch.Tensor:
         """A DALI output of this loader's pipeline as a torch tensor (:func:`~loaders.images.outputs.dali_to_torch`)."""
         return dali_to_torch(tensor_list, stream, device=self.device, on_gpu=self._dali_cuda, zero_copy=zero_copy)
+
+
+def _image_device(device) -> torch.device:
+    """``device`` checked: CUDA (present here) or the CPU."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device; use 'cuda', 'cuda:N' or 'cpu'") from e
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: ImageLoader runs on 'cuda', 'cuda:N' or 'cpu'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+    return dev
+
+
+def _threads(asked: int | None, *, host_decode: bool, cuda: bool) -> int:
+    """DALI's CPU threads: as asked, else the usable cores minus 2 for CPU decoding on CUDA, else up to 8."""
+    if asked is not None:
+        return int(asked)
+    from datapipe.device.autotune import usable_cores
+
+    if host_decode and cuda:
+        return max(1, usable_cores() - 2)  # one core each for the training and producer threads
+    return max(1, min(8, usable_cores()))

@@ -1,121 +1,156 @@
-"""``ImageLoader``'s options in three frozen groups (as Grain does): how to read, decode and augment.
+"""``ImageLoader``'s rarer options in three frozen groups (as Grain groups its options): decode, augment, read.
 
-``ImageLoader`` takes them as plain keyword arguments and builds these; each group checks its own
-values (``ValueError`` naming the argument).
+``ImageLoader(source, *, batch_size, image_size, train, device, dtype, decode=DecodeOptions(...),
+augment=AugmentOptions(...), read=ReadOptions(...))``. Each group checks its own values when it is
+made (``ValueError`` naming the option and how to fix it); the order, shuffle, rank and error
+settings belong to the source :class:`datapipe.ShardStream`, not here.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Callable
 
 import torch
-
-from datapipe.device.pacing import check_pace
-from datapipe.device.side_stream import check_ready
-from datapipe.errors import OnError, check_on_error
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
 READERS = ("auto", "stream", "dali")
-# The producer starts its next batch 70% into the training step (while one is still queued), not
-# the DevicePrefetcher's 50%: DALI's work is then launched after the step's own kernels.
-# bench/results/ceiling_hw0_pace07.json and ceiling_retire_experiment.json: 0.975-0.978 of the
-# ceiling vs 0.963-0.969 at 0.5; TokenLoader measured better at 0.5 (0.999 vs 0.985).
-PACE = 0.7
-# How the training thread gets a finished batch (datapipe.device.side_stream): "event", its stream
-# waits on the batch's event. "host" (the producer thread waits and records the retire fences; next()
-# makes no CUDA call) led in three interleaved H200 runs (+0.0016 +- 0.0011) but not over all six
-# (bench/results/ceiling_hostready_pooled.json: +0.0006 +- 0.0018; 0.968 in two rows of one run).
-READY = "event"
+
+
+def _int(name: str, value, low: int, *, none: bool = False) -> None:
+    if none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+        raise ValueError(f"{name}={value!r}: pass an int >= {low}" + (" or None" if none else ""))
+
+
+def _pair(name: str, value, low: float, high: float | None) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: pass two numbers (low, high)") from None
+    if not (low < lo <= hi and (high is None or hi <= high)):
+        raise ValueError(f"{name}={value!r}: need {low} < low <= high" + (f" <= {high}" if high is not None else ""))
+    return lo, hi
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """What DALI makes of an encoded image: size, dtype, layout, normalisation, where it decodes."""
+    """What DALI makes of an encoded image, and where it decodes.
 
-    image_size: int = 224
-    resize_size: int | None = None
-    dtype: torch.dtype = torch.float32
+    Args:
+        layout: ``"NCHW"`` (default) or ``"NHWC"``.
+        mean, std: per-channel normalisation in 0..1 units (ImageNet's by default; ignored for
+            ``dtype=torch.uint8``, which gives raw pixels).
+        resize_size: eval (``train=False``) resizes the shorter side to this before the center crop
+            (default: ``image_size``); must be >= ``image_size``.
+        decode_device: ``None`` decodes where ``device`` is (``"gpu"`` on CUDA: nvImageCodec with the
+            hardware JPEG decoder where present); ``"cpu"`` decodes, crops and flips on the CPU into
+            uint8 and one kernel on ``device`` casts and normalises (keeps the GPU's SMs free).
+        num_threads: DALI's CPU threads (default: up to 8; with ``decode_device="cpu"`` on CUDA the
+            usable cores minus 2).
+        hw_decoder_load: the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG's CUDA
+            decoder); ``"auto"`` starts on the CUDA decoder and moves to 0.75 once the training loop is
+            seen waiting (:mod:`loaders.images.decoder_choice`).
+        antialias: DALI's low-pass filter when it shrinks (as torchvision's PIL path); ``False`` costs
+            less GPU time, with a little more aliasing.
+    """
+
     layout: str = "NCHW"
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
-    decode_device: str = "gpu"  # resolved: "gpu" or "cpu"
-    host_decode: bool = False  # decode_device="cpu" asked for: uint8 HWC on the host, normalised in torch
-    num_threads: int = 1
-    hw_decoder_load: float | str = 0.75  # a share in [0, 1], or "auto" (loaders.images.decoder_choice)
-    antialias: bool = True  # DALI's resize low-pass filters when it shrinks (costs GPU time)
+    resize_size: int | None = None
+    decode_device: str | None = None
+    num_threads: int | None = None
+    hw_decoder_load: float | str = 0.75
+    antialias: bool = True
 
     def __post_init__(self):
-        if self.image_size < 1 or (self.resize_size is not None and self.resize_size < self.image_size):
-            raise ValueError("image_size must be >= 1 and resize_size (if given) >= image_size")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype}")
         if self.layout not in ("NCHW", "NHWC"):
-            raise ValueError(f"layout must be 'NCHW' or 'NHWC', got {self.layout!r}")
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ValueError(f"layout={self.layout!r}: use 'NCHW' or 'NHWC'")
+        try:
+            mean, std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
+        except (TypeError, ValueError):
+            raise ValueError("mean and std: pass 3 numbers each (RGB, in 0..1 units)") from None
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError("mean and std need 3 values (RGB, in 0..1 units), std > 0")
-        if self.hw_decoder_load != "auto" and (isinstance(self.hw_decoder_load, str)
-                                               or not 0.0 <= self.hw_decoder_load <= 1.0):
-            raise ValueError(f"hw_decoder_load must be 'auto' or in [0, 1], got {self.hw_decoder_load!r}")
-
-    @staticmethod
-    def resolve(device: torch.device, decode_device: str | None, num_threads: int | None) -> dict:
-        """``decode_device``, ``host_decode`` and ``num_threads`` as the loader uses them (defaults filled)."""
-        if decode_device not in (None, "gpu", "cpu"):
-            raise ValueError(f"decode_device must be None, 'gpu' or 'cpu', got {decode_device!r}")
-        if decode_device == "gpu" and device.type != "cuda":
-            raise ValueError("decode_device='gpu' needs device='cuda'")
-        host_decode = decode_device == "cpu"
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if num_threads is None and host_decode and device.type == "cuda":
-            from datapipe.device.autotune import usable_cores
-
-            num_threads = max(1, usable_cores() - 2)  # one core each for the training and producer threads
-        return {"decode_device": decode_device or ("gpu" if device.type == "cuda" else "cpu"),
-                "host_decode": host_decode,
-                "num_threads": int(num_threads or max(1, min(8, os.cpu_count() or 1)))}
+        object.__setattr__(self, "mean", mean)
+        object.__setattr__(self, "std", std)
+        _int("resize_size", self.resize_size, 1, none=True)
+        if self.decode_device not in (None, "gpu", "cpu"):
+            raise ValueError(f"decode_device={self.decode_device!r}: use None (where device is), 'gpu' or 'cpu'")
+        _int("num_threads", self.num_threads, 1, none=True)
+        load = self.hw_decoder_load
+        if load != "auto":
+            if isinstance(load, (str, bool)) or not isinstance(load, Real) or not 0.0 <= load <= 1.0:
+                raise ValueError(f"hw_decoder_load={load!r}: use 'auto' or a share in [0, 1]")
+            object.__setattr__(self, "hw_decoder_load", float(load))
+        object.__setattr__(self, "antialias", bool(self.antialias))
 
 
 @dataclass(frozen=True)
 class AugmentOptions:
-    """Training augmentation: random-resized-crop ranges (flip is always on with ``train``)."""
+    """Training augmentation (``train=True``): random-resized-crop ranges; a random horizontal flip is always on.
 
-    train: bool = True
-    random_area: tuple[float, ...] = (0.08, 1.0)
-    random_aspect_ratio: tuple[float, ...] = (3 / 4, 4 / 3)
+    Args:
+        random_area: the crop's share of the image area, ``(low, high)`` in (0, 1].
+        random_aspect_ratio: the crop's aspect ratio range, ``(low, high)``, > 0.
+    """
+
+    random_area: tuple[float, float] = (0.08, 1.0)
+    random_aspect_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def __post_init__(self):
+        object.__setattr__(self, "random_area", _pair("random_area", self.random_area, 0.0, 1.0))
+        object.__setattr__(self, "random_aspect_ratio", _pair("random_aspect_ratio", self.random_aspect_ratio,
+                                                              0.0, None))
 
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """Where samples come from and how they are batched: reader, order, errors, labels, workers."""
+    """How encoded samples reach DALI and are batched: the reader, labels, image entries, read-ahead.
 
-    reader: str = "auto"  # as asked; ImageLoader.reader holds the one chosen
-    seed: int = 0
-    shuffle: bool = True
-    shuffle_buffer: int = 2000  # 0 without shuffle
-    on_error: OnError = "raise"
+    Args:
+        reader: ``"stream"`` reads with the ShardStream (every guarantee of it: any storage,
+            ``on_error="skip"``, key labels, decode failures named); ``"dali"`` reads local shards with
+            DALI's ``fn.readers.webdataset`` (faster; ``on_error="raise"`` only); ``"auto"`` (default)
+            takes DALI's reader where it can (local shards, ``on_error="raise"``, a member label, no
+            ``read_workers``, a stream without cache or per-sample steps).
+        label_key: the entry holding the label (default ``"cls"``: an ASCII int); ``"__key__"`` with
+            ``label_decoder=int`` labels samples by their keys.
+        label_decoder: ``bytes -> int`` (default: parse an ASCII int).
+        image_exts: the entries that hold the image (the first one present is decoded).
+        read_workers: > 0 reads and batches in that many processes (stream reader).
+        prefetch_queue_depth: finished batches made ahead of the training loop.
+        drop_last: drop the last partial batch (default ``None``: the loader's ``train``).
+        index_dir: where DALI's reader writes index files it is missing (default: a temp folder).
+    """
+
+    reader: str = "auto"
     label_key: str = "cls"
     label_decoder: Callable[[bytes], int] | None = None
     image_exts: tuple[str, ...] = ("jpg", "jpeg", "png")
     read_workers: int = 0
     prefetch_queue_depth: int = 2
-    pace: float | None = PACE  # how far into the training step the producer starts the next batch
-    ready: str = READY  # how the training thread gets a finished batch's GPU work
-    drop_last: bool = True
+    drop_last: bool | None = None
     index_dir: str | None = None
-    stream_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        check_on_error(self.on_error)
         if self.reader not in READERS:
-            raise ValueError(f"reader must be 'auto', 'stream' or 'dali', got {self.reader!r}")
-        if self.prefetch_queue_depth < 1:
-            raise ValueError(f"prefetch_queue_depth must be >= 1, got {self.prefetch_queue_depth}")
-        if self.read_workers < 0:
-            raise ValueError(f"read_workers must be >= 0, got {self.read_workers}")
-        object.__setattr__(self, "pace", check_pace(self.pace))  # 0 reads back as None (off), as elsewhere
-        check_ready(self.ready)
+            raise ValueError(f"reader={self.reader!r}: use 'auto', 'stream' or 'dali'")
+        if not isinstance(self.label_key, str) or not self.label_key:
+            raise ValueError(f"label_key={self.label_key!r}: pass the name of a sample entry, e.g. 'cls'")
+        if self.label_decoder is not None and not callable(self.label_decoder):
+            raise ValueError("label_decoder: pass a callable bytes -> int, or None")
+        exts = (self.image_exts,) if isinstance(self.image_exts, str) else tuple(self.image_exts)
+        exts = tuple(e for x in exts for e in x.split(";") if e)
+        if not exts:
+            raise ValueError("image_exts: name at least one entry, e.g. ('jpg', 'png')")
+        object.__setattr__(self, "image_exts", exts)
+        _int("read_workers", self.read_workers, 0)
+        _int("prefetch_queue_depth", self.prefetch_queue_depth, 1)
+        if self.drop_last is not None:
+            object.__setattr__(self, "drop_last", bool(self.drop_last))

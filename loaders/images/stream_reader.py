@@ -102,7 +102,7 @@ class StreamReader:
         read = lo.read
         raw = iter_raw_batches(iter(self.stream), batch_size=lo.batch_size, drop_last=read.drop_last,
                                image_exts=read.image_exts, label_key=read.label_key,
-                               label_decoder=lo.label_decoder, on_error=read.on_error, stats=lo._stats,
+                               label_decoder=lo.label_decoder, on_error=self.stream.on_error, stats=lo._stats,
                                state_fn=self.stream.state_dict)
         return threaded(raw, depth=read.prefetch_queue_depth + 1, name="ImageLoader-reader")
 
@@ -172,7 +172,7 @@ class StreamReader:
         feed.start(itertools.chain(pending, feed.raw))
         lo._decoder.switching()
         rank, _ = lo._rank_world()
-        new = lo._pipeline(source=feed, seed=derive_seed(lo.seed, lo.epoch, rank, "dali-switch", bits=31))
+        new = lo._pipeline(source=feed, seed=derive_seed(self.stream.seed, lo.epoch, rank, "dali-switch", bits=31))
         new.build()
         self._replaced.append([self._pipe, 2])
         self._pipe = new
@@ -185,7 +185,7 @@ class StreamReader:
         if self._probe is None:
             rank, _ = lo._rank_world()
             self._probe = lo._pipeline(batch_size=1, depth=1,
-                                       seed=derive_seed(lo.seed, lo.epoch, rank, "dali-probe", bits=31))
+                                       seed=derive_seed(self.stream.seed, lo.epoch, rank, "dali-probe", bits=31))
             self._probe.build()
         stream = torch.cuda.current_stream(lo.device) if lo._dali_cuda else None
         good, kept = [], RawBatch(state=raw.state)
@@ -254,7 +254,7 @@ class WorkerStreamReader(StreamReader):
         if self._loader is None:
             dataset = EncodedBatches(self.stream, batch_size=lo.batch_size, drop_last=read.drop_last,
                                      image_exts=read.image_exts, label_key=read.label_key,
-                                     label_decoder=lo.label_decoder, on_error=read.on_error)
+                                     label_decoder=lo.label_decoder, on_error=self.stream.on_error)
             self._loader = DataLoader(dataset, batch_size=None, num_workers=read.read_workers,
                                       collate_fn=keep, prefetch_factor=max(2, read.prefetch_queue_depth))
         loader = self._loader

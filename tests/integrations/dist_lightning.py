@@ -25,7 +25,7 @@ class Model(pl.LightningModule):
                        "ours": isinstance(dl, loaders.DataLoader),
                        "sampler": type(dl.sampler).__name__,
                        "seed": getattr(dl, "seed", "absent"),
-                       "prefetch_depth": getattr(dl, "prefetch_depth", "absent"), "pace": getattr(dl, "pace", "absent"),
+                       "prefetch_depth": getattr(dl, "prefetch_depth", "absent"),
                        "has_stats": callable(getattr(dl, "stats", None))}
 
     def training_step(self, batch, _):
@@ -44,7 +44,7 @@ def main(out):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=out)
-    trainer.fit(model, loaders.DataLoader(data, batch_size=2, shuffle=True, seed=3, prefetch_depth=3, pace=0.3))
+    trainer.fit(model, loaders.DataLoader(data, batch_size=2, shuffle=True, seed=3, prefetch_depth=3))
     with open(os.path.join(out, f"lightning-{trainer.global_rank}.json"), "w") as f:
         json.dump({"world_size": trainer.world_size, "seen": model.seen, "loader": model.loader}, f)
     # leave together: a rank that exits while its peer still tears gloo down can abort the peer

@@ -144,4 +144,4 @@ def test_lightning_recreates_our_loader_with_our_arguments(ddp):
     for r in ddp:
         assert r["loader"] == {"type": "loaders.dataloader.DataLoader", "ours": True,
                                "sampler": "DistributedSampler", "seed": 3, "prefetch_depth": 3,
-                               "pace": 0.3, "has_stats": True}
+                               "has_stats": True}

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from datapipe import ShardWriter  # noqa: E402
 from loaders import TokenLoader  # noqa: E402
+from loaders.token_options import PackOptions  # noqa: E402
 from packing.batch import hf_inputs  # noqa: E402
 
 VOCAB = 48
@@ -39,7 +40,7 @@ def packed(tmp_path_factory):
     rng = np.random.default_rng(1)
     docs = [rng.integers(1, VOCAB, n).tolist() for n in rng.integers(2, 20, 14)]
     urls = write_docs(str(tmp_path_factory.mktemp("tok")), docs)
-    batches = list(TokenLoader(urls, seq_len=32, batch_size=2, buffer_size=8, batching="packed"))
+    batches = list(TokenLoader(urls, seq_len=32, batch_size=2, packing=PackOptions(buffer_size=8)))
     return docs, batches
 
 

@@ -49,16 +49,22 @@ def build(cfg):
     if case == "tokens":
         from loaders import TokenLoader
 
-        loader = TokenLoader(cfg["urls"], seq_len=64, batch_size=2, buffer_size=16, shuffle_buffer=8, seed=4,
-                             batching="packed")
+        from datapipe import ShardStream
+        from loaders.token_options import PackOptions
+
+        loader = TokenLoader(ShardStream(cfg["urls"], shuffle=True, shuffle_buffer=8, seed=4), seq_len=64, batch_size=2,
+                             packing=PackOptions(buffer_size=16))
         return loader, lambda b: json.dumps({k: digest([v]) if hasattr(v, "numpy") else repr(v)
                                              for k, v in sorted(b.items())})
     if case in ("images", "images_workers"):
+        from datapipe import ShardStream
         from loaders.images.loader import ImageLoader
+        from loaders.images.options import DecodeOptions, ReadOptions
 
-        loader = ImageLoader(cfg["urls"], batch_size=4, image_size=16, device="cpu", num_threads=1, train=False,
-                             shuffle=True, shuffle_buffer=6, seed=9, label_key="__key__", label_decoder=int,
-                             read_workers=2 if case == "images_workers" else 0)
+        loader = ImageLoader(ShardStream(cfg["urls"], shuffle=True, shuffle_buffer=6, seed=9), batch_size=4,
+                             image_size=16, device="cpu", train=False, decode=DecodeOptions(num_threads=1),
+                             read=ReadOptions(label_key="__key__", label_decoder=int,
+                                              read_workers=2 if case == "images_workers" else 0))
         return loader, lambda b: json.dumps({"labels": b[1].tolist(), "images": digest([b[0]])})
     raise ValueError(f"unknown case {case!r}")
 

@@ -6,9 +6,28 @@ import numpy as np
 import pytest
 import torch
 
-from datapipe import DataError, ShardWriter
+from dataclasses import fields
+
+from datapipe import DataError, ShardStream, ShardWriter
 from loaders import TokenLoader
+from loaders.token_options import DocumentOptions, PackOptions
 from tests.resume import assert_resumes_identically
+
+STREAM = ("shuffle", "seed", "shuffle_buffer", "rank", "world_size", "on_error")
+
+
+def tl(urls, **kw):
+    """A TokenLoader from flat keyword arguments: the stream's settings build its ShardStream (as the loader's
+    defaults would: shuffled, a 1000-document buffer), the rest go to their option group."""
+    stream = {k: kw.pop(k) for k in STREAM if k in kw}
+    packing = PackOptions(**{f.name: kw.pop(f.name) for f in fields(PackOptions) if f.name in kw})
+    documents = DocumentOptions(**{f.name: kw.pop(f.name) for f in fields(DocumentOptions) if f.name in kw})
+    source = urls
+    if stream:
+        shuffle = stream.pop("shuffle", True)
+        buffer = stream.pop("shuffle_buffer", 1000)
+        source = ShardStream(urls, shuffle=shuffle, shuffle_buffer=buffer if shuffle else 0, **stream)
+    return TokenLoader(source, packing=packing, documents=documents, **kw)
 
 
 def write_token_shards(directory, lengths, *, per_shard=25, text=False, bad=()):
@@ -41,7 +60,7 @@ def real_tokens(batch):
 def test_every_token_exactly_once_in_packed_rows(tmp_path):
     lens = lengths(120)
     urls = write_token_shards(tmp_path, lens)
-    loader = TokenLoader(urls, seq_len=128, batch_size=4, buffer_size=64)
+    loader = tl(urls, seq_len=128, batch_size=4, buffer_size=64)
     batches = list(loader)
     got = torch.cat([real_tokens(b) for b in batches]).sort().values
     expected = torch.tensor(sorted(i * 100_000 + j for i, n in enumerate(lens) for j in range(n)))
@@ -59,28 +78,43 @@ def test_every_token_exactly_once_in_packed_rows(tmp_path):
                 assert torch.equal(toks - toks[0], torch.arange(len(toks), dtype=toks.dtype))
 
 
-def test_pace_reaches_the_prefetcher_and_is_checked(tmp_path, monkeypatch):
-    import loaders.tokens as module
-
-    paces = []
-    real = module.DevicePrefetcher
-
-    def spy(*args, **kw):
-        paces.append(kw["pace"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(module, "DevicePrefetcher", spy)
+def test_urls_get_a_shuffled_stream_and_a_given_stream_is_used_as_it_is(tmp_path):
     urls = write_token_shards(tmp_path, lengths(30))
-    unpaced = list(TokenLoader(urls, seq_len=128, batch_size=4, pace=None))
-    paced = list(TokenLoader(urls, seq_len=128, batch_size=4))
-    assert paces == [None, 0.5] and len(unpaced) == len(paced)
-    with pytest.raises(ValueError, match="pace="):
-        TokenLoader(urls, seq_len=128, batch_size=4, pace=2)
+    built = TokenLoader(urls, seq_len=128, batch_size=4)
+    assert (built.stream.shuffle, built.stream.shuffle_buffer, built.stream.seed) == (True, 1000, 0)
+    own = ShardStream(urls, seed=3, on_error="skip")
+    assert TokenLoader(own, seq_len=128, batch_size=4).stream is own
+
+
+def test_bad_arguments_name_the_argument(tmp_path):
+    import inspect
+
+    urls = write_token_shards(tmp_path, lengths(5))
+    assert len(inspect.signature(TokenLoader).parameters) <= 12
+    with pytest.raises(TypeError, match="seq_len='128'"):
+        TokenLoader(urls, seq_len="128", batch_size=4)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        TokenLoader(urls, seq_len=128, batch_size=0)
+    with pytest.raises(TypeError, match="packing="):
+        TokenLoader(urls, seq_len=128, batch_size=4, packing={"eos_id": 2})
+    for make in (lambda: PackOptions(batching="greedy"), lambda: PackOptions(eos_id=-1),
+                 lambda: PackOptions(buffer_size=0), lambda: PackOptions(overflow="drop"),
+                 lambda: DocumentOptions(token_dtype="float32")):
+        with pytest.raises(ValueError):
+            make()
+
+
+def test_eos_id_ends_every_document(tmp_path):
+    urls = write_token_shards(tmp_path, [5, 7, 3])
+    (plain,) = list(TokenLoader(ShardStream(urls), seq_len=32, batch_size=2))
+    (ended,) = list(TokenLoader(ShardStream(urls), seq_len=32, batch_size=2, packing=PackOptions(eos_id=99)))
+    assert int((plain["input_ids"] == 99).sum()) == 0  # no EOS unless asked for
+    assert int((ended["input_ids"] == 99).sum()) == 3 and real_tokens(ended).numel() == 15 + 3
 
 
 def test_positions_restart_and_labels_mask_boundaries(tmp_path):
     urls = write_token_shards(tmp_path, [5, 7, 3])
-    (batch,) = list(TokenLoader(urls, seq_len=16, batch_size=2, shuffle=False))
+    (batch,) = list(tl(urls, seq_len=16, batch_size=2, shuffle=False))
     pos, docs, labels = batch["position_ids"][0], batch["document_ids"][0], batch["labels"][0]
     starts = (pos == 0) & (docs >= 0)
     assert int(starts.sum()) == 3
@@ -92,7 +126,7 @@ def test_resume_at_every_step(tmp_path, batching):
     urls = write_token_shards(tmp_path, lengths(60, seed=1, high=100))
 
     def make():
-        return TokenLoader(urls, seq_len=100, batch_size=3, buffer_size=16, batching=batching, seed=4,
+        return tl(urls, seq_len=100, batch_size=3, buffer_size=16, batching=batching, seed=4,
                            shuffle_buffer=8, max_tokens=400)
 
     same = lambda a, b: a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))
@@ -103,7 +137,7 @@ def test_resume_at_every_step(tmp_path, batching):
 
 def test_dynamic_batches_respect_the_budget(tmp_path):
     urls = write_token_shards(tmp_path, lengths(80, seed=2, high=200))
-    for batch in TokenLoader(urls, seq_len=200, batch_size=16, batching="dynamic", max_tokens=512,
+    for batch in tl(urls, seq_len=200, batch_size=16, batching="dynamic", max_tokens=512,
                              pad_to_multiple_of=8):
         b, l = batch["input_ids"].shape
         assert b * l <= 512 and l % 8 == 0
@@ -112,29 +146,29 @@ def test_dynamic_batches_respect_the_budget(tmp_path):
 def test_text_with_a_tokenizer(tmp_path):
     urls = write_token_shards(tmp_path, [4, 6], text=True)
     tokenizer = lambda text: [int(t) for t in text.split()]
-    (batch,) = list(TokenLoader(urls, seq_len=10, batch_size=1, tokenizer=tokenizer, shuffle=False))
+    (batch,) = list(tl(urls, seq_len=10, batch_size=1, tokenizer=tokenizer, shuffle=False))
     assert sorted(real_tokens(batch).tolist()) == [0, 1, 2, 3, 100000, 100001, 100002, 100003, 100004, 100005]
     with pytest.raises(DataError, match="tokenizer"):
-        list(TokenLoader(urls, seq_len=10, batch_size=1))
+        list(tl(urls, seq_len=10, batch_size=1))
 
 
 def test_bad_documents_raise_or_are_counted(tmp_path):
     urls = write_token_shards(tmp_path, [5, 5, 5, 5], bad={2})
     with pytest.raises(DataError, match="d00002"):
-        list(TokenLoader(urls, seq_len=16, batch_size=2))
-    loader = TokenLoader(urls, seq_len=16, batch_size=2, on_error="skip")
+        list(tl(urls, seq_len=16, batch_size=2))
+    loader = tl(urls, seq_len=16, batch_size=2, on_error="skip")
     assert sum(len(real_tokens(b)) for b in loader) == 15
     assert loader.stats()["bad_documents"] == 1
     assert loader.stats()["producer"]["batches"] == loader.stats()["batches"]
     seen = []
-    handled = TokenLoader(urls, seq_len=16, batch_size=2, on_error=seen.append)  # a handler that returns: skip
+    handled = tl(urls, seq_len=16, batch_size=2, on_error=seen.append)  # a handler that returns: skip
     assert sum(len(real_tokens(b)) for b in handled) == 15 and handled.stats()["bad_documents"] == 1
     assert [e.key for e in seen] == ["d00002"] and isinstance(seen[0], DataError)
 
 
 def _ddp_worker(rank, world, port, urls, out):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    loader = TokenLoader(urls, seq_len=64, batch_size=2, buffer_size=8)
+    loader = tl(urls, seq_len=64, batch_size=2, buffer_size=8)
     count = 0
     for batch in loader:
         t = torch.ones(1)
@@ -181,7 +215,7 @@ def test_resume_on_another_world_size_packs_every_document_once(tmp_path, new_wo
     kw = dict(seq_len=128, batch_size=2, buffer_size=16, shuffle_buffer=8, seed=4)
     tokens, states = [], []
     for r in range(4):
-        loader = TokenLoader(urls, rank=r, world_size=4, **kw)
+        loader = tl(urls, rank=r, world_size=4, **kw)
         it = iter(loader)
         for _ in range(3):  # the producer runs ahead: batches sit prefetched at the checkpoint
             tokens += real_tokens(next(it)).tolist()
@@ -191,7 +225,7 @@ def test_resume_on_another_world_size_packs_every_document_once(tmp_path, new_wo
     assert elastic.shape(g) == {"world_size": 4, "num_workers": 1}
     assert sum(len(s["batcher"]["buffer"]["lengths"]) + len(s["batcher"]["ready"]["lengths"]) for s in states) > 0
     for r in range(new_world):
-        loader = TokenLoader(urls, rank=r, world_size=new_world, **kw)
+        loader = tl(urls, rank=r, world_size=new_world, **kw)
         loader.load_state_dict(g)
         tokens += [t for b in loader for t in real_tokens(b).tolist()]
         assert loader.stats()["stream"]["resumed_from"] == {"world_size": 4, "num_workers": 1}
@@ -206,7 +240,7 @@ def test_resume_on_another_world_size_packs_every_document_once(tmp_path, new_wo
 
 def test_a_new_pass_stops_the_last_one_first(tmp_path):
     urls = write_token_shards(tmp_path, lengths(120))
-    loader = TokenLoader(urls, seq_len=128, batch_size=4, buffer_size=64)
+    loader = tl(urls, seq_len=128, batch_size=4, buffer_size=64)
     ref = torch.cat([real_tokens(b) for b in loader]).sort().values
     old = iter(loader)
     next(old)  # its producer thread runs ahead on the stream both passes share

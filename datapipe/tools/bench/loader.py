@@ -73,8 +73,10 @@ def make_dali(urls, cfg):
 def make_image_loader(urls, cfg):
     from loaders import ImageLoader
 
+    from loaders.images.options import DecodeOptions
+
     return ImageLoader(urls, batch_size=cfg["batch_size"], image_size=cfg["image_size"], train=False,
-                       device=cfg["device"], num_threads=max(1, cfg["workers"]), drop_last=False)
+                       device=cfg["device"], decode=DecodeOptions(num_threads=max(1, cfg["workers"])))
 
 
 def make_datapipe_loader(urls, cfg):
@@ -86,10 +88,11 @@ def make_datapipe_loader(urls, cfg):
 
 
 def make_token_loader(urls, cfg):
+    from datapipe.stream import ShardStream
     from loaders import TokenLoader
 
-    return TokenLoader(urls, seq_len=cfg["seq_len"], batch_size=cfg["batch_size"], device=cfg["device"],
-                       shuffle=False, rank=0, world_size=1)
+    return TokenLoader(ShardStream(urls, rank=0, world_size=1), seq_len=cfg["seq_len"], batch_size=cfg["batch_size"],
+                       device=cfg["device"])
 
 
 class NaivePad:

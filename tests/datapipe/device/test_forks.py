@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-import datapipe.device.handoff  # noqa: F401  (installs the fork hooks, as every loader does)
+from datapipe.device import forks
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -45,10 +45,23 @@ def _fork_and_collect() -> bytes:
 
 
 def test_a_forked_child_never_collects_the_parents_garbage():
+    forks.install()  # as every loader does on first use (a producer thread, DataLoader workers)
     assert _fork_and_collect() == b"P"  # freed once, in the parent; never in the child
 
 
+def test_the_hooks_are_installed_on_first_use_not_at_import():
+    import subprocess
+    import sys
+
+    code = ("import loaders, loaders.images.loader, datapipe.device.handoff as h; from datapipe.device import forks; "
+            "before = forks._state['installed']; list(h.Producer(iter(range(3)), depth=1)); "
+            "print(before, forks._state['installed'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]
+
+
 def test_the_parent_is_thawed_after_the_fork_and_a_users_freeze_is_kept():
+    forks.install()
     assert gc.get_freeze_count() == 0
     _fork_and_collect()
     assert gc.get_freeze_count() == 0  # frozen only around the fork

@@ -110,19 +110,15 @@ def test_current_stream_follows_the_threads_stream_and_reuses_its_object():
 def test_cuda_retirer_records_passed_events_again_instead_of_making_new_ones():
     from datapipe.device.handoff import Retirer
 
-    for in_producer in (False, True):
-        r = Retirer(torch.device("cuda"), keep=2, fence_in_producer=in_producer)
-        events = {}  # id -> event, held so no id is reused
-        for i in range(20):
-            r.handed(torch.full((4,), i, device="cuda"))
-            if in_producer:
-                assert not r._dead  # fenced by the producer's bury(), not in the consumer's next()
-                r.bury()
-            events.update({id(marker): marker for _, marker in r._dead})
-            torch.cuda.synchronize()
-            r.bury()
-        assert not r._dead  # every fence passed after the synchronize: all retired batches freed
-        assert len(events) <= 3  # 18 batches retired through a few events
+    r = Retirer(torch.device("cuda"), keep=2)
+    events = {}  # id -> event, held so no id is reused
+    for i in range(20):
+        r.handed(torch.full((4,), i, device="cuda"))
+        events.update({id(marker): marker for _, marker in r._dead})
+        torch.cuda.synchronize()
+        r.bury()
+    assert not r._dead  # every fence passed after the synchronize: all retired batches freed
+    assert len(events) <= 3  # 18 batches retired through a few events
 
 
 def test_the_producer_waits_for_the_handoff_before_making_more():
@@ -247,19 +243,6 @@ def test_retirer_keeps_the_last_items_and_frees_older_ones_once_their_fence_pass
     markers[1].passed = True
     r.bury()
     assert alive[1]() is None and alive[2]() is not None and alive[3]() is not None
-    r.clear()
-    assert all(ref() is None for ref in alive)
-
-
-def test_a_retirer_fencing_in_the_producer_makes_its_fences_in_bury_not_in_handed():
-    r, markers = _fenced_retirer(keep=1, fence_in_producer=True)
-    alive = _hand(r, 3)
-    assert markers == []  # nothing fenced in the consumer's next()
-    r.bury()
-    assert len(markers) == 2 and all(ref() is not None for ref in alive)  # fenced now; not passed
-    markers[0].passed = True
-    r.bury()
-    assert alive[0]() is None and alive[1]() is not None
     r.clear()
     assert all(ref() is None for ref in alive)
 

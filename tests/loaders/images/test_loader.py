@@ -10,9 +10,13 @@ from PIL import Image
 
 pytest.importorskip("nvidia.dali")
 
+from dataclasses import fields  # noqa: E402
+
 from datapipe.errors import DataError  # noqa: E402
+from datapipe.stream import ShardStream  # noqa: E402
 from datapipe.tools.synthetic import iter_image_samples, make_image_dataset  # noqa: E402
 from loaders.images.loader import IMAGENET_MEAN, IMAGENET_STD, ImageLoader  # noqa: E402
+from loaders.images.options import AugmentOptions, DecodeOptions, ReadOptions  # noqa: E402
 
 S = 32  # output size: small keeps the CPU pipeline fast
 N = 40
@@ -26,10 +30,26 @@ def shards(tmp_path_factory):
     return info["shards"]
 
 
+STREAM = ("shuffle", "seed", "shuffle_buffer", "rank", "world_size", "on_error")
+
+
 def loader(urls, **kwargs):
-    args = dict(batch_size=8, image_size=S, device="cpu", num_threads=2, train=False)
+    """An ImageLoader from flat keyword arguments: the stream's settings build its ShardStream (as the
+    loader's defaults would: shuffle with train, a 2000-sample buffer), the rest go to their option group."""
+    args = dict(batch_size=8, image_size=S, device="cpu", train=False)
+    kwargs.setdefault("num_threads", 2)
+    stream = {k: kwargs.pop(k) for k in STREAM if k in kwargs}
+    groups = {}
+    for name, cls in (("decode", DecodeOptions), ("augment", AugmentOptions), ("read", ReadOptions)):
+        given = {f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs}
+        groups[name] = cls(**given)
     args.update(kwargs)
-    return ImageLoader(urls, **args)
+    source = urls
+    if stream:
+        shuffle = stream.pop("shuffle", args["train"])
+        buffer = stream.pop("shuffle_buffer", 2000)
+        source = ShardStream(urls, shuffle=shuffle, shuffle_buffer=buffer if shuffle else 0, **stream)
+    return ImageLoader(source, **groups, **args)
 
 
 def by_key(**kwargs):
@@ -234,26 +254,47 @@ def test_bad_arguments(shards):
         loader(["s3://bucket/shard-000000.tar"], reader="dali")
 
 
-def test_pace_and_ready_reach_the_handoff_and_are_checked(shards, monkeypatch):
-    import loaders.images.loader as module
+def test_urls_and_a_stream_compose_the_same_loader(shards):
+    """URLs: the loader builds the stream (train: shuffled, seed 0); a ShardStream is used as it is."""
+    from_urls = ImageLoader(shards, batch_size=8, image_size=S, device="cpu", train=True,
+                            decode=DecodeOptions(num_threads=2), read=ReadOptions(label_key="__key__", label_decoder=int))
+    assert (from_urls.stream.shuffle, from_urls.stream.shuffle_buffer, from_urls.stream.seed) == (True, 2000, 0)
+    assert from_urls.stream.zero_copy and from_urls.drop_last
+    own = ShardStream(shards, shuffle=True, shuffle_buffer=2000, seed=0)
+    from_stream = ImageLoader(own, batch_size=8, image_size=S, device="cpu", train=True,
+                              decode=DecodeOptions(num_threads=2), read=ReadOptions(label_key="__key__",
+                                                                                     label_decoder=int))
+    assert not own.zero_copy and from_stream.stream.zero_copy  # the caller's stream is not changed
+    a, b = collect(from_urls), collect(from_stream)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    evaluation = ImageLoader(shards, batch_size=8, image_size=S, device="cpu", train=False)
+    assert (evaluation.stream.shuffle, evaluation.stream.shuffle_buffer) == (False, 0) and not evaluation.drop_last
+    seeded = ImageLoader(ShardStream(shards, shuffle=True, seed=4, on_error="skip"), batch_size=8, image_size=S,
+                         device="cpu")
+    assert seeded.stream.seed == 4 and seeded.reader == "stream"  # skip: only the stream reader honours it
 
-    seen = []
-    real = module.on_side_stream
 
-    def spy(produce, **kw):
-        seen.append((kw["pace"], kw["ready"]))
-        return real(produce, **kw)
+def test_options_are_groups_checked_where_they_are_made(shards):
+    import inspect
 
-    monkeypatch.setattr(module, "on_side_stream", spy)
-    monkeypatch.setenv("DATAPIPE_READY", "host")  # the variable of earlier versions: no effect now
-    default = loader(shards)
-    assert (default.pace, default.ready) == (0.7, "event")
-    tuned = loader(shards, pace=None, ready="checked")
-    assert collect(tuned)[1].numel() == collect(default)[1].numel() == N
-    assert seen == [(None, "checked"), (0.7, "event")]  # tuned's pass ran first
-    for bad in (dict(pace=1.0), dict(pace="fast"), dict(ready="soon")):
-        with pytest.raises(ValueError, match="pace=|ready="):
-            loader(shards, **bad)
+    assert len(inspect.signature(ImageLoader).parameters) <= 12
+    for make in (lambda: DecodeOptions(layout="CHW"), lambda: DecodeOptions(hw_decoder_load=2),
+                 lambda: DecodeOptions(num_threads=0), lambda: AugmentOptions(random_area=(0.5, 0.1)),
+                 lambda: ReadOptions(reader="fast"), lambda: ReadOptions(prefetch_queue_depth=0)):
+        with pytest.raises(ValueError):
+            make()
+    with pytest.raises(TypeError, match="decode="):
+        ImageLoader(shards, batch_size=8, device="cpu", decode={"layout": "NHWC"})
+    with pytest.raises(TypeError):  # the stream's settings are the stream's
+        ImageLoader(shards, batch_size=8, device="cpu", shuffle=True)
+    with pytest.raises(ValueError, match="resize_size"):
+        ImageLoader(shards, batch_size=8, image_size=64, device="cpu", decode=DecodeOptions(resize_size=32))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(shards):
+    with pytest.raises(ValueError, match=r"CUDA is not available here; use device='cpu'"):
+        ImageLoader(shards, batch_size=8)
 
 
 @pytest.mark.gpu
@@ -267,14 +308,6 @@ def test_gpu_pipeline_agrees_with_cpu(shards):
     assert diff.mean() < 0.05, diff.mean()  # GPU JPEG decoding differs slightly (IDCT, chroma upsampling)
     tx, ty = collect(loader(shards, device="cuda", train=True, dtype=torch.bfloat16))
     assert tx.dtype == torch.bfloat16 and tx.shape == (N // 8 * 8, 3, S, S) and tx.is_cuda
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ready", ["host", "checked"])
-def test_gpu_batches_are_the_same_however_their_readiness_is_learned(shards, ready):
-    event_x, event_y = collect(loader(shards, device="cuda", hw_decoder_load=0.0))
-    x, y = collect(loader(shards, device="cuda", hw_decoder_load=0.0, ready=ready))
-    assert torch.equal(y, event_y) and torch.equal(x, event_x)  # the same decoder, complete batches
 
 
 def test_reader_workers_cover_every_sample_once_per_epoch(shards):
@@ -471,7 +504,6 @@ def test_decode_device_is_checked(shards):
     with pytest.raises(ValueError, match="num_threads"):
         loader(shards, decode_device="cpu", num_threads=0)
     assert loader(shards).decode_device == "cpu"
-    assert loader(shards, device="cuda").decode_device == "gpu"  # built lazily: no GPU needed here
 
 
 @pytest.mark.parametrize("dtype,layout", [(torch.float32, "NCHW"), (torch.bfloat16, "NHWC"), (torch.uint8, "NCHW")])
@@ -578,7 +610,7 @@ def test_dali_reader_state_records_what_was_delivered(numbered, tmp_path):
     # numbers are the plan's (shard order of the epoch, then sample order); map labels through it
     from datapipe.order.plan import shard_order
 
-    order = shard_order(4, shuffle=True, seed=dl.seed, epoch=dl.epoch)
+    order = shard_order(4, shuffle=True, seed=dl.stream.seed, epoch=dl.epoch)
     number = {shard * 10 + j: pos * 10 + j for pos, shard in enumerate(order) for j in range(10)}
     assert sorted(np.flatnonzero(mask).tolist()) == sorted(number[y] for y in got)
 

@@ -28,10 +28,12 @@ def _legacy_executor(monkeypatch):
 
 
 def _batches(urls, device, reader):
+    from datapipe.stream import ShardStream
     from loaders.images.loader import ImageLoader
+    from loaders.images.options import DecodeOptions, ReadOptions
 
-    loader = ImageLoader(urls, batch_size=8, image_size=32, device=device, num_threads=2, train=True, seed=3,
-                         shuffle=True, reader=reader)
+    loader = ImageLoader(ShardStream(urls, shuffle=True, shuffle_buffer=2000, seed=3), batch_size=8, image_size=32,
+                         device=device, train=True, decode=DecodeOptions(num_threads=2), read=ReadOptions(reader=reader))
     return [(x.cpu().clone(), y.cpu().clone()) for x, y in loader]
 
 
