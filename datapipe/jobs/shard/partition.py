@@ -17,16 +17,35 @@ from datapipe.jobs.shard.options import image_check
 from datapipe.jobs.shard.sources import IMAGE_EXTENSIONS, iter_partition, read_item
 
 
+class _Truncated(Exception):
+    """An image whose end marker is missing (the message says which)."""
+
+
 def _image_entry(sample: dict) -> str | None:
     return next((k for k in sample if k in IMAGE_EXTENSIONS.values()), None)
+
+
+_PNG_END = b"IEND\xaeB`\x82"
+
+
+def truncation(data: bytes, image_format: str | None) -> str | None:
+    """Why a JPEG or PNG file is cut short (None when it is whole, or another format): the JPEG end marker
+    FFD9 after the last scan, the PNG IEND chunk. Cheap: a search from the end of the bytes."""
+    if image_format == "JPEG":
+        if data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):  # FFDA/FFD9 cannot occur inside scan data
+            return "truncated JPEG: the end marker (FFD9) is missing"
+    elif image_format == "PNG" and data.rfind(_PNG_END) < 0:
+        return "truncated PNG: the IEND chunk is missing"
+    return None
 
 
 def transform_image(sample: dict, *, resize: int | None, quality: int | None, check: str | bool = "open") -> dict:
     """Check an image, shrink it to a shorter side of ``resize`` and re-encode it as JPEG ``quality``.
 
-    ``check``: ``"open"`` (PIL opens it and reads its size from the header: no pixel decode),
-    ``"decode"`` (every pixel decoded), ``"none"`` (bytes copied unchecked: unsafe, a damaged file
-    reaches training). Resizing or re-encoding decodes anyway. An image that fails raises ValueError.
+    ``check``: ``"open"`` (PIL opens it and reads its size from the header, and a JPEG or PNG must end
+    with its end marker: truncated files are caught without a pixel decode), ``"decode"`` (every pixel
+    decoded, and the end marker), ``"none"`` (bytes copied unchecked: unsafe, a damaged file reaches
+    training). Resizing or re-encoding decodes anyway. An image that fails raises ValueError.
     """
     ext = _image_entry(sample)
     check = image_check(check)
@@ -35,11 +54,16 @@ def transform_image(sample: dict, *, resize: int | None, quality: int | None, ch
     from PIL import Image, ImageOps
 
     data = sample[ext]
+    if not len(data):
+        raise ValueError("empty file")
     try:
         im = Image.open(io.BytesIO(data))  # in memory: nothing to close (a `with` measured 8% slower)
         w, h = im.size
         if w < 1 or h < 1:
             raise ValueError(f"image has size {w}x{h}")
+        cut = truncation(data, im.format) if check != "none" else None
+        if cut is not None:
+            raise _Truncated(cut)
         if not (resize or quality):
             if check == "decode":
                 im.load()
@@ -54,6 +78,8 @@ def transform_image(sample: dict, *, resize: int | None, quality: int | None, ch
                            reducing_gap=3.0)
         buf = io.BytesIO()
         im.save(buf, format="JPEG", quality=quality or 90)
+    except _Truncated as e:
+        raise ValueError(str(e)) from None
     except Image.UnidentifiedImageError as e:
         raise ValueError("not an image PIL recognises (a text or other file with an image extension?)") from e
     except Exception as e:  # PIL raises many types for damaged files

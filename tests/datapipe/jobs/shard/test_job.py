@@ -309,14 +309,34 @@ def test_decode_check_catches_what_the_open_check_lets_through(tmp_path):
     root = tmp_path / "imgs"
     make_image_folder(str(root), n=4, classes=("a",), size=(200, 150))
     good = (root / "a" / "img.000.jpg").read_bytes()
-    (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])  # header intact, scan data cut
+    dht = good.index(b"\xff\xc4")
+    (root / "a" / "bad_table.jpg").write_bytes(good[: dht + 5] + b"\xff" * 16 + good[dht + 21:])  # ends whole
     opened = run_shard(str(root), str(tmp_path / "open"), workers=1, progress=False)
-    assert opened["samples"] == 5 and opened["num_skipped"] == 0  # the cheap check reads headers only
+    assert opened["samples"] == 5 and opened["num_skipped"] == 0  # the cheap check reads headers and end markers
     decoded = run_shard(str(root), str(tmp_path / "decode"), check_images="decode", workers=1, progress=False)
     assert decoded["samples"] == 4 and decoded["num_skipped"] == 1
-    assert decoded["skipped"][0]["item"].endswith("cut.jpg") and "decode" in decoded["skipped"][0]["error"]
+    assert decoded["skipped"][0]["item"].endswith("bad_table.jpg") and "decode" in decoded["skipped"][0]["error"]
     with pytest.raises(ValueError, match="check-images"):
         run_shard(str(root), str(tmp_path / "x"), check_images="full", progress=False)
+
+
+def test_the_default_check_catches_truncated_jpeg_and_png_and_names_empty_files(tmp_path):
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=4, classes=("a",), size=(200, 150))
+    good = (root / "a" / "img.000.jpg").read_bytes()
+    (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])  # header intact, scan data and FFD9 gone
+    png = io.BytesIO()
+    Image.open(io.BytesIO(good)).save(png, format="PNG")
+    (root / "a" / "whole.png").write_bytes(png.getvalue())
+    (root / "a" / "cut.png").write_bytes(png.getvalue()[: len(png.getvalue()) // 2])
+    (root / "a" / "empty.jpg").write_bytes(b"")
+    trailing = good + b"\x00" * 64  # bytes after the end marker: still a whole JPEG
+    (root / "a" / "trailing.jpg").write_bytes(trailing)
+    report = run_shard(root, tmp_path / "out")
+    why = {os.path.basename(s["item"]): s["error"] for s in report["skipped"]}
+    assert why == {"cut.jpg": "truncated JPEG: the end marker (FFD9) is missing",
+                   "cut.png": "truncated PNG: the IEND chunk is missing", "empty.jpg": "empty file"}
+    assert report["samples"] == 6
 
 
 def test_ignored_files_are_counted_and_named(tmp_path, caplog):
@@ -354,12 +374,14 @@ def test_checks_in_a_pool_give_the_same_shards(tmp_path, monkeypatch):
     make_image_folder(str(root), n=30, classes=("a", "b"), size=(64, 48))
     good = (root / "a" / "img.000.jpg").read_bytes()
     (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])
+    dht = good.index(b"\xff\xc4")
+    (root / "a" / "bad_table.jpg").write_bytes(good[: dht + 5] + b"\xff" * 16 + good[dht + 21:])
     (root / "b" / "broken.jpg").write_bytes(BROKEN)
     monkeypatch.setattr(job, "CHECK_POOL_MIN_ITEMS", 1)
     calls = []
     real = job.run_partition
     monkeypatch.setattr(job, "run_partition", lambda *a, **k: calls.append(k.get("check_pool")) or real(*a, **k))
-    for check, bad in (("open", {"broken.jpg"}), ("decode", {"broken.jpg", "cut.jpg"})):
+    for check, bad in (("open", {"broken.jpg", "cut.jpg"}), ("decode", {"broken.jpg", "cut.jpg", "bad_table.jpg"})):
         pooled = run_shard(str(root), str(tmp_path / f"pool-{check}"), check_images=check, max_count=7, workers=2,
                        progress=False)
         assert calls and all(c is not None for c in calls)
@@ -369,7 +391,7 @@ def test_checks_in_a_pool_give_the_same_shards(tmp_path, monkeypatch):
         assert calls and all(c is None for c in calls)
         calls.clear()
         assert {os.path.basename(s["item"]) for s in pooled["skipped"]} == bad
-        assert pooled["skipped"] == inline["skipped"] and pooled["samples"] == inline["samples"] == 32 - len(bad)
+        assert pooled["skipped"] == inline["skipped"] and pooled["samples"] == inline["samples"] == 33 - len(bad)
         assert json.load(open(tmp_path / f"pool-{check}" / "manifest.json"))["shards"] == \
             json.load(open(tmp_path / f"inline-{check}" / "manifest.json"))["shards"]
 

@@ -24,9 +24,16 @@ def test_transform_image_checks_resizes_and_reencodes():
     out = transform_image(sample, resize=20, quality=70)
     assert set(out) == {"__key__", "jpg", "cls"} and Image.open(io.BytesIO(out["jpg"])).size == (27, 20)
     cut = {"__key__": "k", "jpg": good[: len(good) // 2]}
-    assert transform_image(cut, resize=None, quality=None, check="open") is cut  # the header is intact
+    for check in ("open", "decode"):  # the header is intact, the end marker gone
+        with pytest.raises(ValueError, match="truncated JPEG"):
+            transform_image(cut, resize=None, quality=None, check=check)
+    dht = good.index(b"\xff\xc4")
+    bad_table = {"__key__": "k", "jpg": good[: dht + 5] + b"\xff" * 16 + good[dht + 21:]}
+    assert transform_image(bad_table, resize=None, quality=None, check="open") is bad_table  # headers only
     with pytest.raises(ValueError, match="cannot decode"):
-        transform_image(cut, resize=None, quality=None, check="decode")
+        transform_image(bad_table, resize=None, quality=None, check="decode")
+    with pytest.raises(ValueError, match="^empty file$"):
+        transform_image({"__key__": "k", "jpg": b""}, resize=None, quality=None)
     with pytest.raises(ValueError, match="not an image"):
         transform_image({"__key__": "k", "jpg": b"plain text"}, resize=None, quality=None)
     text = {"__key__": "k", "jpg": b"plain text"}
