@@ -23,7 +23,7 @@ COMMANDS = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="datapipe", description="Keeps GPUs fed: shards, loaders, benchmarks.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (datapipe's own loggers)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -32,13 +32,24 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+OWN_LOGGERS = ("datapipe", "loaders", "packing")
+
+
+def configure_logging(*, verbose: bool) -> None:
+    """INFO to stderr; ``verbose`` turns DEBUG on for datapipe's own loggers only (other libraries keep their
+    levels: their debug lines can carry URLs with credentials)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if verbose:
+        for name in OWN_LOGGERS:
+            logging.getLogger(name).setLevel(logging.DEBUG)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(verbose=args.verbose)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

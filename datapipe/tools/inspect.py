@@ -69,7 +69,8 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
                             report["extensions"][ext] += 1
                             entry["bytes"] += len(value)
                     if len(report["preview"]) < preview:
-                        report["preview"].append({k: _preview(v) for k, v in event.sample.items()})
+                        report["preview"].append({k: redact_url(v) if k == "__url__" else _preview(v)
+                                                  for k, v in event.sample.items()})
             finally:
                 f.close()
         except (DataError, TarFormatError) as e:

@@ -32,3 +32,14 @@ def test_python_dash_m_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-m", "datapipe", "inspect", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "missing" in out.stderr
+
+
+def test_verbose_turns_on_debug_for_datapipe_only(tmp_path):
+    code = ("import logging\nfrom datapipe.cli import main\n"
+            f"main(['-v', 'inspect', {str(tmp_path / 'missing')!r}])\n"
+            "names = ('datapipe', 'datapipe.jobs.shard.job', 'loaders', 'packing', 'fsspec', 'urllib3', 'aiohttp')\n"
+            "print(' '.join(str(logging.getLogger(n).getEffectiveLevel()) for n in names))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    levels = [int(x) for x in out.stdout.split()]
+    assert levels[:4] == [10, 10, 10, 10], out  # DEBUG for datapipe's loggers
+    assert all(level >= 20 for level in levels[4:]), out  # others keep INFO: their debug lines can carry secrets

@@ -73,3 +73,18 @@ def test_truncated_shard_named_with_its_byte(out, tmp_path, capsys):
     (tmp_path / "cut.tar").write_bytes(data[:len(data) // 2 // 512 * 512 + 100])
     assert main(["inspect", str(tmp_path / "cut.tar")]) == 1
     assert "byte" in capsys.readouterr().out
+
+
+def test_credentials_in_the_url_never_reach_the_output(out, capsys):
+    from tests.servers import http_server
+
+    with http_server(str(out)) as (base, _):
+        secret = base.replace("http://", "http://alice:hunter2@") + "/shard-000000.tar?token=tok3n&part=1"
+        assert main(["inspect", secret, "--preview", "3"]) == 0
+        text = capsys.readouterr()
+        assert "5 samples" in text.out and "__url__=http://alice:***@127.0.0.1" in text.out
+        assert main(["inspect", secret, "--json"]) == 0
+        report = capsys.readouterr()
+    for shown in (text.out, text.err, report.out, report.err):
+        assert "hunter2" not in shown and "tok3n" not in shown
+    assert json.loads(report.out)["preview"][0]["__url__"].endswith("/shard-000000.tar?token=***&part=1")
