@@ -1,6 +1,14 @@
-"""Worker batches in recycled shared memory (``loaders.dataloader_shm``) against torch's fresh shared memory.
+"""Worker batches in recycled shared memory (``loaders.dataloader_shm``, ``loaders.dataloader_rawshm``) against torch.
 
-Worker-bound loading: the workers make batches of ``--batch-size`` 3x224x224 uint8 images (a copy of
+Two modes (``--mode``, default both, one JSON). ``raw``: raw samples as a ``ShardStream`` yields them
+(``__key__``, ``__url__``, a ``jpg`` of up to ``--raw-bytes`` (~107 KB, sizes varying) and a ``cls``,
+made by the workers as fast as they can), batches of ``--raw-batch-size`` (256) with a list-returning
+collate (``list``) or ``default_collate`` (``default``: a dict of lists), no device; samples per second
+(median of the rounds, variants interleaved) of ``torch`` (torch's DataLoader: every batch pickled
+through a pipe) and ``ours`` (``loaders.DataLoader``: the raw leaves in recycled shared memory, copied
+out in the main process). The consumer reads every sample's length.
+
+``images``: worker-bound loading: the workers make batches of ``--batch-size`` 3x224x224 uint8 images (a copy of
 one image per sample, plus ``--spin-ms`` of CPU work per batch for each case) and the main process
 takes them as fast as they come. Per case and variant, batches per second (median of the rounds,
 variants interleaved in each round):
@@ -12,6 +20,7 @@ variants interleaved in each round):
   ``dl_ours`` ``loaders.DataLoader(device="cuda")``, ``dl_ours_pin_memory`` ``loaders.DataLoader(pin_memory=True)`` + ``.to(non_blocking)`` (torch's idiom).
 
     python bench/worker_shm.py                      # CPU: bench/results/worker_shm.json
+    python bench/worker_shm.py --mode raw --workers 8   # the raw-samples rows alone, 8 workers
     python bench/worker_shm.py --device cuda        # the H200 run, all variants
     python bench/worker_shm.py --quick              # smoke check (tiny)
 """
@@ -26,7 +35,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader as TorchLoader, Dataset, default_collate  # noqa: E402
+from torch.utils.data import DataLoader as TorchLoader, Dataset, IterableDataset, default_collate  # noqa: E402
+from torch.utils.data import get_worker_info  # noqa: E402
 
 from bench.common import table, write_result  # noqa: E402
 from loaders.dataloader_shm import PooledCollate, SegmentReturns  # noqa: E402
@@ -46,6 +56,59 @@ class Frames(Dataset):
         out = self.image.clone()
         out.view(-1)[0] = i % 256
         return out, i
+
+
+class RawSamples(IterableDataset):
+    """``n`` raw samples shaped like a ``ShardStream``'s, split over the workers: sample i's ``jpg`` holds
+    ``size - i % 997`` bytes of a fixed random blob from offset ``i % size``, its ``cls`` is ``str(i % 10)``."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size = n, size
+        self.blob = torch.randint(0, 256, (2 * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+                                  ).numpy().tobytes()
+
+    def sample(self, i: int) -> dict:
+        start = i % self.size
+        return {"__key__": f"{i:08d}", "__url__": f"shards/shard-{i // 1000:06d}.tar",
+                "jpg": self.blob[start:start + self.size - i % 997], "cls": str(i % 10).encode()}
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(worker, self.n, workers):
+            yield self.sample(i)
+
+
+def as_list(samples):
+    """A list-returning collate: the batch is the list of samples."""
+    return list(samples)
+
+
+def read_lengths(batch) -> int:
+    """The consumer: every sample's ``jpg`` length (a list of sample dicts, or default_collate's dict of lists)."""
+    if isinstance(batch, dict):
+        return sum(len(b) for b in batch["jpg"])
+    return sum(len(s["jpg"]) for s in batch)
+
+
+def raw_variants(args, collate) -> dict:
+    """name -> function running one raw-samples measurement (batches per second)."""
+    from loaders import DataLoader
+
+    n = (args.batches + args.warmup + 2 * args.workers) * args.raw_batch_size
+    common = dict(batch_size=args.raw_batch_size, num_workers=args.workers, prefetch_factor=args.prefetch_factor,
+                  collate_fn=collate)
+
+    def torch_run():
+        return drain(TorchLoader(RawSamples(n, args.raw_bytes), **common), args.batches, args.warmup, read_lengths)
+
+    def ours():
+        dl = DataLoader(RawSamples(n, args.raw_bytes), **common)
+        rate = drain(dl, args.batches, args.warmup, read_lengths)
+        dl.close()
+        return rate
+
+    return {"torch": torch_run, "ours": ours}
 
 
 class Spin:
@@ -143,6 +206,7 @@ def variants(args, spin_ms: float) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", default="images,raw", help="comma list of images, raw")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--workers", type=int, default=None, help="default: 8 on CUDA, else min(4, cores)")
     ap.add_argument("--batch-size", type=int, default=128)
@@ -152,6 +216,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spin-ms", default="0,30", help="comma list: the cases' CPU work per batch in a worker")
+    ap.add_argument("--raw-batch-size", type=int, default=256)
+    ap.add_argument("--raw-bytes", type=int, default=107_000, help="raw mode: a sample's jpg size (at most)")
+    ap.add_argument("--collates", default="list,default", help="raw mode: comma list of list, default")
     ap.add_argument("--quick", action="store_true", help="smoke check: tiny images, few batches")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--plot", action="store_true", help="also draw the rates beside the JSON (worker_shm.png)")
@@ -160,8 +227,12 @@ def main(argv=None) -> dict:
         args.workers = 8 if args.device == "cuda" else min(4, os.cpu_count() or 1)
     if args.quick:
         args.size, args.batch_size, args.batches, args.warmup, args.rounds, args.spin_ms = 32, 8, 6, 2, 1, "0"
+        args.raw_batch_size, args.raw_bytes = 16, 4096
+    modes = [m for m in args.mode.split(",") if m]
+    if set(modes) - {"images", "raw"}:
+        raise ValueError(f"--mode {args.mode!r}: pass a comma list of images, raw")
     rows, raw = [], {}
-    for spin in [float(s) for s in args.spin_ms.split(",") if s]:
+    for spin in [float(s) for s in args.spin_ms.split(",") if s] if "images" in modes else []:
         runs = variants(args, spin)
         rates = {name: [] for name in runs}
         for r in range(args.rounds):
@@ -174,16 +245,41 @@ def main(argv=None) -> dict:
             rows.append({"spin_ms": spin, "variant": name, "batches_per_s": round(med, 2),
                          "vs_torch": round(med / base, 3), "rounds": values})
         raw[str(spin)] = rates
+    raw_rows = raw_samples(args) if "raw" in modes else []
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
-    result = {"gpu": gpu, "cpu_count": os.cpu_count(), "config": vars(args), "rows": rows}
+    result = {"gpu": gpu, "cpu_count": os.cpu_count(), "config": vars(args), "rows": rows, "raw_rows": raw_rows}
     path = write_result("worker_shm", result, args.out)
-    print(table(rows, ["spin_ms", "variant", "batches_per_s", "vs_torch", "rounds"]))
+    if rows:
+        print(table(rows, ["spin_ms", "variant", "batches_per_s", "vs_torch", "rounds"]))
+    if raw_rows:
+        print(table(raw_rows, ["collate", "variant", "samples_per_s", "vs_torch", "rounds"]))
     print(f"wrote {path}")
     if args.plot:
         from datapipe.tools.plots import plot_worker_shm
 
         print(f"wrote {plot_worker_shm(result, os.path.splitext(path)[0] + '.png')}")
     return result
+
+
+def raw_samples(args) -> list[dict]:
+    """The raw-samples rows: per collate and variant, samples per second (median of the rounds) and vs torch."""
+    collates = {"list": as_list, "default": default_collate}
+    rows = []
+    for name in [c for c in args.collates.split(",") if c]:
+        if name not in collates:
+            raise ValueError(f"--collates {args.collates!r}: pass a comma list of list, default")
+        runs = raw_variants(args, collates[name])
+        rates = {variant: [] for variant in runs}
+        for r in range(args.rounds):
+            for variant, run in runs.items():
+                rates[variant].append(round(run() * args.raw_batch_size, 1))
+                print(f"raw {name}, round {r}, {variant}: {rates[variant][-1]} samples/s", file=sys.stderr, flush=True)
+        base = statistics.median(rates["torch"])
+        for variant, values in rates.items():
+            med = statistics.median(values)
+            rows.append({"collate": name, "variant": variant, "samples_per_s": round(med, 1),
+                         "vs_torch": round(med / base, 3), "rounds": values})
+    return rows
 
 
 if __name__ == "__main__":

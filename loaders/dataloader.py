@@ -25,7 +25,8 @@ The parts: this module is the loader (torch's hooks, the pass, epochs, the publi
 :mod:`loaders.dataloader_progress` a pass's position, timing and ``stats()``;
 :mod:`loaders.dataloader_tuning` the "auto" choices; where the loader pins
 (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers: in a thread of its own, in place of
-torch's pin thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory.
+torch's pin thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory; with workers,
+:mod:`loaders.dataloader_rawshm` their raw samples in it.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from datapipe.order import elastic
 from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, pins_for_cuda, shutdown, tagged_batches
 from loaders.dataloader_progress import Progress, stats as pass_stats
+from loaders.dataloader_rawshm import RawCopies, pack_raw, unpacked
 from loaders.dataloader_shm import PooledCollate, SegmentReturns, recycling_available
 from loaders.dataloader_tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
 from loaders.dataloader_resume import (IndexSampler, Plan, as_loadable, check_local, fresh_state, from_global,
@@ -72,7 +74,10 @@ class DataLoader(tud.DataLoader[_T_co]):
     ``device`` and worker processes (torch's idiom, a GPU present) a thread of this loader pins in place
     of torch's pin-memory thread, ``prefetch_depth`` batches ahead. Either way the workers' batches
     travel in recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to
-    the GPU in place. With ``device`` set, a pin thread or persistent workers, one pass runs at a time:
+    the GPU in place. With any ``device``, workers' raw samples (``bytes``, numpy arrays, in dicts, lists and
+    tuples) travel in recycled shared memory and are copied out as they arrive
+    (:mod:`loaders.dataloader_rawshm`), not pickled through a pipe. With ``device`` set, a pin thread or
+    persistent workers, one pass runs at a time:
     ``iter()`` stops the last pass's iterator first (its ``next()`` ends).
     """
 
@@ -107,6 +112,9 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._returns: SegmentReturns | None = SegmentReturns(
             os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2,
             register=dev is not None and dev.type == "cuda")
+        # workers' raw samples (bytes, numpy arrays) in recycled shared memory, copied out as they arrive
+        # (loaders.dataloader_rawshm); None: pickled through torch's pipe
+        self._raw: RawCopies | None = RawCopies(self._returns.mark, workers=0, batches=self._returns.batches)
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
@@ -149,10 +157,15 @@ class DataLoader(tud.DataLoader[_T_co]):
             self.generator.set_state(rng.generator_state)
         collate, pin = self.collate_fn, self.pin_memory
         inner = collate
-        if self._recycles(workers):
-            self._returns.workers = workers
-            inner = PooledCollate(collate, self._returns.mark, self._returns.batches,
-                                  self._returns.pass_counter())
+        tensors, raw = self._recycles(workers), self._packs(workers)
+        if tensors or raw:
+            returns = self._returns
+            if tensors:
+                returns.workers = workers
+            if raw:
+                self._raw.workers = workers
+            inner = PooledCollate(collate, returns.mark, returns.batches, returns.pass_counter(), tensors=tensors,
+                                  pack=pack_raw if raw else None)
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
         self.collate_fn = inner
@@ -187,6 +200,11 @@ class DataLoader(tud.DataLoader[_T_co]):
         """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader_shm):
         our own thread pins, so it knows when a batch is done with."""
         return self._returns is not None and workers > 0 and recycling_available() and self._pass_pins
+
+    def _packs(self, workers: int) -> bool:
+        """Whether this pass's workers send raw samples in recycled shared memory (loaders.dataloader_rawshm):
+        copied out as they arrive, so whoever consumes the batch."""
+        return self._raw is not None and self._returns is not None and workers > 0 and recycling_available()
 
     def _drop_persistent(self) -> None:
         if self._iterator is not None:
@@ -256,6 +274,8 @@ class DataLoader(tud.DataLoader[_T_co]):
             self._returns.next_pass()  # persistent workers free what the last pass left in flight
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
         stream = self._epoch_stream(p, first, p.batches)
+        if self._raw is not None:
+            stream = unpacked(stream, self._raw, keep=self.persistent_workers)
         if self.device is not None and self._prefetcher is None:
             self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
         if pins_here:
@@ -414,13 +434,16 @@ class DataLoader(tud.DataLoader[_T_co]):
         loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers),
         ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``), the
         segments the main process holds mapped (``segments``) and of those the ones registered for CUDA,
-        copied to the GPU in place (``registered``; ``device="cuda"``)."""
+        copied to the GPU in place (``registered``; ``device="cuda"``); once workers sent raw samples in shared
+        memory, ``raw_shared_memory``: those batches (``batches``) and the segments held mapped (``segments``)."""
         out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
                          prefetcher=self._prefetcher)
         if self._returns is not None and self._pass_pins:
             r = self._returns
             out["shared_memory"] = {"recycled": r.released, "segments": len(r.kept), "registered": len(r.registered)}
+        if self._raw is not None and self._raw.copied:
+            out["raw_shared_memory"] = {"batches": self._raw.copied, "segments": len(self._raw.kept)}
         return out
 
     def close(self) -> None:
@@ -433,6 +456,8 @@ class DataLoader(tud.DataLoader[_T_co]):
             self._prefetcher = None
         if self._returns is not None:  # the prefetch thread has stopped: the workers' segments go
             self._returns.clear()
+        if self._raw is not None:
+            self._raw.clear()
 
     def _close_active(self) -> None:
         """Stop the latest pass's iterator (its threads; its workers unless persistent), if still alive."""

@@ -158,14 +158,19 @@ class PooledCollate:
     writes straight into a segment; the result's other movable tensors are copied into segments. In
     the main process (no workers) it is the wrapped collate. ``mark``: the loader's 8 bytes;
     ``batches``: how many batches one worker may have in flight (torch's prefetch factor + 2), so the
-    pool's cap is that many times the tensors in a batch.
+    pool's cap is that many times the tensors in a batch. ``tensors=False``: tensors travel as torch
+    sends them. ``pack(batch, pool)``: applied to each collated batch first, with the pool (e.g.
+    :func:`loaders.dataloader_rawshm.pack_raw`, the raw leaves copied into a segment).
     """
 
-    def __init__(self, collate_fn: Callable, mark: bytes, batches: int, passes: torch.Tensor | None = None):
+    def __init__(self, collate_fn: Callable, mark: bytes, batches: int, passes: torch.Tensor | None = None, *,
+                 tensors: bool = True, pack: Callable | None = None):
         self.collate = collate_fn
         self.mark = mark
         self.batches = batches
         self.passes = passes  # the loader's pass counter, in shared memory (see SegmentPool.new_pass)
+        self.tensors = tensors
+        self.pack = pack
         self._pool: SegmentPool | None = None
         self._pid: int | None = None
         self._leaves = 1
@@ -181,7 +186,8 @@ class PooledCollate:
         return self._pool
 
     def __call__(self, samples):
-        if get_worker_info() is None or self._off:
+        tensors = self.tensors and not self._off
+        if get_worker_info() is None or not (tensors or self.pack):
             return self.collate(samples)
         pool = self.pool
         if self.passes is not None:
@@ -189,15 +195,19 @@ class PooledCollate:
         # torch's default_collate, called here or from inside a custom collate, stacks straight into
         # segments while this worker (one thread) collates
         saved = default_collate_fn_map[torch.Tensor]
-        default_collate_fn_map[torch.Tensor] = self._stack
+        if tensors:
+            default_collate_fn_map[torch.Tensor] = self._stack
         pool.settle()
         try:
             batch = self.collate(samples)
-            if _opaque(batch):  # a custom batch type may hold segments out of sight: none is freed, and
-                pool.abandon()  # this worker sends torch's fresh shared memory from now on
-                self._off = True
-                return batch
-            batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
+            if self.pack is not None:  # raw leaves (bytes, arrays) copied into a segment of their own
+                batch = self.pack(batch, pool)
+            if tensors:
+                if _opaque(batch):  # a custom batch type may hold segments out of sight: none is freed, and
+                    pool.abandon()  # this worker sends torch's fresh shared memory from now on
+                    self._off = True
+                    return batch
+                batch = _moved(batch, pool, _shared_storages(batch))  # the rest (a custom collate's, labels)
         except BaseException:  # no batch leaves: the segments it took are not lost to the pool
             pool.settle(sent=None)
             raise
@@ -251,32 +261,57 @@ def _shared_storages(batch) -> set[int]:
     return {ptr for ptr, n in seen.items() if n > 1}
 
 
-def _moved(batch, pool: SegmentPool, keep: set[int]):
-    """``batch`` with its movable tensors copied into segments of ``pool``; a container none of whose
-    leaves moved is returned as it is, others are rebuilt as torch's collate rebuilds them."""
-    if isinstance(batch, torch.Tensor):
-        if (not _movable(batch) or batch.untyped_storage().data_ptr() in keep
-                or _segment_header(batch, pool.mark) is not None):
-            return batch
-        out = pool.place(batch.dtype, batch.shape, _format(batch))
-        return batch if out is None else out.copy_(batch)
-    if isinstance(batch, Mapping):
-        items = {k: _moved(v, pool, keep) for k, v in batch.items()}
+def map_leaves(batch, leaf: Callable):
+    """``batch`` with ``leaf(x)`` in place of each leaf (anything but a dict, list or tuple); a container none
+    of whose leaves changed is returned as it is, others are rebuilt as torch's collate rebuilds them."""
+    kind = type(batch)
+    if kind is dict or kind is list:  # the common containers first: no abstract-class checks
+        plain = kind is dict
+    elif kind in _LEAVES:
+        return leaf(batch)
+    elif isinstance(batch, Mapping):
+        plain = True
+    elif isinstance(batch, (list, tuple)):
+        plain = False
+    else:
+        return leaf(batch)
+    if plain:
+        items = {k: map_leaves(v, leaf) for k, v in batch.items()}
         if all(items[k] is v for k, v in batch.items()):
             return batch
+        if kind is dict:
+            return items
         if isinstance(batch, MutableMapping):  # a copy keeps the type and its other attributes
             clone = copy.copy(batch)
             clone.update(items)
             return clone
         return _rebuilt(batch, items)
-    if isinstance(batch, (list, tuple)):
-        moved = [_moved(v, pool, keep) for v in batch]
-        if all(a is b for a, b in zip(moved, batch)):
-            return batch
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-            return type(batch)(*moved)
-        return moved if type(batch) is list else (tuple(moved) if type(batch) is tuple else _rebuilt(batch, moved))
-    return batch
+    moved = [map_leaves(v, leaf) for v in batch]
+    if all(a is b for a, b in zip(moved, batch)):
+        return batch
+    if kind is list:
+        return moved
+    if kind is tuple:
+        return tuple(moved)
+    if hasattr(batch, "_fields"):  # namedtuple
+        return kind(*moved)
+    return _rebuilt(batch, moved)
+
+
+_LEAVES = frozenset({bytes, str, int, float, bool, type(None), torch.Tensor, bytearray})
+
+
+def _moved(batch, pool: SegmentPool, keep: set[int]):
+    """``batch`` with its movable tensors copied into segments of ``pool`` (see :func:`map_leaves`)."""
+
+    def move(t):
+        if (not isinstance(t, torch.Tensor) or not _movable(t) or t.untyped_storage().data_ptr() in keep
+                or _segment_header(t, pool.mark) is not None):
+            return t
+        out = pool.place(t.dtype, t.shape, _format(t))
+        return t if out is None else out.copy_(t)
+
+    return map_leaves(batch, move)
 
 
 def _rebuilt(batch, moved):

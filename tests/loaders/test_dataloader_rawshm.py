@@ -1,0 +1,213 @@
+"""loaders.dataloader_rawshm: workers' raw samples (bytes, numpy arrays) travel in recycled shared memory and
+come out of the loader as ordinary objects, exact, whatever the consumer does with them."""
+import collections
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+import webdataset
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
+
+from datapipe import ShardStream
+from loaders import DataLoader
+from loaders.dataloader_rawshm import MIN_BYTES, MIN_LEAF, Packed, RawCopies, pack_raw
+from loaders.dataloader_shm import BUSY, FREE, HEADER, SegmentPool, recycling_available
+from tests.resume import assert_resumes_identically
+
+pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
+
+MARK = b"rawmark!"
+Pair = collections.namedtuple("Pair", "left right")
+SIZE = 12_000  # a sample's payload: 32 of them make a batch over MIN_BYTES
+
+
+def payload(i: int, size: int = SIZE) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(64)) * (size // 64) + bytes([i % 256]) * (i % 13)
+
+
+class Raw(IterableDataset):
+    """``n`` raw samples (bytes, a bytearray, numpy arrays, a nested dict and a tuple), dealt to the workers in
+    blocks of 32 (a batch): torch's round robin over the workers hands them out in order."""
+
+    def __init__(self, n=96, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(self.n):
+            if (i // 32) % workers != worker:
+                continue
+            if i == self.fail_at:
+                raise ValueError(f"sample {i} unreadable")
+            yield sample(i)
+
+
+def sample(i):
+    return {"__key__": f"{i:06d}", "jpg": payload(i), "cls": str(i % 10).encode(),
+            "meta": {"npy": np.arange(i, i + 600, dtype=np.int32).reshape(20, 30), "raw": bytearray(payload(i, 640))},
+            "pair": (payload(i + 1, 1024), i)}
+
+
+def as_list(samples):
+    return list(samples)
+
+
+def default_of_plain(samples):  # default_collate's dict of lists of bytes (and a stacked tensor)
+    return default_collate([{k: s[k] for k in ("__key__", "jpg", "cls", "meta")} for s in samples
+                            if not s["meta"].pop("raw", None) is None])
+
+
+def same(a, b) -> bool:
+    """Equal values of equal types, at any depth."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides and np.array_equal(a, b)
+    return a == b
+
+
+def segment_state(packed: Packed) -> int:
+    data = packed[1]
+    return int(torch.empty(0, dtype=torch.uint8).set_(data.untyped_storage(), 0, (HEADER,), (1,))[8])
+
+
+# ---- pack and copy out, in one process -------------------------------------------------------
+
+def test_every_packed_leaf_comes_out_equal_of_its_type_and_owned():
+    big = np.arange(4000, dtype=">f8").reshape(40, 100)
+    batch = {"list": [sample(i) for i in range(24)], "fortran": np.asfortranarray(big), "strided": big[:, ::2],
+             "pair": Pair(payload(1), [payload(2), "text"]), "tiny": b"x" * (MIN_LEAF - 1),
+             "objects": np.array([b"a" * 600, None], dtype=object),
+             "records": np.zeros(100, dtype=[("a", "<i8"), ("b", "<f8")])}
+    pool = SegmentPool(MARK, cap=2)
+    packed = pack_raw(batch, pool)
+    assert type(packed) is Packed and segment_state(packed) == BUSY
+    assert packed[3].count("b") == 24 + 24 + 2 and "f" in packed[3]  # jpg and pair bytes; one Fortran array
+    body = pickle.loads(pickle.dumps(packed[0]))
+    assert body["tiny"] == batch["tiny"] and body["objects"] is not None  # left in the pickle
+    copies = RawCopies(MARK, workers=1, batches=2)
+    out = copies.unpack(Packed((body, *packed[1:])))
+    expected = {**batch, "strided": np.ascontiguousarray(batch["strided"])}  # pickle's layout too
+    assert same({k: v for k, v in out.items() if k not in ("objects", "records")},
+                {k: v for k, v in expected.items() if k not in ("objects", "records")})
+    assert out["fortran"].flags.f_contiguous and out["fortran"].dtype == np.dtype(">f8")
+    assert type(out["pair"]) is Pair and type(out["list"][0]["meta"]["raw"]) is bytearray
+    assert segment_state(packed) == FREE and copies.copied == 1
+    packed[1].fill_(0)  # the segment written over (its worker's next batch): what was handed out stays
+    assert same(out["list"], [sample(i) for i in range(24)]) and out["list"][0]["meta"]["npy"].flags.writeable
+
+
+def test_a_small_batch_or_a_full_pool_leaves_the_batch_to_pickling():
+    pool = SegmentPool(MARK, cap=1)
+    small = [sample(0)]
+    assert pack_raw(small, pool) is small and pool.fresh == 0  # fewer than MIN_BYTES
+    batch = [sample(i) for i in range(32)]
+    first = pack_raw(batch, pool)
+    assert type(first) is Packed and first[1].numel() >= MIN_BYTES
+    assert pack_raw(batch, pool) is batch  # the one segment is busy: torch's way, no wait
+    RawCopies(MARK, workers=1, batches=1).unpack(first)
+    assert type(pack_raw(batch, pool)) is Packed and pool.fresh == 1  # given back: reused
+
+
+def test_copies_keep_a_bounded_set_and_leave_other_batches_alone():
+    copies = RawCopies(MARK, workers=1, batches=1)
+    assert copies.unpack([b"plain"]) == [b"plain"] and copies.copied == 0
+    pool = SegmentPool(MARK, cap=4)
+    for _ in range(4):
+        copies.unpack(pack_raw([sample(i) for i in range(32)], pool))
+    assert len(copies.kept) <= 2 and copies.copied == 4
+    copies.clear()
+    assert not copies.kept
+
+
+# ---- through loaders.DataLoader's workers ----------------------------------------------------
+
+@pytest.mark.parametrize("collate", [as_list, default_of_plain])
+def test_worker_batches_come_out_exact_and_travel_in_segments(collate):
+    reference = list(DataLoader(Raw(), batch_size=32, num_workers=0, collate_fn=collate))
+    dl = DataLoader(Raw(), batch_size=32, num_workers=2, collate_fn=collate)
+    got = list(dl)  # every batch held: a segment written again would show
+    time.sleep(0.1)
+    assert len(got) == len(reference) == 3 and all(same(a, b) for a, b in zip(got, reference))
+    assert dl.stats()["raw_shared_memory"]["batches"] == 3 and not dl._raw.kept  # the workers are gone: unmapped
+
+
+def test_a_slow_consumer_and_a_long_epoch_see_exact_values_in_reused_segments():
+    dl = DataLoader(Raw(32 * 12), batch_size=32, num_workers=1, collate_fn=as_list, prefetch_factor=2)
+    for b, batch in enumerate(dl):
+        time.sleep(0.01)  # the worker runs ahead into its other segments meanwhile
+        assert same(batch, [sample(i) for i in range(32 * b, 32 * (b + 1))]), b
+    assert dl.stats()["raw_shared_memory"]["batches"] == 12
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_over_epochs(context):
+    dl = DataLoader(Raw(), batch_size=32, num_workers=2, collate_fn=as_list, persistent_workers=True,
+                    multiprocessing_context=context)
+    reference = [[sample(i) for i in range(32 * b, 32 * (b + 1))] for b in range(3)]
+    for epoch in range(2):
+        got = list(dl)
+        assert len(got) == 3 and all(same(a, b) for a, b in zip(got, reference)), epoch
+    assert dl.stats()["raw_shared_memory"]["batches"] == 6 and dl._raw.kept  # kept mapped for the next pass
+    dl.close()
+    assert not dl._raw.kept
+
+
+def test_a_worker_error_reaches_the_consumer_and_the_loader_goes_on():
+    dl = DataLoader(Raw(fail_at=40), batch_size=32, num_workers=1, collate_fn=as_list)
+    it = iter(dl)
+    assert same(next(it), [sample(i) for i in range(32)])
+    with pytest.raises(ValueError, match="sample 40 unreadable"):
+        next(it)
+    assert same(list(DataLoader(Raw(), batch_size=32, num_workers=1, collate_fn=as_list))[2],
+                [sample(i) for i in range(64, 96)])
+
+
+def test_without_file_descriptor_sharing_batches_are_pickled(monkeypatch):
+    import loaders.dataloader as dataloader
+
+    monkeypatch.setattr(dataloader, "recycling_available", lambda: False)
+    dl = DataLoader(Raw(64), batch_size=32, num_workers=1, collate_fn=as_list)
+    assert same(list(dl), [[sample(i) for i in range(32 * b, 32 * (b + 1))] for b in range(2)])
+    assert "raw_shared_memory" not in dl.stats()
+
+
+def write_big_shards(directory, counts):
+    urls = []
+    for shard, n in enumerate(counts):
+        url = str(directory / f"shard-{shard:06d}.tar")
+        with webdataset.TarWriter(url) as w:
+            for i in range(n):
+                w.write({"__key__": f"s{shard}-{i:04d}", "bin": payload(shard * 100 + i), "cls": b"%d" % (i % 7)})
+        urls.append(url)
+    return urls
+
+
+def test_shardstream_batches_resume_exactly_on_the_raw_path(tmp_path):
+    urls = write_big_shards(tmp_path, [40, 24, 36])
+    seen = []
+
+    def make():
+        dl = DataLoader(ShardStream(urls, shuffle=True, shuffle_buffer=8, seed=2), batch_size=24, num_workers=2,
+                        collate_fn=as_list)
+        seen.append(dl)
+        return dl
+
+    def same_batch(a, b):
+        return [(s["__key__"], s["bin"]) for s in a] == [(s["__key__"], s["bin"]) for s in b]
+
+    full = assert_resumes_identically(make, steps=(1, 3), same=same_batch)
+    assert sorted(s["__key__"] for b in full for s in b) == sorted(f"s{k}-{i:04d}" for k, n in enumerate([40, 24, 36])
+                                                                  for i in range(n))
+    assert all(type(s["bin"]) is bytes and s["bin"] == payload(int(s["__key__"][1]) * 100 + int(s["__key__"][3:]))
+               for b in full for s in b)
+    assert seen[0].stats()["raw_shared_memory"]["batches"] >= 3
