@@ -53,10 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    from datapipe.extras import MissingExtra
+
     try:
         return int(import_module(COMMANDS[args.command][0]).run_command(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except MissingExtra as e:  # one line naming the extra to install
+        print(f"datapipe {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

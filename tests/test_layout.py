@@ -161,3 +161,102 @@ def test_import_changes_no_environment_variable_and_starts_no_thread():
     import json
 
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"changed": [], "started": []}
+
+
+# ---- packaging: three top-level packages, optional dependencies as extras --------------------------------------
+EXTRA_MODULES = ("nvidia.dali", "ray", "s3fs", "skimage", "transformers", "tokenizers", "pyarrow")
+BLOCK_EXTRAS = ("import sys\n"
+                "class _Block:\n"
+                "    def find_spec(self, name, path=None, target=None):\n"
+                f"        if any(name == m or name.startswith(m + '.') for m in {EXTRA_MODULES!r}):\n"
+                "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+                "sys.meta_path.insert(0, _Block())\n")
+
+
+def _installed_copy(tmp_path) -> pathlib.Path:
+    """``pip install --no-deps --no-build-isolation`` of a copy of the checkout (builds leave the checkout alone)
+    into a target folder; returns the folder."""
+    import shutil
+
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("datapipe", "loaders", "packing"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    target = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--no-index", "--target", str(target), str(src)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return target
+
+
+def test_pip_install_puts_only_three_packages_at_the_top_and_help_needs_no_extra(tmp_path):
+    target = _installed_copy(tmp_path)
+    top = sorted(p.name for p in target.iterdir() if not p.name.endswith((".dist-info", ".egg-info")) and p.name != "bin")
+    assert top == ["datapipe", "loaders", "packing"]
+    assert (target / "datapipe" / "jobs" / "shard" / "job.py").exists()
+    assert (target / "datapipe" / "tools" / "doctor" / "cli.py").exists()
+    from datapipe.cli import COMMANDS
+
+    code = BLOCK_EXTRAS + (
+        "import contextlib, io\nfrom datapipe.cli import main\n"
+        f"for argv in [['--help']] + [[c, '--help'] for c in {sorted(COMMANDS)!r}]:\n"
+        "    buf = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(buf):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            assert e.code == 0, (argv, e.code)\n"
+        "    assert 'usage: datapipe' in buf.getvalue(), argv\n"
+        "import datapipe\nassert datapipe.__file__.startswith(sys.argv[1]), datapipe.__file__\n"
+        f"print('loaded:', [m for m in {EXTRA_MODULES!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(target)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "loaded: []"
+
+
+def test_the_generator_is_an_extra_and_scikit_image_is_not_a_requirement():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    required = cfg["options"]["install_requires"]
+    extras = cfg["options.extras_require"]
+    assert "scikit-image" not in required and "scikit-image" in extras["synthetic"]
+    assert "scikit-image" in extras["test"]  # the tests make images with the generator
+    assert "synthetic" in (ROOT / "scripts" / "setup-venv.sh").read_text()  # the demo and test scripts install it
+
+
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
+    import pytest
+
+    from datapipe.extras import EXTRAS, MissingExtra, require
+
+    for module in ("nvidia.dali", "ray", "s3fs", "skimage", "transformers"):
+        monkeypatch.setitem(sys.modules, module, None)
+        with pytest.raises(MissingExtra) as info:
+            require(module, what="X")
+        assert str(info.value) == f"X needs the extra {EXTRAS[module]}: pip install 'datapipe[{EXTRAS[module]}]'"
+    from datapipe.storage.files import filesystem
+    from datapipe.tools.synthetic import iter_image_samples
+
+    with pytest.raises(MissingExtra, match=r"^s3:// URLs needs the extra s3: pip install 'datapipe\[s3\]'$"):
+        filesystem("s3://bucket/shards")
+    monkeypatch.setitem(sys.modules, "skimage.data", None)
+    with pytest.raises(MissingExtra, match=r"synthetic image generator .* pip install 'datapipe\[synthetic\]'$"):
+        next(iter_image_samples(1))
+    with pytest.raises(ValueError, match="not an optional dependency"):
+        require("numpy", what="X")
+
+
+def test_a_command_without_its_extra_says_which_to_install(tmp_path):
+    code = BLOCK_EXTRAS + "from datapipe.cli import main\nsys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "demo", "--data", str(tmp_path / "d"), "--images", "4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == ("datapipe demo: the synthetic image generator (datapipe demo, "
+                                                   "datapipe bench) needs the extra synthetic: "
+                                                   "pip install 'datapipe[synthetic]'")
+    assert "Traceback" not in out.stderr

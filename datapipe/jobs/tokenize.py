@@ -34,11 +34,9 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` JSON file; ``encode`` returns int32 ids (special tokens as the file says)."""
 
     def __init__(self, path: str):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise ValueError(f"loading {path!r} needs the 'tokenizers' package: pip install tokenizers "
-                             "(or use --tokenizer byte)") from e
+        from datapipe.extras import require
+
+        Tokenizer = require("tokenizers", what=f"--tokenizer {path} (or use --tokenizer byte)").Tokenizer
         import fsspec
 
         with fsspec.open(path, "r") as f:

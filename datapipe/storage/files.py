@@ -23,8 +23,14 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
 
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem that holds ``url`` and the path of ``url`` on it (``storage_options`` passed on)."""
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    """The fsspec filesystem that holds ``url`` and the path of ``url`` on it (``storage_options`` passed on).
+    A protocol whose extra is not installed (s3:// without s3fs) raises ``datapipe.extras.MissingExtra``."""
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as e:
+        from datapipe.extras import for_url
+
+        raise for_url(url, e) from e
 
 
 def write_json(url: str, obj, storage_options: dict | None = None, *, sort_keys: bool = False) -> None:
@@ -222,7 +228,7 @@ class RetryingFile:
         self.pos = 0
         self.retried = 0
         self._secrets = secrets_of(url, self.storage_options)
-        self._fs, self._path = fsspec.core.url_to_fs(url, **self.storage_options)
+        self._fs, self._path = filesystem(url, self.storage_options)
         self._f = None
         self.size: int | None = None
         self._call(self._open)

@@ -34,14 +34,20 @@ _GRAIN_TILE = 640
 _MAX_SOURCE_SIDE = 800
 
 
+def _skimage_data():
+    """``skimage.data`` (the photographs), or a one-line error naming the extra that installs it."""
+    from datapipe.extras import require
+
+    return require("skimage.data", what="the synthetic image generator (datapipe demo, datapipe bench)")
+
+
 @functools.lru_cache(maxsize=1)
 def _photos() -> tuple[np.ndarray, ...]:
     """The source photographs as HxWx3 uint8 arrays (grayscale ones replicated to RGB)."""
-    import skimage.data
-
+    skimage_data = _skimage_data()
     out = []
     for name, index in _COLOUR_PHOTOS + _GRAY_PHOTOS:
-        img = getattr(skimage.data, name)()
+        img = getattr(skimage_data, name)()
         if index is not None:
             img = img[index]
         img = np.asarray(img)
@@ -150,6 +156,7 @@ def render_image(
 
 
 def _check_args(num_images: int, num_classes: int, quality, size) -> None:
+    _skimage_data()  # before any work: a missing extra is said at once
     if num_images < 0:
         raise ValueError(f"num_images must be >= 0, got {num_images}")
     if num_classes < 1:

@@ -68,6 +68,9 @@ def build_image_pipeline(
     sample's ``"<tar path>:<data offset>:<member name>"`` (DALI's ``source_info`` property of the
     image read), zero-padded to one uint8 array per batch.
     """
+    from datapipe.extras import require
+
+    require("nvidia.dali", what="ImageLoader (DALI decoding)")
     from nvidia.dali import fn, types
     from nvidia.dali.pipeline import Pipeline
 

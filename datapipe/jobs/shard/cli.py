@@ -76,7 +76,7 @@ def run_command(args: argparse.Namespace) -> int:
     except UsageError as e:
         print(f"datapipe shard: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, DataError, OSError, LockedError) as e:
+    except (ValueError, DataError, OSError, LockedError, ImportError) as e:
         print(f"datapipe shard: failed: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # one line, no traceback (``datapipe -v`` shows it)

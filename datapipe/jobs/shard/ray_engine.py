@@ -31,11 +31,11 @@ def _ray_partition(row: dict, *, job_json: str) -> dict:
 
 def run_ray(job: dict, parts: list[dict], *, workers: int, progress: Callable[[int, int], None]) -> Iterator[dict]:
     """Run partitions as Ray Data tasks (at most ``workers`` at once); yield done markers as they finish."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ValueError("--engine ray needs Ray: pip install 'ray[data]' (the 'ray' extra)") from e
     from datapipe.errors import DataError
+    from datapipe.extras import require
+
+    ray = require("ray", what="datapipe shard --engine ray")
+    require("ray.data", what="datapipe shard --engine ray")
 
     if not parts:
         return

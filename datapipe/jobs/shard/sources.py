@@ -405,10 +405,9 @@ def _list_file_list(url: str, path_field: str, label_field: str, storage_options
 
 
 def _parquet_row_groups(url: str, storage_options) -> int:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ValueError("reading Parquet needs pyarrow: pip install pyarrow (or the 'ray' extra)") from e
+    from datapipe.extras import require
+
+    pq = require("pyarrow.parquet", what="reading Parquet")
     fs, path = filesystem(url, storage_options)
     with fs.open(path, "rb") as f:
         return pq.ParquetFile(f).metadata.num_row_groups
