@@ -9,6 +9,7 @@ WAIT_HIGH = 0.10  # above this share of wall time the input pipeline is a bottle
 WAIT_LOW = 0.02  # below it, input is not the bottleneck
 PADDING_HIGH = 0.20
 CEILING_LOW = 0.98  # below this share of the data-free ceiling the loader costs the step visibly
+WIDE_QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS advised for DALI's work beside training
 HYBRID_DECODE_CORES = 12  # ImageLoader(hw_decoder_load="auto") starts on the CUDA decoder from 12 cores (decoder_choice)
 
 
@@ -72,7 +73,8 @@ def inspect_batch(batch) -> dict[str, Any]:
 def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     """Advice from measurements ``m`` (the report's fields); each item states the number that triggered it.
 
-    Keys used: ``wait_fraction``, ``cores``, ``cuda``, ``ceiling_ratio``, ``loader`` (the loader
+    Keys used: ``wait_fraction``, ``cores``, ``cuda``, ``cuda_device_max_connections`` (the environment's
+    setting, None when unset), ``ceiling_ratio``, ``loader`` (the loader
     waited on most: ``type``, ``num_workers``, ``hw_decoder_load``), ``batch``
     (``batch_size``, ``host_tensors``, ``unpinned_host_tensors``, ``images_on_host``, ``jpeg_bytes``,
     ``padding_fraction``), ``rates`` (``capacity_batches_per_s``, ``consumption_batches_per_s``).
@@ -123,20 +125,29 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                              f"{wait:.1%} of the time: the loader slows the step itself (its kernels, and its CUDA calls "
                              f"beside the step's launches). With {cores} cores, try ImageLoader(hw_decoder_load=\"auto\"): "
                              "nvJPEG's CUDA decoder with the Huffman stage on the CPU instead of the hardware "
-                             "decoder while it keeps up, the hardware decoder once the loop waits (ResNet-50 on an "
-                             "H200: 0.978-0.981 of the ceiling vs 0.974 with the driver's 8 hardware queues; with "
-                             "32, level: 0.979 over 13 rows vs 0.978 over 30; bench/HISTORY.md, \"Where the rest goes\")",
+                             "decoder while it keeps up, the hardware decoder once the loop waits",
             ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
     kind = (m.get("loader") or {}).get("type") or ""
+    connections = m.get("cuda_device_max_connections")
+    slowed = ratio is not None and ratio < CEILING_LOW
+    if (cuda and kind.endswith(".ImageLoader") and (wait >= WAIT_LOW or slowed)
+            and not (isinstance(connections, int) and connections >= WIDE_QUEUES)):
+        why = f"waits for data {wait:.1%} of the time" if wait >= WAIT_LOW else \
+            f"runs at {ratio:.1%} of its data-free ceiling"
+        add("cuda_connections", f"the loop {why} while ImageLoader's GPU work (decode, augmentation) runs beside "
+                                f"the training step on CUDA's hardware work queues ({connections or 8}, the "
+                                f"default 8 unless set): set CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} in the "
+                                f"environment before CUDA starts, e.g. `CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} "
+                                "python train.py` (set inside the script it works only before torch first uses "
+                                "CUDA; datapipe does not set it for you)",
+            wait_fraction=wait, ceiling_ratio=ratio, cuda_device_max_connections=connections, loader=kind)
     if (cuda and wait > WAIT_HIGH and isinstance(workers, int) and workers > 0 and batch.get("host_tensors")
             and kind.startswith("torch.utils.data")):
         add("recycled_workers", f"the loop waited for data {wait:.0%} of the time on torch's DataLoader with "
                                 f"{workers} workers: each batch travels through new shared memory, which the main "
                                 "process maps, copies into pinned memory and unmaps again; loaders.DataLoader "
-                                "takes the same arguments and recycles that memory: with device='cuda' it copies "
-                                "to the GPU straight from it (worker-bound on an H200: 3.8x torch's batches per "
-                                "second), with pin_memory=True as now 2.0x (README \"Worker batches in recycled "
-                                "shared memory\")", wait_fraction=wait, num_workers=workers, loader=kind)
+                                "takes the same arguments and recycles that memory (with device='cuda' it copies "
+                                "to the GPU straight from it)", wait_fraction=wait, num_workers=workers, loader=kind)
     unpinned = batch.get("unpinned_host_tensors") or 0
     if cuda and unpinned:
         add("pin_memory", f"{unpinned} tensor(s) per batch arrive in pageable host memory while a CUDA device is "

@@ -96,8 +96,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="at the end, pull batches without a consumer to measure the input capacity")
     parser.add_argument("--probe-seconds", type=float, default=2.0)
     parser.add_argument("--ceiling-steps", type=int, default=0,
-                        help="after a few batches, replay the last one through the step N times: the data-free "
-                             "rate, reported as ceiling_ratio next to the wait fraction")
+                        help="after 5 batches, hand the 5th to the script N more times and time those steps: "
+                             "the data-free rate of the same step. This adds N training steps on a repeated batch "
+                             "to your run (optimizer steps, counters and sample counts include them; the report "
+                             "says so); reported as the loaded / data-free step-rate ratio")
     parser.add_argument("script", help="the training script (put -- before it)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
 

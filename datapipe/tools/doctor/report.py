@@ -42,6 +42,15 @@ def _cuda_available() -> bool:
         return False
 
 
+def _max_connections() -> int | None:
+    """The CUDA_DEVICE_MAX_CONNECTIONS the user's environment sets (a fact for the advice; None when unset)."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
 def _percentiles(values: list[float]) -> dict:
     return percentiles(values, scale=1e3, digits=3, mean=True)
 
@@ -134,6 +143,7 @@ class Doctor:
         self._replay_end_step: int | None = None
         self._replay_end = 0.0
         self._ceiling: dict | None = None
+        self._replayed_batches = 0  # extra batches handed to the user's loop by the replay
         self.report_path = report
         self.plot_path = plot
         self.probe_capacity = probe_capacity
@@ -188,6 +198,7 @@ class Doctor:
             self._replay_t0 = time.perf_counter()
         self._replay_left -= 1
         if self._replay_left > 0:
+            self._replayed_batches += 1
             return self._replay
         if self._sync():
             _torch().cuda.synchronize()
@@ -203,19 +214,30 @@ class Doctor:
         return None
 
     def _ceiling_report(self) -> dict:
-        """The data-free rate (the last batch replayed through the step) vs the loaded rate after it."""
+        """The data-free rate (the last batch replayed through the step) vs the loaded rate after it, and what
+        the replay did to the user's run."""
+        out: dict[str, Any] = {"ceiling_batches_per_s": None, "ceiling_ratio": None}
+        if self.ceiling_steps:
+            n, bs = self._replayed_batches, self._batch["batch_size"]
+            samples = f" ({n * bs} samples counted twice by the script)" if bs and n else ""
+            out["ceiling_replay"] = (
+                f"batch {self.ceiling_after} was handed to the training loop {n} more times: {n} extra training "
+                f"steps (optimizer steps, step counters, schedules) on a repeated batch{samples}; the doctor's "
+                "step counts and times leave them out")
+            out["ceiling_replayed_batches"] = n
         if self._ceiling is None:
             why = "not requested (ceiling_steps > 0)" if not self.ceiling_steps else \
                 f"not measured: the run ended before {self.ceiling_after} batches + {self.ceiling_steps} replayed steps"
-            return {"ceiling_batches_per_s": None, "ceiling_ratio": None, "ceiling": why}
+            return {**out, "ceiling": why}
         after = self._steps[self._replay_end_step:]
-        out = {"ceiling_batches_per_s": self._ceiling["batches_per_s"], "ceiling_steps": self.ceiling_steps}
+        out.update(ceiling_batches_per_s=self._ceiling["batches_per_s"], ceiling_steps=self.ceiling_steps)
         if len(after) < 3 or not out["ceiling_batches_per_s"]:
-            return {**out, "ceiling_ratio": None, "ceiling": "not measured: fewer than 3 loader steps after the replay"}
+            return {**out, "ceiling": "not measured: fewer than 3 loader steps after the replay"}
         wall = after[-1][0] - self._replay_end
         loaded = len(after) / wall if wall > 0 else None
         ratio = round(loaded / out["ceiling_batches_per_s"], 4) if loaded else None
         return {**out, "loaded_batches_per_s": round(loaded, 3) if loaded else None, "ceiling_ratio": ratio,
+                "ceiling_meaning": ceiling_meaning(ratio),
                 "ceiling": f"{self.ceiling_steps} steps replaying one cached batch after {self.ceiling_after} batches"}
 
     def _wait_start(self) -> None:
@@ -349,7 +371,7 @@ class Doctor:
             "compute_ms": _percentiles([s[2] for s in steps]),
             "rates": rates, "batch": batch, "loaders": [self._loader_summary(e) for e in self._loaders],
             "loader": self._loader_summary(max(self._loaders, key=lambda e: e["wait_s"])) if self._loaders else {},
-            "cores": usable_cores(), "cuda": cuda,
+            "cores": usable_cores(), "cuda": cuda, "cuda_device_max_connections": _max_connections(),
             "gpu": torch.cuda.get_device_name() if cuda else "none", "cuda_sync": self._sync(),
             "timeline": self._timeline(),
         }
@@ -422,6 +444,16 @@ def doctor(*, report: str | None = None, plot: str | None = None, **kwargs) -> D
     return Doctor(report=report, plot=plot, **kwargs)
 
 
+def ceiling_meaning(ratio: float | None) -> str:
+    """What a loaded / data-free step-rate ratio says, in words (a ratio above 1 is no speed-up)."""
+    if ratio is None:
+        return "not measured"
+    if ratio >= 1:
+        return ("the loaded steps ran no slower than the replayed ones: no cost of the loader is measurable "
+                "(a ratio above 1 is noise or the replay's own warm-up, not a speed-up)")
+    return f"the loaded steps ran {1 - ratio:.1%} slower than the same step fed one cached batch"
+
+
 def format_report(rep: dict) -> str:
     wall = rep["wall_s"]
     lines = [f"datapipe doctor: {rep['steps']} steps in {wall:.2f} s"
@@ -436,8 +468,13 @@ def format_report(rep: dict) -> str:
             lines.append(f"  {e['type'].rsplit('.', 1)[-1]:<12} {e['batches']:5d} batches  wait {e['wait_fraction']:6.1%}"
                          f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
     if rep.get("ceiling_ratio") is not None:
-        lines.append(f"  ceiling ratio {rep['ceiling_ratio']:.3f}: {rep['loaded_batches_per_s']:.2f} batches/s fed by the "
-                     f"loader vs {rep['ceiling_batches_per_s']:.2f} replaying one cached batch (data-free)")
+        lines.append(f"  loaded / data-free step rate {rep['ceiling_ratio']:.3f}: {rep['loaded_batches_per_s']:.2f} "
+                     f"batches/s fed by the loader vs {rep['ceiling_batches_per_s']:.2f} with one cached batch "
+                     f"replayed through the same step: {rep['ceiling_meaning']}")
+    elif rep.get("ceiling_replay"):
+        lines.append(f"  data-free ceiling {rep['ceiling']}")
+    if rep.get("ceiling_replay"):
+        lines.append(f"  note: the ceiling replay changed your run: {rep['ceiling_replay']}")
     r = rep["rates"]
     if r.get("capacity_batches_per_s"):
         lines.append(f"  input capacity {r['capacity_batches_per_s']:.1f} batches/s alone vs model consumption "

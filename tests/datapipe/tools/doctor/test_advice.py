@@ -83,3 +83,21 @@ def test_hybrid_decode_advice_when_the_loader_costs_the_step_without_waits():
     assert "hybrid_decode" not in _ids(m(auto=True))  # "auto" chose the hardware decoder itself (the loop waited)
     assert "hybrid_decode" not in _ids(m(cuda=False))
     assert "hybrid_decode" not in _ids({**m(), "ceiling_ratio": None})  # no ceiling measured
+
+
+def test_cuda_connections_advice_for_an_image_loader_waiting_on_gpu_work():
+    def m(wait=0.05, ratio=None, cuda=True, kind="loaders.images.loader.ImageLoader", connections=None):
+        out = {**_m(wait=wait, cores=16, cuda=cuda), "ceiling_ratio": ratio, "cuda_device_max_connections": connections}
+        out["loader"]["type"] = kind
+        return out
+
+    advice = next(a for a in advise(m()) if a["id"] == "cuda_connections")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in advice["advice"] and "before CUDA starts" in advice["advice"]
+    assert "datapipe does not set it" in advice["advice"]
+    assert advice["trigger"]["cuda_device_max_connections"] is None
+    assert "cuda_connections" in _ids(m(wait=0.005, ratio=0.95))  # no waits, but the step runs below its ceiling
+    assert "cuda_connections" not in _ids(m(wait=0.005, ratio=0.99))  # neither waits nor a slowed step
+    assert "cuda_connections" not in _ids(m(connections=32))  # already set
+    assert "cuda_connections" in _ids(m(connections=8))
+    assert "cuda_connections" not in _ids(m(kind="torch.utils.data.dataloader.DataLoader"))
+    assert "cuda_connections" not in _ids(m(cuda=False))

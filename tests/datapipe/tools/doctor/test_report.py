@@ -198,6 +198,12 @@ def test_ceiling_replays_one_cached_batch_through_the_step():
     assert [int(b[0]) for b in seen[:3] + seen[9:]] == list(range(10))  # every loader batch, in order
     assert rep["steps"] == 10  # the replay is not counted as the loader's steps
     assert rep["ceiling_steps"] == 6 and rep["ceiling_batches_per_s"] > 0
+    # the report says what the replay did to the run: 6 extra steps on a repeated batch
+    assert rep["ceiling_replayed_batches"] == 6
+    assert rep["ceiling_replay"].startswith("batch 3 was handed to the training loop 6 more times: 6 extra training "
+                                            "steps (optimizer steps")
+    text = doctor_report.format_report(rep)
+    assert "note: the ceiling replay changed your run: batch 3 was handed to the training loop 6 more times" in text
 
 
 def test_ceiling_ratio_of_a_slow_and_a_fast_loader():
@@ -210,7 +216,15 @@ def test_ceiling_ratio_of_a_slow_and_a_fast_loader():
 
     slow, fast = run(0.03), run(0.0)
     assert slow["ceiling_ratio"] < 0.6 < fast["ceiling_ratio"]
-    assert "ceiling ratio" in doctor_report.format_report(slow)
+    text = doctor_report.format_report(slow)
+    assert "loaded / data-free step rate" in text and "slower than the same step fed one cached batch" in text
+    assert "ceiling ratio" not in text
+
+
+def test_a_ratio_above_one_is_not_reported_as_a_speed_up():
+    assert "not a speed-up" in doctor_report.ceiling_meaning(1.088)
+    assert "no cost of the loader is measurable" in doctor_report.ceiling_meaning(1.0)
+    assert doctor_report.ceiling_meaning(0.95) == "the loaded steps ran 5.0% slower than the same step fed one cached batch"
 
 
 def test_ceiling_not_measured_is_said_and_bad_arguments_raise():
@@ -219,6 +233,7 @@ def test_ceiling_not_measured_is_said_and_bad_arguments_raise():
             pass
     rep = d.finish()
     assert rep["ceiling_ratio"] is None and "not measured" in rep["ceiling"]
+    assert rep["ceiling_replayed_batches"] == 0 and "0 more times" in rep["ceiling_replay"]
     assert Doctor(print_report=False).report()["ceiling"].startswith("not requested")
     with pytest.raises(ValueError, match="ceiling_steps"):
         Doctor(ceiling_steps=-1)
