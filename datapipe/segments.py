@@ -78,7 +78,8 @@ class SegmentReading:
             if tee is not None and not damaged:
                 tee.finish()
         except TarFormatError as e:
-            err = self._error(f"unreadable tar data at byte {e.offset}: {e}", url, e.key or cursor.last_key)
+            after = f" (after the whole sample {cursor.last_key!r})" if e.key is None and cursor.last_key else ""
+            err = self._error(f"unreadable tar data at byte {e.offset}: {e}{after}", url, e.key)
             err.__cause__ = e
             yield from self._lose(err, stop - cursor.expected)
             cursor.expected = stop

@@ -5,10 +5,38 @@
 from __future__ import annotations
 
 import io
+import lzma
 import mmap
 import os
+import zlib
 
 MAX_READ = 32 << 20  # largest single read request: a bogus huge size must not allocate its size up front
+# what a damaged compressed stream raises (gzip: BadGzipFile, an OSError; EOFError when cut; bz2: OSError)
+_STREAM_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
+
+
+class TarFormatError(Exception):
+    """A tar header or member that cannot be parsed. ``offset`` is the byte offset of the problem.
+
+    ``intact``: the header itself is sound (its name can be trusted); only its member is refused.
+    """
+
+    intact = False
+
+    def __init__(self, message: str, offset: int, key: str | None = None, name: str | None = None):
+        super().__init__(message)
+        self.offset = offset
+        self.key = key
+        self.name = name  # the member name the damaged header seems to hold, when it is legible
+
+
+class TarTruncated(TarFormatError):
+    """The shard ends before its end-of-archive blocks: nothing after ``offset`` can be read.
+
+    ``complete`` is True when it ends inside the end-of-archive blocks (every member before is whole).
+    """
+
+    complete = False
 
 
 class BlockReader:
@@ -36,7 +64,7 @@ class BlockReader:
         parts = [self.buf[self.pos:]] if have else []
         want = max(n - have, self.block_size)
         while have < n:
-            chunk = self.f.read(want)
+            chunk = self._read_raw(want)
             if not chunk:
                 break
             parts.append(chunk)
@@ -45,6 +73,27 @@ class BlockReader:
         self.buf = b"".join(parts) if len(parts) != 1 else parts[0]
         self.pos = 0
         return have >= n
+
+    def _read_raw(self, n: int) -> bytes:
+        """``f.read(n)``; a damaged stream (bad gzip CRC, a cut compressed stream) is ``TarTruncated``."""
+        try:
+            return self.f.read(n)
+        except _STREAM_ERRORS as e:
+            raise TarTruncated(f"the stream breaks off after byte {self.offset + len(self.buf) - self.pos} "
+                               f"({type(e).__name__}: {e})", self.offset) from e
+
+    def drain(self) -> None:
+        """At the end of the archive, read what a stream source has left (a compressed stream checks its
+        CRC there); a failure is ``TarTruncated`` with ``complete`` set: every member before it was whole."""
+        if self.seekable:
+            return
+        self.buf, self.pos = b"", 0
+        try:
+            while self._read_raw(self.block_size):
+                pass
+        except TarTruncated as e:
+            e.complete = True
+            raise
 
     def peek(self, n: int) -> bytes | None:
         """The next ``n`` bytes without consuming them, or None near the end."""
@@ -58,7 +107,7 @@ class BlockReader:
         if n - have > self.block_size // 4:
             # a large member: read its remainder straight into the result, skipping the block buffer
             head = self.buf[self.pos:] if have else b""
-            rest = _read_exactly(self.f, n - have)
+            rest = _read_exactly(self._read_raw, n - have)
             self.buf, self.pos = b"", 0
             data = head + rest if head else rest
             self.offset += len(data)
@@ -97,7 +146,7 @@ class BlockReader:
             self.offset += rest
             return True
         while rest > 0:
-            chunk = self.f.read(min(rest, self.block_size))
+            chunk = self._read_raw(min(rest, self.block_size))
             if not chunk:
                 return False
             rest -= len(chunk)
@@ -105,15 +154,15 @@ class BlockReader:
         return True
 
 
-def _read_exactly(f, n: int) -> bytes:
-    """Up to ``n`` bytes (fewer at the end), in requests of at most ``MAX_READ`` bytes each."""
-    data = f.read(min(n, MAX_READ))
+def _read_exactly(read, n: int) -> bytes:
+    """Up to ``n`` bytes (fewer at the end) from ``read``, in requests of at most ``MAX_READ`` bytes each."""
+    data = read(min(n, MAX_READ))
     if len(data) == n or not data:
         return data
     parts = [data]
     got = len(data)
     while got < n:
-        chunk = f.read(min(n - got, MAX_READ))
+        chunk = read(min(n - got, MAX_READ))
         if not chunk:
             break
         parts.append(chunk)

@@ -8,22 +8,12 @@ import re
 import zlib
 from typing import Callable
 
-from datapipe.tar.blocks import MmapReader
+from datapipe.tar.blocks import MmapReader, TarFormatError, TarTruncated
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _SKIP_META = re.compile(r"__[^/]*__($|/)")
-
-
-class TarFormatError(Exception):
-    """A tar header or member that cannot be parsed. ``offset`` is the byte offset of the problem."""
-
-    def __init__(self, message: str, offset: int, key: str | None = None, name: str | None = None):
-        super().__init__(message)
-        self.offset = offset
-        self.key = key
-        self.name = name  # the member name the damaged header seems to hold, when it is legible
 
 
 def split_key(name: str) -> tuple[str | None, str | None]:
@@ -117,6 +107,40 @@ def _pax_records(data: bytes) -> dict[str, str]:
 
 
 _REGULAR = (b"0", b"\0", b"7")
+_GNU_SPARSE = b"S"
+
+
+def _skip_sparse(reader, header: bytes, name: str, size: int, header_offset: int) -> TarFormatError:
+    """Step over a sparse member (GNU, old GNU or pax) and return the error that refuses it."""
+    key = split_key(name)[0]
+    if header[156:157] == _GNU_SPARSE and header[482]:  # GNU: the sparse map goes on in extension blocks
+        while True:
+            block = reader.read(BLOCK)
+            if block is None:
+                raise TarTruncated(f"tar stream ends inside the sparse map of member {name!r}", header_offset, key)
+            if not block[504]:
+                break
+    if not reader.skip(padded(size)):
+        raise TarTruncated(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
+    err = TarFormatError(f"sparse tar members are not supported (member {name!r})", header_offset, key=key,
+                         name=name)
+    err.intact = True
+    return err
+
+
+_LOOKS = ((b"\xff\xd8\xff", "a JPEG image"), (b"\x89PNG", "a PNG image"), (b"PK\x03\x04", "a zip archive"),
+          (b"%PDF", "a PDF document"), (b"RIFF", "a RIFF file (WebP, WAV, AVI)"), (b"GIF8", "a GIF image"))
+
+
+def _looks_like(head: bytes) -> str:
+    """What a file whose first block is no tar header seems to be, in words."""
+    for magic, what in _LOOKS:
+        if head.startswith(magic):
+            return f"it starts like {what}"
+    text = head.rstrip(b"\0")
+    if text and all(32 <= c < 127 or c in b"\t\r\n" for c in text[:256]):
+        return "it starts like a text file"
+    return "its first 512 bytes are not a tar header"
 
 
 def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatError], None] | None = None
@@ -142,21 +166,29 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
             return None  # end of archive
         err = None
         if not _checksum_ok(header):
+            if header_offset == 0 and header[257:262] != b"ustar":
+                raise TarTruncated(f"not a tar file: {_looks_like(header)}", 0)
             err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
         else:
             try:
                 size = _octal(header[124:136])
                 typeflag = header[156:157]
-                if typeflag in _REGULAR:
+                if typeflag in _REGULAR or typeflag == _GNU_SPARSE:
                     if pax is not None:
                         name = pax.get("path") or long_name or _name(header)
                         if "size" in pax:
                             size = int(pax["size"]) if pax["size"].isdigit() else _bad_number(pax["size"])
                     else:
                         name = long_name or _name(header)
+                    sparse = typeflag == _GNU_SPARSE or (pax is not None and any(k.startswith("GNU.sparse.")
+                                                                                  for k in pax))
+                    if sparse and pax is not None:
+                        name = pax.get("GNU.sparse.name") or name  # pax 1.0 keeps the real name here
                     if limit is not None and header_offset + BLOCK + size > limit:
                         err = TarFormatError(f"tar member of {size} bytes runs past the end of the file "
                                              f"({limit} bytes)", header_offset, name=name)
+                    elif sparse:
+                        err = _skip_sparse(reader, header, name, size, header_offset)
                     else:
                         return name, size, header_offset
                 elif typeflag in (b"L", b"x", b"K", b"g"):
@@ -183,15 +215,6 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
         long_name = pax = None
         if not _resync(reader):
             return None
-
-
-class TarTruncated(TarFormatError):
-    """The shard ends before its end-of-archive blocks: nothing after ``offset`` can be read.
-
-    ``complete`` is True when it ends inside the end-of-archive blocks (every member before is whole).
-    """
-
-    complete = False
 
 
 _LFS_POINTER = b"version https://git-lfs"
@@ -228,6 +251,9 @@ def _check_end(reader) -> None:
                            "end-of-archive blocks (truncated)", offset)
         err.complete = True
         raise err
+    drain = getattr(reader, "drain", None)
+    if drain is not None:
+        drain()
 
 
 def padded(size: int) -> int:

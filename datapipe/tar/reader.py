@@ -45,7 +45,8 @@ def _damage_owner(err: TarFormatError, next_name: str | None, key_now: str | Non
         if key_now is not None and next_key == key_now:
             return key_now, False  # it belonged to the next member of the sample in progress
         return None, True  # it belonged to the next sample's first member
-    if guess is not None and guess != key_now and next_key is not None and guess != next_key and multi is not False:
+    if (guess is not None and guess != key_now and next_key is not None and guess != next_key and multi is not False
+            and not err.intact):
         # a legible name that matches neither neighbour, in a shard of multi-member samples:
         # the name itself is what got damaged
         return None, False
@@ -140,7 +141,12 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
     parsing goes on at the next valid header; without it, ``TarFormatError`` propagates.
     ``zero_copy`` makes values memoryviews into the mapped file, where the reader allows it.
     """
-    g = _Grouping(url, start, stop)
+    return _walk(reader, _Grouping(url, start, stop), resync=resync, zero_copy=zero_copy)
+
+
+def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[SampleEvent]:
+    """``iter_samples`` over the grouping ``g`` (which the caller may read afterwards)."""
+    stop = g.stop
     errors: list[TarFormatError] = []
     read_data = reader.read_view if zero_copy and hasattr(reader, "read_view") else reader.read
     key_ext = _KEY_EXT.match
@@ -209,27 +215,21 @@ def count_samples(reader) -> int:
 
 
 def count_until_damage(reader) -> tuple[int, TarFormatError | None]:
-    """``(complete samples before the first damage, the damage or None)``, walking headers only.
+    """``(sample positions, the damage that ends the shard early, or None)``, walking headers only.
 
-    A sample counts as complete once the header of the next sample (or the end-of-archive block)
-    has been read whole: the same rule by which ``iter_samples`` hands a sample out.
+    A damaged header is resynchronised past as a ``skip`` read does (GNU tar's way), and the sample it
+    hit keeps its position (the read reports it), so the count matches what a read walks. A shard
+    cut short counts the complete samples before the cut: a sample is complete once the header of
+    the next sample (or the end-of-archive block) has been read whole. A shard cut inside its
+    end-of-archive blocks has every sample whole: it counts them all, with no damage (the read
+    reports the cut once).
     """
-    n, last = 0, None
+    g = _Grouping("", 1 << 62, None)
     try:
-        while True:
-            m = next_member(reader)
-            if m is None:
-                return n, None
-            name, size, header_offset = m
-            key = None if is_meta(name) else split_key(name)[0]
-            if key is not None and key != last:
-                n += 1
-                last = key
-            _skip_member(reader, name, size, header_offset, key)
+        for _ in _walk(reader, g, resync=True, zero_copy=False):
+            pass
     except TarFormatError as e:
         if getattr(e, "complete", False):
-            return n, e
-        guess = split_key(e.name)[0] if e.name and "@" not in e.name else None
-        if guess is not None and guess != last:  # a legible header of the next sample: the one before is whole
-            return n, e
-        return max(n - 1, 0), e
+            return g.ordinal + 1, None
+        return max(g.ordinal, 0), e
+    return g.ordinal + 1, None

@@ -7,12 +7,16 @@ A sample is complete before a cut once the header of the member after it (the ne
 member, extension headers included) or the first end-of-archive block lies wholly before the cut:
 only then can any reader tell that no further member of it follows.
 """
+import bz2
+import gzip
 import io
+import lzma
 import os
 import random
 import shutil
 import subprocess
 import tarfile
+import tempfile
 
 import pytest
 import webdataset
@@ -211,7 +215,8 @@ def test_damage_counted_without_manifest_is_cached_and_still_reported(tmp_path):
     for _ in range(2):  # counted, then from the cache: the same samples and the same report
         stream = ShardStream(urls, on_error="skip")
         assert [s["__key__"] for s in stream] == complete_before(cut, ref) + WHOLE
-        assert any("damaged at byte" in e for e in stream.stats()["last_errors"])
+        stats = stream.stats()
+        assert stats["errors"] == 1 and any("byte" in e for e in stats["last_errors"]), stats
     assert os.path.exists(os.path.join(directory, ".datapipe-counts.json"))
 
 
@@ -232,3 +237,146 @@ def test_ddp_ranks_stay_equal_when_a_shard_is_shorter_than_its_manifest(tmp_path
     assert len(set(lengths)) == 1
     assert delivered == set(ref[0][:2] + WHOLE)
     assert padded >= len(ref[0]) - 2  # the lost samples were replaced by counted repeats
+
+
+# ---- formats and damage a reader must not pass over in silence ------------------------------------
+
+def _one_member_samples(names_and_data, directory, *, manifest_count=None, name="shard-000000.tar"):
+    os.makedirs(directory, exist_ok=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in names_and_data:
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        f.write(buf.getvalue())
+    if manifest_count is not None:
+        write_manifest(str(directory), make_manifest([{"name": name, "count": manifest_count,
+                                                       "bytes": len(buf.getvalue()), "sha256": ""}]))
+    return path, buf.getvalue()
+
+
+SPARSE_FORMATS = ["gnu", "oldgnu", "posix --sparse-version=1.0", "posix --sparse-version=0.1",
+                  "posix --sparse-version=0.0"]
+
+
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS)
+def test_sparse_members_are_refused_by_name_and_counted(tmp_path, fmt):
+    if shutil.which("tar") is None:
+        pytest.skip("GNU tar is not on PATH")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k000.bin").write_bytes(b"zero")
+    with open(src / "k001.bin", "wb") as f:  # seven islands of data: the GNU sparse map needs an extension block
+        for i in range(7):
+            f.seek(i << 20)
+            f.write(b"island %d" % i)
+    (src / "k002.bin").write_bytes(b"two")
+    out = tmp_path / "d" / "shard-000000.tar"
+    out.parent.mkdir()
+    subprocess.run(["tar", *f"--format={fmt}".split(), "-S", "-cf", str(out), "-C", str(src),
+                    "k000.bin", "k001.bin", "k002.bin"], check=True)
+    if not any(m.issparse() for m in tarfile.open(out)):
+        pytest.skip("this file system keeps no holes: tar wrote no sparse member")
+    with pytest.raises(DataError, match=r"sparse tar members are not supported \(member 'k001\.bin'\)") as info:
+        list(ShardStream(str(out)))
+    assert "shard-000000.tar" in str(info.value)
+    stream = ShardStream(str(out), on_error="skip")
+    keys = [s["__key__"] for s in stream]
+    assert keys == ["k000", "k002"]
+    assert stream.stats()["skipped"] == 1 and stream.stats()["errors"] == 1
+    assert "sparse" in stream.stats()["last_errors"][0]
+
+
+def test_damaged_header_mid_shard_resyncs_to_the_next_header(tmp_path):
+    members = [(f"k{i:03d}.{ext}", b"1" if ext == "cls" else bytes([i]) * 700) for i in range(6) for ext in ("cls", "bin")]
+    for with_manifest in (False, True):
+        directory = tmp_path / f"m{with_manifest}"
+        path, data = _one_member_samples(members, directory, manifest_count=6 if with_manifest else None)
+        offset = next(m.offset for m in tarfile.open(path) if m.name == "k002.cls")
+        damaged = bytearray(data)
+        damaged[offset + 148] ^= 0x11  # the checksum field
+        open(path, "wb").write(bytes(damaged))
+        with pytest.raises(DataError, match="checksum"):
+            list(ShardStream(path))
+        stream = ShardStream(path, on_error="skip")
+        assert [s["__key__"] for s in stream] == ["k000", "k001", "k003", "k004", "k005"]
+        stats = stream.stats()
+        assert (stats["errors"], stats["skipped"]) == (1, 1), stats
+        assert "k002" in stats["last_errors"][0]
+
+
+def test_a_missing_end_of_archive_block_is_one_error_that_blames_no_whole_sample(tmp_path):
+    members = [(f"k{i:03d}.cls", b"1") for i in range(4)]
+    for with_manifest in (False, True):
+        directory = tmp_path / f"m{with_manifest}"
+        path, data = _one_member_samples(members, directory, manifest_count=4 if with_manifest else None)
+        end = len(data.rstrip(b"\0"))
+        end = -(-end // 512) * 512
+        open(path, "wb").write(data[:end + 512])  # one end-of-archive block of two
+        with pytest.raises(DataError, match="end-of-archive"):
+            list(ShardStream(path))
+        stream = ShardStream(path, on_error="skip")
+        assert [s["__key__"] for s in stream] == ["k000", "k001", "k002", "k003"]
+        stats = stream.stats()
+        assert (stats["errors"], stats["skipped"]) == (1, 0), stats
+        assert "key 'k003'" not in stats["last_errors"][0]
+
+
+def test_a_jpeg_named_tar_is_not_a_tar_file(tmp_path):
+    path = tmp_path / "shard-000000.tar"
+    path.write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(range(256)) * 8)
+    with pytest.raises(DataError, match="not a tar file: it starts like a JPEG image"):
+        list(ShardStream(str(path)))
+
+
+def _tar_bytes(n):
+    return _one_member_samples([(f"k{i:03d}.bin", os.urandom(3000)) for i in range(n)],
+                               tempfile.mkdtemp())[1]
+
+
+@pytest.mark.parametrize("name,compress", [
+    ("shard-000000.tar", gzip.compress), ("shard-000000.tar.bz2", bz2.compress), ("shard-000000.tar.xz", lzma.compress),
+    ("shard-000000.tgz", lambda b: b), ("shard-000000", gzip.compress)])
+def test_compression_is_told_by_content_not_name(tmp_path, name, compress):
+    (tmp_path / name).write_bytes(compress(_tar_bytes(5)))
+    assert [s["__key__"] for s in ShardStream(str(tmp_path / name))] == [f"k{i:03d}" for i in range(5)]
+
+
+def test_zstd_shards_are_refused_in_so_many_words(tmp_path):
+    (tmp_path / "shard-000000.tar.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(600))
+    with pytest.raises(DataError, match="zstd-compressed shards are not supported"):
+        list(ShardStream(str(tmp_path / "shard-000000.tar.zst"), counts=[1]))
+
+
+def _gzip_cases(data):
+    packed = gzip.compress(data, compresslevel=1)
+    bad_crc = bytearray(packed)
+    bad_crc[-8] ^= 0xFF  # the CRC32 of the trailer
+    return {"truncated": packed[: len(packed) * 2 // 3], "bad-crc": bytes(bad_crc)}
+
+
+@pytest.mark.parametrize("case", ["truncated", "bad-crc"])
+@pytest.mark.parametrize("with_manifest", [False, True], ids=["no-manifest", "manifest"])
+def test_damaged_gzip_is_a_data_error_and_skip_keeps_what_came_before(tmp_path, case, with_manifest):
+    n = 60
+    data = _tar_bytes(n)
+    path = tmp_path / "shard-000000.tar.gz"
+    path.write_bytes(_gzip_cases(data)[case])
+    if with_manifest:
+        write_manifest(str(tmp_path), make_manifest([{"name": path.name, "count": n, "bytes": 0, "sha256": ""}]))
+    with pytest.raises(DataError, match=r"EOFError|BadGzipFile|CRC") as info:
+        list(ShardStream(str(path)))
+    assert "shard-000000.tar.gz" in str(info.value)
+    for on_error in ("skip", "warn"):
+        stream = ShardStream(str(path), on_error=on_error)
+        keys = [s["__key__"] for s in stream]
+        assert keys == [f"k{i:03d}" for i in range(len(keys))]
+        if case == "truncated":
+            assert 10 < len(keys) < n
+        stats = stream.stats()
+        assert stats["errors"] >= 1
+        if with_manifest:
+            assert stats["skipped"] == n - len(keys)
