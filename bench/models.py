@@ -1,17 +1,21 @@
-"""The small transformer the benchmark scripts train: one pre-LN ``Block``, attention given per call.
+"""The models the benchmark scripts train, as training steps, and the small transformer ``Block``.
 
-``Block(d, heads)``: ``x + proj(attn(q, k, v))`` then ``x + mlp(ln2(x))``, with ``q, k, v`` of shape
-``[B, L, heads, d // heads]`` (RoPE applied first when ``pos`` is given). ``sdpa(mask=, causal=)``
-makes the usual attention callable. ``PackedLM`` is the causal LM of bench/scaling.py and
-bench/ceiling.py (learned positions, sdpa with the packed block mask); bench/packing.py builds its
-RoPE model from the same ``Block``.
+``ImageStep``: ResNet-50 (random init), SGD, bf16 autocast, channels_last; a uint8 batch (NCHW or
+NHWC) is normalised in the step. ``LlamaStep``: a Hugging Face Llama (~162M parameters, random
+init) fed packed token batches. ``TokenStep``: the small causal LM ``PackedLM``. ``Block(d, heads)``:
+``x + proj(attn(q, k, v))`` then ``x + mlp(ln2(x))``, with ``q, k, v`` of shape
+``[B, L, heads, d // heads]`` (RoPE applied first when ``pos`` is given); ``sdpa(mask=, causal=)``
+makes the usual attention callable.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["Block", "PackedLM", "rope", "sdpa"]
+__all__ = ["Block", "ImageStep", "LlamaStep", "PackedLM", "TokenStep", "rope", "sdpa"]
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -67,3 +71,89 @@ class PackedLM(nn.Module):
         for block in self.blocks:
             x = block(x, attn)
         return self.head(x)
+
+
+class ImageStep:
+    """One SGD step of ``arch`` (torchvision, random init; a tiny CNN without torchvision), bf16 autocast on
+    CUDA, channels_last. ``compile``: the model under ``torch.compile``. ``(images, labels)`` in: float
+    NCHW images as they are, uint8 NCHW or NHWC normalised here with the ImageNet mean/std."""
+
+    def __init__(self, device: torch.device, arch: str = "resnet50", num_classes: int = 1000, compile: bool = False):
+        try:
+            import torchvision
+
+            model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+        except ImportError:
+            model = nn.Sequential(nn.Conv2d(3, 16, 3, stride=4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(16, num_classes))
+        self.device = device
+        self.model = model.to(device, memory_format=torch.channels_last)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.forward = torch.compile(self.model) if compile else self.model
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.mean = torch.tensor([m * 255 for m in MEAN], device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor([s * 255 for s in STD], device=device).view(1, 3, 1, 1)
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, batch) -> None:
+        x, y = batch
+        if x.dtype == torch.uint8:
+            if x.shape[-1] == 3:  # NHWC: a channels_last NCHW view
+                x = x.permute(0, 3, 1, 2)
+            x = (x.float() - self.mean) / self.std
+        x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
+            loss = self.loss_fn(self.forward(x), y.long())
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+
+class TokenStep:
+    """The small causal LM ``PackedLM`` (d 512, 6 layers, sdpa with the packed block mask), AdamW."""
+
+    def __init__(self, device: torch.device, seq_len: int, small: bool = False):
+        d, heads, layers, vocab = (64, 4, 1, 32000) if small else (512, 8, 6, 32000)
+        self.device = device
+        self.model = PackedLM(vocab=vocab, d=d, heads=heads, layers=layers, seq_len=seq_len).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def __call__(self, batch) -> None:
+        from packing.batch import attention_mask_for_sdpa
+
+        mask = attention_mask_for_sdpa(batch["document_ids"])
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            logits = self.model(batch["input_ids"].long(), batch["position_ids"].long(), mask)
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                               batch["labels"][:, 1:].flatten().long(), ignore_index=-100)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+
+class LlamaStep:
+    """A Hugging Face Llama (random init from a LlamaConfig, ~162M parameters; ``small``: a tiny one), bf16
+    weights on CUDA, sdpa, AdamW. The packed batch goes in through ``packing.batch.hf_inputs`` (input_ids,
+    position_ids, labels, no attention mask: transformers masks between packed documents by position ids)."""
+
+    def __init__(self, device: torch.device, seq_len: int, small: bool = False):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4) if small else
+                dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12))
+        config = LlamaConfig(vocab_size=32000, max_position_embeddings=seq_len, tie_word_embeddings=False,
+                             attn_implementation="sdpa", **size)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+        self.model.train()
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def __call__(self, batch) -> None:
+        from packing.batch import hf_inputs
+
+        inputs = {k: v.long() if torch.is_tensor(v) else v for k, v in hf_inputs(batch).items()}
+        loss = self.model(**inputs).loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()

@@ -1,80 +1,57 @@
-"""bench/ceiling.py's row names: which variant a row runs and which settings its suffixes change."""
+"""bench/ceiling.py: the CPU smoke run writes rows for every loader and loop style; the profile's arithmetic."""
+import json
+
 import pytest
 
-from bench.ceiling import dali_pipeline_row, row_base, row_options, row_pace, row_ready, row_suffixes, variant_of
+from bench import ceiling
 
 
-def test_suffixes_combine_and_strip_to_the_variant():
-    assert row_suffixes("imageloader_legacy_syncexec_pace08") == ["_pace08", "_syncexec", "_legacy"]
-    assert row_base("imageloader2_legacy_syncexec_pace08") == "imageloader2"
-    assert variant_of("imageloader2_syncexec", {"imageloader": None}) == "imageloader"
-    assert variant_of("il_nothing_syncexec", {"imageloader": None}) is None
-
-
-def test_pace_suffixes_are_told_apart():
-    assert row_pace("imageloader_pace08") == 0.8
-    assert row_pace("imageloader_pace085") == 0.85
-    assert row_pace("imageloader_unpaced") == 0.0
-    assert row_pace("imageloader_syncexec") is None  # the library's default
-
-
-def test_ready_suffixes_set_the_handoff_and_strip_to_the_variant():
-    assert row_ready("imageloader2_hostready") == "host"
-    assert row_ready("il_hw0_eventready_pace08") == "event"
-    assert row_ready("imageloader3_checkedready") == "checked"
-    assert row_ready("imageloader") is None
-    assert variant_of("imageloader2_hostready", {"imageloader": None}) == "imageloader"
-    assert row_options("imageloader2_checkedready_unpaced") == {"pace": None, "ready": "checked"}
-    assert row_options("tokens_pace07") == {"pace": 0.7} and row_options("imageloader2") == {}
-
-
-def test_a_rows_suffixes_reach_its_loaders_options(monkeypatch):
-    import types
-
-    import loaders
-    from bench import ceiling
-
-    made = []
-    monkeypatch.setattr(loaders, "ImageLoader", lambda urls, **kw: made.append(kw))
-    args = types.SimpleNamespace(batch_size=2, image_size=16, device="cpu")
-    monkeypatch.setattr(ceiling, "ROW_OPTIONS", {"pace": None, "ready": "host"})  # as loaded() sets a row's
-    ceiling.image_loader(["a.tar"], args, hw_decoder_load=0.0)
-    assert made[-1] == dict(batch_size=2, image_size=16, device="cpu", pace=None, ready="host", hw_decoder_load=0.0)
-    assert ceiling.row_option("pace") == {"pace": None}
-    monkeypatch.setattr(ceiling, "ROW_OPTIONS", {})  # a row without such suffixes: the library's defaults
-    ceiling.image_loader(["a.tar"], args)
-    assert made[-1] == dict(batch_size=2, image_size=16, device="cpu") and ceiling.row_option("pace") == {}
-
-
-def _built(name: str):
-    from loaders.images.dali_pipeline import build_image_pipeline
-
-    with dali_pipeline_row(name):
-        return build_image_pipeline(batch_size=2, image_size=16, train=True, device="cpu", device_id=None,
-                                    num_threads=1)
-
-
-def test_syncexec_rows_build_a_synchronous_pipeline_and_others_keep_the_builders():
+@pytest.mark.slow
+def test_quick_cpu_run_writes_a_row_per_loader_and_loop(tmp_path):
     pytest.importorskip("nvidia.dali")
-    default = _built("imageloader")
-    assert default.exec_async and default.exec_pipelined
-    sync = _built("imageloader2_syncexec")
-    assert not sync.exec_async and not sync.exec_pipelined
-    legacy_sync = _built("imageloader_legacy_syncexec")
-    assert not legacy_sync.exec_async and legacy_sync.exec_dynamic is False
-    assert _built("imageloader").exec_async  # the patch is gone after the row
+    out = ceiling.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--data", str(tmp_path / "images"),
+                        "--tokens-dir", str(tmp_path / "tokens")])
+    saved = json.loads((tmp_path / "ceiling.json").read_text())
+    assert saved["rows"] == out["rows"] and saved["gpu"] == "cpu" and saved["cpu_count"] >= 1
+    assert {"date", "versions", "loops"} <= set(saved) and saved["versions"]["torch"]
+    done = {(r["loader"], r["loop"]) for r in saved["rows"] if "ceiling_ratio" in r}
+    errors = [r for r in saved["rows"] if "error" in r]
+    assert not errors, errors
+    assert done == {(n, loop) for n in ceiling.LOADER_NAMES for loop in ceiling.LOOPS}
+    for r in saved["rows"]:
+        assert r["ceiling_ratio"] > 0 and 0 <= r["wait_fraction"] < 1
+        assert r["ceiling"] == pytest.approx((r["ceiling_before"] + r["ceiling_after"]) / 2, abs=0.1)
+    assert {(s["loader"], s["loop"]) for s in saved["summary"]} == done
 
 
-def test_nommap_rows_read_shards_with_plain_file_io(monkeypatch):
-    pytest.importorskip("nvidia.dali")
-    import nvidia.dali.fn.readers as dali_readers
-    from nvidia.dali import fn
+def test_unknown_loader_or_loop_is_refused():
+    with pytest.raises(SystemExit):
+        ceiling.parse(["--loaders", "imageloader,nope"])
+    with pytest.raises(SystemExit):
+        ceiling.parse(["--loops", "sometimes"])
 
-    assert fn.readers is dali_readers  # the pipeline builder's fn.readers.webdataset is the patched one
+
+def test_run_loop_counts_steps_and_waits():
+    import torch
+
     calls = []
-    monkeypatch.setattr(dali_readers, "webdataset", lambda *a, **kw: calls.append(kw))
-    with dali_pipeline_row("imageloader2_nommap"):
-        fn.readers.webdataset(paths=["a.tar"])
-    with dali_pipeline_row("imageloader"):
-        fn.readers.webdataset(paths=["b.tar"])
-    assert calls == [{"paths": ["a.tar"], "dont_use_mmap": True}, {"paths": ["b.tar"]}]
+    r = ceiling.run_loop(ceiling.replay((torch.zeros(3), 0)), calls.append, steps=5, warmup=2, every=50,
+                         device=torch.device("cpu"), count=lambda b: len(b[0]))
+    assert len(calls) == 7 and r["rate"] > 0 and 0 <= r["wait_fraction"] < 1
+
+
+def test_overlap_of_training_and_loader_streams():
+    events = [{"name": "k", "ts": 0, "dur": 10, "args": {"stream": 7}},
+              {"name": "k", "ts": 20, "dur": 10, "args": {"stream": 7}},
+              {"name": "decode", "ts": 5, "dur": 20, "args": {"stream": 13}}]
+    a = ceiling.analyse(events, 1, 7)
+    assert a["train_kernel_ms_per_step"] == 0.02 and a["loader_device_ms_per_step"] == 0.02
+    assert a["overlap_ms_per_step"] == 0.01  # 5..10 and 20..25
+    assert set(a["streams"]) == {"7", "13"}
+
+
+def test_summary_groups_rows_by_loader_and_loop():
+    rows = [{"loader": "a", "loop": "runs_ahead", "step": "eager", "ceiling_ratio": r, "wait_fraction": 0.0,
+             "rate": 1.0} for r in (0.9, 1.0)] + [{"loader": "a", "loop": "runs_ahead", "error": "x"}]
+    (s,) = ceiling.summary(rows)
+    assert s["rows"] == 2 and s["ceiling_ratio"] == 0.95 and (s["min"], s["max"]) == (0.9, 1.0)
