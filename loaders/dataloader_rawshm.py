@@ -23,7 +23,7 @@ import collections
 import numpy as np
 import torch
 
-from loaders.dataloader_shm import FREE, HEADER, SegmentPool, _STATE, _segment_header, map_leaves
+from loaders.dataloader_shm import _LEAVES, FREE, HEADER, SegmentPool, _STATE, _segment_header, map_leaves
 
 __all__ = ["MIN_BYTES", "MIN_LEAF", "Packed", "RawCopies", "pack_raw", "unpacked"]
 
@@ -129,7 +129,26 @@ def _unpack(packed: Packed):
             src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
             out.append(src.copy(order="K"))
             arrays += 1
-    return map_leaves(body, lambda x: out[x] if type(x) is _Slot else x)
+    return _filled(body, out)
+
+
+def _filled(x, out: list):
+    """``x`` with ``out[slot]`` in place of each slot. The dicts and lists holding slots are the batch's own
+    (rebuilt by :func:`pack_raw`, then by unpickling): they change in place; other containers are rebuilt."""
+    kind = type(x)
+    if kind is _Slot:
+        return out[x]
+    if kind is dict:
+        for k, v in x.items():
+            if type(v) not in _LEAVES:
+                x[k] = _filled(v, out)  # the same keys: the dict's size never changes
+        return x
+    if kind is list:
+        for i, v in enumerate(x):
+            if type(v) not in _LEAVES:
+                x[i] = _filled(v, out)
+        return x
+    return map_leaves(x, lambda y: out[y] if type(y) is _Slot else y)
 
 
 class RawCopies:
