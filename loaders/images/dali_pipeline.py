@@ -30,6 +30,14 @@ def run_pipeline(pipe, stream, **inputs):
     return pipe.run(stream if pipe.exec_dynamic else None, **inputs)
 
 
+def failure_text(error: BaseException) -> str:
+    """The line of a DALI pipeline error that says what failed (after DALI's "encountered:"), not its traceback."""
+    lines = [m.strip() for m in str(error).splitlines() if m.strip()]
+    after = lines[lines.index("encountered:") + 1:] if "encountered:" in lines else lines
+    useful = [m for m in after if "pipeline object is no longer valid" not in m and "Critical error" not in m]
+    return (useful or lines or [""])[0][:200]
+
+
 def build_image_pipeline(
     *,
     batch_size: int,

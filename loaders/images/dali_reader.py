@@ -37,19 +37,26 @@ from loaders.images.encoded import parse_ascii_ints, parse_label
 from loaders.images.stream_reader import StreamReader
 
 
-def reader_error(error: RuntimeError, paths: list[str], batch: int) -> DataError:
+_FAILED_SAMPLE = re.compile(r"Failed to decode sample #\d+ : (.+):\d+:([^:]+?)\s*$")
+_MEMBER = re.compile(r"^((?:.*/|)[^./]+)[.][^/]*$")  # webdataset's key of a member name: up to the basename's first dot
+
+
+def reader_error(error: RuntimeError, paths: list[str], batch: int, urls: list[str] | None = None) -> DataError:
     """DALI's reader failed (an image it cannot decode, a broken shard): a DataError with what DALI said.
 
-    DALI names the sample when its decoder fails ("Failed to decode sample #3 : shard.tar:OFFSET:KEY.jpg"):
-    then the error carries that shard and key.
+    DALI names the sample when its decoder fails ("Failed to decode sample #3 :
+    shard.tar:OFFSET:dir/key.jpg"): then the error carries that shard (as ``urls`` names it, the
+    URLs parallel to the local ``paths``) and key.
     """
     lines = [m.strip() for m in str(error).splitlines() if m.strip()]
     for line in lines:
-        m = re.search(r"Failed to decode sample #\d+ : (.+):\d+:([^/:]+)$", line)
+        m = _FAILED_SAMPLE.search(line)
         if m:
-            key = m.group(2).split(".", 1)[0]
-            return DataError(f"cannot decode image (DALI's reader, batch {batch} of the epoch): {line[:200]}",
-                             url=m.group(1), key=key)
+            path, member = m.group(1), m.group(2)
+            named = _MEMBER.match(member)
+            url = urls[paths.index(path)] if urls is not None and path in paths else path
+            return DataError(f"cannot decode image {member!r} (DALI's reader, batch {batch} of the epoch)",
+                             url=url, key=named.group(1) if named else member)
     for line in lines:
         m = re.search(r"Underful sample detected at index file", line)
         if m:  # DALI's words for a sample that lacks one of the extensions the reader asks for
@@ -308,6 +315,7 @@ class DaliReader:
         counts = self.stream.counts
         shards = [i for i, c in enumerate(counts) if c > 0]
         paths = [paths[i] for i in shards]
+        urls = [self.stream.urls[i] for i in shards]  # as the user named them, for errors
         rank, world = lo._rank_world()
         per_rank = samples_per_rank(sum(counts), world)
         steps = per_rank // batch_size if read.drop_last else math.ceil(per_rank / batch_size)
@@ -336,7 +344,7 @@ class DaliReader:
             try:
                 pipe.build()
             except RuntimeError as e:  # e.g. a sample without an image (DALI checks the index)
-                raise reader_error(e, paths, first) from e
+                raise reader_error(e, paths, first, urls) from e
             self._pipe = pipe
         pipe = self._pipe
         numbers = self._numbers
@@ -354,7 +362,7 @@ class DaliReader:
                 images_tl, labels_tl, info_tl = run_pipeline(pipe, stream)
             except RuntimeError as e:
                 self._pipe = None  # a failed pipeline is not valid any more
-                raise reader_error(e, paths, self._batch) from e
+                raise reader_error(e, paths, self._batch, urls) from e
             t1 = time.perf_counter()
             n = min(batch_size, left)
             left -= n

@@ -21,14 +21,23 @@ _MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*", 
           b"\xff\x4f\xff\x51", b"P1", b"P2", b"P3", b"P4", b"P5", b"P6")
 
 
-def looks_like_image(data: bytes) -> bool:
-    """A cheap check of the file signature (catches empty, text and garbage entries before DALI sees them)."""
-    if len(data) < 16:
-        return False
+def image_problem(data) -> str | None:
+    """What is wrong with an image entry that a cheap look can tell, before DALI sees it; None if nothing.
+
+    Empty entries, a missing or unknown file signature (text, garbage), and truncation of the two
+    common formats: a JPEG without its end-of-image marker, a PNG without its IEND chunk (each may
+    be followed by other bytes, so a miss at the end searches the whole entry).
+    """
+    if len(data) == 0:
+        return "empty file"
     head = bytes(data[:16])  # data may be a zero-copy memoryview
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return True
-    return head.startswith(_MAGIC)
+    if len(data) < 16 or not (head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")):
+        return "not an image (unknown or missing file signature)"
+    if head.startswith(b"\xff\xd8\xff") and bytes(data[-2:]) != b"\xff\xd9" and bytes(data).rfind(b"\xff\xd9") < 0:
+        return "truncated JPEG (no end-of-image marker)"
+    if head.startswith(b"\x89PNG") and bytes(data[-8:-4]) != b"IEND" and bytes(data).rfind(b"IEND") < 0:
+        return "truncated PNG (no IEND chunk)"
+    return None
 
 
 def parse_label(data: bytes) -> int:
@@ -86,8 +95,9 @@ def iter_raw_batches(
             if data is None:
                 raise DataError(f"sample has no image entry ({'/'.join(image_exts)}); it has {sorted(sample)}",
                                 url=url, key=key)
-            if not looks_like_image(data):
-                raise DataError("image entry is not an image (unknown or missing file signature)", url=url, key=key)
+            problem = image_problem(data)
+            if problem is not None:
+                raise DataError(f"image entry: {problem}", url=url, key=key)
             if label_key not in sample:
                 raise DataError(f"sample has no {label_key!r} entry", url=url, key=key)
             try:

@@ -19,7 +19,7 @@ import torch
 from datapipe.errors import LAST_ERRORS, DataError
 from datapipe.device.handoff import started, threaded
 from datapipe.order.seeds import derive_seed
-from loaders.images.dali_pipeline import run_pipeline
+from loaders.images.dali_pipeline import failure_text, run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import EncodedBatches, RawBatch, iter_raw_batches, keep
 
@@ -194,9 +194,7 @@ class StreamReader:
                 (out,) = run_pipeline(self._probe, stream, jpegs=[arr])
             except RuntimeError as e:
                 lo._stats["decode_errors"] += 1
-                msg = str(e).strip().splitlines()
-                detail = next((m for m in msg if "rror" in m and "pipeline" not in m), msg[-1] if msg else "")
-                lo._errors(DataError(f"cannot decode image: {detail.strip()[:200]}", url=url, key=key))
+                lo._errors(DataError(f"cannot decode image (DALI: {failure_text(e)})", url=url, key=key))
                 continue
             good.append(lo._to_torch(out, stream, zero_copy=self._probe.exec_dynamic))
             kept.arrays.append(arr)

@@ -86,6 +86,19 @@ def test_urls_get_a_shuffled_stream_and_a_given_stream_is_used_as_it_is(tmp_path
     assert TokenLoader(own, seq_len=128, batch_size=4).stream is own
 
 
+def test_a_decoded_stream_gives_the_same_batches(tmp_path):
+    """A stream with .decode() steps hands over numpy arrays (npy) and str (txt): the loader takes those too."""
+    urls = write_token_shards(tmp_path, lengths(20))
+    raw = list(TokenLoader(ShardStream(urls), seq_len=64, batch_size=2))
+    decoded = list(TokenLoader(ShardStream(urls).decode("pil"), seq_len=64, batch_size=2))
+    assert len(raw) == len(decoded) and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(raw, decoded))
+    os.makedirs(tmp_path / "text")
+    text = write_token_shards(tmp_path / "text", [3, 4], text=True)
+    tokenizer = lambda s: [int(t) for t in s.split()]  # noqa: E731
+    (batch,) = list(TokenLoader(ShardStream(text).decode("pil"), seq_len=16, batch_size=2, tokenizer=tokenizer))
+    assert real_tokens(batch).numel() == 7
+
+
 def test_bad_arguments_name_the_argument(tmp_path):
     import inspect
 

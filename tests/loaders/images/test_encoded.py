@@ -3,7 +3,7 @@ import pytest
 
 from datapipe import DataError
 from datapipe.errors import ErrorPolicy
-from loaders.images.encoded import EncodedBatches, handle_bad, iter_raw_batches, looks_like_image, parse_ascii_ints
+from loaders.images.encoded import EncodedBatches, handle_bad, iter_raw_batches, image_problem, parse_ascii_ints
 
 
 def test_parse_ascii_ints_fast_path_and_its_refusals():
@@ -14,7 +14,7 @@ def test_parse_ascii_ints_fast_path_and_its_refusals():
 
 
 def test_raw_batches_skip_and_count_what_is_not_an_image():
-    jpeg = b"\xff\xd8\xff" + b"\0" * 20
+    jpeg = b"\xff\xd8\xff" + b"\0" * 20 + b"\xff\xd9"
     samples = [{"__key__": str(i), "__url__": "u", "jpg": jpeg, "cls": str(i).encode()} for i in range(5)]
     samples[2] = {**samples[2], "jpg": b"text, not an image......"}
     stats = {"skipped": 0, "last_errors": []}
@@ -22,11 +22,23 @@ def test_raw_batches_skip_and_count_what_is_not_an_image():
                                     label_decoder=lambda b: int(b), on_error="skip", stats=stats))
     assert [b.labels for b in batches] == [[0, 1], [3, 4]]
     assert stats["skipped"] == 1 and "not an image" in stats["last_errors"][0]
-    assert looks_like_image(jpeg) and not looks_like_image(b"short")
+
+
+
+def test_image_problem_names_empty_foreign_and_truncated_entries():
+    jpeg = b"\xff\xd8\xff\xe0" + b"\0" * 40 + b"\xff\xd9"
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 30 + b"\0\0\0\0IEND\xaeB`\x82"
+    assert image_problem(jpeg) is None and image_problem(png) is None
+    assert image_problem(jpeg + b"\0" * 8) is None and image_problem(png + b"trailer") is None  # bytes after the end
+    assert image_problem(memoryview(jpeg)) is None  # zero-copy entries
+    assert image_problem(b"") == "empty file"
+    assert "signature" in image_problem(b"short") and "signature" in image_problem(b"plain text, not an image")
+    assert image_problem(jpeg[:30]) == "truncated JPEG (no end-of-image marker)"
+    assert image_problem(png[:30]) == "truncated PNG (no IEND chunk)"
 
 
 def _samples():
-    jpeg = b"\xff\xd8\xff" + b"\0" * 20
+    jpeg = b"\xff\xd8\xff" + b"\0" * 20 + b"\xff\xd9"
     samples = [{"__key__": str(i), "__url__": "u", "jpg": jpeg, "cls": str(i).encode()} for i in range(5)]
     samples[1] = {**samples[1], "cls": b"one"}
     samples[3] = {k: v for k, v in samples[3].items() if k != "jpg"}

@@ -172,16 +172,24 @@ def test_ranks_are_disjoint_and_complete(shards, world):
         assert sum(len(s) for s in seen) == N
 
 
+def _broken_frame(jpg: bytes) -> bytes:
+    """A JPEG whose frame header (SOF0) is zeroed: its signature and end marker are intact, DALI cannot decode it."""
+    i = jpg.find(b"\xff\xc0")
+    return jpg[:i + 5] + b"\0\0\0\0" + jpg[i + 9:]
+
+
 def _corrupt_shards(tmp_path):
-    """12 good samples, a garbage image, a truncated JPEG, a sample without image, a bad label."""
+    """12 good samples, a garbage image, a truncated JPEG, a JPEG DALI cannot decode, a sample without image,
+    a bad label."""
     good = list(iter_image_samples(12, seed=9, num_classes=10, size=(96, 72)))
     bad = [
         {"__key__": "bad-garbage", "jpg": b"not an image at all, just text" * 5, "cls": b"1"},
         {"__key__": "bad-truncated", "jpg": good[0]["jpg"][: len(good[0]["jpg"]) // 2], "cls": b"2"},
+        {"__key__": "bad-frame", "jpg": _broken_frame(good[2]["jpg"]), "cls": b"4"},
         {"__key__": "bad-noimage", "txt": b"hello", "cls": b"3"},
         {"__key__": "bad-label", "jpg": good[1]["jpg"], "cls": b"three"},
     ]
-    samples = good[:3] + bad[:2] + good[3:9] + bad[2:] + good[9:]
+    samples = good[:3] + bad[:3] + good[3:9] + bad[3:] + good[9:]
     path = str(tmp_path / "shard-000000.tar")
     with webdataset.TarWriter(path) as w:
         for s in samples:
@@ -211,12 +219,43 @@ def test_truncated_jpeg_raises_with_its_key(tmp_path):
     with webdataset.TarWriter(tar) as w:
         for s in good:
             w.write(s)
-    with pytest.raises(DataError) as e:
+    with pytest.raises(DataError) as e:  # the stream reader finds the missing end marker before DALI sees it
         list(loader([tar], batch_size=4, reader="stream"))
-    assert e.value.key == "bad-truncated" and "decode" in str(e.value) and "truncated.tar" in str(e.value)
+    assert e.value.key == "bad-truncated" and "truncated JPEG" in str(e.value) and "truncated.tar" in str(e.value)
     with pytest.raises(DataError, match="DALI's reader, batch 0") as e:  # DALI names the sample
         list(loader([tar], batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
     assert e.value.key == "bad-truncated" and "truncated.tar" in str(e.value)
+
+
+def _truncated_in_a_folder(tmp_path):
+    """A shard whose keys have folders (as `datapipe shard` of an image folder writes them), one JPEG cut short."""
+    samples = list(iter_image_samples(6, seed=9, num_classes=10, size=(96, 72)))
+    for i, s in enumerate(samples):
+        s["__key__"] = f"astronaut/img{i}"
+    samples[3] = {**samples[3], "__key__": "astronaut/broken_truncated", "jpg": samples[3]["jpg"][:2000]}
+    tar = str(tmp_path / "shard-000000.tar")
+    with webdataset.TarWriter(tar) as w:
+        for s in samples:
+            w.write(s)
+    return tar
+
+
+def test_dali_reader_decode_failure_names_shard_and_key_from_dalis_text(tmp_path):
+    """DALI says 'Failed to decode sample #3 : <tar>:<offset>:astronaut/broken_truncated.jpg': the DataError
+    carries that key (webdataset's: the member name up to its first dot) and the shard's URL as given."""
+    url = "file://" + _truncated_in_a_folder(tmp_path)
+    with pytest.raises(DataError) as e:
+        list(loader([url], batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
+    assert e.value.key == "astronaut/broken_truncated" and e.value.url == url
+    assert "astronaut/broken_truncated.jpg" in str(e.value) and "batch 0" in str(e.value)
+
+
+def test_a_truncated_jpeg_is_skipped_before_dali_prints_anything(tmp_path, capfd):
+    dl = loader([_truncated_in_a_folder(tmp_path)], batch_size=4, on_error="skip", reader="stream")
+    _, y = collect(dl)
+    assert len(y) == 5 and dl.stats()["skipped"] == 1 and dl.stats()["decode_errors"] == 0
+    assert "astronaut/broken_truncated" in dl.stats()["last_errors"][0]
+    assert "libjpeg" not in capfd.readouterr().err  # DALI's decoder never saw it: no raw [ERROR] lines
 
 
 @pytest.mark.parametrize("mode", ["skip", "warn"])
@@ -228,10 +267,11 @@ def test_corrupt_images_skip_and_warn(tmp_path, caplog, mode):
     assert y.tolist() == labels  # every good sample, in order, none of the bad ones
     assert x.shape == (12, 3, S, S) and torch.isfinite(x).all()
     stats = dl.stats()
-    assert stats["skipped"] == 4 and stats["decode_errors"] == 1 and stats["samples"] == 12
-    assert any("bad-truncated" in m for m in stats["last_errors"])
+    assert stats["skipped"] == 5 and stats["decode_errors"] == 1 and stats["samples"] == 12
+    assert any("bad-truncated" in m and "truncated JPEG" in m for m in stats["last_errors"])  # found before DALI
+    assert any("bad-frame" in m for m in stats["last_errors"])  # found by DALI
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "skipped" in r.getMessage()]
-    assert (len(warned) >= 4) == (mode == "warn")
+    assert (len(warned) >= 5) == (mode == "warn")
 
 
 def test_dali_reader_gives_the_same_batches(shards):
@@ -291,6 +331,11 @@ def test_options_are_groups_checked_where_they_are_made(shards):
         ImageLoader(shards, batch_size=8, image_size=64, device="cpu", decode=DecodeOptions(resize_size=32))
 
 
+def test_a_stream_with_decode_steps_is_refused(shards):
+    with pytest.raises(ValueError, match="decodes the images itself"):
+        ImageLoader(ShardStream(shards).decode("pil"), batch_size=8, device="cpu")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_without_cuda_is_a_clear_error(shards):
     with pytest.raises(ValueError, match=r"CUDA is not available here; use device='cpu'"):
@@ -342,7 +387,7 @@ def test_reader_workers_skip_and_count_corrupt_images(tmp_path):
     dl = loader(urls, batch_size=4, on_error="skip", read_workers=2)
     _, y = collect(dl)
     assert sorted(y.tolist()) == sorted(labels)
-    assert dl.stats()["skipped"] == 4
+    assert dl.stats()["skipped"] == 5
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
