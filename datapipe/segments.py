@@ -135,6 +135,8 @@ class SegmentReading:
         """Close a shard, counting the bytes it gave and the retries its reads took."""
         self._stats["bytes_read"] += reader.offset
         self._stats["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
+        if self._cache is not None:
+            self._stats["cache_failures"] = self._cache.failures  # the cache's own count (it may fail at open)
         if hasattr(reader, "close"):
             reader.close()
         f.close()

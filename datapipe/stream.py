@@ -142,7 +142,8 @@ class ShardStream(ShardCounts, SegmentReading, torch.utils.data.IterableDataset)
         self._total: int | None = None
         self._positions: dict[int, dict[str, Any]] = {}
         self._num_workers = 0
-        self._stats = {"samples": 0, "padded": 0, "retries": 0, "shards_opened": 0, "bytes_read": 0, "cache_hits": 0}
+        self._stats = {"samples": 0, "padded": 0, "retries": 0, "shards_opened": 0, "bytes_read": 0, "cache_hits": 0,
+                       "cache_failures": 0}
         self._errors = ErrorPolicy(on_error, log=log)  # counts errors, skipped, last_errors
         self._steps: tuple = ()  # per-sample steps (decode, map), run where the samples are read
 

@@ -4,11 +4,17 @@ Layout of the cache directory (shared by every process of a node):
 
 - ``<hash>-<shard name>``: a cached shard (written under a temporary name, then renamed);
 - ``datapipe-cache.json``: the index of the files the cache wrote (name -> url, bytes, inode,
-  sha256), rewritten atomically under ``datapipe-cache.lock``;
+  mtime, sha256), rewritten atomically under ``datapipe-cache.lock``;
 - ``.<name>.lock``: held by the one process that fetches a shard.
 
-Eviction is least-recently-used (a hit touches the file's mtime) and deletes only files that the
+Eviction is least-recently-used (a hit sets the file's access time) and deletes only files that the
 index lists with the same inode and size, so files the cache did not write are never touched.
+
+A cached file whose inode, size or modification time differs from its index entry has changed
+since it was written: with a known sha256 it is hashed (served if it still matches, its entry
+stamped anew), else it is fetched again. A cache that cannot write (a full disk, no permission)
+costs only its entries: the shard is read from storage, the first failure is logged as a warning,
+and every failure is counted (``failures``; ``ShardStream.stats()["cache_failures"]``).
 
 A shard without a known checksum is written to the cache *while* it is parsed (a tee), so the
 first epoch waits for no download; the rest of the shard is fetched after the last sample that
@@ -24,6 +30,7 @@ import json
 import logging
 import os
 import re
+import time
 import uuid
 from typing import Any, Callable
 
@@ -55,6 +62,8 @@ class ShardCache:
         self.limit = limit
         self.lock_timeout = lock_timeout
         self._index_memo: tuple[Any, dict] | None = None
+        self.failures = 0  # shards that could not be cached here (full disk, no permission...)
+        self._warned = False
 
     # ---- names and the index ------------------------------------------------------------------
     def name_for(self, url: str) -> str:
@@ -112,21 +121,67 @@ class ShardCache:
             return None
         return st
 
+    @staticmethod
+    def _unchanged(st: os.stat_result, entry: dict) -> bool:
+        """Whether the file is as the cache wrote it: inode, size and modification time as recorded."""
+        return (st.st_ino, st.st_size, st.st_mtime_ns) == (entry.get("ino"), entry.get("bytes"), entry.get("mtime_ns"))
+
     def cached_bytes(self) -> int:
         return sum(int(e["bytes"]) for e in self.read_index()["entries"].values())
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, url: str) -> str | None:
-        """The local path of ``url``'s cached copy (and mark it recently used), or None."""
+    def lookup(self, url: str, *, sha256: str | None = None) -> str | None:
+        """The local path of ``url``'s cached copy (and mark it recently used), or None.
+
+        A copy that changed since the cache wrote it (inode, size or mtime) is served only if its
+        sha256 (``sha256``, else the one recorded) still matches; otherwise it is dropped (None).
+        """
         name = self.name_for(url)
         entry = self.read_index()["entries"].get(name)
-        if entry is None or self._owned(name, entry) is None:
+        if entry is None:
+            return None
+        path = self._path(name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        if not self._unchanged(st, entry) and not self._still_good(url, name, st, sha256 or entry.get("sha256")):
             return None
         try:
-            os.utime(self._path(name))
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # recency in the access time; mtime stays the stamp
         except OSError:
             pass
-        return self._path(name)
+        return path
+
+    def _still_good(self, url: str, name: str, st: os.stat_result, sha256: str | None) -> bool:
+        """A changed cached file: keep it (stamped anew) if it still has ``sha256``, else drop it."""
+        good = bool(sha256) and _file_sha256(self._path(name)) == sha256.lower()
+        try:
+            with self._dir_lock():
+                index = self.read_index()
+                entry = index["entries"].get(name)
+                if entry is not None:
+                    if good:
+                        entry.update(ino=st.st_ino, bytes=st.st_size, mtime_ns=st.st_mtime_ns)
+                    else:
+                        del index["entries"][name]
+                        if st.st_ino == entry.get("ino"):  # the cache's own file, changed in place
+                            _remove(self._path(name))
+                    self._write_index(index)
+        except (OSError, filelock.Timeout) as e:
+            self.failed(url, e)
+        if not good:
+            log.warning("cache: %s changed on disk since it was cached%s: fetching it again", self._path(name),
+                        " and no longer matches its sha256" if sha256 else "")
+        return good
+
+    def failed(self, url: str, err: BaseException) -> None:
+        """Count a cache failure (the shard is read from storage instead); the first one is logged as a warning."""
+        self.failures += 1
+        (log.debug if self._warned else log.warning)(
+            "cache %s cannot keep %s (%s: %s): reading from storage instead; failures are counted in "
+            "stats()['cache_failures']", self.directory, redact_url(url), type(err).__name__, err)
+        self._warned = True
 
     def open(self, url: str, open_remote: Callable[[], Any], *, sha256: str | None = None):
         """A raw file of ``url``: the cached copy, a verified fresh copy, or the remote file teed into the cache.
@@ -134,7 +189,14 @@ class ShardCache:
         Returns ``(file, hit)``. A teed file has ``finish()``: call it after a successful read to
         fetch the rest and commit the shard; ``close()`` without it discards the partial copy.
         """
-        path = self.lookup(url)
+        try:
+            return self._open(url, open_remote, sha256=sha256)
+        except (OSError, filelock.Timeout) as e:  # the cache cannot write (full disk, no permission): read through
+            self.failed(url, e)
+            return open_remote(), False
+
+    def _open(self, url: str, open_remote: Callable[[], Any], *, sha256: str | None):
+        path = self.lookup(url, sha256=sha256)
         if path is not None:
             try:
                 return open(path, "rb", buffering=0), True
@@ -153,7 +215,12 @@ class ShardCache:
             if path is not None:
                 lock.release()
                 return open(path, "rb", buffering=0), True
-            return TeeFile(self, url, name, open_remote(), lock), False
+            remote = open_remote()
+            try:
+                return TeeFile(self, url, name, remote, lock), False
+            except OSError:
+                remote.close()
+                raise
         except BaseException:
             if lock.is_locked:
                 lock.release()
@@ -181,6 +248,9 @@ class ShardCache:
                                 break
                             digest.update(chunk)
                             out.write(chunk)
+                except OSError:
+                    _remove(tmp)
+                    raise
                 finally:
                     remote.close()
                 if digest.hexdigest() == sha256.lower():
@@ -192,7 +262,11 @@ class ShardCache:
 
     def _commit_or_keep(self, url: str, name: str, tmp: str, sha256: str | None):
         """Commit ``tmp`` into the cache and open it; if it cannot be cached, open it and delete its name."""
-        path = self.commit(url, name, tmp, sha256=sha256)
+        try:
+            path = self.commit(url, name, tmp, sha256=sha256)
+        except (OSError, filelock.Timeout) as e:
+            self.failed(url, e)
+            path = None
         if path is not None:
             return open(path, "rb", buffering=0)
         f = open(tmp, "rb", buffering=0)
@@ -217,7 +291,8 @@ class ShardCache:
             self._evict(entries, need=size)
             os.replace(tmp, final)
             st = os.stat(final)
-            entries[name] = {"url": redact_url(url), "bytes": size, "ino": st.st_ino, "sha256": sha256}
+            entries[name] = {"url": redact_url(url), "bytes": size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
+                             "sha256": sha256}
             self._write_index(index)
         return final
 
@@ -231,7 +306,7 @@ class ShardCache:
             if st is None:
                 del entries[name]  # gone or replaced by someone else's file: forget it, never delete it
             else:
-                live.append((st.st_mtime_ns, name))
+                live.append((st.st_atime_ns, name))
         total = sum(int(entries[n]["bytes"]) for _, n in live)
         for _, name in sorted(live):
             if total + need <= self.limit:
@@ -261,10 +336,23 @@ class TeeFile:
 
     def read(self, n: int = -1) -> bytes:
         data = self.remote.read(n)
-        if data:
-            self.out.write(data)
-            self.written += len(data)
+        if data and self.out is not None:
+            try:
+                self.out.write(data)
+            except OSError as e:  # the cache's disk is full: the read goes on, only the cache entry is lost
+                self._give_up(e)
+            else:
+                self.written += len(data)
         return data
+
+    def _give_up(self, err: BaseException) -> None:
+        try:
+            self.out.close()
+        except OSError:
+            pass
+        self.out = None
+        _remove(self.tmp)
+        self.cache.failed(self.url, err)
 
     def seekable(self) -> bool:
         return False
@@ -274,20 +362,25 @@ class TeeFile:
         if self.committed or self.out is None:
             return
         try:
-            while self.read(CHUNK):
+            while self.out is not None and self.read(CHUNK):
                 pass
+            if self.out is None:  # the write failed on the way (counted): nothing to commit
+                return
             size = getattr(self.remote, "size", None)
             if size is not None and self.written != size:
                 raise DataError(f"got {self.written} of {size} bytes", url=redact_url(self.url))
             self.out.close()
             self.out = None
             self.committed = self.cache.commit(self.url, self.name, self.tmp) is not None
-        except (OSError, DataError) as e:
-            log.warning("could not cache %s: %s", redact_url(self.url), e)
+        except (OSError, DataError, filelock.Timeout) as e:
+            self.cache.failed(self.url, e)
 
     def close(self) -> None:
         if self.out is not None:
-            self.out.close()
+            try:
+                self.out.close()
+            except OSError:
+                pass
             self.out = None
         if not self.committed:
             _remove(self.tmp)
@@ -296,6 +389,14 @@ class TeeFile:
         finally:
             if self.lock.is_locked:
                 self.lock.release()
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _remove(path: str) -> None:

@@ -231,3 +231,105 @@ def test_bad_cache_arguments(tmp_path):
         ShardStream("x.tar", cache_dir=str(tmp_path), cache_limit=0)
     with pytest.raises(ValueError, match="local"):
         ShardStream("x.tar", cache_dir="s3://bucket/cache")
+
+
+def _change_in_place(path):
+    """Flip one byte in the middle of ``path`` (same size) and move its mtime on, as an edit would."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+
+
+@pytest.mark.parametrize("checksums", [False, True])
+def test_a_cached_shard_changed_on_disk_is_not_served(tmp_path, checksums):
+    urls, samples = serve_dir(tmp_path, [5, 4, 6], checksums=checksums)
+    cache_dir = str(tmp_path / "cache")
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+        stream = ShardStream(remote, cache_dir=cache_dir)
+        assert [strip(s) for s in stream] == [strip(s) for s in samples]
+        cached = list(ShardCache(cache_dir).read_index()["entries"])
+        for name in cached:
+            _change_in_place(os.path.join(cache_dir, name))
+        stream.set_epoch(1)
+        assert [strip(s) for s in stream] == [strip(s) for s in samples]
+        assert len(shard_requests(faults)) > 3, "fetched again"
+    assert sorted(sha(os.path.join(cache_dir, n)) for n in cached) == sorted(sha(u) for u in urls)
+
+
+def test_a_cached_shard_only_touched_is_hashed_once_and_served(tmp_path, monkeypatch):
+    from datapipe.storage import cache as cache_module
+
+    urls, samples = serve_dir(tmp_path, [5, 4], checksums=True)
+    cache_dir = str(tmp_path / "cache")
+    hashed = []
+    real = cache_module._file_sha256
+    monkeypatch.setattr(cache_module, "_file_sha256", lambda p: hashed.append(p) or real(p))
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+        stream = ShardStream(remote, cache_dir=cache_dir)
+        list(stream)
+        for epoch in (1, 2):  # unchanged: no hashing
+            stream.set_epoch(epoch)
+            assert [strip(s) for s in stream] == [strip(s) for s in samples]
+        assert hashed == []
+        name = next(iter(ShardCache(cache_dir).read_index()["entries"]))
+        st = os.stat(os.path.join(cache_dir, name))
+        os.utime(os.path.join(cache_dir, name), ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, same bytes
+        seen = len(faults.paths)
+        for epoch in (3, 4):
+            stream.set_epoch(epoch)
+            assert [strip(s) for s in stream] == [strip(s) for s in samples]
+        assert len(hashed) == 1 and shard_requests(faults, seen) == []
+
+
+class _FullDisk:
+    """A file open for writing on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("checksums", [False, True])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_cache_on_a_full_disk_costs_only_the_cache_entries(tmp_path, monkeypatch, caplog, checksums, on_error):
+    import builtins
+
+    from datapipe.storage import cache as cache_module
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return _FullDisk(f) if "w" in mode else f
+
+    monkeypatch.setattr(cache_module, "open", full_disk_open, raising=False)
+    urls, samples = serve_dir(tmp_path, [5, 4, 6], checksums=checksums)
+    cache_dir = str(tmp_path / "cache")
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+        stream = ShardStream(remote, cache_dir=cache_dir, on_error=on_error)
+        with caplog.at_level("WARNING"):
+            for epoch in (0, 1):
+                stream.set_epoch(epoch)
+                assert [strip(s) for s in stream] == [strip(s) for s in samples]
+    stats = stream.stats()
+    assert stats["cache_failures"] == 6 and stats["errors"] == 0 and stats["cache_hits"] == 0, stats
+    assert len([r for r in caplog.records if "cannot keep" in r.getMessage()]) == 1
+    assert [n for n in os.listdir(cache_dir) if n.startswith(".datapipe-tmp")] == []
