@@ -10,7 +10,7 @@ WAIT_LOW = 0.02  # below it, input is not the bottleneck
 PADDING_HIGH = 0.20
 CEILING_LOW = 0.98  # below this share of the data-free ceiling the loader costs the step visibly
 WIDE_QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS advised for DALI's work beside training
-HYBRID_DECODE_CORES = 12  # ImageLoader(hw_decoder_load="auto") starts on the CUDA decoder from 12 cores (decoder_choice)
+HYBRID_DECODE_CORES = 12  # DecodeOptions(hw_decoder_load="auto") starts on the CUDA decoder from 12 cores (decoder_choice)
 
 
 def _torch():
@@ -123,7 +123,8 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     if cuda and hw and not auto and ratio is not None and ratio < CEILING_LOW and wait < WAIT_LOW and spare:
         add("hybrid_decode", f"the loop runs at {ratio:.1%} of its data-free ceiling yet waits for data only "
                              f"{wait:.1%} of the time: the loader slows the step itself (its kernels, and its CUDA calls "
-                             f"beside the step's launches). With {cores} cores, try ImageLoader(hw_decoder_load=\"auto\"): "
+                             f"beside the step's launches). With {cores} cores, try "
+                             "ImageLoader(..., decode=DecodeOptions(hw_decoder_load=\"auto\")): "
                              "nvJPEG's CUDA decoder with the Huffman stage on the CPU instead of the hardware "
                              "decoder while it keeps up, the hardware decoder once the loop waits",
             ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
