@@ -84,6 +84,8 @@ def run_local(job: dict, parts: list[dict], *, workers: int, progress: Callable[
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    if ctx.get_start_method() != "fork":
+        lock_fd = None  # a spawned worker inherits no descriptor (that number may be another file there)
     items = sum(len(p.get("items", ())) for p in parts)
     if job.get("copy") and job["check_images"] != "none" and workers > 1 and items >= CHECK_POOL_MIN_ITEMS:
         with ctx.Pool(workers, initializer=_init_worker, initargs=(None, os.getpid(), lock_fd)) as pool:

@@ -64,6 +64,7 @@ class OutputLock:
         self._fd: int | None = None
         self._stop: threading.Event | None = None
         self._token: dict | None = None
+        self._created = False
 
     # ---- local: flock ----------------------------------------------------------------------------
     def _acquire_local(self, path: str) -> None:
@@ -124,7 +125,9 @@ class OutputLock:
 
     def __enter__(self) -> OutputLock:
         fs, path = filesystem(self.url, self.options)
-        fs.makedirs(filesystem(self.out, self.options)[1], exist_ok=True)
+        out_path = filesystem(self.out, self.options)[1]
+        self._created = not fs.exists(out_path)
+        fs.makedirs(out_path, exist_ok=True)
         from fsspec.implementations.local import LocalFileSystem
 
         if isinstance(fs, LocalFileSystem):
@@ -146,6 +149,11 @@ class OutputLock:
                 pass
             os.close(self._fd)
             self._fd = None
+            if self._created:  # a job that failed before writing anything leaves no empty OUT behind
+                try:
+                    os.rmdir(filesystem(self.out, self.options)[1])
+                except OSError:
+                    pass
         elif self._stop is not None:
             self._stop.set()
             fs, path = filesystem(self.url, self.options)

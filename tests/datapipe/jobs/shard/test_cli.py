@@ -68,6 +68,7 @@ def test_cli_messages_for_a_missing_source_and_a_file_as_output(images, tmp_path
     assert run_cli(tmp_path / "missing", tmp_path / "out") == 1
     err = capsys.readouterr().err
     assert "does not exist" in err and "missing" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()  # a job that wrote nothing leaves no folder behind
     (tmp_path / "afile").write_text("x")
     assert run_cli(root, tmp_path / "afile") == 2
     err = capsys.readouterr().err
