@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from datapipe.errors import DataError, ErrorPolicy, OnError, remember
+from datapipe.image_bytes import truncation
 
 log = logging.getLogger("loaders.images")
 
@@ -25,19 +26,15 @@ def image_problem(data) -> str | None:
     """What is wrong with an image entry that a cheap look can tell, before DALI sees it; None if nothing.
 
     Empty entries, a missing or unknown file signature (text, garbage), and truncation of the two
-    common formats: a JPEG without its end-of-image marker, a PNG without its IEND chunk (each may
-    be followed by other bytes, so a miss at the end searches the whole entry).
+    common formats (:func:`datapipe.image_bytes.truncation`): a JPEG without its end-of-image marker,
+    a PNG without its IEND chunk.
     """
     if len(data) == 0:
         return "empty file"
     head = bytes(data[:16])  # data may be a zero-copy memoryview
     if len(data) < 16 or not (head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")):
         return "not an image (unknown or missing file signature)"
-    if head.startswith(b"\xff\xd8\xff") and bytes(data[-2:]) != b"\xff\xd9" and bytes(data).rfind(b"\xff\xd9") < 0:
-        return "truncated JPEG (no end-of-image marker)"
-    if head.startswith(b"\x89PNG") and bytes(data[-8:-4]) != b"IEND" and bytes(data).rfind(b"IEND") < 0:
-        return "truncated PNG (no IEND chunk)"
-    return None
+    return truncation(data)
 
 
 def parse_label(data: bytes) -> int:

@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 from datapipe.errors import DataError
+from datapipe.image_bytes import truncation
 from datapipe.jobs.shard.journal import marker_url, part_pattern, write_json
 from datapipe.jobs.shard.options import image_check
 from datapipe.jobs.shard.sources import IMAGE_EXTENSIONS, iter_partition, read_item
@@ -23,20 +24,6 @@ class _Truncated(Exception):
 
 def _image_entry(sample: dict) -> str | None:
     return next((k for k in sample if k in IMAGE_EXTENSIONS.values()), None)
-
-
-_PNG_END = b"IEND\xaeB`\x82"
-
-
-def truncation(data: bytes, image_format: str | None) -> str | None:
-    """Why a JPEG or PNG file is cut short (None when it is whole, or another format): the JPEG end marker
-    FFD9 after the last scan, the PNG IEND chunk. Cheap: a search from the end of the bytes."""
-    if image_format == "JPEG":
-        if data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda"):  # FFDA/FFD9 cannot occur inside scan data
-            return "truncated JPEG: the end marker (FFD9) is missing"
-    elif image_format == "PNG" and data.rfind(_PNG_END) < 0:
-        return "truncated PNG: the IEND chunk is missing"
-    return None
 
 
 def transform_image(sample: dict, *, resize: int | None, quality: int | None, check: str | bool = "open") -> dict:
@@ -61,7 +48,7 @@ def transform_image(sample: dict, *, resize: int | None, quality: int | None, ch
         w, h = im.size
         if w < 1 or h < 1:
             raise ValueError(f"image has size {w}x{h}")
-        cut = truncation(data, im.format) if check != "none" else None
+        cut = truncation(data) if check != "none" else None
         if cut is not None:
             raise _Truncated(cut)
         if not (resize or quality):
