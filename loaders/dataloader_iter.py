@@ -57,7 +57,7 @@ def pinned(stream, device: str | None = None, *, returns=None, keep: bool = Fals
     methods), in this thread.
 
     A batch from worker processes lives in shared memory, and unmapping it holds up the process's other
-    Python threads for ~2 ms (19 MB; README, "Pinning in the producer"). In torch's pin thread that lands
+    Python threads for ~2 ms (19 MB; docs/internals.md). In torch's pin thread that lands
     whenever a worker's batch arrives, at times right as the training loop wakes from its step's sync.
     Here the unpinned batch is kept until the producer asks for the next one, so it is dropped at the
     producer's paced point, mid-step, whatever the pinning took. A batch whose pinning raises becomes a

@@ -4,7 +4,7 @@ A torch worker puts every batch in fresh shared memory: ``default_collate`` stac
 shared-memory tensor, any other tensor is moved there when the batch is pickled. Creating and
 first touching 19 MB of shared memory (a batch of 128 224x224 RGB images) takes ~10 ms on the
 2-core CI machine, against ~1 ms to write into memory already mapped, and the main process maps
-each batch anew and unmaps it after use (~2 ms that hold up its other threads: README, "Pinning
+each batch anew and unmaps it after use (~2 ms that hold up its other threads: docs/internals.md, "Pinning
 in the producer"). Here each worker keeps a small pool of shared-memory segments and writes its
 batches' tensors into free ones; the main process keeps the segments mapped (torch's receiving
 side finds a segment it still holds in its cache and does not map it again) and hands each

@@ -56,7 +56,7 @@ class CurrentStream:
     """``torch.cuda.current_stream(device)`` for a consumer that asks every step, without the cost.
 
     ``torch.cuda.current_stream`` builds a new Stream object on each call (a device switch and
-    back): 0.04 ms per call on the H200 host while DALI runs (``bench/step_anatomy.py --probe``),
+    back): 0.04 ms per call on an H200 host while DALI runs,
     twice in each ``next()``. This asks torch only for the calling thread's current stream id
     and returns the same Stream object while that id stays the same (a ``torch.cuda.stream()``
     context switches it, and the next call follows).

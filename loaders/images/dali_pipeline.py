@@ -26,7 +26,7 @@ def dali_dtype(name: str):
 
 def run_pipeline(pipe, stream, **inputs):
     """``pipe.run``, its outputs bound to ``stream`` (the default executor); DALI's legacy executor takes
-    no output stream: its outputs come host-synchronised (bench/ceiling.py's rows ending ``_legacy``)."""
+    no output stream: its outputs come host-synchronised."""
     return pipe.run(stream if pipe.exec_dynamic else None, **inputs)
 
 
