@@ -84,6 +84,8 @@ def test_urls_get_a_shuffled_stream_and_a_given_stream_is_used_as_it_is(tmp_path
     assert (built.stream.shuffle, built.stream.shuffle_buffer, built.stream.seed) == (True, 1000, 0)
     own = ShardStream(urls, seed=3, on_error="skip")
     assert TokenLoader(own, seq_len=128, batch_size=4).stream is own
+    folder = TokenLoader(str(tmp_path), seq_len=128, batch_size=4, packing=PackOptions(buffer_size=8))
+    assert sum(int(real_tokens(b).numel()) for b in folder) == sum(lengths(30))  # a folder: its shards
 
 
 def test_a_decoded_stream_gives_the_same_batches(tmp_path):

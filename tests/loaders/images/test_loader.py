@@ -307,6 +307,9 @@ def test_urls_and_a_stream_compose_the_same_loader(shards):
     assert not own.zero_copy and from_stream.stream.zero_copy  # the caller's stream is not changed
     a, b = collect(from_urls), collect(from_stream)
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    folder = ImageLoader(os.path.dirname(shards[0]), batch_size=8, image_size=S, device="cpu", train=False,
+                         decode=DecodeOptions(num_threads=2))
+    assert len(folder.stream.urls) == len(shards) and sum(len(y) for _, y in folder) == N  # a folder: its shards
     evaluation = ImageLoader(shards, batch_size=8, image_size=S, device="cpu", train=False)
     assert (evaluation.stream.shuffle, evaluation.stream.shuffle_buffer) == (False, 0) and not evaluation.drop_last
     seeded = ImageLoader(ShardStream(shards, shuffle=True, seed=4, on_error="skip"), batch_size=8, image_size=S,
