@@ -136,3 +136,31 @@ def plot_worker_shm(result: dict, path: str) -> str:
         ax.margins(x=0.25)
     fig.suptitle(f"worker-bound loading, {result.get('gpu') or 'CPU'} (ratios to the row torch)", fontsize=10)
     return _save(fig, path)
+
+
+def plot_peers(result: dict, path: str) -> str:
+    """One panel per numeric row of the peers table, a bar per system (missing figures left out)."""
+    plt = _plt()
+    rows = [r for r in result["table"] if any(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for k, v in r.items() if k != "row")]
+    systems = list(result["systems"])
+    cols = 3
+    nrows = max(1, -(-len(rows) // cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 2.8 * nrows), squeeze=False)
+    colors = {"torch": "tab:gray", "webdataset": "tab:olive", "datapipe": "tab:blue", "litdata": "tab:purple",
+              "mosaicml": "tab:orange"}
+    for ax, row in zip(axes.flat, rows):
+        vals = [(s, row.get(s)) for s in systems]
+        vals = [(s, v) for s, v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        ax.barh([s for s, _ in vals], [v for _, v in vals], color=[colors.get(s, "tab:green") for s, _ in vals])
+        for i, (_, v) in enumerate(vals):
+            ax.text(v, i, f" {v:,.2f}" if v < 100 else f" {v:,.0f}", va="center", fontsize=7)
+        ax.set_title(row["row"], fontsize=8)
+        ax.invert_yaxis()
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(rows):]:
+        ax.axis("off")
+    src = result.get("source", {})
+    fig.suptitle(f"peers: {src.get('images', '?')} images of {src.get('mean_kb', '?')} KB, "
+                 f"batch {result['settings']['batch_size']}", fontsize=10)
+    return _save(fig, path)

@@ -6,9 +6,10 @@ The command line module lives in ``loaders`` because the loader benchmark drives
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from datapipe.tools.bench.cli import _outputs, _storage_command, table
+from datapipe.tools.bench.cli import _outputs, _storage_command, plot_path, table
 from datapipe.errors import DataError
 
 
@@ -32,8 +33,37 @@ def _loader_command(args) -> int:
     failed = [p for p in result["pipelines"] if p.get("error")]
     for p in failed:
         print(f"{p['name']}: failed: {p['error']}", file=sys.stderr)
+    if args.peers:
+        try:
+            result["peers"] = _peers(args)
+        except (DataError, OSError, ValueError) as e:
+            print(f"datapipe bench loader --peers: {e}", file=sys.stderr)
+            return 1
+        from datapipe.tools.bench.peers import table_rows
+
+        print()
+        print(table(table_rows(result["peers"]), ["row"] + list(result["peers"]["systems"])))
     _outputs(args, result, "loader")
+    png = plot_path(args)
+    if png and "peers" in result:
+        from datapipe.tools.plots import plot_peers
+
+        print(f"wrote {plot_peers(result['peers'], os.path.splitext(png)[0] + '_peers.png')}", file=sys.stderr)
     return 1 if failed and len(failed) == len(result["pipelines"]) else 0
+
+
+def _peers(args) -> dict:
+    """The peers' rows (datapipe.tools.bench.peers) on the images of the loader's shards."""
+    import tempfile
+
+    from datapipe.tools.bench import peers
+    from datapipe.tools.bench.storage import parse_list, resolve
+
+    with tempfile.TemporaryDirectory(prefix="datapipe-peers-") as tmp:
+        source = peers.folder_from_shards(resolve([args.data]), f"{tmp}/images")
+        return peers.run_peers(source, work_dir=f"{tmp}/formats", batch_size=args.batch_size,
+                               workers=tuple(parse_list(args.peers_workers)), decode_workers=args.workers,
+                               image_size=args.image_size, progress=not args.no_progress)
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
@@ -72,6 +102,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     lo.add_argument("--seq-len", type=int, default=2048, help="row length for token data")
     lo.add_argument("--make-images", type=int, default=0, metavar="N",
                     help="if DATA is empty or missing, write N ImageNet-like JPEGs there first")
+    lo.add_argument("--peers", action="store_true",
+                    help="also torch (loose files), webdataset, datapipe, litdata and MosaicML Streaming, each "
+                         "writing these images in its own format: write rate, raw bytes, decode, first batch, "
+                         "mid-epoch resume, peak PSS (litdata / MosaicML when installed: datapipe[peers])")
+    lo.add_argument("--peers-workers", default="0,4,8", help="worker counts of the peers' raw-bytes rows")
     _common(lo)
     parser.set_defaults(_parser=parser)
 

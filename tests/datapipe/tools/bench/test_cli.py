@@ -252,3 +252,20 @@ def test_storage_cli_prints_the_warning_on_a_small_set(shard_dir, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "warning: the data set is" in out and "start-up and noise" in out
+
+
+@pytest.mark.slow
+def test_loader_peers_adds_the_peer_rows(image_dir, tmp_path, capsys):
+    out = tmp_path / "loader.json"
+    rc = main(["bench", "loader", image_dir, "--pipelines", "datapipe-loader", "--workers", "0", "--steps", "1",
+               "--warmup", "0", "--batch-size", "4", "--image-size", "16", "--peers", "--peers-workers", "0",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "mid-epoch resume, exact rest" in text
+    res = json.loads(out.read_text())
+    systems = res["peers"]["systems"]
+    assert set(systems) == {"torch", "webdataset", "datapipe", "litdata", "mosaicml"}
+    assert systems["datapipe"]["resume"]["exact"] is True
+    assert systems["datapipe"]["write"]["images"] == 24
+    assert (tmp_path / "loader_peers.png").exists()
