@@ -367,15 +367,12 @@ class ImageLoader:
 
 
 def _image_device(device) -> torch.device:
-    """``device`` checked: CUDA (present here) or the CPU."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r} is not a device; use 'cuda', 'cuda:N' or 'cpu'") from e
+    """``device`` checked as :func:`datapipe.device.prefetch.resolve_device` checks it: CUDA (present here) or CPU."""
+    from datapipe.device.prefetch import resolve_device
+
+    dev = resolve_device(device)
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: ImageLoader runs on 'cuda', 'cuda:N' or 'cpu'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
     return dev
 
 
