@@ -7,7 +7,8 @@ child cannot use (abort), a DALI pipeline joins threads that exist only in the p
 a buffered file flushes the parent's data a second time. So, once :func:`install` ran (the loaders
 call it on first use: when a producer thread starts, when a DataLoader starts its workers; never
 at import), every ``os.fork`` freezes the collector's objects (``gc.freeze``) just before and
-thaws them again in the parent only: the child keeps them out of its collector. A process that froze objects itself is left as it is.
+thaws them again in the parent only: the child keeps them out of its collector. A process that
+froze objects itself is left as it is.
 """
 from __future__ import annotations
 

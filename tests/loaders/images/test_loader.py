@@ -297,7 +297,8 @@ def test_bad_arguments(shards):
 def test_urls_and_a_stream_compose_the_same_loader(shards):
     """URLs: the loader builds the stream (train: shuffled, seed 0); a ShardStream is used as it is."""
     from_urls = ImageLoader(shards, batch_size=8, image_size=S, device="cpu", train=True,
-                            decode=DecodeOptions(num_threads=2), read=ReadOptions(label_key="__key__", label_decoder=int))
+                            decode=DecodeOptions(num_threads=2),
+                            read=ReadOptions(label_key="__key__", label_decoder=int))
     assert (from_urls.stream.shuffle, from_urls.stream.shuffle_buffer, from_urls.stream.seed) == (True, 2000, 0)
     assert from_urls.stream.zero_copy and from_urls.drop_last
     own = ShardStream(shards, shuffle=True, shuffle_buffer=2000, seed=0)
