@@ -51,6 +51,7 @@ from bench.common import sync, table, write_result  # noqa: E402
 from bench.models import ImageStep, LlamaStep  # noqa: E402
 from datapipe.tools.bench.baselines import DaliBaseline, close, endless, replay  # noqa: E402
 
+CONNECTIONS = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")  # recorded per row: it decides DALI's queues (docs)
 LOOPS = {"runs_ahead": 50, "waits_each_step": 1}  # loop style -> wait for the GPU every this many steps
 LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader")
 FORMAT = {"imageloader": "images", "dali": "images", "dataloader": "uint8", "torch_dataloader": "uint8",
@@ -214,6 +215,7 @@ class Bench:
         after = self.ceiling(fmt, loop, compiled)
         ceiling = (before + after) / 2
         out = {"loader": name, "loop": loop, "round": round_, "step": "compiled" if compiled else "eager",
+               "cuda_device_max_connections": CONNECTIONS,
                "rate": round(r["rate"], 1), "ceiling": round(ceiling, 1), "ceiling_before": round(before, 1),
                "ceiling_after": round(after, 1), "ceiling_ratio": round(r["rate"] / ceiling, 4),
                "wait_fraction": round(r["wait_fraction"], 4), "step_ms": round(r["step_ms"], 2),
@@ -224,15 +226,18 @@ class Bench:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per loader, loop style and step: rows, mean / min / max ceiling ratio, mean wait fraction."""
+    """Per loader, loop style, step and ``CUDA_DEVICE_MAX_CONNECTIONS``: rows, mean / min / max ceiling ratio,
+    mean wait fraction."""
     groups: dict = {}
     for r in rows:
         if "ceiling_ratio" in r:
-            groups.setdefault((r["loader"], r["loop"], r["step"]), []).append(r)
+            key = (r["loader"], r["loop"], r["step"], r.get("cuda_device_max_connections"))
+            groups.setdefault(key, []).append(r)
     out = []
-    for (loader, loop, step), rs in groups.items():
+    for (loader, loop, step, connections), rs in groups.items():
         ratios = [r["ceiling_ratio"] for r in rs]
-        out.append({"loader": loader, "loop": loop, "step": step, "rows": len(rs),
+        out.append({"loader": loader, "loop": loop, "step": step, "connections": connections or "default",
+                    "rows": len(rs),
                     "ceiling_ratio": round(statistics.mean(ratios), 4), "min": min(ratios), "max": max(ratios),
                     "wait_fraction": round(statistics.mean(r["wait_fraction"] for r in rs), 4),
                     "rate": round(statistics.mean(r["rate"] for r in rs), 1)})
@@ -371,6 +376,14 @@ def prepare_data(args) -> dict:
     return data
 
 
+def _earlier_rows(args) -> list[dict]:
+    path = os.path.join(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "ceiling.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f).get("rows", [])
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -396,6 +409,8 @@ def parse(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new round after this many seconds")
     p.add_argument("--quick", action="store_true", help="smoke check: tiny data, resnet18, a few steps")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's rows to the ceiling.json already in --out (e.g. another CUDA_DEVICE_MAX_CONNECTIONS)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_images, args.batch_size, args.image_size, args.arch = 64, 4, 32, "resnet18"
@@ -421,11 +436,14 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.benchmark = True
     data = prepare_data(args)
     bench = Bench(args, data)
+    earlier = _earlier_rows(args) if args.append else []
     out = {"gpu": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
            "cpu_count": os.cpu_count(), "versions": versions(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
            "config": {k: str(v) for k, v in vars(args).items()}, "loops": LOOPS, "rows": bench.rows}
+    if earlier:
+        bench.rows[:0] = earlier
     order = [(name, loop) for loop in args.loops for name in args.loaders]
     for r in range(args.rounds):
         if r and time.perf_counter() - t0 > args.budget_s:
@@ -446,7 +464,7 @@ def main(argv=None) -> dict:
     out["summary"] = summary(bench.rows)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     path = write_result("ceiling", out, args.out)
-    cols = ["loader", "loop", "step", "rows", "ceiling_ratio", "min", "max", "wait_fraction", "rate"]
+    cols = ["loader", "loop", "step", "connections", "rows", "ceiling_ratio", "min", "max", "wait_fraction", "rate"]
     print(table(out["summary"], cols))
     print(f"wrote {path} ({out['seconds']:.0f} s)")
     return out

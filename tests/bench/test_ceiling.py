@@ -55,3 +55,13 @@ def test_summary_groups_rows_by_loader_and_loop():
              "rate": 1.0} for r in (0.9, 1.0)] + [{"loader": "a", "loop": "runs_ahead", "error": "x"}]
     (s,) = ceiling.summary(rows)
     assert s["rows"] == 2 and s["ceiling_ratio"] == 0.95 and (s["min"], s["max"]) == (0.9, 1.0)
+
+
+def test_rows_of_another_connections_setting_are_summarised_apart(tmp_path):
+    rows = [{"loader": "a", "loop": "runs_ahead", "step": "eager", "ceiling_ratio": r, "wait_fraction": 0.0,
+             "rate": 1.0, "cuda_device_max_connections": c} for r, c in ((0.9, None), (1.0, "32"))]
+    by = {s["connections"]: s for s in ceiling.summary(rows)}
+    assert by["default"]["ceiling_ratio"] == 0.9 and by["32"]["ceiling_ratio"] == 1.0
+    (tmp_path / "ceiling.json").write_text(json.dumps({"rows": rows}))
+    assert ceiling._earlier_rows(ceiling.parse(["--out", str(tmp_path), "--append"])) == rows
+    assert ceiling._earlier_rows(ceiling.parse(["--out", str(tmp_path / "none")])) == []
