@@ -27,6 +27,7 @@ class Faults:
         self.access_key = None   # proxy: answer 403 (S3's InvalidAccessKeyId) unless the request is signed with it
         self.requests = 0
         self.paths: list[str] = []  # path of every request, in order
+        self.ranges: list[str | None] = []  # the Range header of every request, in order
 
     def take(self, name: str) -> bool:
         with self.lock:
@@ -58,6 +59,7 @@ def _handler(root: str, faults: Faults):
             with faults.lock:
                 faults.requests += 1
                 faults.paths.append(f"{self.command} {self.path}")
+                faults.ranges.append(self.headers.get("Range"))
             if faults.stall_s:
                 time.sleep(faults.stall_s)
             if body and faults.take("hangs"):
@@ -220,6 +222,40 @@ def _proxy_handler(upstream: str, faults: Faults, is_data):
         do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
     return Proxy
+
+
+@contextlib.contextmanager
+def plain_http_server(root: str, *, cuts: int = 0):
+    """``python -m http.server``'s own handler on 127.0.0.1 (no Range support), serving ``root``;
+    the first ``cuts`` bodies break off halfway. Yields ``(base_url, requests)``: each request's
+    ``(path, Range header)``."""
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler
+
+    requests: list[tuple[str, str | None]] = []
+    left = [cuts]
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def send_head(self):
+            requests.append((self.path, self.headers.get("Range")))
+            return super().send_head()
+
+        def copyfile(self, source, outputfile):
+            if self.command == "GET" and left[0] > 0:
+                left[0] -= 1
+                data = source.read()
+                outputfile.write(data[: len(data) // 2])
+                outputfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+            super().copyfile(source, outputfile)
+
+    with _serving(partial(Handler, directory=root)) as base:
+        yield base, requests
 
 
 @contextlib.contextmanager

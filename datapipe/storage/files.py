@@ -218,7 +218,13 @@ class RetryingFile:
     On a read error (5xx, connection reset, timeout) or a body shorter than the file's size, it
     reopens the URL, seeks to the byte it had reached and reads on, with exponential backoff.
     Bytes are never returned twice. After ``retries`` failures in a row it raises ``DataError``.
+
+    HTTP(S) is read as one streaming GET: a resume (after a cut) or a long skip asks for
+    ``Range: bytes=N-``; a server that ignores Range (``python -m http.server``) answers with the
+    whole file, whose first N bytes are then read and dropped, so the bytes stay in order.
     """
+
+    SKIP_BY_READING = REMOTE_BLOCK  # a streaming read skips up to this many bytes by reading them
 
     def __init__(self, url: str, *, storage_options: dict | None = None, retries: int = 5,
                  backoff: float = 0.2, max_backoff: float = 5.0, block_size: int = REMOTE_BLOCK):
@@ -234,15 +240,55 @@ class RetryingFile:
         self._fs, self._path = filesystem(url, self.storage_options)
         self._f = None
         self.size: int | None = None
+        self._streaming = url_scheme(url) in ("http", "https")
+        self._at = 0               # streaming: the byte the open response is at
+        self.ranges: bool | None = None  # streaming: whether the server honours Range (None: not asked yet)
         self._call(self._open)
 
-    def _open(self):
+    def _close_current(self) -> None:
         if self._f is not None:
             try:
                 self._f.close()
             except Exception:
                 pass
             self._f = None
+
+    def _open_stream(self) -> None:
+        """One GET from ``pos`` on (``Range: bytes=pos-`` unless the server is known to ignore it)."""
+        if self.size is None:
+            size = self._fs.info(self._path).get("size")
+            self.size = int(size) if isinstance(size, int) else None
+        headers = dict(getattr(self._fs, "kwargs", {}).get("headers") or {})
+        ask = self.pos > 0 and self.ranges is not False
+        if ask:
+            headers["Range"] = f"bytes={self.pos}-"
+        f = self._fs.open(self._path, "rb", block_size=0, size=self.size, headers=headers)
+        self._f, self._at = f, 0
+        response = getattr(f, "r", None)
+        if ask and getattr(response, "status", 200) == 206:
+            content_range = response.headers.get("Content-Range", "")
+            if not content_range.startswith(f"bytes {self.pos}-"):
+                raise OSError(f"asked for bytes {self.pos}- and got {content_range!r}")
+            self.ranges, self._at = True, self.pos
+        elif ask:
+            if self.ranges is None:
+                log.info("%s ignores Range requests: reading from the start and dropping %d bytes",
+                         redact_url(self.url), self.pos)
+            self.ranges = False
+        self._reach()
+
+    def _reach(self) -> None:
+        """Bring the open stream to ``pos``: read ahead and drop the bytes before it."""
+        while self._at < self.pos:
+            data = self._f.read(min(self.pos - self._at, 1 << 20))
+            if not data:
+                raise EOFError(f"body ended at byte {self._at} of {self.size}")
+            self._at += len(data)
+
+    def _open(self):
+        self._close_current()
+        if self._streaming:
+            return self._open_stream()
         f = self._fs.open(self._path, "rb", block_size=self.block_size, cache_type="none")
         if self.size is None:
             size = getattr(f, "size", None)
@@ -275,10 +321,16 @@ class RetryingFile:
     def _read_once(self, n: int) -> bytes:
         if self._f is None:
             self._open()
+        elif self._streaming and self._at != self.pos:
+            if self.pos < self._at or (self.pos - self._at > self.SKIP_BY_READING and self.ranges is not False):
+                self._open()  # back, or far ahead where Range works: a new request
+            else:
+                self._reach()
         data = self._f.read(n)
         if not data and self.size is not None and self.pos < self.size:
             self._f = None
             raise EOFError(f"body ended at byte {self.pos} of {self.size}")
+        self._at += len(data)
         return data
 
     def read(self, n: int = -1) -> bytes:
@@ -306,7 +358,7 @@ class RetryingFile:
                 raise OSError("cannot seek from the end of a file of unknown size")
             pos += self.size
         self.pos = pos
-        if self._f is not None:
+        if self._f is not None and not self._streaming:  # a stream moves on its next read
             self._call(self._seek_once)
         return pos
 
