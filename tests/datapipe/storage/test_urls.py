@@ -100,3 +100,15 @@ def test_unpadded_range_over_zero_padded_names_hints_at_padding(tmp_path):
     with pytest.raises(DataError, match=r"zero-padded, write \{000000\.\.000006\}"):
         expand_urls(f"{tmp_path}/shards/shard-{{0..6}}.tar")
     assert len(expand_urls(f"{tmp_path}/shards/shard-{{000000..000001}}.tar")) == 2
+
+
+def test_an_http_folder_ending_in_a_slash_is_listed(tmp_path):
+    from tests.servers import plain_http_server
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "a", [2, 3])
+    write_shards(tmp_path / "b", [2, 1], manifest=False)
+    with plain_http_server(str(tmp_path)) as (base, _):
+        assert expand_urls(f"{base}/a/") == [f"{base}/a/shard-000000.tar", f"{base}/a/shard-000001.tar"]
+        assert expand_urls(f"{base}/b/") == [f"{base}/b/shard-000000.tar", f"{base}/b/shard-000001.tar"]
+        assert expand_urls(f"{base}/a/shard-000000.tar") == [f"{base}/a/shard-000000.tar"]
