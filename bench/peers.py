@@ -46,6 +46,7 @@ def main(argv=None) -> dict:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per row")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (60 small images, batch 8)")
+    p.add_argument("--note", default=None, help="a sentence about this run, kept in the JSON")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
 
@@ -65,6 +66,8 @@ def main(argv=None) -> dict:
                              decode_workers=args.decode_workers, resume_workers=args.resume_workers,
                              image_size=args.image_size, timeout=args.timeout)
     result["command"] = "python bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.note:
+        result["note"] = args.note
     path = write_result("peers", result, args.out)
     plots.plot_peers(result, os.path.splitext(path)[0] + ".png")
     print(table(peers.table_rows(result), ["row"] + list(result["systems"])))

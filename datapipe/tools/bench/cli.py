@@ -36,7 +36,8 @@ def environment() -> dict[str, Any]:
     except ImportError:
         pass
     versions = {}
-    for name in ("datapipe", "torch", "numpy", "webdataset", "fsspec", "s3fs", "nvidia-dali-cuda130", "pillow"):
+    for name in ("datapipe", "torch", "numpy", "webdataset", "fsspec", "s3fs", "nvidia-dali-cuda130", "pillow", "litdata",
+                 "mosaicml-streaming"):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
