@@ -1,3 +1,4 @@
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -31,16 +32,21 @@ def serve_dir(tmp_path, counts, *, checksums=False, wrong=()):
     return urls, samples
 
 
+@contextlib.contextmanager
+def served(tmp_path, counts, *, checksums=False):
+    """Shards served on 127.0.0.1: yields ``(remote urls, samples, faults, cache_dir, local urls)``."""
+    urls, samples = serve_dir(tmp_path, counts, checksums=checksums)
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        yield [f"{base}/{os.path.basename(u)}" for u in urls], samples, faults, str(tmp_path / "cache"), urls
+
+
 def shard_requests(faults, since=0):
     return [p for p in faults.paths[since:] if ".tar" in p]
 
 
 @pytest.mark.parametrize("checksums", [False, True])
 def test_second_epoch_reads_nothing_remote(tmp_path, checksums):
-    urls, samples = serve_dir(tmp_path, [5, 4, 6], checksums=checksums)
-    cache_dir = str(tmp_path / "cache")
-    with http_server(str(tmp_path / "web")) as (base, faults):
-        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+    with served(tmp_path, [5, 4, 6], checksums=checksums) as (remote, samples, faults, cache_dir, urls):
         stream = ShardStream(remote, cache_dir=cache_dir)
         assert [strip(s) for s in stream] == [strip(s) for s in samples]
         assert shard_requests(faults)
@@ -246,10 +252,7 @@ def _change_in_place(path):
 
 @pytest.mark.parametrize("checksums", [False, True])
 def test_a_cached_shard_changed_on_disk_is_not_served(tmp_path, checksums):
-    urls, samples = serve_dir(tmp_path, [5, 4, 6], checksums=checksums)
-    cache_dir = str(tmp_path / "cache")
-    with http_server(str(tmp_path / "web")) as (base, faults):
-        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+    with served(tmp_path, [5, 4, 6], checksums=checksums) as (remote, samples, faults, cache_dir, urls):
         stream = ShardStream(remote, cache_dir=cache_dir)
         assert [strip(s) for s in stream] == [strip(s) for s in samples]
         cached = list(ShardCache(cache_dir).read_index()["entries"])
@@ -264,13 +267,10 @@ def test_a_cached_shard_changed_on_disk_is_not_served(tmp_path, checksums):
 def test_a_cached_shard_only_touched_is_hashed_once_and_served(tmp_path, monkeypatch):
     from datapipe.storage import cache as cache_module
 
-    urls, samples = serve_dir(tmp_path, [5, 4], checksums=True)
-    cache_dir = str(tmp_path / "cache")
     hashed = []
     real = cache_module._file_sha256
     monkeypatch.setattr(cache_module, "_file_sha256", lambda p: hashed.append(p) or real(p))
-    with http_server(str(tmp_path / "web")) as (base, faults):
-        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+    with served(tmp_path, [5, 4], checksums=True) as (remote, samples, faults, cache_dir, _):
         stream = ShardStream(remote, cache_dir=cache_dir)
         list(stream)
         for epoch in (1, 2):  # unchanged: no hashing
@@ -320,10 +320,7 @@ def test_a_cache_on_a_full_disk_costs_only_the_cache_entries(tmp_path, monkeypat
         return _FullDisk(f) if "w" in mode else f
 
     monkeypatch.setattr(cache_module, "open", full_disk_open, raising=False)
-    urls, samples = serve_dir(tmp_path, [5, 4, 6], checksums=checksums)
-    cache_dir = str(tmp_path / "cache")
-    with http_server(str(tmp_path / "web")) as (base, faults):
-        remote = [f"{base}/{os.path.basename(u)}" for u in urls]
+    with served(tmp_path, [5, 4, 6], checksums=checksums) as (remote, samples, faults, cache_dir, _):
         stream = ShardStream(remote, cache_dir=cache_dir, on_error=on_error)
         with caplog.at_level("WARNING"):
             for epoch in (0, 1):
