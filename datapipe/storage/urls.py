@@ -1,4 +1,5 @@
-"""Shard URL specs: brace expansion, ``::`` joins, scheme checks and credential redaction."""
+"""Shard URL specs: brace expansion, ``::`` joins, folders that stand for their dataset, and (re-exported from
+``datapipe.storage.locations``) scheme checks and credential redaction."""
 from __future__ import annotations
 
 import os

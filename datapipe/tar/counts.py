@@ -129,8 +129,9 @@ def store_counts(entries: dict[str, dict], *, storage_options: dict | None = Non
 
 
 def count_shard(url: str, *, storage_options: dict | None = None, retries: int = 5) -> dict[str, Any]:
-    """``{"count", "damage", "stamp"}`` of one shard: its complete samples (walking headers only) and
-    the damage that stopped the count (a message naming the byte), or None. Unreadable: ``DataError``."""
+    """``{"count", "damage", "stamp"}`` of one shard: its samples (walking headers only, past damaged
+    headers as a skip read goes) and the damage that cut it short (a message naming the byte), or None.
+    Unreadable: ``DataError``."""
     from datapipe.errors import DataError
     from datapipe.storage.files import open_shard
     from datapipe.tar.blocks import reader_for

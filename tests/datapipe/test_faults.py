@@ -269,3 +269,12 @@ def test_bench_storage_on_a_server_without_range(tmp_path):
         result = run_storage([f"{base}/shard-000000.tar"], concurrency=[1], block_sizes=[1 << 20],
                              seconds=1.0, progress=False)
     assert result["stream"]["copy"]["samples"] == 10
+
+
+@pytest.mark.timeout(60)
+def test_an_s3_folder_is_a_dataset(s3):
+    spec, samples, faults, options = s3
+    _reset(faults)
+    stream = ShardStream("s3://bucket/data", storage_options=options, **FAST)
+    assert stream.urls == [f"s3://bucket/data/shard-{i:06d}.tar" for i in range(3)]
+    assert [strip(s) for s in stream] == [strip(s) for s in samples]
