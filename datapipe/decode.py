@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from datapipe.errors import DataError
 from datapipe.storage.urls import redact_url
@@ -125,3 +125,19 @@ def run_steps(steps: Sequence[Callable[[Any], Any]], sample: dict) -> Any:
                             url=redact_url(url) if isinstance(url, str) else None,
                             key=sample.get("__key__")) from e
     return out
+
+
+def stepped(items: Iterable[Any], steps: Sequence[Callable[[Any], Any]], *, lost: Any,
+            lose: Callable[[DataError, int], Iterable[Any]]) -> Iterator[Any]:
+    """The steps stage: each sample through ``steps``; one that fails goes to ``lose(error, 1)`` (the
+    ``on_error`` policy, which raises or gives a ``lost`` item in its place)."""
+    for item in items:
+        if item is lost:
+            yield item
+            continue
+        try:
+            out = run_steps(steps, item)
+        except DataError as e:
+            yield from lose(e, 1)
+            continue
+        yield out

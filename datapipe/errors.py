@@ -95,6 +95,11 @@ class ErrorPolicy:
     def __getstate__(self):
         return {**self.__dict__, "stopped": None}  # a live exception (and its traceback) stays in its process
 
+    def reset(self) -> None:
+        """Count from zero (a DataLoader worker's copy of a stream counts only its own errors)."""
+        self.errors = self.skipped = 0
+        self.last_errors = []
+
     def note(self, err: BaseException, *, lost: int = 0) -> None:
         """Count an error that was already handled (``lost`` samples dropped because of it)."""
         self.errors += 1

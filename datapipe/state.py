@@ -20,6 +20,10 @@ A stage (``ShardStream``, ``mix``, ``Packer``, ``TokenLoader``, ``ImageLoader``,
   named key (``"stream"``, ``"dataset"``, ``"loader"``, ``"batcher"``, ``"sources"``) and hands it
   back to the source's ``load_state_dict``; it never writes a state in its source's format itself.
   Its own counters sit beside it (``{"source": {...}, "batches": n}``).
+- A state records what it was taken over (a stream's ``seed``, ``shuffle``, ``shuffle_buffer`` and
+  ``shards``, the fingerprint of its shard list; a mix's ``weights``): ``load_state_dict`` refuses a
+  state taken over anything else, naming each difference with both values (:func:`check_identity`).
+  A malformed state (a key missing, a value of the wrong type) is a ValueError naming it.
 """
 from __future__ import annotations
 
@@ -37,9 +41,10 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def check_state(state: Any, kind: str, *, keys: Sequence[str] = ()) -> Mapping[str, Any]:
+def check_state(state: Any, kind: str, *, keys: Sequence[str] | Mapping[str, type] = ()) -> Mapping[str, Any]:
     """``state`` if it is a state of ``kind`` holding ``keys``; else a ValueError that says what it is.
 
+    ``keys``: names, or names with the type their values must have (``{"epoch": numbers.Integral}``).
     A state without a ``"kind"`` entry (saved before the key existed) passes when it holds ``keys``.
     """
     if not isinstance(state, Mapping):
@@ -52,4 +57,22 @@ def check_state(state: Any, kind: str, *, keys: Sequence[str] = ()) -> Mapping[s
     if missing:
         raise ValueError(f"not a {kind} state: no {', '.join(repr(k) for k in missing)} "
                          f"entr{'y' if len(missing) == 1 else 'ies'}; pass what {kind}.state_dict() returned")
+    if isinstance(keys, Mapping):
+        for key, want in keys.items():
+            value = state[key]
+            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+                raise ValueError(f"not a {kind} state: its {key!r} entry is {type(value).__name__} {value!r:.60}, "
+                                 f"expected {getattr(want, '__name__', want)}; pass what {kind}.state_dict() returned")
     return state
+
+
+def check_identity(state: Mapping[str, Any], kind: str, current: Mapping[str, Any]) -> None:
+    """A ValueError naming every setting ``state`` was taken with that differs from ``current``, with both values.
+
+    Keys the state lacks are not compared (states saved before they were recorded).
+    """
+    diffs = [f"{key}={state[key]!r} (this {kind} has {key}={value!r})" for key, value in current.items()
+             if key in state and state[key] != value]
+    if diffs:
+        raise ValueError(f"this checkpoint was taken over other data or settings: {'; '.join(diffs)}. "
+                         f"Load it into a {kind} made with the same settings and shards")

@@ -171,6 +171,9 @@ class DataLoader(tud.DataLoader[_T_co]):
         self.collate_fn = inner
         if self._pass_pins:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
+        open_ledger = getattr(self.dataset, "open_ledger", None)
+        if workers > 0 and callable(open_ledger) and not (self.persistent_workers and self._iterator is not None):
+            open_ledger(workers)  # the workers' losses reach the dataset's stats() here (datapipe.read.ledger)
         forks.install()  # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
             if replay and rng.rng_state is not None:
@@ -430,7 +433,9 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None
 
     def stats(self) -> dict:
-        """Throughput and data-wait of the current (or last) pass plus the autotune choices; when the
+        """Throughput and data-wait of the current (or last) pass plus the autotune choices; the dataset's
+        losses when it counts them (``ShardStream``, ``mix``: ``skipped``, ``errors``, ``padded``, ``last_errors``,
+        over the main process and the workers, counted once); when the
         loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers),
         ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``), the
         segments the main process holds mapped (``segments``) and of those the ones registered for CUDA,
@@ -439,6 +444,11 @@ class DataLoader(tud.DataLoader[_T_co]):
         out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
                          prefetcher=self._prefetcher)
+        losses = getattr(self.dataset, "stats", None)
+        if callable(losses):  # the dataset's loss ledger, workers included: skipped samples, errors, padded repeats
+            ds = losses()
+            if isinstance(ds, dict):
+                out.update({k: ds[k] for k in ("skipped", "errors", "padded", "last_errors") if k in ds})
         if self._returns is not None and self._pass_pins:
             r = self._returns
             out["shared_memory"] = {"recycled": r.released, "segments": len(r.kept), "registered": len(r.registered)}

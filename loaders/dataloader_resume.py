@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from datapipe.order import elastic
+from datapipe.order.ranks import rank_world  # (rank, world_size) as the dataset (or its stream) sees them
 from datapipe.state import check_state
 
 __all__ = ["KIND", "RngRecord", "Plan", "IndexSampler", "fresh_state", "pass_state", "as_loadable",
@@ -177,16 +178,6 @@ def from_global(state: dict, *, rank: int, world_size: int, fixed_workers: int |
     return {"epoch": int(state["epoch"]), "batches": 0, "num_workers": workers_now,
             "generator_state": None, "rng_state": None, "sampler_rng_state": None,
             "sampler_epoch": None, "base_seed": None, "dataset": ds}, True
-
-
-def rank_world(dataset) -> tuple[int, int]:
-    """``(rank, world_size)`` as the dataset (or its ``stream``) sees them, else torch.distributed's."""
-    own = getattr(dataset, "_rank_world", None) or getattr(getattr(dataset, "stream", None), "_rank_world", None)
-    if callable(own):
-        return own()
-    from datapipe.stream import default_rank_world
-
-    return default_rank_world()
 
 
 def record_order(rng: RngRecord, resume: dict | None, *, sampler, generator) -> None:

@@ -13,6 +13,7 @@ import torch
 from datapipe.device.handoff import close_last
 from datapipe.device.prefetch import DevicePrefetcher
 from datapipe.errors import DataError, ErrorPolicy
+from datapipe.order.ranks import rank_world
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
 from loaders.source import as_stream, check_positive_int, option_group
@@ -227,7 +228,7 @@ class TokenLoader:
         Names the rank and world size it was taken on; the states of all ranks merge into one global
         state (``datapipe.order.elastic.merge_states`` / ``gather_state``) that resumes on any world size.
         """
-        rank, world = self.stream._rank_world()
+        rank, world = rank_world(self.stream)
         if self._delivered is None:
             out = {"stream": self.stream.state_dict(), "batcher": self.batcher.state_dict(), "batches": 0}
         else:
@@ -251,7 +252,7 @@ class TokenLoader:
         if isinstance(state, (list, tuple)):
             state = elastic.merge_states(state)
         if elastic.is_global(state):
-            rank, world = self.stream._rank_world()
+            rank, world = rank_world(self.stream)
             if state["world_size"] == world:
                 state = state["ranks"][rank]
             else:

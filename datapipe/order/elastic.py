@@ -38,6 +38,31 @@ def worker_seed(seed: int, epoch: int, rank: int, worker: int, world_size: int, 
     return derive_seed(seed, epoch, rank, worker, world_size, max(1, num_workers), generation)
 
 
+def start_of(resume: dict | None, *, worker: int, num_workers: int,
+             world_size: int) -> tuple[int, int, bool, Ranges | None, int]:
+    """Where physical ``worker`` starts: ``(logical worker, draws, done, base, generation)`` after ``resume``
+    (a ShardStream's pending resume, or None: the epoch's start)."""
+    logical, draws, done = worker, 0, False
+    base, generation = None, 0
+    if resume is None:
+        return logical, draws, done, base, generation
+    same_workers = max(1, resume["num_workers"]) == max(1, num_workers)  # 0 and 1 worker split alike
+    same_world = resume["world_size"] is None or resume["world_size"] == world_size
+    if resume.get("reshape") is not None and not (same_workers and same_world):
+        return logical, draws, done, resume["reshape"]["base"], resume["reshape"]["generation"]  # elastic: replan
+    if not same_workers:
+        raise ValueError(f"state was saved with num_workers={resume['num_workers']}, "
+                         f"now {num_workers}: resume with the same number of workers, or load the "
+                         "global state (datapipe.order.elastic.merge_states) to resume on another shape")
+    if not same_world:
+        raise ValueError(f"state was saved with world_size={resume['world_size']}, now {world_size}: load the "
+                         "global state (datapipe.order.elastic.merge_states) to resume on another shape")
+    logical = (worker + resume["first_worker"]) % max(1, num_workers)
+    saved = resume["workers"].get(logical, {})
+    draws, done = int(saved.get("draws", 0)), bool(saved.get("done", False))
+    return logical, draws, done, resume.get("base"), resume.get("generation", 0)
+
+
 NESTED = ("stream", "dataset", "loader")  # where a loader's state keeps its dataset's (per-rank) state
 
 
@@ -60,8 +85,19 @@ def _rank_world(state: dict) -> tuple[int, int]:
                      "after at least one batch (or load the global state it was resumed from)")
 
 
+def _fresh(state: Any) -> bool:
+    """A state that names no rank because nothing of its epoch was handed out: a loader's state taken after an
+    epoch ended or before its first batch (``{"epoch": 1, "batches": 0, "dataset": None, ...}``)."""
+    return (isinstance(state, dict) and not is_global(state) and inner(state).get("rank") is None
+            and state.get("batches") == 0 and state.get("dataset") is None)
+
+
 def merge_states(states: Sequence[dict]) -> dict:
-    """One global state from the per-rank states of every rank (any order)."""
+    """One global state from the per-rank states of every rank (any order).
+
+    States taken where no rank had handed anything of the epoch out (after an epoch ended) name no
+    rank; they merge into the first of them, which starts that epoch on any shape.
+    """
     if is_global(states):
         return states
     states = list(states)
@@ -70,6 +106,14 @@ def merge_states(states: Sequence[dict]) -> dict:
     if all(is_global(s) for s in states):  # every rank still holds the global state it loaded
         if len({(s["world_size"], s["num_workers"], s["epoch"]) for s in states}) == 1:
             return states[0]
+    fresh = [_fresh(s) for s in states]
+    if any(fresh):
+        epochs = sorted({int(_field(s, "epoch") or 0) for s in states})
+        if all(fresh) and len(epochs) == 1:
+            return dict(states[0])  # no rank had handed out anything of this epoch: its start, on any shape
+        raise ValueError(f"the rank states disagree: ranks {[i for i, f in enumerate(fresh) if f]} had handed out "
+                         f"nothing of their epoch, the others had (epochs {epochs}); take the states at a step every "
+                         "rank has reached")
     by_rank: dict[int, dict] = {}
     world = None
     for s in states:

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch.utils.data
 
 from datapipe.order import elastic
+from datapipe.order.ranks import rank_world
 from datapipe.order.seeds import derive_seed
-from datapipe.state import check_state
+from datapipe.state import check_identity, check_state
 
 STOP = ("first", "all", "restart")
 _MASK = (1 << 64) - 1
@@ -196,7 +198,10 @@ class Mix(torch.utils.data.IterableDataset):
             p = self._position
             sources = []
             for i, s in enumerate(self.streams):
-                if p["taken"][i] == 0 or not callable(getattr(s, "state_dict", None)):
+                if p["taken"][i] == 0 and callable(getattr(s, "state_dict", None)) and not self._started[i]:
+                    replanned = s.state_dict()  # not read since an elastic resume: keep its new plan
+                    sources.append(replanned if int(replanned.get("generation") or 0) else None)
+                elif p["taken"][i] == 0 or not callable(getattr(s, "state_dict", None)):
                     sources.append(None)  # fresh (or restarted) stream, or one resumed by skipping
                 elif self._started[i]:
                     sources.append(s.state_dict())
@@ -205,7 +210,8 @@ class Mix(torch.utils.data.IterableDataset):
             workers[self._logical] = {**{k: (list(v) if isinstance(v, list) else v) for k, v in p.items()},
                                       "sources": sources}
         rank, world = self._rank_world()
-        return {"kind": "Mix", "epoch": self.epoch, "seed": self.seed, "num_workers": self._num_workers,
+        return {"kind": "Mix", "epoch": self.epoch, "seed": self.seed, "weights": list(self.weights),
+                "streams": len(self.streams), "num_workers": self._num_workers,
                 "workers": workers, "rank": rank, "world_size": world, "generation": self._generation}
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
@@ -218,12 +224,14 @@ class Mix(torch.utils.data.IterableDataset):
         """
         if isinstance(state, (list, tuple)):
             state = elastic.merge_states(state)
+        for s in (state["ranks"] if elastic.is_global(state) else [state]):
+            check_state(s, "Mix", keys={"epoch": Integral, "num_workers": Integral, "workers": dict})
+            check_identity(s, "Mix", {"seed": self.seed, "weights": list(self.weights), "streams": len(self.streams)})
         if elastic.is_global(state):
             self.epoch = int(state["epoch"])
             self._loaded_shape = elastic.shape(state)
             self._resume = {"global": state}
             return
-        check_state(state, "Mix", keys=("epoch", "num_workers", "workers"))
         self.epoch = int(state["epoch"])
         if state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),
@@ -237,13 +245,27 @@ class Mix(torch.utils.data.IterableDataset):
                 "workers": {int(w): p for w, p in state["workers"].items()}}
 
     def _rank_world(self) -> tuple[int, int]:
-        """The rank and world size of the first stream that splits by rank (else torch.distributed's)."""
-        for s in self.streams:
-            if callable(getattr(s, "_rank_world", None)):
-                return s._rank_world()
-        from datapipe.stream import default_rank_world
+        """The rank and world size of the first stream that sets them (else torch.distributed's)."""
+        return rank_world(self)
 
-        return default_rank_world()
+    def open_ledger(self, num_workers: int) -> None:
+        """(``loaders.DataLoader``, before starting workers) each stream's ledger rows (see ``ShardStream``)."""
+        for s in self.streams:
+            if callable(getattr(s, "open_ledger", None)):
+                s.open_ledger(num_workers)
+
+    def stats(self) -> dict[str, Any]:
+        """The streams' counts added up (those with ``stats()``): skipped, errors, last errors, samples read..."""
+        out: dict[str, Any] = {"last_errors": []}
+        for s in self.streams:
+            if not callable(getattr(s, "stats", None)):
+                continue
+            for k, v in s.stats().items():
+                if k == "last_errors":
+                    out[k] += v
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+        return out
 
     def _reshape(self, g: dict[str, Any]) -> int:
         """Loads each stream with the global state of its undelivered samples; returns the new generation."""
@@ -266,7 +288,8 @@ class Mix(torch.utils.data.IterableDataset):
                         workers.update({int(k): dict(v) for k, v in src["workers"].items()})
                 ranks.append({"epoch": int(rs["epoch"]), "rank": r, "world_size": world, "num_workers": nw,
                               "workers": workers})
-            extra = {k: template[k] for k in ("seed", "shuffle_buffer", "total", "generation", "base")
+            extra = {k: template[k] for k in ("seed", "shuffle", "shuffle_buffer", "shards", "total", "generation",
+                                              "base")
                      if template is not None and k in template}
             stream.load_state_dict(elastic.merge_states([{**extra, **rs} for rs in ranks]))
         return 1 + max([int(rs.get("generation", 0)) for rs in g["ranks"]])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 class ShuffleBuffer:
@@ -48,3 +48,23 @@ def replay_positions(size: int, seed: int, length: int, draws: int) -> tuple[Shu
     if consumed != draws:
         raise ValueError(f"cannot resume after {draws} draws: this run has only {consumed} items")
     return buffer, buffer.pulled
+
+
+def shuffled(read_positions: Callable[[int], Iterator[tuple[int, Any]]], *, size: int, seed: int, length: int,
+             draws: int) -> Iterator[Any]:
+    """The shuffle-buffer stage: items of a run of ``length`` positions from draw ``draws`` on.
+
+    ``read_positions(first)`` yields ``(position, item)`` from position ``first`` on. The buffer is
+    rebuilt by replaying ``draws`` draws over positions; the items in its slots are read again.
+    """
+    buffer, pulled = replay_positions(size, seed, length, draws)
+    source = read_positions(min(buffer.slots + [pulled]))
+    wanted = {p: i for i, p in enumerate(buffer.slots)}
+    slots = [None] * len(buffer.slots)
+    while wanted:
+        pos, item = next(source)
+        if pos in wanted:
+            slots[wanted.pop(pos)] = (pos, item)
+    live = ShuffleBuffer(size, buffer.rng, slots)
+    for _, item in live.run(item for item in source if item[0] >= pulled):
+        yield item

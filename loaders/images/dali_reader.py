@@ -31,6 +31,7 @@ import torch
 
 from datapipe.errors import DataError
 from datapipe.order.plan import samples_per_rank, shard_order
+from datapipe.read.shards import fingerprint
 from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
@@ -135,14 +136,6 @@ class SampleNumbers:
             return np.array(list(map(self.table.__getitem__, keys)), dtype=np.int64)
         except KeyError as e:
             raise DataError(f"DALI read a sample its index files do not list: {e.args[0][:200]!r}") from None
-
-
-def fingerprint(urls: list[str], counts: list[int]) -> str:
-    """Names (basenames) and sample counts of the shards: a state's bitmap only fits these shards."""
-    import posixpath
-
-    text = "|".join(f"{posixpath.basename(u)}:{c}" for u, c in zip(urls, counts))
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _raw_checkpoint(pipe) -> bytes:

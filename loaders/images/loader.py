@@ -26,6 +26,7 @@ from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import ProducerMeter, close_last
 from datapipe.device.pacing import IMAGE_PACE
 from datapipe.device.side_stream import on_side_stream
+from datapipe.order.ranks import rank_world
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
 from loaders.images.dali_reader import DaliReader
@@ -177,7 +178,7 @@ class ImageLoader:
         return self.device.type == "cuda" and not self._host_decode
 
     def _rank_world(self) -> tuple[int, int]:
-        return self.stream._rank_world()
+        return rank_world(self.stream)
 
     def _pipeline(self, *, source=None, reader=None, batch_size=None, depth=None, seed=None, checkpoint=None,
                   source_info=False):

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from datapipe import DataError, ShardStream
+from datapipe.read.options import ReadOptions
 from tests.shards import write_shards
 from tests.servers import fault_proxy, http_server, s3_server
 
 FAULTS = ["errors_5xx", "resets", "truncations", "hangs", "body_hangs"]
-FAST = {"timeout": 1.0, "retries": 3, "backoff": 0.02}
+FAST = {"read": ReadOptions(timeout=1.0, retries=3, backoff=0.02)}
 
 
 def strip(sample):
@@ -62,7 +63,8 @@ def test_http_503_on_the_first_request_of_a_shard_is_retried(web):
 @pytest.mark.timeout(60)
 def test_http_faults_with_dataloader_workers_and_shuffle(web):
     remote, samples, faults = web
-    stream = ShardStream(remote, shuffle=True, shuffle_buffer=4, seed=2, timeout=1.0, retries=8, backoff=0.02)
+    stream = ShardStream(remote, shuffle=True, shuffle_buffer=4, seed=2,
+                         read=ReadOptions(timeout=1.0, retries=8, backoff=0.02))
     stream.counts
     faults.errors_5xx, faults.resets, faults.truncations, faults.body_hangs = 2, 2, 2, 1  # up to 7 in a row
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
@@ -74,12 +76,13 @@ def test_http_faults_with_dataloader_workers_and_shuffle(web):
 @pytest.mark.parametrize("fault", ["errors_5xx", "hangs"])  # (resets each send half the rest: a stream resumes on)
 def test_http_persistent_fault_is_a_data_error_soon(web, fault):
     remote, samples, faults = web
-    stream = ShardStream(remote, timeout=0.3, retries=2, backoff=0.02)
+    stream = ShardStream(remote, read=ReadOptions(timeout=0.3, retries=2, backoff=0.02))
     stream.counts
     setattr(faults, fault, 10**6)
     with pytest.raises(DataError, match="shard-000000"):
         list(stream)
-    skip = ShardStream(remote, timeout=0.3, retries=1, backoff=0.02, on_error="skip", counts=[5, 4, 6])
+    skip = ShardStream(remote, read=ReadOptions(timeout=0.3, retries=1, backoff=0.02), on_error="skip",
+                       counts=[5, 4, 6])
     assert list(skip) == [] and skip.stats()["skipped"] == 15
 
 
@@ -137,7 +140,7 @@ def _reset(faults):
 def test_s3_fault_is_retried_and_every_sample_comes_once(s3, fault):
     spec, samples, faults, options = s3
     _reset(faults)
-    stream = ShardStream(spec, storage_options=options, **FAST)
+    stream = ShardStream(spec, read=ReadOptions(storage_options=options, timeout=1.0, retries=3, backoff=0.02))
     assert stream.counts == [5, 4, 6]
     before = faults.requests
     setattr(faults, fault, 2)
@@ -149,7 +152,8 @@ def test_s3_fault_is_retried_and_every_sample_comes_once(s3, fault):
 def test_s3_persistent_fault_is_a_data_error_and_secrets_stay_hidden(s3, caplog):
     spec, samples, faults, options = s3
     _reset(faults)
-    stream = ShardStream(spec, storage_options=options, counts=[5, 4, 6], timeout=1.0, retries=1, backoff=0.02)
+    stream = ShardStream(spec, counts=[5, 4, 6],
+                         read=ReadOptions(storage_options=options, timeout=1.0, retries=1, backoff=0.02))
     faults.errors_5xx = 10**6
     try:
         with caplog.at_level(logging.DEBUG, logger="datapipe"), pytest.raises(DataError, match="shard-000000") as info:

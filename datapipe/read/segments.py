@@ -1,13 +1,14 @@
-"""Reading one segment of a ``ShardStream`` plan: open the shard (cache or storage, with retries),
-walk its samples, and turn damage and missing samples into LOST positions under the ``on_error`` policy."""
+"""The segment reader: a worker's plan (:mod:`datapipe.order.plan`) turned into samples. Each segment's shard
+is opened (cache or storage, with retries), its samples walked, and damage and missing samples turned into
+LOST positions under the ``on_error`` policy, counted in the stream's ledger."""
 from __future__ import annotations
 
 from typing import Any, Iterator
 
 from datapipe.errors import DataError
 from datapipe.order.plan import WorkerPlan
-from datapipe.storage.files import RetryingFile, decompress, open_shard
-from datapipe.storage.urls import is_local, redact_url
+from datapipe.read.shards import Shards
+from datapipe.storage.urls import redact_url
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import TarFormatError
 from datapipe.tar.reader import iter_samples
@@ -32,10 +33,20 @@ class _Cursor:
         self.last_key: str | None = None
 
 
-class SegmentReading:
-    """``ShardStream``'s reads of its plan's segments (a mixin: the state lives on the stream)."""
+class SegmentReader:
+    """Reads the segments of a worker's plan from ``shards``: samples, or LOST for those that could not be read.
 
-    def _read_items(self, plan: WorkerPlan, first: int) -> Iterator[Any]:
+    Args:
+        shards: the stream's shards (URLs, counts, how to open them; its ledger counts what is read and lost).
+        zero_copy: values of local uncompressed shards as memoryviews into the mapped file.
+    """
+
+    def __init__(self, shards: Shards, *, zero_copy: bool = False):
+        self.shards = shards
+        self.ledger = shards.ledger
+        self.zero_copy = zero_copy
+
+    def items(self, plan: WorkerPlan, first: int) -> Iterator[Any]:
         """The plan's samples (or LOST) from position ``first`` on."""
         pos = 0
         for seg in plan.segments:
@@ -44,7 +55,7 @@ class SegmentReading:
                 yield from self._read_segment(seg.shard, seg.start + max(0, first - pos), seg.stop)
             pos += n
 
-    def _read_positions(self, plan: WorkerPlan, first: int) -> Iterator[tuple[int, Any]]:
+    def positions(self, plan: WorkerPlan, first: int) -> Iterator[tuple[int, Any]]:
         """``(position, sample or LOST)`` for the plan's positions from ``first`` on."""
         pos = 0
         for seg in plan.segments:
@@ -63,16 +74,16 @@ class SegmentReading:
         Open the shard, walk its samples (``_walk_segment``), close it, then lose what it lacked. Every
         error goes to the ``on_error`` policy: one it lets through loses the rest of the segment.
         """
-        url = self.urls[shard]
+        url = self.shards.urls[shard]
         try:
-            f, seekable, tee = self._open(url)
+            f, seekable, tee = self.shards.open(url)
         except DataError as e:
-            yield from self._lose(e, stop - start)
+            yield from self.lose(e, stop - start)
             return
-        self._stats["shards_opened"] += 1
+        self.ledger.counts["shards_opened"] += 1
         reader = reader_for(f, seekable=seekable)
         cursor = _Cursor(start)
-        damaged = url in self._damage
+        damaged = url in self.shards.damage
         try:
             yield from self._walk_segment(reader, shard, start, stop, cursor, look_past=not damaged)
             if tee is not None and not damaged:
@@ -81,17 +92,18 @@ class SegmentReading:
             after = f" (after the whole sample {cursor.last_key!r})" if e.key is None and cursor.last_key else ""
             err = self._error(f"unreadable tar data at byte {e.offset}: {e}{after}", url, e.key)
             err.__cause__ = e
-            yield from self._lose(err, stop - cursor.expected)
+            yield from self.lose(err, stop - cursor.expected)
             cursor.expected = stop
         except DataError as e:
-            if e is self._errors.stopped:
+            if e is self.ledger.errors.stopped:
                 raise  # the policy's handler stopped the walk: not an error to handle again
-            yield from self._lose(e, stop - cursor.expected)
+            yield from self.lose(e, stop - cursor.expected)
             cursor.expected = stop
         finally:
-            self._close(f, reader)
+            self.shards.close(f, reader)
+            self.ledger.publish()
         if cursor.expected < stop:
-            yield from self._lose(self._error(f"shard ends at byte {reader.offset} after {cursor.expected} samples, "
+            yield from self.lose(self._error(f"shard ends at byte {reader.offset} after {cursor.expected} samples, "
                                               f"{stop} expected (truncated, or the manifest is wrong)",
                                               url, cursor.last_key), stop - cursor.expected)
 
@@ -101,28 +113,29 @@ class SegmentReading:
         the missing ones; ``cursor`` is left at the next ordinal expected (also when an error stops the
         walk). ``look_past``: at the shard's end, read one sample further so that a shard longer than
         its count is reported."""
-        url = self.urls[shard]
-        past = stop + 1 if look_past and stop == self.counts[shard] else stop
+        url = self.shards.urls[shard]
+        counts, errors = self.shards.counts, self.ledger.errors
+        past = stop + 1 if look_past and stop == counts[shard] else stop
         expected, last_key = start, None  # the cursor, kept in locals on this hot path
         try:
-            for event in iter_samples(reader, url, start=start, stop=past, resync=not self._errors.raises,
+            for event in iter_samples(reader, url, start=start, stop=past, resync=not errors.raises,
                                       zero_copy=self.zero_copy):
                 ordinal = event.ordinal
                 if ordinal is None:  # damage not tied to a position: the count at the end tells what it cost
-                    self._errors(self._error(f"damaged tar data skipped: {event.error}", url, last_key), lost=0)
+                    errors(self._error(f"damaged tar data skipped: {event.error}", url, last_key), lost=0)
                     continue
                 if ordinal >= stop:
-                    self._errors(self._error(f"shard holds more than the {self.counts[shard]} samples its "
+                    errors(self._error(f"shard holds more than the {counts[shard]} samples its "
                                              "manifest lists", url, event.key), lost=0)
                     break
                 if ordinal > expected:
-                    yield from self._lose(self._error("samples missing before this one", url, event.key),
+                    yield from self.lose(self._error("samples missing before this one", url, event.key),
                                           ordinal - expected)
                     expected = ordinal
                 last_key = event.key
                 expected += 1
                 if event.sample is None:
-                    yield from self._lose(self._error(f"bad sample: {event.error}", url, event.key), 1)
+                    yield from self.lose(self._error(f"bad sample: {event.error}", url, event.key), 1)
                     continue
                 yield event.sample
         finally:
@@ -131,32 +144,9 @@ class SegmentReading:
     def _error(self, message: str, url: str, key: str | None) -> DataError:
         return DataError(message, url=redact_url(url), key=key)
 
-    def _close(self, f, reader) -> None:
-        """Close a shard, counting the bytes it gave and the retries its reads took."""
-        self._stats["bytes_read"] += reader.offset
-        self._stats["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
-        if self._cache is not None:
-            self._stats["cache_failures"] = self._cache.failures  # the cache's own count (it may fail at open)
-        if hasattr(reader, "close"):
-            reader.close()
-        f.close()
-
-    def _open(self, url: str):
-        """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""
-        if self._cache is None or is_local(url) or url.startswith("pipe:"):
-            f, seekable = open_shard(url, storage_options=self._options(url), retries=self.retries,
-                                     allow_pipe=self.allow_pipe, backoff=self.backoff)
-            return f, seekable, None
-        options = self._options(url)
-        raw, hit = self._cache.open(url, lambda: RetryingFile(url, storage_options=options, retries=self.retries,
-                                                              backoff=self.backoff),
-                                    sha256=self._checksum(url))
-        self._stats["cache_hits"] += hit
-        f, seekable = decompress(url, raw, seekable=raw.seekable())
-        return f, seekable, (raw if hasattr(raw, "finish") else None)
-
-    def _lose(self, err: DataError, n: int) -> Iterator[Any]:
+    def lose(self, err: DataError, n: int) -> Iterator[Any]:
         """``n`` LOST positions because of ``err`` (after the policy let it through, counting them)."""
-        self._errors(err, lost=n)
+        self.ledger.errors(err, lost=n)
+        self.ledger.publish()
         for _ in range(n):
             yield LOST

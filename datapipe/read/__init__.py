@@ -1,0 +1,4 @@
+"""Reading a ``ShardStream``'s shards: the rarer read settings (:mod:`~datapipe.read.options`), the shard
+list with its sample counts (:mod:`~datapipe.read.shards`), the segment reader that turns a worker's plan
+into samples (:mod:`~datapipe.read.segments`) and the counts of everything read or lost
+(:mod:`~datapipe.read.ledger`)."""

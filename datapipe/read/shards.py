@@ -1,0 +1,174 @@
+"""A stream's shards: their URLs, how to open them (read options, cache), and how many samples each holds
+(given counts, the manifest, the count cache, or counted once by walking the shard's headers; damaged
+shards count their complete samples)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import posixpath
+
+from datapipe.errors import DataError
+from datapipe.read.ledger import Ledger
+from datapipe.read.options import ReadOptions
+from datapipe.storage.cache import ShardCache
+from datapipe.storage.files import RetryingFile, decompress, open_shard, with_timeouts
+from datapipe.storage.urls import is_local, redact_url
+from datapipe.tar.blocks import reader_for
+from datapipe.tar.counts import _map, load_counts, stamp, store_counts
+from datapipe.tar.manifest import read_manifest
+from datapipe.tar.reader import count_until_damage
+
+# the stream's own logger (its count warning keeps its name)
+log = logging.getLogger("datapipe").getChild("stream")
+
+
+def fingerprint(urls: list[str], counts: list[int], checksums: list[str | None] | None = None) -> str:
+    """The identity of a shard list: names (basenames), sample counts and (where a manifest has them) sha256s."""
+    checksums = checksums or [None] * len(urls)
+    text = "|".join(f"{posixpath.basename(u)}:{c}" + (f":{h}" if h else "")
+                    for u, c, h in zip(urls, counts, checksums))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+class Shards:
+    """The shard list of a stream, opened with ``read`` (through ``cache`` for remote shards), counted into ``ledger``."""
+
+    def __init__(self, urls: list[str], *, read: ReadOptions, cache: ShardCache | None, ledger: Ledger,
+                 counts=None):
+        self.urls = urls
+        self.read = read
+        self.cache = cache
+        self.ledger = ledger
+        self.manifest: dict[str, dict] | None = None
+        self.damage: dict[str, str] = {}  # counted shards found damaged: url -> "shard damaged at byte N: ..."
+        self._counts = self._given_counts(counts)
+        self._given = counts is not None
+        self._identity: str | None = None
+
+    def _given_counts(self, counts) -> list[int] | None:
+        if counts is None:
+            return None
+        if isinstance(counts, dict):
+            missing = [u for u in self.urls if u not in counts]
+            if missing:
+                raise ValueError(f"counts has no entry for {redact_url(missing[0])}")
+            return [int(counts[u]) for u in self.urls]
+        if len(counts) != len(self.urls):
+            raise ValueError(f"counts has {len(counts)} entries for {len(self.urls)} shards")
+        return [int(c) for c in counts]
+
+    def options(self, url: str) -> dict:
+        """fsspec options for ``url``: the read options' ``storage_options`` with the timeout set."""
+        return with_timeouts(url, self.read.storage_options, self.read.timeout)
+
+    def entries(self) -> dict[str, dict]:
+        """The manifest entry (count, sha256, ...) of each URL that a manifest beside it lists."""
+        if self.manifest is None:
+            entries: dict[str, dict] = {}
+            by_dir: dict[str, list[str]] = {}
+            for url in self.urls:
+                if not url.startswith("pipe:"):
+                    by_dir.setdefault(posixpath.dirname(url), []).append(url)
+            for directory, dir_urls in by_dir.items():
+                manifest = read_manifest(directory, storage_options=self.options(dir_urls[0]),
+                                         retries=self.read.retries, backoff=self.read.backoff)
+                if manifest is None:
+                    continue
+                known = {s["name"]: s for s in manifest["shards"]}
+                for url in dir_urls:
+                    entry = known.get(posixpath.basename(url))
+                    if entry is not None:
+                        entries[url] = entry
+            self.manifest = entries
+        return self.manifest
+
+    def checksum(self, url: str) -> str | None:
+        entry = self.entries().get(url) if self.cache is not None else None
+        return (entry or {}).get("sha256") or None
+
+    @property
+    def counts(self) -> list[int]:
+        """Samples per shard: given, else from the manifest, else from the count cache, else counted once (and cached)."""
+        if self._counts is None:
+            known = {u: int(e["count"]) for u, e in self.entries().items()}
+            missing = [u for u in self.urls if u not in known and not u.startswith("pipe:")]
+            cached = load_counts(missing, storage_options=self.options(missing[0])) if missing else {}
+            for url, entry in cached.items():
+                known[url] = entry["count"]
+                if entry.get("damage"):
+                    self._damaged(url, entry["damage"])
+            missing = [u for u in self.urls if u not in known]
+            if missing:
+                log.warning("no manifest lists %d of %d shards: counting their samples once (write shards with "
+                            "datapipe.ShardWriter, or run `datapipe index` on them once to store their counts)",
+                            len(missing), len(self.urls))
+                results = _map(self._count_shard, missing, desc="counting samples")
+                fresh = {}
+                for url, (n, damage, mark) in zip(missing, results):
+                    known[url] = n
+                    if mark is not None:
+                        fresh[url] = {"count": n, "damage": damage, "stamp": mark}
+                if fresh:
+                    store_counts(fresh, storage_options=self.options(missing[0]))
+            self._counts = [known[u] for u in self.urls]
+        return self._counts
+
+    def identity(self) -> str:
+        """What a checkpoint records of these shards: their number, samples and :func:`fingerprint` (computed once)."""
+        if self._identity is None:
+            entries = {} if self._given else self.entries()  # given counts: no manifest is read
+            digest = fingerprint(self.urls, self.counts,
+                                 [(entries.get(u) or {}).get("sha256") or None for u in self.urls])
+            self._identity = f"{len(self.urls)} shards, {sum(self.counts)} samples, {digest}"
+        return self._identity
+
+    def _count_shard(self, url: str) -> tuple[int, str | None, dict | None]:
+        """``(complete samples, damage message or None, the shard's stamp for the cache or None)``."""
+        try:
+            version = None if url.startswith("pipe:") else stamp(url, self.options(url))
+        except Exception:
+            version = None
+        try:
+            f, seekable, tee = self.open(url)
+        except DataError as e:
+            self.ledger.errors(e, lost=0)
+            return 0, None, None
+        try:
+            n, err = count_until_damage(reader_for(f, seekable=seekable))
+            if err is None and tee is not None:
+                tee.finish()
+        finally:
+            f.close()
+        if err is None:
+            return n, None, version
+        damage = f"shard damaged at byte {err.offset}: {err} ({n} complete samples before it are read)"
+        self._damaged(url, damage)
+        return n, damage, version
+
+    def _damaged(self, url: str, damage: str) -> None:
+        self.ledger.errors(DataError(damage, url=redact_url(url)), lost=0)
+        self.damage[url] = damage
+
+    def open(self, url: str):
+        """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""
+        read = self.read
+        if self.cache is None or is_local(url) or url.startswith("pipe:"):
+            f, seekable = open_shard(url, storage_options=self.options(url), retries=read.retries,
+                                     allow_pipe=read.allow_pipe, backoff=read.backoff)
+            return f, seekable, None
+        options = self.options(url)
+        raw, hit = self.cache.open(url, lambda: RetryingFile(url, storage_options=options, retries=read.retries,
+                                                             backoff=read.backoff),
+                                   sha256=self.checksum(url))
+        self.ledger.counts["cache_hits"] += hit
+        f, seekable = decompress(url, raw, seekable=raw.seekable())
+        return f, seekable, (raw if hasattr(raw, "finish") else None)
+
+    def close(self, f, reader) -> None:
+        """Close a shard, counting the bytes it gave and the retries its reads took."""
+        counts = self.ledger.counts
+        counts["bytes_read"] += reader.offset
+        counts["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
+        if hasattr(reader, "close"):
+            reader.close()
+        f.close()

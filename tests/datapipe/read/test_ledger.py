@@ -1,0 +1,54 @@
+"""The loss ledger: what DataLoader workers skip reaches the main process's stats(), counted once."""
+import os
+
+import pytest
+
+import loaders
+from datapipe import ShardStream, mix
+from tests.shards import write_shards
+
+
+@pytest.fixture
+def one_missing(tmp_path):
+    urls, samples = write_shards(str(tmp_path), [10, 20, 10])
+    os.remove(urls[1])  # the manifest still lists its 20 samples
+    return urls, samples
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+def test_lost_samples_reach_the_loader_and_the_stream(one_missing, num_workers):
+    urls, samples = one_missing
+    stream = ShardStream(urls, on_error="skip")
+    loader = loaders.DataLoader(stream, batch_size=4, num_workers=num_workers)
+    keys = [k for batch in loader for k in batch["__key__"]]
+    assert sorted(keys) == sorted(s["__key__"] for s in samples if not s["__key__"].startswith("s1-"))
+    for stats in (loader.stats(), stream.stats()):
+        assert stats["skipped"] == 20 and stats["errors"] == max(1, num_workers), stats  # each worker's read failed
+        assert any("shard-000001.tar" in m for m in stats["last_errors"])
+    assert stream.stats()["samples"] == 20 and stream.stats()["shards_opened"] == 2
+
+
+def test_counted_once_per_epoch_with_persistent_and_fresh_workers(one_missing):
+    urls, _ = one_missing
+    for persistent in (True, False):
+        stream = ShardStream(urls, on_error="skip")
+        loader = loaders.DataLoader(stream, batch_size=4, num_workers=2, persistent_workers=persistent)
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            list(loader)
+            assert loader.stats()["skipped"] == 20 * (epoch + 1), (persistent, epoch)
+        assert stream.stats()["samples"] == 60
+
+
+def test_padded_repeats_under_ddp_and_a_mix(one_missing):
+    urls, _ = one_missing
+    stream = ShardStream(urls, on_error="skip", rank=0, world_size=2)
+    loader = loaders.DataLoader(stream, batch_size=5, num_workers=1)
+    got = sum(len(b["__key__"]) for b in loader)
+    assert got == len(stream) == 20  # the rank still yields its planned count
+    stats = loader.stats()
+    assert stats["skipped"] == 10 and stats["padded"] == 10
+    m = mix([ShardStream(urls, on_error="skip")], weights=[1])
+    loader = loaders.DataLoader(m, batch_size=4, num_workers=2)
+    list(loader)
+    assert loader.stats()["skipped"] == 20 and m.stats()["skipped"] == 20
