@@ -14,7 +14,7 @@ _EXPORTS = {
     "expand_urls": "datapipe.storage.urls",
     "redact_url": "datapipe.storage.urls",
     "ShardStream": "datapipe.stream",
-    "ReadOptions": "datapipe.read.options",
+    "StorageOptions": "datapipe.read.options",
     "ShardWriter": "datapipe.tar.writer",
     "read_manifest": "datapipe.tar.manifest",
     "DevicePrefetcher": "datapipe.device.prefetch",

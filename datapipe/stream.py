@@ -24,7 +24,7 @@ from datapipe.order.plan import samples_per_rank, shard_order, worker_plan
 from datapipe.order.ranks import rank_world
 from datapipe.order.shuffle import shuffled
 from datapipe.read.ledger import Ledger
-from datapipe.read.options import ReadOptions, check_types
+from datapipe.read.options import StorageOptions, check_types
 from datapipe.read.segments import LOST, SegmentReader
 from datapipe.read.shards import Shards
 from datapipe.state import check_identity, check_state
@@ -56,11 +56,12 @@ class ShardStream(torch.utils.data.IterableDataset):
             or the unreadable rest of a shard, and count it in ``stats()``), ``"warn"`` (skip and log) or a
             callable that gets the ``DataError`` and raises to stop or returns to skip. With
             ``world_size > 1`` a lost sample is replaced by a repeat (``stats()["padded"]``).
+        storage_options: fsspec's options for the shards' storage (credentials, endpoint, profile...).
         cache_dir: keep remote shards in this local directory and read them from there in later epochs.
         cache_limit: bound the cache's size in bytes (least recently used shards evicted).
         counts: samples per shard (a list, or a dict by URL), when no manifest has them.
-        read: the rarer storage settings (:class:`~datapipe.read.options.ReadOptions`: fsspec options,
-            retries, timeout, backoff, ``pipe:`` URLs, zero-copy values).
+        storage: the rarer storage settings (:class:`~datapipe.read.options.StorageOptions`: retries,
+            timeout, backoff, ``pipe:`` URLs, zero-copy values).
     """
 
     def __init__(
@@ -73,16 +74,18 @@ class ShardStream(torch.utils.data.IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         on_error: OnError = "raise",
+        storage_options: dict | None = None,
         cache_dir: str | None = None,
         cache_limit: int | None = None,
         counts: dict[str, int] | list[int] | None = None,
-        read: ReadOptions | None = None,
+        storage: StorageOptions | None = None,
     ):
         check_types("", shuffle=(shuffle, bool), seed=(seed, Integral), shuffle_buffer=(shuffle_buffer, Integral),
                     rank=(rank, (Integral, type(None))), world_size=(world_size, (Integral, type(None))),
                     counts=(counts, (dict, list, tuple, type(None))),
+                    storage_options=(storage_options, (dict, type(None))),
                     cache_dir=(cache_dir, (str, os.PathLike, type(None))),
-                    cache_limit=(cache_limit, (Integral, type(None))), read=(read, (ReadOptions, type(None))))
+                    cache_limit=(cache_limit, (Integral, type(None))), storage=(storage, (StorageOptions, type(None))))
         if not (isinstance(on_error, str) or callable(on_error)):
             raise TypeError(f"on_error must be a handler name or a callable, got {type(on_error).__name__} "
                             f"{on_error!r}")
@@ -96,8 +99,9 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if cache_limit is not None and cache_dir is None:
             raise ValueError("cache_limit needs cache_dir: give the local directory to cache remote shards in")
-        self.read = read = read if read is not None else ReadOptions()
-        self.urls = expand_urls(urls, allow_pipe=read.allow_pipe, storage_options=read.storage_options)
+        self.storage = storage = storage if storage is not None else StorageOptions()
+        self.storage_options = storage_options = storage_options or {}
+        self.urls = expand_urls(urls, allow_pipe=storage.allow_pipe, storage_options=storage_options)
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
@@ -109,7 +113,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.epoch = 0
         self._errors = ErrorPolicy(on_error, log=log)  # counts errors, skipped, last_errors
         self._ledger = Ledger(self._errors)
-        self._shards = Shards(self.urls, read=read, ledger=self._ledger, counts=counts,
+        self._shards = Shards(self.urls, storage_options=storage_options, storage=storage, ledger=self._ledger,
+                              counts=counts,
                               cache=ShardCache(cache_dir, limit=cache_limit) if cache_dir is not None else None)
         self._steps: tuple = ()  # per-sample steps (decode, map), run where the samples are read
         self._resume: dict | None = None
@@ -122,17 +127,17 @@ class ShardStream(torch.utils.data.IterableDataset):
     def replace(self, **changes: Any) -> "ShardStream":
         """A new stream with the same settings (and steps) except ``changes``; a fresh epoch 0.
 
-        ``changes``: constructor keyword names, or :class:`ReadOptions` field names (``retries=2``).
+        ``changes``: constructor keyword names, or :class:`StorageOptions` field names (``retries=2``).
         """
-        fields = set(ReadOptions.__dataclass_fields__)
+        fields = set(StorageOptions.__dataclass_fields__)
         unknown = sorted(set(changes) - set(self._init_args) - fields)
         if unknown:
             raise ValueError(f"ShardStream has no option {unknown[0]!r}; options: "
                              f"{sorted(set(self._init_args) | fields)}")
-        read = {k: changes.pop(k) for k in list(changes) if k in fields}
-        if read:
-            base = changes.get("read") or self.read
-            changes["read"] = ReadOptions(**{**{f: getattr(base, f) for f in fields}, **read})
+        grouped = {k: changes.pop(k) for k in list(changes) if k in fields}
+        if grouped:
+            base = changes.get("storage") or self.storage
+            changes["storage"] = StorageOptions(**{**{f: getattr(base, f) for f in fields}, **grouped})
         out = type(self)(**{**self._init_args, **changes})
         out._steps = self._steps
         return out
@@ -289,8 +294,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0
-        if info is not None:
-            self._ledger.enter(physical)
+        if info is not None and self._ledger.enter(physical):
+            self._shards.count_cache_failures(counted=False)  # a worker counts only its own
         rank, world = self._rank_world()
         resume = self._resume if self._resume is not None and self._resume["epoch"] == self.epoch else None
         if info is None:
@@ -310,7 +315,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if done:
             return
         self._ledger.counts["padded"] += plan.padded
-        reader = SegmentReader(self._shards, zero_copy=self.read.zero_copy)
+        reader = SegmentReader(self._shards, zero_copy=self.storage.zero_copy)
         if self.shuffle_buffer <= 1:
             items = reader.items(plan, draws)
         else:

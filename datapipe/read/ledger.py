@@ -17,7 +17,7 @@ from typing import Any
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
 
-COUNTS = ("samples", "padded", "retries", "shards_opened", "bytes_read", "cache_hits")
+COUNTS = ("samples", "padded", "retries", "shards_opened", "bytes_read", "cache_hits", "cache_failures")
 POLICY = ("errors", "skipped")
 TEXT_BYTES = 4096  # per worker: its last error messages, as JSON
 KEEP_BLOCKS = 2  # blocks of earlier worker sets are folded into plain counts beyond this

@@ -1,7 +1,7 @@
-"""``ReadOptions``: the rarer storage settings of a ``ShardStream``, in one frozen, validated group."""
+"""``StorageOptions``: the rarer storage settings of a ``ShardStream``, in one frozen, validated group."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
@@ -19,11 +19,10 @@ def check_types(owner: str, **args: tuple[Any, type | tuple[type, ...]]) -> None
 
 
 @dataclass(frozen=True)
-class ReadOptions:
-    """How a ``ShardStream`` reaches its shards (``ShardStream(..., read=ReadOptions(retries=8))``).
+class StorageOptions:
+    """How a ``ShardStream`` reads its shards (``ShardStream(..., storage=StorageOptions(retries=8))``).
 
     Args:
-        storage_options: passed to fsspec (credentials, endpoint, block size...).
         retries: transient failures (5xx, resets, truncated bodies) retried this many times in a row,
             resuming at the byte reached (no sample twice).
         timeout: seconds every remote wait may take (the HTTP / S3 client's connect and read timeouts,
@@ -33,7 +32,6 @@ class ReadOptions:
         zero_copy: hand out values of local uncompressed shards as memoryviews into the mapped file.
     """
 
-    storage_options: dict = field(default_factory=dict)
     retries: int = 5
     timeout: float | None = DEFAULT_TIMEOUT
     backoff: float = 0.2
@@ -41,18 +39,11 @@ class ReadOptions:
     zero_copy: bool = False
 
     def __post_init__(self):
-        check_types("ReadOptions.", storage_options=(self.storage_options, (dict, type(None))),
-                    retries=(self.retries, Integral), timeout=(self.timeout, (Real, type(None))),
+        check_types("StorageOptions.", retries=(self.retries, Integral), timeout=(self.timeout, (Real, type(None))),
                     backoff=(self.backoff, Real), allow_pipe=(self.allow_pipe, bool),
                     zero_copy=(self.zero_copy, bool))
-        if self.storage_options is None:
-            object.__setattr__(self, "storage_options", {})
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds (or None for the clients' own), "
                              f"got {self.timeout}")
         if self.retries < 0 or self.backoff < 0:
             raise ValueError("retries and backoff must be >= 0")
-
-    def __hash__(self):  # storage_options is a dict
-        return hash((tuple(sorted(map(repr, self.storage_options.items()))), self.retries, self.timeout,
-                     self.backoff, self.allow_pipe, self.zero_copy))

@@ -9,7 +9,7 @@ import posixpath
 
 from datapipe.errors import DataError
 from datapipe.read.ledger import Ledger
-from datapipe.read.options import ReadOptions
+from datapipe.read.options import StorageOptions
 from datapipe.storage.cache import ShardCache
 from datapipe.storage.files import RetryingFile, decompress, open_shard, with_timeouts
 from datapipe.storage.urls import is_local, redact_url
@@ -31,18 +31,21 @@ def fingerprint(urls: list[str], counts: list[int], checksums: list[str | None] 
 
 
 class Shards:
-    """The shard list of a stream, opened with ``read`` (through ``cache`` for remote shards), counted into ``ledger``."""
+    """The shard list of a stream, opened with ``storage_options`` and ``storage`` (through ``cache`` for remote
+    shards), counted into ``ledger``."""
 
-    def __init__(self, urls: list[str], *, read: ReadOptions, cache: ShardCache | None, ledger: Ledger,
-                 counts=None):
+    def __init__(self, urls: list[str], *, storage_options: dict, storage: StorageOptions,
+                 cache: ShardCache | None, ledger: Ledger, counts=None):
         self.urls = urls
-        self.read = read
+        self.storage_options = storage_options
+        self.storage = storage
         self.cache = cache
         self.ledger = ledger
         self.manifest: dict[str, dict] | None = None
         self.damage: dict[str, str] = {}  # counted shards found damaged: url -> "shard damaged at byte N: ..."
         self._counts = self._given_counts(counts)
         self._given = counts is not None
+        self._cache_failures = cache.failures if cache is not None else 0  # the cache's failures counted so far
         self._identity: str | None = None
 
     def _given_counts(self, counts) -> list[int] | None:
@@ -58,8 +61,8 @@ class Shards:
         return [int(c) for c in counts]
 
     def options(self, url: str) -> dict:
-        """fsspec options for ``url``: the read options' ``storage_options`` with the timeout set."""
-        return with_timeouts(url, self.read.storage_options, self.read.timeout)
+        """fsspec options for ``url``: ``storage_options`` with the timeout set."""
+        return with_timeouts(url, self.storage_options, self.storage.timeout)
 
     def entries(self) -> dict[str, dict]:
         """The manifest entry (count, sha256, ...) of each URL that a manifest beside it lists."""
@@ -71,7 +74,7 @@ class Shards:
                     by_dir.setdefault(posixpath.dirname(url), []).append(url)
             for directory, dir_urls in by_dir.items():
                 manifest = read_manifest(directory, storage_options=self.options(dir_urls[0]),
-                                         retries=self.read.retries, backoff=self.read.backoff)
+                                         retries=self.storage.retries, backoff=self.storage.backoff)
                 if manifest is None:
                     continue
                 known = {s["name"]: s for s in manifest["shards"]}
@@ -151,7 +154,7 @@ class Shards:
 
     def open(self, url: str):
         """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""
-        read = self.read
+        read = self.storage
         if self.cache is None or is_local(url) or url.startswith("pipe:"):
             f, seekable = open_shard(url, storage_options=self.options(url), retries=read.retries,
                                      allow_pipe=read.allow_pipe, backoff=read.backoff)
@@ -161,14 +164,26 @@ class Shards:
                                                              backoff=read.backoff),
                                    sha256=self.checksum(url))
         self.ledger.counts["cache_hits"] += hit
+        self.count_cache_failures()
         f, seekable = decompress(url, raw, seekable=raw.seekable())
         return f, seekable, (raw if hasattr(raw, "finish") else None)
+
+    def count_cache_failures(self, *, counted: bool = True) -> None:
+        """Count the cache's new failures (full disk, no permission...) in the ledger; ``counted=False`` only
+        marks them as seen (a worker's copy: its parent counted those)."""
+        if self.cache is None:
+            return
+        new = self.cache.failures - self._cache_failures
+        self._cache_failures = self.cache.failures
+        if counted:
+            self.ledger.counts["cache_failures"] += new
 
     def close(self, f, reader) -> None:
         """Close a shard, counting the bytes it gave and the retries its reads took."""
         counts = self.ledger.counts
         counts["bytes_read"] += reader.offset
         counts["retries"] += getattr(getattr(f, "myfileobj", None) or f, "retried", 0)
+        self.count_cache_failures()
         if hasattr(reader, "close"):
             reader.close()
         f.close()

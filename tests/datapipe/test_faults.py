@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from datapipe import DataError, ShardStream
-from datapipe.read.options import ReadOptions
+from datapipe.read.options import StorageOptions
 from tests.shards import write_shards
 from tests.servers import fault_proxy, http_server, s3_server
 
 FAULTS = ["errors_5xx", "resets", "truncations", "hangs", "body_hangs"]
-FAST = {"read": ReadOptions(timeout=1.0, retries=3, backoff=0.02)}
+FAST = {"storage": StorageOptions(timeout=1.0, retries=3, backoff=0.02)}
 
 
 def strip(sample):
@@ -64,7 +64,7 @@ def test_http_503_on_the_first_request_of_a_shard_is_retried(web):
 def test_http_faults_with_dataloader_workers_and_shuffle(web):
     remote, samples, faults = web
     stream = ShardStream(remote, shuffle=True, shuffle_buffer=4, seed=2,
-                         read=ReadOptions(timeout=1.0, retries=8, backoff=0.02))
+                         storage=StorageOptions(timeout=1.0, retries=8, backoff=0.02))
     stream.counts
     faults.errors_5xx, faults.resets, faults.truncations, faults.body_hangs = 2, 2, 2, 1  # up to 7 in a row
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)
@@ -76,12 +76,12 @@ def test_http_faults_with_dataloader_workers_and_shuffle(web):
 @pytest.mark.parametrize("fault", ["errors_5xx", "hangs"])  # (resets each send half the rest: a stream resumes on)
 def test_http_persistent_fault_is_a_data_error_soon(web, fault):
     remote, samples, faults = web
-    stream = ShardStream(remote, read=ReadOptions(timeout=0.3, retries=2, backoff=0.02))
+    stream = ShardStream(remote, storage=StorageOptions(timeout=0.3, retries=2, backoff=0.02))
     stream.counts
     setattr(faults, fault, 10**6)
     with pytest.raises(DataError, match="shard-000000"):
         list(stream)
-    skip = ShardStream(remote, read=ReadOptions(timeout=0.3, retries=1, backoff=0.02), on_error="skip",
+    skip = ShardStream(remote, storage=StorageOptions(timeout=0.3, retries=1, backoff=0.02), on_error="skip",
                        counts=[5, 4, 6])
     assert list(skip) == [] and skip.stats()["skipped"] == 15
 
@@ -140,7 +140,7 @@ def _reset(faults):
 def test_s3_fault_is_retried_and_every_sample_comes_once(s3, fault):
     spec, samples, faults, options = s3
     _reset(faults)
-    stream = ShardStream(spec, read=ReadOptions(storage_options=options, timeout=1.0, retries=3, backoff=0.02))
+    stream = ShardStream(spec, storage_options=options, **FAST)
     assert stream.counts == [5, 4, 6]
     before = faults.requests
     setattr(faults, fault, 2)
@@ -153,7 +153,8 @@ def test_s3_persistent_fault_is_a_data_error_and_secrets_stay_hidden(s3, caplog)
     spec, samples, faults, options = s3
     _reset(faults)
     stream = ShardStream(spec, counts=[5, 4, 6],
-                         read=ReadOptions(storage_options=options, timeout=1.0, retries=1, backoff=0.02))
+                         storage_options=options,
+                         storage=StorageOptions(timeout=1.0, retries=1, backoff=0.02))
     faults.errors_5xx = 10**6
     try:
         with caplog.at_level(logging.DEBUG, logger="datapipe"), pytest.raises(DataError, match="shard-000000") as info:
@@ -172,7 +173,8 @@ def test_s3_wrong_credentials_without_counts_is_a_data_error_naming_the_manifest
     wrong = {**options, "key": "AKIAWRONGKEY00000000", "secret": "not-the-secret-0000000000000000000000"}
     faults.access_key = KEY  # the proxy checks the key like S3 does (moto accepts any)
     try:
-        stream = ShardStream(spec, storage_options=wrong, on_error=on_error, timeout=2.0, retries=1, backoff=0.02)
+        stream = ShardStream(spec, storage_options=wrong, on_error=on_error,
+                             storage=StorageOptions(timeout=2.0, retries=1, backoff=0.02))
         with pytest.raises(DataError, match=r"manifest s3://bucket/data/manifest\.json") as info:
             list(stream)
     finally:
@@ -187,8 +189,8 @@ def test_connection_failure_on_the_manifest_names_the_manifest():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    stream = ShardStream(f"http://127.0.0.1:{port}/d/shard-{{000000..000001}}.tar", retries=1, backoff=0.01,
-                         timeout=2.0)
+    stream = ShardStream(f"http://127.0.0.1:{port}/d/shard-{{000000..000001}}.tar", 
+                         storage=StorageOptions(retries=1, backoff=0.01, timeout=2.0))
     with pytest.raises(DataError) as info:
         stream.counts
     assert f"manifest http://127.0.0.1:{port}/d/manifest.json" in str(info.value)

@@ -8,7 +8,7 @@ import torch
 import webdataset
 
 from datapipe import DataError, ShardStream
-from datapipe.read.options import ReadOptions
+from datapipe.read.options import StorageOptions
 from tests.shards import write_shards
 from tests.resume import assert_resumes_identically
 from tests.servers import http_server
@@ -169,7 +169,7 @@ def test_http_transient_faults_are_retried_without_duplicates(tmp_path):
     urls, samples = write_shards(tmp_path / "flaky", [5, 4])
     with http_server(str(tmp_path / "flaky")) as (base, faults):
         remote = [f"{base}/{os.path.basename(u)}" for u in urls]
-        stream = ShardStream(remote, read=ReadOptions(retries=5))
+        stream = ShardStream(remote, storage=StorageOptions(retries=5))
         assert stream.counts == [5, 4]  # the manifest is read before the faults start
         faults.errors_5xx = 2
         faults.truncations = 1
@@ -179,10 +179,11 @@ def test_http_transient_faults_are_retried_without_duplicates(tmp_path):
 
 
 def test_unreachable_url(tmp_path):
-    stream = ShardStream("http://127.0.0.1:9/missing-{0..1}.tar", counts=[2, 2], read=ReadOptions(retries=1))
+    stream = ShardStream("http://127.0.0.1:9/missing-{0..1}.tar", counts=[2, 2], storage=StorageOptions(retries=1))
     with pytest.raises(DataError, match="127.0.0.1"):
         list(stream)
-    skipping = ShardStream("http://127.0.0.1:9/missing-{0..1}.tar", counts=[2, 2], read=ReadOptions(retries=1), on_error="skip")
+    skipping = ShardStream("http://127.0.0.1:9/missing-{0..1}.tar", counts=[2, 2], storage=StorageOptions(retries=1),
+                           on_error="skip")
     assert list(skipping) == []
     assert skipping.stats()["skipped"] == 4
 
@@ -191,7 +192,7 @@ def test_pipe_refused_unless_allowed(shards):
     urls, _ = shards
     with pytest.raises(ValueError, match="pipe"):
         ShardStream(f"pipe:cat {urls[0]}")
-    allowed = ShardStream(f"pipe:cat {urls[0]}", read=ReadOptions(allow_pipe=True), counts=[10])
+    allowed = ShardStream(f"pipe:cat {urls[0]}", storage=StorageOptions(allow_pipe=True), counts=[10])
     assert len(list(allowed)) == 10
 
 
@@ -324,15 +325,24 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("arg, value", [("shuffle_buffer", "100"), ("seed", 1.5), ("shuffle", "yes"), ("rank", "0"),
-                                        ("read", {"retries": 1})])
+                                        ("storage", {"retries": 1}),
+                                        ("storage_options", "anon")])
 def test_constructor_arguments_are_type_checked(arg, value):
     extra = {"world_size": 1} if arg == "rank" else {}
     with pytest.raises(TypeError, match=f"^{arg} must be"):
         ShardStream("x.tar", **{arg: value}, **extra)
 
 
-@pytest.mark.parametrize("arg, value", [("retries", None), ("timeout", "60"), ("storage_options", "anon"),
-                                        ("zero_copy", 1), ("backoff", "0.1")])
-def test_read_options_are_type_checked(arg, value):
-    with pytest.raises(TypeError, match=f"^ReadOptions.{arg} must be"):
-        ReadOptions(**{arg: value})
+@pytest.mark.parametrize("arg, value", [("retries", None), ("timeout", "60"), ("zero_copy", 1), ("backoff", "0.1"),
+                                        ("allow_pipe", "yes")])
+def test_storage_options_are_type_checked(arg, value):
+    with pytest.raises(TypeError, match=f"^StorageOptions.{arg} must be"):
+        StorageOptions(**{arg: value})
+
+
+def test_replace_takes_storage_option_names(tmp_path):
+    urls, _ = write_shards(str(tmp_path), [3])
+    stream = ShardStream(urls, storage=StorageOptions(retries=2)).replace(zero_copy=True, seed=4)
+    assert stream.storage == StorageOptions(retries=2, zero_copy=True) and stream.seed == 4
+    with pytest.raises(ValueError, match="no option 'retry'"):
+        stream.replace(retry=1)

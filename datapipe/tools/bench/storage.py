@@ -236,11 +236,12 @@ def summarize(nbytes: int, wall: float, latencies: list[float], files: int) -> d
 def measure_stream(urls: list[str], *, seconds: float, zero_copy: bool = False,
                    storage_options: dict | None = None) -> dict:
     """ShardStream over ``urls`` until done or ``seconds``: samples/s, MB/s of values, per-sample latency."""
-    from datapipe.read.options import ReadOptions
+    from datapipe.read.options import StorageOptions
     from datapipe.stream import ShardStream
 
     stream = ShardStream(urls, rank=0, world_size=1,
-                         read=ReadOptions(zero_copy=zero_copy, storage_options=storage_options or {}))
+                         storage_options=storage_options,
+                         storage=StorageOptions(zero_copy=zero_copy))
     stream.counts  # counting (manifest or walk) is not part of the rate
     n = nbytes = 0
     lat = []

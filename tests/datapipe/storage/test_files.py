@@ -53,12 +53,13 @@ def test_connection_refused_reads_as_a_connection_error_not_a_missing_file(caplo
     import pytest
 
     from datapipe import DataError, ShardStream
-    from datapipe.read.options import ReadOptions
+    from datapipe.read.options import StorageOptions
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(DataError) as info:
-        ShardStream(f"http://127.0.0.1:{port}/shard-{{000..001}}.tar", read=ReadOptions(retries=2, backoff=0.01)).counts
+        ShardStream(f"http://127.0.0.1:{port}/shard-{{000..001}}.tar", 
+                    storage=StorageOptions(retries=2, backoff=0.01)).counts
     assert "cannot connect" in str(info.value) and "FileNotFoundError" not in str(info.value)
     assert "in 0.01s" in caplog.text and "in 0.20s" not in caplog.text  # backoff= honoured by the manifest read

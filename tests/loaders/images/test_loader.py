@@ -300,12 +300,12 @@ def test_urls_and_a_stream_compose_the_same_loader(shards):
                             decode=DecodeOptions(num_threads=2),
                             read=ReadOptions(label_key="__key__", label_decoder=int))
     assert (from_urls.stream.shuffle, from_urls.stream.shuffle_buffer, from_urls.stream.seed) == (True, 2000, 0)
-    assert from_urls.stream.zero_copy and from_urls.drop_last
+    assert from_urls.stream.storage.zero_copy and from_urls.drop_last
     own = ShardStream(shards, shuffle=True, shuffle_buffer=2000, seed=0)
     from_stream = ImageLoader(own, batch_size=8, image_size=S, device="cpu", train=True,
                               decode=DecodeOptions(num_threads=2), read=ReadOptions(label_key="__key__",
                                                                                      label_decoder=int))
-    assert not own.zero_copy and from_stream.stream.zero_copy  # the caller's stream is not changed
+    assert not own.storage.zero_copy and from_stream.stream.storage.zero_copy  # the caller's stream is not changed
     a, b = collect(from_urls), collect(from_stream)
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
     folder = ImageLoader(os.path.dirname(shards[0]), batch_size=8, image_size=S, device="cpu", train=False,
