@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     feeds = {
         "torch DataLoader + webdataset + PIL": torch_loader(urls, size, batch_size, args.workers, cuda),
         "loaders.ImageLoader": ImageLoader(urls, batch_size=batch_size, image_size=size, train=True,
-                                           device=device, num_threads=min(16, os.cpu_count() or 1)),
+                                           device=device),
     }
     for name, loader in feeds.items():
         for i, (x, y) in enumerate(loader):

@@ -163,8 +163,8 @@ def token_loader_throughput(docs: list, seq_len: int) -> dict:
     import io
     import tempfile
 
-    from datapipe import ShardWriter
-    from loaders import TokenLoader
+    from datapipe import ShardStream, ShardWriter
+    from loaders import PackOptions, TokenLoader
 
     with tempfile.TemporaryDirectory() as tmp:
         with ShardWriter(os.path.join(tmp, "tok-%05d.tar"), max_count=2000) as writer:
@@ -175,7 +175,8 @@ def token_loader_throughput(docs: list, seq_len: int) -> dict:
         urls = sorted(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".tar"))
         best = None
         for _ in range(2):
-            loader = TokenLoader(urls, seq_len=seq_len, batch_size=8, buffer_size=2048, shuffle=True)
+            loader = TokenLoader(ShardStream(urls, shuffle=True), seq_len=seq_len, batch_size=8,
+                                 packing=PackOptions(buffer_size=2048))
             t0 = time.perf_counter()
             tokens = sum(int((b["document_ids"] >= 0).sum()) for b in loader)
             dt = time.perf_counter() - t0
