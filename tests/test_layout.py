@@ -239,9 +239,13 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
         with pytest.raises(MissingExtra) as info:
             require(module, what="X")
         assert str(info.value) == f"X needs the extra {EXTRAS[module]}: pip install 'datapipe[{EXTRAS[module]}]'"
+    from importlib import import_module
+
     from datapipe.storage.files import filesystem
     from datapipe.tools.synthetic import iter_image_samples
 
+    for protocol in ("s3", "s3a"):  # an earlier test may have imported s3fs: fsspec keeps its class
+        monkeypatch.delitem(import_module("fsspec.registry")._registry, protocol, raising=False)
     with pytest.raises(MissingExtra, match=r"^s3:// URLs needs the extra s3: pip install 'datapipe\[s3\]'$"):
         filesystem("s3://bucket/shards")
     monkeypatch.setitem(sys.modules, "skimage.data", None)
