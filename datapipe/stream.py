@@ -250,7 +250,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         reshape = None
         if elastic.is_global(state):
             for rank_state in state["ranks"]:
-                check_state(rank_state, "ShardStream", keys=STATE_KEYS)
+                _check_stream_state(rank_state)
                 check_identity(rank_state, "ShardStream", self._identity())
             base, generation = elastic.remaining(state, total=sum(self.counts), shuffle_buffer=self.shuffle_buffer)
             reshape = {"base": base, "generation": generation + 1}
@@ -262,7 +262,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                                 "first_worker": 0, "workers": {}, "reshape": reshape}
                 return
             state = state["ranks"][rank]
-        check_state(state, "ShardStream", keys=STATE_KEYS)
+        _check_stream_state(state)
         check_identity(state, "ShardStream", self._identity())
         if reshape is None and state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),
@@ -331,4 +331,10 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._ledger.publish()
 
 
-STATE_KEYS = {"epoch": Integral, "num_workers": Integral, "workers": dict}
+def _check_stream_state(state: Any) -> None:
+    """A ValueError naming what is wrong unless ``state`` has the keys and value types of a ShardStream state."""
+    check_state(state, "ShardStream", keys={"epoch": Integral, "num_workers": Integral, "workers": dict})
+    for worker, position in state["workers"].items():
+        if not (isinstance(position, dict) and isinstance(position.get("draws", 0), Integral)):
+            raise ValueError(f"not a ShardStream state: worker {worker!r}'s position is {position!r:.60}, expected "
+                             "{'draws': int, 'done': bool}; pass what ShardStream.state_dict() returned")

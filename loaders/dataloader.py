@@ -171,7 +171,8 @@ class DataLoader(tud.DataLoader[_T_co]):
         self.collate_fn = inner
         if self._pass_pins:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
-        open_ledger = getattr(self.dataset, "open_ledger", None)
+        open_ledger = getattr(self.dataset, "open_ledger", None) or getattr(getattr(self.dataset, "stream", None),
+                                                                            "open_ledger", None)
         if workers > 0 and callable(open_ledger) and not (self.persistent_workers and self._iterator is not None):
             open_ledger(workers)  # the workers' losses reach the dataset's stats() here (datapipe.read.ledger)
         forks.install()  # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)

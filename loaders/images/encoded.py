@@ -162,7 +162,7 @@ class EncodedBatches(torch.utils.data.IterableDataset):
         policy = ErrorPolicy(self.batching.get("on_error", "raise"), log=log)
         reported = 0
         for raw in iter_raw_batches(iter(self.stream), **{**self.batching, "on_error": policy}):
-            skipped = policy.skipped + self.stream.stats()["skipped"]  # bad images + what the stream lost
+            skipped = policy.skipped  # bad images (what the stream loses reaches the main process by its ledger)
             sizes = [len(a) for a in raw.arrays]
             offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
             np.cumsum(sizes, out=offsets[1:])

@@ -62,6 +62,8 @@ def test_a_mix_state_records_its_weights(tmp_path):
     ({"kind": "ShardStream", "epoch": "1", "num_workers": 0, "workers": {}}, "'epoch' entry is str"),
     ({"kind": "ShardStream", "epoch": 1, "num_workers": 0, "workers": "w"}, "'workers' entry is str"),
     ({"kind": "Mix", "epoch": 1, "num_workers": 0, "workers": {}}, "this is a Mix state"),
+    ({"kind": "ShardStream", "epoch": 1, "num_workers": 1, "workers": {0: "x"}}, "worker 0's position is 'x'"),
+    ({"kind": "ShardStream", "epoch": 1, "num_workers": 1, "workers": {0: {"draws": "3"}}}, "worker 0's position"),
 ])
 def test_malformed_states_are_value_errors_naming_what_is_wrong(tmp_path, bad, message):
     urls, _ = write_shards(str(tmp_path), [5])

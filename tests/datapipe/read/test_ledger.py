@@ -52,3 +52,23 @@ def test_padded_repeats_under_ddp_and_a_mix(one_missing):
     loader = loaders.DataLoader(m, batch_size=4, num_workers=2)
     list(loader)
     assert loader.stats()["skipped"] == 20 and m.stats()["skipped"] == 20
+
+
+@pytest.mark.parametrize("read_workers", [0, 2])
+def test_image_loader_reader_workers_count_stream_losses_once(tmp_path, read_workers):
+    pytest.importorskip("nvidia.dali")
+    from datapipe.tar.manifest import make_manifest, write_manifest
+    from loaders import ImageLoader
+    from loaders.images.options import ReadOptions
+    from tests.datapipe.test_decode import image_shards
+
+    urls = image_shards(tmp_path, [8, 12, 8])
+    write_manifest(str(tmp_path), make_manifest([{"name": os.path.basename(u), "count": n, "bytes": os.path.getsize(u),
+                                                  "sha256": ""} for u, n in zip(urls, [8, 12, 8])]))
+    os.remove(urls[1])
+    lo = ImageLoader(ShardStream(urls, on_error="skip"), batch_size=4, image_size=8, device="cpu", train=False,
+                     read=ReadOptions(read_workers=read_workers, reader="stream"))
+    assert sum(len(labels) for _, labels in lo) == 16
+    stats = lo.stats()
+    assert stats["skipped"] == stats["stream"]["skipped"] == 12
+    assert any("shard-000001.tar" in m for m in stats["last_errors"])
