@@ -107,9 +107,11 @@ class Uint8Images(torch.utils.data.Dataset):
 
 
 def torch_idiom(loader, device):
-    """torch's usual device feed: ``pin_memory=True`` batches moved with ``.to(device, non_blocking=True)``."""
-    for x, y in endless(loader):
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    """torch's usual device feed: ``pin_memory=True`` batches moved with ``.to(device, non_blocking=True)``,
+    epoch after epoch (a plain ``for`` over the loader: its persistent workers serve every epoch)."""
+    while True:
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 def make_feed(name: str, args, data: dict):
@@ -125,7 +127,7 @@ def make_feed(name: str, args, data: dict):
                             device=dev.type, threads=min(8, os.cpu_count() or 1))
         return iter(dali), None
     if name in ("dataloader", "torch_dataloader"):
-        ds = Uint8Images(args.batch_size * 64, args.image_size)
+        ds = Uint8Images(args.batch_size * (2 if args.quick else 64), args.image_size)  # --quick: epochs end
         common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True,
                       persistent_workers=True)
         if name == "dataloader":
