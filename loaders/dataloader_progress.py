@@ -5,7 +5,7 @@ import math
 import time
 
 from datapipe.device import autotune
-from datapipe.device.prefetch import map_tensors
+from datapipe.device.prefetch import first_tensor
 from loaders.dataloader_resume import RngRecord
 from loaders.dataloader_workers import WorkerStates
 
@@ -76,17 +76,10 @@ def count_samples(batch, *, auto_collation: bool, batch_size: int | None) -> int
     """Samples in a batch: the first tensor's leading dimension, else the list's length, else ``batch_size``."""
     if not auto_collation:
         return 1
-    found = []
-
-    def first(t):
-        if not found:
-            found.append(t)
-        return t
-
-    map_tensors(first, batch)
-    if found and found[0].dim() > 0:
-        return int(found[0].shape[0])
-    if isinstance(batch, (list, tuple)) and batch and not found:
+    found = first_tensor(batch)
+    if found is not None and found.dim() > 0:
+        return int(found.shape[0])
+    if isinstance(batch, (list, tuple)) and batch and found is None:
         return len(batch)
     return batch_size or 1
 

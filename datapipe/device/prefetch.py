@@ -31,6 +31,25 @@ __all__ = ["DevicePrefetcher", "map_tensors", "resolve_device"]
 _POLL_S = 0.05
 
 
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor :func:`map_tensors` would visit in ``obj``, or None; nothing is rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, Mapping):
+        children = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        children = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = (getattr(obj, f.name) for f in dataclasses.fields(obj))
+    else:
+        return None
+    for child in children:
+        found = first_tensor(child)
+        if found is not None:
+            return found
+    return None
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """Apply ``fn`` to every tensor inside dicts, lists, tuples, namedtuples and dataclasses.
 

@@ -305,3 +305,25 @@ def test_gpu_handed_out_batches_are_freed_by_the_producer_not_kept():
     assert total == sum(range(40))
     assert peak <= 8 * 4 * mb4  # queued + in flight + kept + retired, not one per batch
     pf.close()
+
+
+def test_first_tensor_finds_what_map_tensors_visits_first_without_rebuilding():
+    import collections
+    import dataclasses
+
+    from datapipe.device.prefetch import first_tensor, map_tensors
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Box:
+        name: str
+        value: object
+
+    a, b = torch.zeros(3), torch.ones(2, 2)
+    for batch in ({"k": "x", "v": [1, Pair(None, a)], "w": b}, [Box("n", {"t": a}), b], ("s", 1.0, [b, a])):
+        seen = []
+        map_tensors(lambda t: seen.append(t) or t, batch)
+        assert first_tensor(batch) is seen[0]
+    assert first_tensor([{"jpg": b"..", "cls": 3}] * 4) is None
+    assert first_tensor(a) is a
