@@ -15,7 +15,10 @@ and :class:`loaders.images.dali_reader.DaliReader`; the options are grouped in
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
+import os
 import time
 import weakref
 from typing import Any, Iterator
@@ -40,6 +43,27 @@ from loaders.source import as_stream, check_positive_int, option_group, stream_s
 
 KIND = "ImageLoader"
 SHUFFLE_BUFFER = 2000  # the sample shuffle buffer of a stream the loader builds from URLs (train=True)
+
+
+log = logging.getLogger("loaders.images")
+WIDE_QUEUES = 32
+
+
+@functools.lru_cache(maxsize=1)
+def advise_hardware_queues() -> bool:
+    """Warn once per process when CUDA has fewer than 32 hardware queues (the driver's default is 8).
+
+    DALI decodes on many CUDA streams; with 8 queues some share the training stream's queue and wait behind
+    its kernels. The library never sets the variable itself: it only takes effect before CUDA starts.
+    Returns whether it warned.
+    """
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    if value.isdigit() and int(value) >= WIDE_QUEUES:
+        return False
+    log.warning("CUDA_DEVICE_MAX_CONNECTIONS is %s: DALI's decoding may queue behind the training kernels. Start "
+                "the program with CUDA_DEVICE_MAX_CONNECTIONS=%d (it must be set before CUDA starts; "
+                "see docs/performance.md)", value or "unset (8 queues)", WIDE_QUEUES)
+    return True
 
 
 class ImageLoader:
@@ -108,6 +132,8 @@ class ImageLoader:
         if dec.decode_device == "gpu" and self.device.type != "cuda":
             raise ValueError("decode_device='gpu' needs device='cuda'")
         self._host_decode = dec.decode_device == "cpu"
+        if not self._host_decode and self.device.type == "cuda":
+            advise_hardware_queues()
         self._threads = _threads(dec.num_threads, host_decode=self._host_decode, cuda=self.device.type == "cuda")
         self.label_decoder = self.read.label_decoder or parse_label
         self._decoder = DecoderChoice(dec.hw_decoder_load, cuda=self._dali_cuda, threads=dec.num_threads,

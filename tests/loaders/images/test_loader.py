@@ -740,3 +740,20 @@ def test_a_new_pass_stops_the_last_one_first(shards, reader):
     assert sorted(y.tolist()) == sorted(ref.tolist())
     with pytest.raises(StopIteration):
         next(old)
+
+
+def test_gpu_decoding_advises_wide_hardware_queues_once(monkeypatch, caplog):
+    from loaders.images import loader as image_loader
+
+    for value, warns in (("", True), ("8", True), ("32", False)):
+        image_loader.advise_hardware_queues.cache_clear()
+        if value:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        else:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        caplog.clear()
+        assert image_loader.advise_hardware_queues() is warns
+        assert image_loader.advise_hardware_queues() is warns  # cached: one line per process
+        lines = [r for r in caplog.records if "CUDA_DEVICE_MAX_CONNECTIONS=32" in r.getMessage()]
+        assert len(lines) == (1 if warns else 0)
+    image_loader.advise_hardware_queues.cache_clear()
