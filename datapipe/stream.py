@@ -33,8 +33,6 @@ from datapipe.storage.urls import expand_urls
 
 log = logging.getLogger("datapipe.stream")
 
-IDENTITY = ("seed", "shuffle", "shuffle_buffer", "shards")  # what a state was taken over: loads only into the same
-
 
 class ShardStream(torch.utils.data.IterableDataset):
     """An iterable dataset of WebDataset samples (``__key__``, ``__url__``, one bytes value per extension).
@@ -226,9 +224,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         """The state entries of a resume not yet read from: its positions (or, for a replanned epoch, its
         new plan with nothing of it delivered), so that a state taken now loses nothing."""
         total = sum(self.counts)
-        if resume.get("reshape") is not None:
-            info = torch.utils.data.get_worker_info()
-            return {"num_workers": info.num_workers if info is not None else self._num_workers, "workers": {},
+        info = torch.utils.data.get_worker_info()
+        num_workers = info.num_workers if info is not None else self._num_workers
+        same = max(1, resume["num_workers"]) == max(1, num_workers) and resume["world_size"] in (None,
+                                                                                               self._rank_world()[1])
+        if resume.get("reshape") is not None and not same:  # as elastic.start_of will decide
+            return {"num_workers": num_workers, "workers": {},
                     "first_worker": 0, "total": total, "generation": resume["reshape"]["generation"],
                     "base": elastic.pack_ranges(resume["reshape"]["base"])}
         return {"num_workers": resume["num_workers"], "workers": {w: dict(p) for w, p in resume["workers"].items()},

@@ -130,3 +130,15 @@ def test_mix_second_reshape_with_a_source_no_worker_read_is_exact(tmp_path):
         seen += run_rank(make(0, 1), 2, state=elastic.merge_states(states2))[0]
         counts = collections.Counter(seen)
         assert len(counts) == 34 and sum(counts.values()) == 34, (k1, [k for k, n in counts.items() if n > 1])
+
+
+def test_a_state_taken_right_after_a_load_keeps_the_loaded_position(tmp_path):
+    urls, _ = write_shards(str(tmp_path), [9, 8])
+    full = [s["__key__"] for s in ShardStream(urls, shuffle=True, shuffle_buffer=3)]
+    first = ShardStream(urls, shuffle=True, shuffle_buffer=3)
+    state = _state_after(first, 5)
+    loaded = ShardStream(urls, shuffle=True, shuffle_buffer=3)
+    loaded.load_state_dict(state)
+    again = ShardStream(urls, shuffle=True, shuffle_buffer=3)
+    again.load_state_dict(loaded.state_dict())  # nothing read since the load: the same position
+    assert [s["__key__"] for s in again] == full[5:]
