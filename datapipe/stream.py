@@ -6,6 +6,10 @@ read, :mod:`datapipe.read.segments`) -> the shuffle buffer (:mod:`datapipe.order
 per-sample steps (decode / map, :mod:`datapipe.decode`) -> delivery (drops what was lost, or pads it
 so that ranks stay equal, :mod:`datapipe.order.padding`). Counts go to one ledger
 (:mod:`datapipe.read.ledger`).
+
+A worker's state is one counter, the draws of its delivery stage: the plan is a function of the
+counts, the shape and the epoch, and the shuffle buffer and the segment reader are rebuilt from the
+draw count by replay (:func:`datapipe.order.shuffle.shuffled`), so no other stage has a state to save.
 """
 from __future__ import annotations
 
