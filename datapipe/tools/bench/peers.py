@@ -346,7 +346,8 @@ ROWS = {"raw": row_raw, "decode": row_decode, "resume_save": row_resume_save, "r
 
 
 IMPORTS = {"torch": ("torch.utils.data",), "webdataset": ("torch.utils.data", "webdataset"),
-           "datapipe": ("datapipe", "loaders", "datapipe.jobs.shard.cli"),
+           # datapipe and loaders export lazily: name the modules that hold what the rows use
+           "datapipe": ("torch.utils.data", "datapipe.stream", "loaders.dataloader", "datapipe.jobs.shard.cli"),
            "litdata": ("torch.utils.data", "litdata"), "mosaicml": ("torch.utils.data", "streaming")}
 
 
