@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
+import queue
 import tarfile
+import threading
 import uuid
 from typing import Any
 
@@ -29,20 +31,104 @@ class _HashingFile:
         self._f.flush()
 
 
+def _ustar_template() -> tuple[bytes, bytes, int]:
+    """The parts of a member header that every member shares (mode 0o444, uid / gid 0, mtime 0, owner
+    ``bigdata``), taken from :meth:`tarfile.TarInfo.tobuf`: bytes 100-124, bytes 136-512 with the checksum
+    field as spaces, and their byte sum."""
+    info = tarfile.TarInfo("x")
+    info.size, info.mtime, info.mode, info.uname, info.gname = 0, 0, 0o444, "bigdata", "bigdata"
+    block = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    head, tail = block[100:124], block[136:148] + b" " * 8 + block[156:]
+    return head, tail, sum(head) + sum(tail)
+
+
+_HEAD, _TAIL, _FIXED_SUM = _ustar_template()
+_MAX_USTAR_SIZE = 8 ** 11  # an 11-digit octal size field
+
+
+def _member_header(name: str, size: int) -> bytes:
+    """The ustar header of a member, byte for byte what ``TarInfo.tobuf`` writes for it (``_PlainTar``'s
+    attributes): built from the shared template for the common case, by ``tarfile`` for the others
+    (non-ASCII or long names, which get a pax header, and sizes past the ustar field)."""
+    raw = name.encode("ascii") if len(name) <= 100 and name.isascii() else None
+    if raw is None or size >= _MAX_USTAR_SIZE or not raw:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o444, "bigdata", "bigdata"
+        return info.tobuf(tarfile.USTAR_FORMAT if raw else tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    size_field = b"%011o\0" % size
+    chksum = _FIXED_SUM + sum(raw) + sum(size_field)
+    block = b"".join((raw, bytes(100 - len(raw)), _HEAD, size_field, _TAIL))
+    return block[:148] + b"%06o\0" % chksum + block[155:]
+
+
+class _BackgroundSha256:
+    """A sha256 fed from a thread of its own, so that hashing a shard overlaps writing it (hashlib lets go of
+    the GIL while it hashes a large buffer). ``update`` takes bytes (which cannot change after); they go to the
+    thread in batches of ``batch`` bytes, at most ``depth`` batches waiting, so memory stays bounded when the
+    hash falls behind."""
+
+    def __init__(self, *, batch: int = 4 << 20, depth: int = 4):
+        self._sha = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread: threading.Thread | None = None
+        self._digest: str | None = None
+        self._batch, self._pending, self._pending_bytes = batch, [], 0
+
+    def _run(self) -> None:
+        update = self._sha.update
+        while True:
+            parts = self._queue.get()
+            if parts is None:
+                return
+            for data in parts:
+                update(data)
+
+    def update(self, data: bytes) -> None:
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._pending_bytes >= self._batch:
+            self._send()
+
+    def _send(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="datapipe-shard-sha256", daemon=True)
+            self._thread.start()
+        self._queue.put(self._pending)
+        self._pending, self._pending_bytes = [], 0
+
+    def stop(self) -> None:
+        """Hash what was given, and end the thread (also when the shard is dropped)."""
+        if self._pending:
+            self._send()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def hexdigest(self) -> str:
+        if self._digest is None:
+            self.stop()
+            self._digest = self._sha.hexdigest()
+        return self._digest
+
+
 class _PlainTar:
     """An uncompressed tar in webdataset's layout (``TarWriter``'s member attributes), written in one pass.
 
-    Headers come from :meth:`tarfile.TarInfo.tobuf`; each header and value is written and hashed
-    once (no copy through tarfile's 10 KiB stream buffer), so the sha256 costs no second pass.
+    Headers are byte for byte :meth:`tarfile.TarInfo.tobuf`'s (:func:`_member_header`); each header and
+    value is written once (no copy through tarfile's 10 KiB stream buffer) and hashed as it is written, in a
+    thread of its own, so the sha256 costs no second pass.
     """
 
     def __init__(self, f):
         self._f = f
-        self.sha256 = hashlib.sha256()
+        self.sha256 = _BackgroundSha256()
         self.nbytes = 0
         self._encoder = None
 
     def _out(self, data) -> None:
+        if not isinstance(data, bytes):
+            data = bytes(data)  # a bytearray or memoryview could change after this call returns
         self.sha256.update(data)
         self._f.write(data)
         self.nbytes += len(data)
@@ -63,18 +149,19 @@ class _PlainTar:
                 v = v.encode("utf-8")
             if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise ValueError(f"{k} of sample {key!r} doesn't map to bytes after encoding ({type(v).__name__})")
-            info = tarfile.TarInfo(f"{key}.{k}")
-            info.size, info.mtime, info.mode, info.uname, info.gname = len(v), 0, 0o444, "bigdata", "bigdata"
-            short = len(info.name) <= 100 and info.name.isascii()  # then PAX writes this very ustar header
-            self._out(info.tobuf(tarfile.USTAR_FORMAT if short else tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            size = v.nbytes if isinstance(v, memoryview) else len(v)
+            self._out(_member_header(f"{key}.{k}", size))
             self._out(v)
-            if len(v) % 512:
-                self._out(bytes(512 - len(v) % 512))
+            if size % 512:
+                self._out(bytes(512 - size % 512))
 
     def close(self) -> None:
         """The two end-of-archive blocks, padded to tarfile's record size (as tarfile writes them)."""
         end = 2 * tarfile.BLOCKSIZE
         self._out(bytes(end + (-(self.nbytes + end)) % tarfile.RECORDSIZE))
+
+    def abort(self) -> None:
+        self.sha256.stop()
 
 
 def _tar_size(member_bytes: int) -> int:
@@ -197,6 +284,8 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the shard in progress (its temporary file is removed); finished shards stay."""
         if self._writer is not None:
+            if isinstance(self._writer, _PlainTar):
+                self._writer.abort()
             tar = getattr(self._writer, "tarstream", None)  # keep tarfile from writing its end blocks later
             if tar is not None:
                 tar.closed = True
