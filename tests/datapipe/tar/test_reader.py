@@ -81,3 +81,21 @@ def test_missing_end_of_archive_is_truncation_but_keeps_the_last_sample():
             got.append(event.key)
     assert got == ["a", "b"] and info.value.offset == end + 512
     assert [e.key for e in iter_samples(BlockReader(io.BytesIO(data[:end + 1024])), "u")] == ["a", "b"]
+
+
+def test_mmap_reader_lets_go_of_read_pages_and_views_stay_whole(tmp_path, monkeypatch):
+    """Pages behind the read position are released as the read goes on; values and zero-copy views into
+    released pages are still the shard's bytes."""
+    monkeypatch.setattr(MmapReader, "RELEASE_BYTES", 64 << 10)
+    members = [(f"s{i:03d}.{ext}", bytes([i, len(ext)]) * (20_000 + i)) for i in range(30) for ext in ("a", "bb")]
+    path = tmp_path / "s.tar"
+    path.write_bytes(make_tar(members))
+    for zero_copy in (False, True):
+        with open(path, "rb", buffering=0) as f:
+            reader = MmapReader(f)
+            samples = [e.sample for e in iter_samples(reader, "u", zero_copy=zero_copy)]
+            assert reader._released > len(path.read_bytes()) // 2
+            values = [(s["__key__"], bytes(s["a"]), bytes(s["bb"])) for s in samples]  # views read after release
+            reader.close()
+        assert values == [(f"s{i:03d}", bytes([i, 1]) * (20_000 + i), bytes([i, 2]) * (20_000 + i))
+                          for i in range(30)]
