@@ -23,13 +23,28 @@ COMMANDS = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="datapipe", description="Keeps GPUs fed: shards, loaders, benchmarks.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (datapipe's own loggers)")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if only == name:
             import_module(module).configure_parser(p)
+        _accept_verbose(p)
     return parser
+
+
+VERBOSE_HELP = "debug logging (datapipe's own loggers)"
+
+
+def _accept_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v/--verbose`` after a subcommand (at any depth) too, with the same meaning as before it."""
+    if not any("--verbose" in a.option_strings for a in parser._actions):
+        # SUPPRESS: absent here, the top-level value (or its default) stands
+        parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _accept_verbose(child)
 
 
 OWN_LOGGERS = ("datapipe", "loaders", "packing")

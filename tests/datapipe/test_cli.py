@@ -43,3 +43,34 @@ def test_verbose_turns_on_debug_for_datapipe_only(tmp_path):
     levels = [int(x) for x in out.stdout.split()]
     assert levels[:4] == [10, 10, 10, 10], out  # DEBUG for datapipe's loggers
     assert all(level >= 20 for level in levels[4:]), out  # others keep INFO: their debug lines can carry secrets
+
+
+@pytest.mark.parametrize("argv", [["inspect", "-v", "X"], ["inspect", "--verbose", "X"], ["-v", "inspect", "X"],
+                                  ["index", "-v", "X"], ["bench", "storage", "-v", "X"], ["bench", "-v", "storage", "X"],
+                                  ["shard", "X", "Y", "-v"], ["doctor", "-v", "--", "true"], ["demo", "-v"]])
+def test_verbose_is_accepted_after_the_subcommand_too(argv, monkeypatch):
+    from datapipe import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "configure_logging", lambda *, verbose: seen.setdefault("verbose", verbose))
+    monkeypatch.setattr(cli, "import_module", lambda name: type("M", (), {"run_command": staticmethod(lambda a: 0),
+                                                                         "configure_parser": _real(name)}))
+    assert main(argv) == 0
+    assert seen["verbose"] is True
+
+
+def _real(module_name):
+    import importlib
+
+    return importlib.import_module(module_name).configure_parser
+
+
+def test_verbose_defaults_to_off_with_a_subcommand(monkeypatch):
+    from datapipe import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "configure_logging", lambda *, verbose: seen.setdefault("verbose", verbose))
+    monkeypatch.setattr(cli, "import_module", lambda name: type("M", (), {"run_command": staticmethod(lambda a: 0),
+                                                                         "configure_parser": _real(name)}))
+    assert main(["bench", "storage", "X"]) == 0
+    assert seen["verbose"] is False
