@@ -9,12 +9,10 @@ if ! python -c "import torch, webdataset, nvidia.dali, pytest, s3fs, moto, ray, 
   python -m pip install -q "torch==2.13.0"
   python -m pip install -q -c constraints.txt -e ".[test,dali,s3,ray,synthetic]"
 fi
-# The peers extra (litdata, MosaicML Streaming: bench rows only) goes in only where it installs beside
-# torch 2.13 and the pins above (today mosaicml-streaming 0.13 wants numpy<2.2 and transformers<5, so
-# pip refuses and it is skipped), and only if it then imports; otherwise it is taken out again.
-if ! python -c "import litdata, streaming" >/dev/null 2>&1 \
-   && python -m pip install -q --dry-run -c constraints.txt "torch==2.13.0" -e ".[peers]" >/dev/null 2>&1; then
-  python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[peers]" \
-    && python -c "import litdata, streaming" >/dev/null 2>&1 \
-    || python -m pip uninstall -q -y litdata mosaicml-streaming
+# The peers (bench rows only). litdata 0.2.76 imports with its own code and obstore beside the pins above, but
+# pip's resolver would pull torchvision and a CUDA torch for it: so --no-deps, kept only if it imports.
+# MosaicML Streaming 0.13 pins numpy<2.2 and transformers<5, which these pins do not meet: its rows skip.
+if ! python -c "import litdata" >/dev/null 2>&1; then
+  { python -m pip install -q --no-deps "litdata==0.2.76" "obstore==0.12.1" && python -c "import litdata" >/dev/null 2>&1; } \
+    || python -m pip uninstall -q -y litdata obstore >/dev/null 2>&1 || true
 fi
