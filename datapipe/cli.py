@@ -50,10 +50,21 @@ def _accept_verbose(parser: argparse.ArgumentParser) -> None:
 OWN_LOGGERS = ("datapipe", "loaders", "packing")
 
 
+class RedactingFormatter(logging.Formatter):
+    """Log lines (tracebacks included) with credentials in URLs redacted, whichever library wrote them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from datapipe.storage.urls import redact_text
+
+        return redact_text(super().format(record))
+
+
 def configure_logging(*, verbose: bool) -> None:
     """INFO to stderr; ``verbose`` turns DEBUG on for datapipe's own loggers only (other libraries keep their
     levels: their debug lines can carry URLs with credentials)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     if verbose:
         for name in OWN_LOGGERS:
             logging.getLogger(name).setLevel(logging.DEBUG)
@@ -69,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     from datapipe.extras import MissingExtra
+    from datapipe.storage.urls import redact_text
 
     try:
         return int(import_module(COMMANDS[args.command][0]).run_command(args) or 0)
     except KeyboardInterrupt:
         return 130
     except MissingExtra as e:  # one line naming the extra to install
-        print(f"datapipe {args.command}: {e}", file=sys.stderr)
+        print(f"datapipe {args.command}: {redact_text(e)}", file=sys.stderr)
         return 1
 
 

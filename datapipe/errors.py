@@ -11,16 +11,21 @@ import functools
 import logging
 from typing import Callable, Union
 
+from datapipe.storage.locations import redact_text
+
 log = logging.getLogger("datapipe")
 
 LAST_ERRORS = 10  # how many error messages stats() keeps
 
 
 class DataError(Exception):
-    """Bad data or unreadable storage. ``url`` and ``key`` name where (credentials redacted); ``what``
-    says what ``url`` is (``"shard"``, ``"manifest"``, ``"folder"``)."""
+    """Bad data or unreadable storage. ``url`` and ``key`` name where; ``what`` says what ``url`` is
+    (``"shard"``, ``"manifest"``, ``"folder"``). Credentials in URLs, in ``url`` or quoted in ``message``
+    (e.g. from a library's exception), are redacted."""
 
     def __init__(self, message: str, *, url: str | None = None, key: str | None = None, what: str = "shard"):
+        message = redact_text(message)
+        url = redact_text(url) if url is not None else None
         self.url = url
         self.key = key
         where = []
@@ -42,7 +47,7 @@ def skip(err: BaseException) -> None:
 
 def warn(err: BaseException, *, log: logging.Logger = log) -> None:
     """Handler ``"warn"``: drop the bad sample and log a warning (on ``log``, ``datapipe`` by default)."""
-    log.warning("skipped: %s", err)
+    log.warning("skipped: %s", redact_text(err))
 
 
 HANDLERS: dict[str, Callable[[BaseException], None]] = {"raise": reraise, "skip": skip, "warn": warn}
@@ -59,7 +64,7 @@ def check_on_error(on_error: OnError) -> OnError:
 
 def remember(last_errors: list[str], err: BaseException) -> list[str]:
     """``last_errors`` with ``err``'s message added, keeping the last ``LAST_ERRORS``."""
-    return (last_errors + [str(err)])[-LAST_ERRORS:]
+    return (last_errors + [redact_text(err)])[-LAST_ERRORS:]
 
 
 class ErrorPolicy:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import filelock
 
 from datapipe.errors import DataError
-from datapipe.storage.urls import redact_url
+from datapipe.storage.urls import redact_text, redact_url
 
 log = logging.getLogger("datapipe.storage.cache")
 
@@ -180,7 +180,7 @@ class ShardCache:
         self.failures += 1
         (log.debug if self._warned else log.warning)(
             "cache %s cannot keep %s (%s: %s): reading from storage instead; failures are counted in "
-            "stats()['cache_failures']", self.directory, redact_url(url), type(err).__name__, err)
+            "stats()['cache_failures']", self.directory, redact_url(url), type(err).__name__, redact_text(err))
         self._warned = True
 
     def open(self, url: str, open_remote: Callable[[], Any], *, sha256: str | None = None):

@@ -11,6 +11,10 @@ _SECRET_QUERY_KEYS = re.compile(
 )
 
 
+# a URL inside free text: scheme://, then up to whitespace, a quote, an angle bracket or a closing ) ]
+_URL_IN_TEXT = re.compile(r"[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s'\"<>)\]]+")
+
+
 def url_scheme(url: str) -> str:
     """The URL's scheme (``file`` for plain paths)."""
     m = _SCHEME.match(url)
@@ -47,3 +51,13 @@ def redact_url(url: str) -> str:
             items.append(f"{k}=***" if eq and _SECRET_QUERY_KEYS.match(k) else item)
         query = "&".join(items)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: object) -> str:
+    """``str(text)`` (any text, or an exception) with every URL in it redacted as :func:`redact_url` does:
+    for log lines and error messages that quote foreign text."""
+    text = str(text)
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)) if "@" in m.group(0) or "?" in m.group(0)
+                            else m.group(0), text)

@@ -9,9 +9,9 @@ import re
 import braceexpand
 
 from datapipe.errors import DataError
-from datapipe.storage.locations import is_local, local_path, redact_url, url_scheme
+from datapipe.storage.locations import is_local, local_path, redact_text, redact_url, url_scheme
 
-__all__ = ["expand_urls", "is_local", "local_path", "redact_url", "url_scheme", "SHARD_SUFFIXES"]
+__all__ = ["expand_urls", "is_local", "local_path", "redact_text", "redact_url", "url_scheme", "SHARD_SUFFIXES"]
 
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import fsspec
 
 from datapipe.storage.files import filesystem, write_json
-from datapipe.storage.urls import is_local, redact_url
+from datapipe.storage.urls import is_local, redact_text, redact_url
 
 log = logging.getLogger("datapipe.tar.counts")
 
@@ -52,7 +52,7 @@ def _read_json(url: str, storage_options: dict | None) -> dict:
         if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("shards"), dict):
             return data["shards"]
     except Exception as e:  # a missing or unreadable cache only means counting again
-        log.debug("no usable count cache at %s: %s", redact_url(url), e)
+        log.debug("no usable count cache at %s: %s", redact_url(url), redact_text(e))
     return {}
 
 
@@ -123,8 +123,8 @@ def store_counts(entries: dict[str, dict], *, storage_options: dict | None = Non
                 break
             except Exception as e:  # e.g. a read-only file system, or storage that cannot write (HTTP)
                 if must:
-                    raise OSError(f"cannot write {redact_url(url)}: {e}") from e
-                log.debug("cannot write the count cache %s: %s", redact_url(url), e)
+                    raise OSError(f"cannot write {redact_url(url)}: {redact_text(e)}") from e
+                log.debug("cannot write the count cache %s: %s", redact_url(url), redact_text(e))
     return written
 
 

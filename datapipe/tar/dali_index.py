@@ -16,7 +16,7 @@ import tarfile
 import uuid
 from collections.abc import Sequence
 
-from datapipe.storage.urls import redact_url
+from datapipe.storage.urls import redact_text, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +125,16 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
         if skip_existing:
             fs, p = fsspec.core.url_to_fs(target)
             if fs.exists(p):
-                log.info("exists: %s", target)
+                log.info("exists: %s", redact_url(target))
                 continue
         try:
             write_dali_index(url, target)
-            log.info("indexed %s -> %s", redact_url(url), target)
+            log.info("indexed %s -> %s", redact_url(url), redact_url(target))
         except DataError as e:
             log.error("%s", e)
             failed += 1
         except OSError as e:
-            log.error("cannot write the index %s: %s", redact_url(target), e)
+            log.error("cannot write the index %s: %s", redact_url(target), redact_text(e))
             failed += 1
     if failed:
         log.error("%d of %d shards could not be indexed", failed, len(urls))

@@ -12,6 +12,8 @@ import logging
 import os
 import time
 
+from datapipe.storage.urls import redact_text
+
 log = logging.getLogger("datapipe.demo")  # the CLI lives in datapipe; the demo needs the loaders
 
 
@@ -139,7 +141,7 @@ def run_command(args: argparse.Namespace) -> int:
         try:
             rows.append(run())
         except ImportError as e:
-            log.warning("skipped the %s stage: %s (install the extra it needs)", name, e)
+            log.warning("skipped the %s stage: %s (install the extra it needs)", name, redact_text(e))
         except Exception:
             log.exception("the %s stage failed", name)
             failed += 1

@@ -16,7 +16,7 @@ from datapipe.storage.files import open_shard
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
 from datapipe.tar.reader import iter_samples
-from datapipe.storage.urls import expand_urls, redact_url
+from datapipe.storage.urls import expand_urls, redact_text, redact_url
 
 
 _WHAT = "give a shard, a brace pattern of shards or a shard directory"
@@ -74,7 +74,7 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
             finally:
                 f.close()
         except (DataError, TarFormatError) as e:
-            report["problems"].append(f"{redact_url(url)}: {e}")
+            report["problems"].append(f"{redact_url(url)}: {redact_text(e)}")
         name = posixpath.basename(url)
         if name in expected and expected[name] != entry["samples"]:
             report["problems"].append(f"{redact_url(url)}: {entry['samples']} samples, manifest says {expected[name]}")
@@ -119,7 +119,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         report = inspect_shards(args.target, preview=args.preview, storage_options=options)
     except (OSError, ValueError, DataError) as e:
-        text = str(e) if redact_url(args.target) in str(e) else f"cannot read {redact_url(args.target)}: {e}"
+        text = redact_text(e)
+        text = text if redact_url(args.target) in text else f"cannot read {redact_url(args.target)}: {text}"
         print(f"datapipe inspect: {text}", file=sys.stderr)
         return 1
     if args.json:

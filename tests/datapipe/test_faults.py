@@ -284,3 +284,32 @@ def test_an_s3_folder_is_a_dataset(s3):
     stream = ShardStream("s3://bucket/data", storage_options=options, **FAST)
     assert stream.urls == [f"s3://bucket/data/shard-{i:06d}.tar" for i in range(3)]
     assert [strip(s) for s in stream] == [strip(s) for s in samples]
+
+
+@pytest.mark.timeout(60)
+def test_credentials_never_shown_when_counting_reading_inspecting_and_benching(web, caplog, capsys):
+    from datapipe.cli import main
+
+    remote, samples, faults = web
+    password, token = "pa55-w0rd-XYZ", "t0k3n-QWERTY"
+    base = remote[0].rsplit("/", 1)[0].replace("http://", f"http://alice:{password}@")
+    pattern = f"{base}/shard-{{000000..000002}}.tar?token={token}"
+    missing = f"{base}/shard-{{000000..000003}}.tar?token={token}"
+    texts = []
+    with caplog.at_level(logging.DEBUG, logger="datapipe"):  # as `datapipe -v` does (other libraries stay quiet)
+        stream = ShardStream(pattern, **FAST)
+        assert len(stream) == 15  # counted (no manifest beside a query-token URL): the count cache is looked up
+        assert [strip(s) for s in stream] == [strip(s) for s in samples]
+        for bad in (ShardStream(missing, **FAST), ShardStream(f"{base}/nothing-here.tar?token={token}", **FAST)):
+            with pytest.raises(Exception) as info:
+                len(bad)
+                list(bad)
+            texts.append(full_text(info.value) + repr(info.value))
+        main(["-v", "bench", "storage", pattern, "--seconds", "0.2", "--concurrency", "1", "--block-size", "1M", "--no-progress"])
+        main(["inspect", "-v", missing])
+    out = capsys.readouterr()
+    own = [r for r in caplog.records if r.name.split(".")[0] in ("datapipe", "loaders")]
+    assert any(r.levelno == logging.DEBUG for r in own)
+    text = "".join(texts) + out.out + out.err + "".join(f"{r.getMessage()} {r.exc_text or ''}" for r in own)
+    assert "alice:***@" in text and "token=***" in text
+    assert password not in text and token not in text

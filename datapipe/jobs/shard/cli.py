@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from datapipe.errors import DataError
+from datapipe.storage.urls import redact_text
 from datapipe.units import parse_size
 from datapipe.jobs.shard.job import shard
 from datapipe.jobs.shard.lock import LockedError
@@ -74,15 +75,15 @@ def run_command(args: argparse.Namespace) -> int:
         print("datapipe shard: interrupted: rerun the same command to resume", file=sys.stderr)
         return 130
     except UsageError as e:
-        print(f"datapipe shard: error: {e}", file=sys.stderr)
+        print(f"datapipe shard: error: {redact_text(e)}", file=sys.stderr)
         return 2
     except (ValueError, DataError, OSError, LockedError, ImportError) as e:
-        print(f"datapipe shard: failed: {e}", file=sys.stderr)
+        print(f"datapipe shard: failed: {redact_text(e)}", file=sys.stderr)
         return 1
     except Exception as e:  # one line, no traceback (``datapipe -v`` shows it)
         if getattr(args, "verbose", False):
             raise
-        print(f"datapipe shard: failed: {type(e).__name__}: {e} (run `datapipe -v shard ...` for the traceback)",
+        print(f"datapipe shard: failed: {type(e).__name__}: {redact_text(e)} (run `datapipe -v shard ...` for the traceback)",
               file=sys.stderr)
         return 1
     print(f"{report['out']}: {report['samples']} samples in {report['shards']} shards, "

@@ -18,6 +18,7 @@ import time
 
 from datapipe.jobs.shard.journal import join_url
 from datapipe.storage.files import filesystem
+from datapipe.storage.urls import redact_text, redact_url
 
 log = logging.getLogger("datapipe.jobs.shard.lock")
 
@@ -121,7 +122,7 @@ class OutputLock:
                 self._token["heartbeat"] = time.time()
                 fs.pipe_file(path, json.dumps(self._token).encode())
             except Exception as e:  # the job goes on; a failed heartbeat only weakens the lock
-                log.warning("could not refresh the lock %s: %s", self.url, e)
+                log.warning("could not refresh the lock %s: %s", redact_url(self.url), redact_text(e))
 
     def __enter__(self) -> OutputLock:
         fs, path = filesystem(self.url, self.options)

@@ -23,6 +23,7 @@ from typing import Any
 from datapipe.device.autotune import usable_cores
 from datapipe.units import parse_size
 from datapipe.errors import DataError
+from datapipe.storage.urls import redact_text
 
 
 def environment() -> dict[str, Any]:
@@ -98,7 +99,7 @@ def _storage_command(args) -> int:
                                 block_sizes=bs.parse_list(args.block_size, parse_size), seconds=args.seconds,
                                 processes=args.processes, storage_options=options, progress=not args.no_progress)
     except (DataError, OSError, ValueError) as e:
-        print(f"datapipe bench storage: {e}", file=sys.stderr)
+        print(f"datapipe bench storage: {redact_text(e)}", file=sys.stderr)
         return 1
     print(table(bs.rows_for_table(result), bs.TABLE_COLUMNS))
     print(f"page cache: {result['page_cache']['reason']}")

@@ -11,6 +11,7 @@ import sys
 
 from datapipe.tools.bench.cli import _outputs, _storage_command, plot_path, table
 from datapipe.errors import DataError
+from datapipe.storage.urls import redact_text
 
 
 # ---- loader ---------------------------------------------------------------------------------------
@@ -24,7 +25,7 @@ def _loader_command(args) -> int:
                                steps=args.steps, warmup=args.warmup, image_size=args.image_size,
                                make_images=args.make_images, seq_len=args.seq_len, progress=not args.no_progress)
     except (DataError, OSError, ValueError) as e:
-        print(f"datapipe bench loader: {e}", file=sys.stderr)
+        print(f"datapipe bench loader: {redact_text(e)}", file=sys.stderr)
         return 1
     print(table(bl.rows_for_table(result), bl.TABLE_COLUMNS))
     print()
@@ -37,7 +38,7 @@ def _loader_command(args) -> int:
         try:
             result["peers"] = _peers(args)
         except (DataError, OSError, ValueError) as e:
-            print(f"datapipe bench loader --peers: {e}", file=sys.stderr)
+            print(f"datapipe bench loader --peers: {redact_text(e)}", file=sys.stderr)
             return 1
         from datapipe.tools.bench.peers import table_rows
 

@@ -112,3 +112,16 @@ def test_an_http_folder_ending_in_a_slash_is_listed(tmp_path):
         assert expand_urls(f"{base}/a/") == [f"{base}/a/shard-000000.tar", f"{base}/a/shard-000001.tar"]
         assert expand_urls(f"{base}/b/") == [f"{base}/b/shard-000000.tar", f"{base}/b/shard-000001.tar"]
         assert expand_urls(f"{base}/a/shard-000000.tar") == [f"{base}/a/shard-000000.tar"]
+
+
+def test_redact_text_hides_credentials_of_every_url_in_any_text():
+    from datapipe.storage.urls import redact_text
+
+    text = ("no usable count cache at http://alice:***@h:1/c.json: http://alice:secret@h:1/c.json; "
+            "also 's3://b/k?X-Amz-Signature=abc&part=1' and (shard https://h/x-{000..001}.tar?token=tok) end")
+    out = redact_text(text)
+    assert "secret" not in out and "abc" not in out and "tok)" not in out and "=tok" not in out
+    assert "http://alice:***@h:1/c.json; " in out and "X-Amz-Signature=***&part=1'" in out
+    assert "https://h/x-{000..001}.tar?token=***) end" in out
+    assert redact_text(ValueError("plain http://h/a.tar and /local/path")) == "plain http://h/a.tar and /local/path"
+    assert redact_text(out) == out
