@@ -11,21 +11,40 @@ import random
 from typing import Any, Callable, Iterable, Iterator
 
 
-class ShuffleBuffer:
-    """Reservoir-style shuffle: fill ``size`` slots, then each new item replaces a random slot's item."""
+START = 128  # items a stream's buffer holds before its first draw (it fills up to its size while it draws)
 
-    def __init__(self, size: int, rng: random.Random, slots: list | None = None):
+
+class ShuffleBuffer:
+    """Reservoir-style shuffle: fill ``size`` slots, then each new item replaces a random slot's item.
+
+    ``start``: draw from the first ``start`` items on, one draw for every second item pulled, until the
+    buffer holds ``size`` (so the first item comes after ``start`` reads, not ``size``); None: fill all
+    ``size`` slots first. ``pulled``: items a resumed buffer had pulled before (with its ``slots`` and its
+    generator's state). The choices depend only on the generator and the count of items pulled.
+    """
+
+    def __init__(self, size: int, rng: random.Random, slots: list | None = None, *, start: int | None = None,
+                 pulled: int = 0):
         self.size = size
         self.rng = rng
         self.slots = list(slots or [])
-        self.pulled = 0
+        self.start = size if start is None else max(1, min(start, size))
+        self.pulled = pulled
 
     def run(self, source: Iterable[Any]) -> Iterator[Any]:
-        slots, rng, size = self.slots, self.rng, self.size
+        slots, rng, size, start = self.slots, self.rng, self.size, self.start
         for item in source:
             self.pulled += 1
-            if len(slots) < size:
+            n = len(slots)
+            if n < size:
                 slots.append(item)
+                if n + 1 < start or (start < size and self.pulled % 2):
+                    continue
+                if n + 1 == size and start == size:
+                    continue  # filled before its first draw: the first draw replaces with the next item
+                j = rng.randrange(n + 1)
+                slots[j], slots[-1] = slots[-1], slots[j]
+                yield slots.pop()
                 continue
             j = rng.randrange(size)
             out = slots[j]
@@ -43,7 +62,7 @@ def replay_positions(size: int, seed: int, length: int, draws: int) -> tuple[Shu
     The returned buffer's ``slots`` hold positions; its generator is in the same state as a live
     buffer's after the same draws.
     """
-    buffer = ShuffleBuffer(size, random.Random(seed))
+    buffer = ShuffleBuffer(size, random.Random(seed), start=START)
     consumed = sum(1 for _ in itertools.islice(buffer.run(range(length)), draws))
     if consumed != draws:
         raise ValueError(f"cannot resume after {draws} draws: this run has only {consumed} items")
@@ -65,6 +84,6 @@ def shuffled(read_positions: Callable[[int], Iterator[tuple[int, Any]]], *, size
         pos, item = next(source)
         if pos in wanted:
             slots[wanted.pop(pos)] = (pos, item)
-    live = ShuffleBuffer(size, buffer.rng, slots)
+    live = ShuffleBuffer(size, buffer.rng, slots, start=START, pulled=pulled)
     for _, item in live.run(item for item in source if item[0] >= pulled):
         yield item

@@ -163,11 +163,17 @@ def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[Sa
         if m is None:
             break
         name, size, header_offset = m
-        match = key_ext(name)
+        dot = name.find(".") if "/" not in name else -1
+        if dot > 0:  # webdataset's rule (``_KEY_EXT``) for a name without a folder: split at the first dot
+            key, ext = name[:dot], name[dot + 1:]
+            match = True
+        else:
+            match = key_ext(name)
+            if match is not None:
+                key, ext = match.group(1), match.group(2)
         if match is None or (name[:2] == "__" and is_meta(name)):
             _skip_member(reader, name, size, header_offset)
             continue
-        key = match.group(1)
         g.members += 1
         if key != g.key:  # the first member of the next sample: the one in progress is complete
             g.count_members()
@@ -189,11 +195,11 @@ def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[Sa
         if current is None:
             _skip_member(reader, name, size, header_offset, key)
             continue
-        ext = match.group(2).lower()
+        ext = ext.lower()
         data = read_data(size)
         if data is None:
             raise TarTruncated(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
-        pad = padded(size) - size
+        pad = -size & 511  # to the next 512-byte block
         if pad and not reader.skip(pad):
             raise TarTruncated(f"tar stream ends inside the padding of member {name!r}", header_offset, key)
         if ext in current:

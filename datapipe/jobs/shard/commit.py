@@ -9,6 +9,7 @@ removing the outputs of an earlier job in ``OUT``.
 from __future__ import annotations
 
 import hashlib
+import os
 import posixpath
 import re
 from typing import Any
@@ -65,21 +66,31 @@ def file_sha256(fs, path: str) -> str:
 
 def verify_shards(out: str, shards: list[dict], opts: dict) -> list[str]:
     """What is wrong with the shards ``shards`` (manifest entries) in ``out``: one line per problem, [] if all
-    are present with their size and sha256."""
+    are present with their size and sha256. Shards are hashed in parallel threads (hashlib and file reads
+    release the GIL)."""
     fs, path = filesystem(out, opts)
-    problems = []
-    for entry in shards:
+
+    def check(entry: dict) -> str | None:
         p = posixpath.join(path, entry["name"])
         try:
             size = fs.size(p)
         except FileNotFoundError:
-            problems.append(f"{entry['name']} is missing")
-            continue
+            return f"{entry['name']} is missing"
         if size != entry["bytes"]:
-            problems.append(f"{entry['name']} has {size} bytes, the manifest says {entry['bytes']}")
-        elif entry.get("sha256") and file_sha256(fs, p) != entry["sha256"]:
-            problems.append(f"{entry['name']} does not match the manifest's sha256 (its bytes changed)")
-    return problems
+            return f"{entry['name']} has {size} bytes, the manifest says {entry['bytes']}"
+        if entry.get("sha256") and file_sha256(fs, p) != entry["sha256"]:
+            return f"{entry['name']} does not match the manifest's sha256 (its bytes changed)"
+        return None
+
+    threads = min(len(shards), os.cpu_count() or 1, 8)
+    if threads <= 1:
+        verdicts = [check(entry) for entry in shards]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="datapipe-verify") as pool:
+            verdicts = list(pool.map(check, shards))
+    return [v for v in verdicts if v is not None]
 
 
 def remove_outputs(out: str, pattern: str, opts: dict) -> None:

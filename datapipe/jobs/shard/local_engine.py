@@ -16,6 +16,9 @@ from typing import Callable, Iterator
 from datapipe.jobs.shard.partition import run_partition
 
 CHECK_POOL_MIN_ITEMS = 256  # fewer images are checked in the writing process (a pool costs more)
+# an "open" check (header and end marker, ~0.05 ms an image) pays for the pool's start (~0.1-0.3 s: forking a
+# process that imported torch, each worker reading the files again) only for this many times more images
+OPEN_CHECK_POOL_FACTOR = 16
 _PR_SET_PDEATHSIG = 1
 
 _progress_queue = None  # set in pool workers by _init_worker only
@@ -87,7 +90,8 @@ def run_local(job: dict, parts: list[dict], *, workers: int, progress: Callable[
     if ctx.get_start_method() != "fork":
         lock_fd = None  # a spawned worker inherits no descriptor (that number may be another file there)
     items = sum(len(p.get("items", ())) for p in parts)
-    if job.get("copy") and job["check_images"] != "none" and workers > 1 and items >= CHECK_POOL_MIN_ITEMS:
+    pool_min = CHECK_POOL_MIN_ITEMS * (OPEN_CHECK_POOL_FACTOR if job["check_images"] == "open" else 1)
+    if job.get("copy") and job["check_images"] != "none" and workers > 1 and items >= pool_min:
         with ctx.Pool(workers, initializer=_init_worker, initargs=(None, os.getpid(), lock_fd)) as pool:
             for part in parts:  # leaving the block (also by an exception) terminates the workers
                 yield run_partition(job, part, progress, check_pool=pool)
