@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import posixpath
 
 from datapipe.errors import DataError
@@ -12,7 +13,7 @@ from datapipe.read.ledger import Ledger
 from datapipe.read.options import StorageOptions
 from datapipe.storage.cache import ShardCache
 from datapipe.storage.files import RetryingFile, decompress, open_shard, with_timeouts
-from datapipe.storage.urls import is_local, redact_url
+from datapipe.storage.urls import is_local, local_path, redact_url
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.counts import _map, load_counts, stamp, store_counts
 from datapipe.tar.manifest import read_manifest
@@ -101,6 +102,14 @@ class Shards:
                 if entry.get("damage"):
                     self._damaged(url, entry["damage"])
             missing = [u for u in self.urls if u not in known]
+            absent = [u for u in missing if is_local(u) and not u.startswith("pipe:") and not os.path.exists(local_path(u))]
+            if absent:  # said first (under on_error), not after a warning about counting them
+                names = ", ".join(redact_url(u) for u in absent[:3]) + (", ..." if len(absent) > 3 else "")
+                for url in absent:
+                    self.ledger.errors(DataError(f"{len(absent)} of {len(self.urls)} shards do not exist: {names}",
+                                                 url=redact_url(url)), lost=0)
+                    known[url] = 0
+                missing = [u for u in missing if u not in known]
             if missing:
                 log.warning("no manifest lists %d of %d shards: counting their samples once (write shards with "
                             "datapipe.ShardWriter, or run `datapipe index` on them once to store their counts)",

@@ -12,7 +12,7 @@ import fsspec
 
 from datapipe.errors import DataError
 from datapipe.tar.manifest import read_manifest
-from datapipe.storage.files import open_shard
+from datapipe.storage.files import describe, is_permanent, open_shard, secrets_of
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
 from datapipe.tar.reader import iter_samples
@@ -32,8 +32,13 @@ def shard_urls(target: str, *, storage_options: dict | None = None) -> tuple[lis
         manifest = read_manifest(directories.pop(), storage_options=options) if len(directories) == 1 else None
         return urls, manifest
     fs, path = fsspec.core.url_to_fs(target, **options)
-    if not fs.exists(path):
-        raise FileNotFoundError(f"{redact_url(target)} does not exist: {_WHAT}")
+    try:
+        fs.info(path)
+    except Exception as e:  # fsspec's HTTP reports an unreachable host as FileNotFoundError too
+        if isinstance(e, FileNotFoundError) and is_permanent(e):
+            raise FileNotFoundError(f"{redact_url(target)} does not exist: {_WHAT}") from None
+        text, cause = describe(e, secrets_of(target, options))
+        raise DataError(f"cannot read: {text}", url=redact_url(target), what="target") from cause
     if not fs.isdir(path):
         with fs.open(path, "rb") as f:
             head = f.read(BLOCK)

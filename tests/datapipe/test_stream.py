@@ -346,3 +346,19 @@ def test_replace_takes_storage_option_names(tmp_path):
     assert stream.storage == StorageOptions(retries=2, zero_copy=True) and stream.seed == 4
     with pytest.raises(ValueError, match="no option 'retry'"):
         stream.replace(retry=1)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_missing_local_shards_are_named_before_any_counting(tmp_path, caplog, on_error):
+    write_shards(tmp_path, [3], manifest=False)
+    stream = ShardStream(str(tmp_path / "shard-{000000..000003}.tar"), on_error=on_error)
+    with caplog.at_level(logging.WARNING, logger="datapipe"):
+        if on_error == "raise":
+            with pytest.raises(DataError, match=r"3 of 4 shards do not exist") as info:
+                list(stream)
+            assert "shard-000001.tar" in str(info.value) and "shard-000003.tar" in str(info.value)
+            assert "no manifest lists" not in caplog.text  # the missing files are the news, said first
+        else:
+            assert len(list(stream)) == 3
+            assert stream.stats()["errors"] == 3
+            assert "no manifest lists 1 of 4 shards" in caplog.text  # only the one that exists is counted

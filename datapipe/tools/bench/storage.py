@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from datapipe.errors import DataError
+from datapipe.storage.files import describe, secrets_of
 from datapipe.storage.urls import is_local, local_path, redact_url, url_scheme
 from datapipe.units import format_size, percentiles
 
@@ -138,8 +139,9 @@ class Store:
     def size(self, url: str) -> int:
         try:
             return os.path.getsize(local_path(url)) if self.local else int(self.fs().size(self.path(url)))
-        except Exception as e:
-            raise DataError(f"cannot read shard: {type(e).__name__}: {e}", url=redact_url(url)) from e
+        except Exception as e:  # "cannot connect", not fsspec's FileNotFoundError, for an unreachable host
+            text, cause = describe(e, secrets_of(url, self.storage_options))
+            raise DataError(f"cannot read shard: {text}", url=redact_url(url)) from cause
 
     def read(self, index: int, start: int, length: int) -> int:
         url = self.urls[index]
@@ -327,7 +329,8 @@ def run_storage(targets: list[str] | str, *, concurrency: list[int] = (1, 2, 4, 
         if sizes[0]:
             store.read(0, 0, min(1024, sizes[0]))
     except Exception as e:
-        raise DataError(f"cannot read shard: {type(e).__name__}: {e}", url=redact_url(urls[0])) from e
+        text, cause = describe(e, secrets_of(urls[0], storage_options))
+        raise DataError(f"cannot read shard: {text}", url=redact_url(urls[0])) from cause
     finally:
         store.close()
     local = store.local

@@ -88,3 +88,18 @@ def test_credentials_in_the_url_never_reach_the_output(out, capsys):
     for shown in (text.out, text.err, report.out, report.err):
         assert "hunter2" not in shown and "tok3n" not in shown
     assert json.loads(report.out)["preview"][0]["__url__"].endswith("/shard-000000.tar?token=***&part=1")
+
+
+def _closed_port():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_host_is_not_reported_as_missing(capsys):
+    assert main(["inspect", f"http://127.0.0.1:{_closed_port()}/data/"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot connect" in err and "does not exist" not in err and "FileNotFoundError" not in err

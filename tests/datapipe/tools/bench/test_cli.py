@@ -269,3 +269,16 @@ def test_loader_peers_adds_the_peer_rows(image_dir, tmp_path, capsys):
     assert systems["datapipe"]["resume"]["exact"] is True
     assert systems["datapipe"]["write"]["images"] == 24
     assert (tmp_path / "loader_peers.png").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bench_storage_says_an_unreachable_host_cannot_be_reached(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["bench", "storage", f"http://127.0.0.1:{port}/shard-{{000000..000001}}.tar", "--seconds", "0.1",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot connect" in err and "FileNotFoundError" not in err
