@@ -252,11 +252,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         if isinstance(state, (list, tuple)) or (not elastic.is_global(state) and isinstance(state, dict)
                                                  and state.get("world_size") == 1 and state.get("rank") == 0):
             state = elastic.merge_states(list(state) if isinstance(state, (list, tuple)) else [state])
+        self.check_loadable(state)
         reshape = None
         if elastic.is_global(state):
-            for rank_state in state["ranks"]:
-                _check_stream_state(rank_state)
-                check_identity(rank_state, "ShardStream", self._identity())
             base, generation = elastic.remaining(state, total=sum(self.counts), shuffle_buffer=self.shuffle_buffer)
             reshape = {"base": base, "generation": generation + 1}
             rank, world = self._rank_world()
@@ -267,8 +265,6 @@ class ShardStream(torch.utils.data.IterableDataset):
                                 "first_worker": 0, "workers": {}, "reshape": reshape}
                 return
             state = state["ranks"][rank]
-        _check_stream_state(state)
-        check_identity(state, "ShardStream", self._identity())
         if reshape is None and state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}
@@ -281,6 +277,16 @@ class ShardStream(torch.utils.data.IterableDataset):
                         "generation": int(state.get("generation", 0)),
                         "base": None if base is None else elastic.unpack_ranges(base),
                         "reshape": reshape}
+
+    def check_loadable(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """A ValueError unless ``load_state_dict`` takes ``state`` (this stream is not changed): one naming a
+        malformed entry, or every setting (``seed``, ``shuffle``, ``shuffle_buffer``, ``shards``) it was taken
+        with that differs from this stream's, with both values. Loaders call it when a checkpoint is loaded."""
+        if isinstance(state, (list, tuple)):
+            state = elastic.merge_states(list(state))
+        for rank_state in (state["ranks"] if elastic.is_global(state) else [state]):
+            _check_stream_state(rank_state)
+            check_identity(rank_state, "ShardStream", self._identity())
 
     def stats(self) -> dict[str, Any]:
         """Counts of this stream over this process and its DataLoader workers (``loaders.DataLoader``):

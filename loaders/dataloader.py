@@ -413,9 +413,14 @@ class DataLoader(tud.DataLoader[_T_co]):
         (``global_state_dict()``, or the list of every rank's ``state_dict()``) of an iterable
         dataset with the worker-state protocol: on the same shape each rank takes its own state
         back (bit-exact); on another ``world_size`` / ``num_workers`` the dataset plans the epoch's
-        undelivered samples over the new shape (see ``datapipe.order.elastic``).
+        undelivered samples over the new shape (see ``datapipe.order.elastic``). A state taken over other
+        shards or with another ``seed`` / ``shuffle`` / ``shuffle_buffer`` (a mix: ``weights``) is refused here,
+        with a ValueError naming each setting and both values.
         """
         state = as_loadable(state, protocol=self._protocol, fixed_workers=self._fixed_workers())
+        check = getattr(self.dataset, "check_loadable", None)
+        if self._protocol and callable(check) and isinstance(state, dict) and state.get("dataset") is not None:
+            check(state["dataset"])  # refused now, naming what differs, not when the resumed epoch starts
         if elastic.is_global(state):
             self._load_global(state)
             return

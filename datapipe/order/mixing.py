@@ -224,9 +224,7 @@ class Mix(torch.utils.data.IterableDataset):
         """
         if isinstance(state, (list, tuple)):
             state = elastic.merge_states(state)
-        for s in (state["ranks"] if elastic.is_global(state) else [state]):
-            check_state(s, "Mix", keys={"epoch": Integral, "num_workers": Integral, "workers": dict})
-            check_identity(s, "Mix", {"seed": self.seed, "weights": list(self.weights), "streams": len(self.streams)})
+        self.check_loadable(state)
         if elastic.is_global(state):
             self.epoch = int(state["epoch"])
             self._loaded_shape = elastic.shape(state)
@@ -237,6 +235,15 @@ class Mix(torch.utils.data.IterableDataset):
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}
         self._resume = self._rank_resume(state)
+
+    def check_loadable(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """A ValueError unless ``load_state_dict`` takes ``state`` (this mix is not changed): one naming a
+        malformed entry, or each of ``seed``, ``weights``, ``streams`` that differs, with both values."""
+        if isinstance(state, (list, tuple)):
+            state = elastic.merge_states(state)
+        for s in (state["ranks"] if elastic.is_global(state) else [state]):
+            check_state(s, "Mix", keys={"epoch": Integral, "num_workers": Integral, "workers": dict})
+            check_identity(s, "Mix", {"seed": self.seed, "weights": list(self.weights), "streams": len(self.streams)})
 
     @staticmethod
     def _rank_resume(state: dict[str, Any]) -> dict[str, Any]:

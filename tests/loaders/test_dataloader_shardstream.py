@@ -45,3 +45,30 @@ def test_epochs_after_a_resume_start_afresh(tmp_path):
     resumed.load_state_dict(state)
     assert head + list(resumed) == epoch0
     assert list(resumed) == epoch1
+
+
+@pytest.mark.parametrize("change, words", [({"seed": 4}, ["seed=3", "seed=4"]),
+                                           ({"shuffle": False}, ["shuffle=True", "shuffle=False"]),
+                                           ({"shuffle_buffer": 2}, ["shuffle_buffer=5", "shuffle_buffer=2"]),
+                                           ({"shards": 3}, ["shards='4 shards", "shards='3 shards"])])
+@pytest.mark.parametrize("whole_job", [False, True])
+def test_a_checkpoint_of_other_settings_is_refused_at_load_time(tmp_path, change, words, whole_job):
+    urls, _ = write_shards(tmp_path / "d", [7, 2, 9, 4])
+    settings = {"shuffle": True, "shuffle_buffer": 5, "seed": 3}
+
+    def make(**changes):
+        shards = urls[:changes.pop("shards", len(urls))]
+        return DataLoader(ShardStream(shards, **{**settings, **changes}), batch_size=2, collate_fn=keys)
+
+    saved = make()
+    it = iter(saved)
+    next(it), next(it)
+    state = saved.global_state_dict() if whole_job else saved.state_dict()
+    other = make(**change)
+    with pytest.raises(ValueError, match="taken over other data or settings") as info:
+        other.load_state_dict(state)  # refused here, not at the first batch of the next epoch
+    for word in words:
+        assert word in str(info.value)
+    same = make()
+    same.load_state_dict(state)
+    assert [k for b in same for k in b] == [k for b in it for k in b]
