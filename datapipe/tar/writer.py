@@ -51,10 +51,10 @@ def _member_header(name: str, size: int) -> bytes:
     attributes): built from the shared template for the common case, by ``tarfile`` for the others
     (non-ASCII or long names, which get a pax header, and sizes past the ustar field)."""
     raw = name.encode("ascii") if len(name) <= 100 and name.isascii() else None
-    if raw is None or size >= _MAX_USTAR_SIZE or not raw:
+    if raw is None or size >= _MAX_USTAR_SIZE:
         info = tarfile.TarInfo(name)
         info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o444, "bigdata", "bigdata"
-        return info.tobuf(tarfile.USTAR_FORMAT if raw else tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        return info.tobuf(tarfile.USTAR_FORMAT if raw is not None else tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
     size_field = b"%011o\0" % size
     chksum = _FIXED_SUM + sum(raw) + sum(size_field)
     block = b"".join((raw, bytes(100 - len(raw)), _HEAD, size_field, _TAIL))
