@@ -64,10 +64,24 @@ def file_sha256(fs, path: str) -> str:
     return h.hexdigest()
 
 
-def verify_shards(out: str, shards: list[dict], opts: dict) -> list[str]:
+def _unchanged(fs, path: str, written, run: str | None) -> bool:
+    """Whether the local file ``path`` is the one this ``run`` wrote and stamped (``partition.stamp_written``),
+    unchanged since: same inode, size and stamped modification time (a write since moves it to the present)."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if run is None or not isinstance(written, dict) or written.get("run") != run or "file" not in protocols:
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_ino, st.st_size, st.st_mtime_ns) == (written.get("ino"), written.get("size"), written.get("mtime_ns"))
+
+
+def verify_shards(out: str, shards: list[dict], opts: dict, *, run: str | None = None) -> list[str]:
     """What is wrong with the shards ``shards`` (manifest entries) in ``out``: one line per problem, [] if all
     are present with their size and sha256. Shards are hashed in parallel threads (hashlib and file reads
-    release the GIL)."""
+    release the GIL). ``run``: the job run whose own shards (entries with its ``written`` stamp, on a local
+    disk) are known by their unchanged file identity instead of read back and hashed."""
     fs, path = filesystem(out, opts)
 
     def check(entry: dict) -> str | None:
@@ -78,6 +92,8 @@ def verify_shards(out: str, shards: list[dict], opts: dict) -> list[str]:
             return f"{entry['name']} is missing"
         if size != entry["bytes"]:
             return f"{entry['name']} has {size} bytes, the manifest says {entry['bytes']}"
+        if _unchanged(fs, p, entry.get("written"), run):
+            return None
         if entry.get("sha256") and file_sha256(fs, p) != entry["sha256"]:
             return f"{entry['name']} does not match the manifest's sha256 (its bytes changed)"
         return None
@@ -175,7 +191,8 @@ def commit(job: dict, markers: list[dict], *, skipped: int = 0, ignored: int = 0
         if job["index"]:
             _move(fs, _idx(src), _idx(dst))
     shards = [{k: e[k] for k in ("name", "count", "bytes", "sha256")} for e in plan]
-    problems = verify_shards(job["out"], shards, opts)
+    problems = verify_shards(job["out"], [dict(s, written=e.get("written")) for s, e in zip(shards, plan)], opts,
+                             run=job.get("run"))
     if problems:
         raise DataError(f"commit of {job['out']} failed: {len(problems)} of {len(shards)} shards are not as written "
                         f"({'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}); no manifest was written. "

@@ -40,9 +40,11 @@ import os
 import posixpath
 import sys
 import time
+import uuid
 
 from datapipe.errors import DataError
 from datapipe.storage.files import filesystem
+from datapipe.storage.locations import is_local
 from datapipe.jobs.shard.commit import commit, existing_outputs, remove_outputs, verify_shards
 from datapipe.jobs.shard.journal import JOB_DIR, clean_partition, join_url, marker_url, read_json, write_json
 from datapipe.jobs.shard.local_engine import run_local
@@ -119,6 +121,9 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
         job["seed_rule"] = SEED_RULE
     config = dict(job)
     job.update(job_dir=join_url(out, JOB_DIR), storage_options=opts, strict=o.strict)
+    # shards this run writes on a local disk are stamped as they are finished, and the commit checks them by that
+    # stamp instead of reading them back (journal markers of an earlier run name another run)
+    job["run"] = uuid.uuid4().hex if engine == "local" and is_local(out) else None
     config_url = join_url(job["job_dir"], "config.json")
     previous = read_json(config_url, opts)
     same = previous is not None and previous.get("config") == config

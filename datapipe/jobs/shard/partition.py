@@ -8,6 +8,8 @@ partition's done marker (:mod:`datapipe.jobs.shard.journal`).
 from __future__ import annotations
 
 import io
+import os
+import posixpath
 import time
 from typing import Callable
 
@@ -16,6 +18,7 @@ from datapipe.image_bytes import truncation
 from datapipe.jobs.shard.journal import marker_url, part_pattern, write_json
 from datapipe.jobs.shard.options import image_check
 from datapipe.jobs.shard.sources import IMAGE_EXTENSIONS, iter_partition, read_item
+from datapipe.storage.locations import local_path
 
 
 class _Truncated(Exception):
@@ -119,6 +122,16 @@ def _check_item(args: tuple) -> str | None:
     return None
 
 
+def stamp_written(path: str, *, run: str) -> dict:
+    """Mark a finished local shard for the commit's check: its modification time set one second into the past
+    (any later write sets it to the present) and ``{"run", "ino", "size", "mtime_ns"}`` recorded, so that the
+    commit of the same run knows the file is the one it wrote, unchanged, without reading it back."""
+    st = os.stat(path)
+    stamp = (time.time_ns() // 1_000_000_000 - 1) * 1_000_000_000
+    os.utime(path, ns=(st.st_atime_ns, stamp))
+    return {"run": run, "ino": st.st_ino, "size": st.st_size, "mtime_ns": stamp}
+
+
 def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | None = None, *,
                   check_pool=None) -> dict:
     """Read, transform and write one partition; write and return its done marker.
@@ -168,6 +181,10 @@ def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | 
                 pending_n, pending_b, last = 0, 0, time.monotonic()
     if progress is not None and pending_n:
         progress(pending_n, pending_b)
+    if job.get("run"):
+        for entry in writer.shards:
+            entry["written"] = stamp_written(posixpath.join(posixpath.dirname(local_path(pattern)), entry["name"]),
+                                             run=job["run"])
     marker = {"partition": index, "shards": writer.shards, "samples": samples, "bytes": nbytes, "skipped": skipped}
     write_json(marker_url(job, index), marker, opts)
     return marker

@@ -180,3 +180,41 @@ def test_ctrl_c_says_how_to_resume_and_exits_130(tmp_path):
     assert err.strip().splitlines()[-1] == "datapipe shard: interrupted: rerun the same command to resume"
     assert "Traceback" not in err
     assert subprocess.run(cmd, cwd=REPO, stderr=subprocess.DEVNULL).returncode == 0
+
+
+def test_the_commit_finds_a_same_size_change_to_a_shard_this_run_wrote(images, tmp_path, monkeypatch):
+    """The run's own shards are known by the stamp it gave them; a write since (same size, other bytes) is found."""
+    root, files = images
+    out = tmp_path / "out"
+    real_move, moved = commit._move, []
+
+    def tamper(fs, src, dst):
+        real_move(fs, src, dst)
+        moved.append(dst)
+        if len(moved) == 2:
+            data = bytearray(open(dst, "rb").read())
+            data[700] ^= 0xFF
+            with open(dst, "r+b") as f:  # in place: same inode, same size
+                f.write(bytes(data))
+
+    monkeypatch.setattr(commit, "_move", tamper)
+    with pytest.raises(DataError, match=r"shard-000001.tar does not match the manifest's sha256"):
+        run_shard(root, out, max_count=5)
+    assert not (out / "manifest.json").exists()
+
+
+def test_a_run_reads_back_only_the_shards_it_did_not_write(images, tmp_path, monkeypatch):
+    root, files = images
+    out = tmp_path / "out"
+    hashed = []
+    real = commit.file_sha256
+    monkeypatch.setattr(commit, "file_sha256", lambda fs, p: hashed.append(p) or real(fs, p))
+    report = run_shard(root, out, max_count=5)
+    assert report["status"] == "ok" and hashed == []  # its own shards: stamped, unchanged
+    manifest = json.load(open(out / "manifest.json"))
+    entries = [dict(s, written={"run": "an earlier run", "ino": 0, "size": s["bytes"], "mtime_ns": 0})
+               for s in manifest["shards"]]
+    assert commit.verify_shards(str(out), entries, {}, run="this run") == []
+    assert len(hashed) == len(manifest["shards"])  # another run's stamp: read back and hashed
+    assert run_shard(root, out, max_count=5)["status"] == "already complete"  # the re-run reads them back too
+    assert len(hashed) == 2 * len(manifest["shards"])
