@@ -128,6 +128,7 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._ds_epoch_seen = None
         self._pending: dict | None = None
         self._progress: Progress | None = None
+        self._losses_before: dict = {}  # the dataset's loss totals when the current pass began
         self._active = None  # weakref to the latest LoaderIterator
         self._prefetcher: DevicePrefetcher | None = None
         self._source = EpochSource()
@@ -264,6 +265,7 @@ class DataLoader(tud.DataLoader[_T_co]):
             self.generator.manual_seed(self.seed + epoch)
         self._sync_dataset_epoch()
         p = Progress(epoch, resume["batches"] if resume else 0, workers)
+        self._losses_before = self._dataset_losses()
         self._restore(p, resume)
         self._progress = p
         # torch's iterator is made here, in the main thread (workers forked from the prefetch
@@ -438,11 +440,28 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
         self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None
 
+    def _dataset_losses(self) -> dict:
+        """The dataset's loss totals (``skipped``, ``errors``, ``padded``, ``last_errors``) when it counts them
+        (``ShardStream``, ``mix``: over the main process and the workers, counted once), else ``{}``."""
+        losses = getattr(self.dataset, "stats", None)
+        ds = losses() if callable(losses) else None
+        return {k: ds[k] for k in ("skipped", "errors", "padded", "last_errors") if k in ds} \
+            if isinstance(ds, dict) else {}
+
     def stats(self) -> dict:
-        """Throughput and data-wait of the current (or last) pass plus the autotune choices; the dataset's
-        losses when it counts them (``ShardStream``, ``mix``: ``skipped``, ``errors``, ``padded``, ``last_errors``,
-        over the main process and the workers, counted once); when the
-        loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers),
+        """Figures of the current (or last) pass, the autotune choices and, when the dataset counts them, its losses.
+
+        The pass (one ``iter()``; a resumed one counts from the resume): ``epoch``, ``samples``, ``batches``,
+        ``elapsed_s``, ``samples_per_s``, ``batches_per_s``, ``wait_s`` (seconds the consumer waited for a
+        batch), ``wait_fraction`` (of ``elapsed_s``), ``batch_bytes``, ``num_workers``, ``prefetch_depth``
+        (``device`` set; else None), ``autotune`` (``num_workers="auto"`` / ``prefetch_depth="auto"`` choices).
+        Losses (``ShardStream``, ``mix``: over the main process and the workers, each counted once):
+        ``skipped`` (samples lost), ``errors`` (failures handled under ``on_error``) and ``padded`` (repeats
+        that even out ranks) of the same pass as ``samples``; ``skipped_total``, ``errors_total``,
+        ``padded_total``: the same over this loader's dataset since it was made; ``last_errors``: the latest
+        messages.
+
+        When the loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers),
         ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``), the
         segments the main process holds mapped (``segments``) and of those the ones registered for CUDA,
         copied to the GPU in place (``registered``; ``device="cuda"``); once workers sent raw samples in shared
@@ -450,11 +469,13 @@ class DataLoader(tud.DataLoader[_T_co]):
         out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
                          prefetcher=self._prefetcher)
-        losses = getattr(self.dataset, "stats", None)
-        if callable(losses):  # the dataset's loss ledger, workers included: skipped samples, errors, padded repeats
-            ds = losses()
-            if isinstance(ds, dict):
-                out.update({k: ds[k] for k in ("skipped", "errors", "padded", "last_errors") if k in ds})
+        losses = self._dataset_losses()
+        for key in ("skipped", "errors", "padded"):
+            if key in losses:  # this pass's, as "samples" is; the running totals beside
+                out[key] = losses[key] - self._losses_before.get(key, 0)
+                out[f"{key}_total"] = losses[key]
+        if "last_errors" in losses:
+            out["last_errors"] = losses["last_errors"]
         if self._returns is not None and self._pass_pins:
             r = self._returns
             out["shared_memory"] = {"recycled": r.released, "segments": len(r.kept), "registered": len(r.registered)}

@@ -72,3 +72,25 @@ def test_a_checkpoint_of_other_settings_is_refused_at_load_time(tmp_path, change
     same = make()
     same.load_state_dict(state)
     assert [k for b in same for k in b] == [k for b in it for k in b]
+
+
+def _fails_on_every_third(sample):
+    if int(sample["cls"]) % 3 == 0:
+        raise ValueError("bad sample")
+    return sample["__key__"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stats_losses_are_per_pass_like_samples_with_totals_beside(tmp_path, num_workers):
+    urls, samples = write_shards(tmp_path / "d", [7, 5])
+    bad = sum(int(s["cls"]) % 3 == 0 for s in samples)
+    stream = ShardStream(urls, on_error="skip").map(_fails_on_every_third)
+    loader = DataLoader(stream, batch_size=2, num_workers=num_workers, collate_fn=list)
+    for epoch in (1, 2, 3):
+        got = [k for b in loader for k in b]
+        s = loader.stats()
+        assert len(got) == s["samples"] == len(samples) - bad
+        assert (s["skipped"], s["errors"]) == (bad, bad)  # this pass's, as samples is
+        assert (s["skipped_total"], s["errors_total"]) == (bad * epoch, bad * epoch)
+        assert s["padded"] == s["padded_total"] == 0
+    assert "skipped_total" in DataLoader.stats.__doc__ and "errors_total" in DataLoader.stats.__doc__
