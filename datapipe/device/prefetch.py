@@ -35,6 +35,8 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     """The first tensor :func:`map_tensors` would visit in ``obj``, or None; nothing is rebuilt."""
     if isinstance(obj, torch.Tensor):
         return obj
+    if obj is None or isinstance(obj, (bytes, bytearray, memoryview, str, int, float)):
+        return None  # the leaves of raw samples: nothing to look into
     if isinstance(obj, Mapping):
         children = obj.values()
     elif isinstance(obj, (list, tuple)):
