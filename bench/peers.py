@@ -64,7 +64,8 @@ def main(argv=None) -> dict:
                              systems=args.systems.split(","), batch_size=args.batch_size,
                              workers=tuple(int(w) for w in args.workers.split(",")),
                              decode_workers=args.decode_workers, resume_workers=args.resume_workers,
-                             image_size=args.image_size, timeout=args.timeout)
+                             image_size=args.image_size, timeout=args.timeout,
+                             on_system=lambda so_far: write_result("peers", so_far, args.out))
     result["command"] = "python bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.note:
         result["note"] = args.note

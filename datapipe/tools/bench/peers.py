@@ -448,7 +448,7 @@ def _kill_tree(proc) -> None:
 def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | None = None, batch_size: int = 256,
               workers: tuple[int, ...] = (0, 4, 8), decode_workers: int | None = None, resume_workers: int = 0,
               image_size: int = 224, write_workers: int | None = None, seed: int = 0, timeout: float = 600.0,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, on_system: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Every row for every installed system, on the images of ``source`` (a class-folder tree).
 
     Args:
@@ -464,6 +464,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         seed: the shuffle seed of every loader.
         timeout: seconds per row (a row over it is reported as timed out).
         progress: a line on stderr per row.
+        on_system: called with the result so far (its table included) after each system's rows, so that a run
+            cut short still leaves what it measured.
     """
     from datapipe.device.autotune import usable_cores
 
@@ -530,6 +532,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                               timeout=timeout), "saved": saved}
             else:
                 entry["resume"] = {"error": "no mid-epoch resume"}
+            if on_system is not None:
+                on_system({**result, "table": summary(result), "partial": True})
     finally:
         if own_tmp:
             shutil.rmtree(work_dir, ignore_errors=True)

@@ -42,9 +42,14 @@ def _check_system(entry, *, resumable):
 
 
 def _run(source, tmp_path, systems):
+    so_far = []
     res = peers.run_peers(source, work_dir=str(tmp_path / "work"), systems=systems, batch_size=8, workers=(0,),
-                          decode_workers=0, image_size=16, timeout=240, progress=False)
+                          decode_workers=0, image_size=16, timeout=240, progress=False,
+                          on_system=lambda r: so_far.append((list(r["systems"]), r["partial"], len(r["table"]))))
     assert list(res["systems"]) == systems
+    # a run cut short keeps what it measured: the result so far after each system, marked partial
+    assert so_far == [(systems[:i + 1], True, len(res["table"])) for i in range(len(systems))]
+    assert "partial" not in res
     for system in systems:
         _check_system(res["systems"][system], resumable=system in peers.RESUMABLE)
     assert res["source"]["images"] == 24 and res["settings"]["shuffle"] is True
