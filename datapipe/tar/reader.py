@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from datapipe.tar.headers import _KEY_EXT, TarFormatError, TarTruncated, is_meta, next_member, padded, split_key
+from datapipe.tar.headers import (BLOCK, _KEY_EXT, TarFormatError, TarTruncated, _plain_member, is_meta, next_member,
+                                  padded, split_key)
 
 
 @dataclass(slots=True)
@@ -150,21 +151,31 @@ def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[Sa
     errors: list[TarFormatError] = []
     read_data = reader.read_view if zero_copy and hasattr(reader, "read_view") else reader.read
     key_ext = _KEY_EXT.match
+    peek, advance, limit = reader.peek, reader.advance, getattr(reader, "size", None)
     while True:
-        try:
-            m = next_member(reader, resync=resync, on_error=errors.append)
-        except TarTruncated as e:
-            if e.complete and g.current is not None:  # cut inside the end-of-archive blocks: the last sample is whole
-                yield g.whole()
-            raise
-        if errors:  # the reader resynchronised past damage: settle which sample it hit
-            yield from g.damage(errors[-1], m[0] if m is not None else None)
-            errors.clear()
-        if m is None:
-            break
+        header_offset = reader.offset  # next_member's common case, without its call
+        header = peek(BLOCK)
+        m = _plain_member(header, header_offset, limit) if header is not None else None
+        if m is not None:
+            advance(BLOCK)
+        else:
+            try:
+                m = next_member(reader, resync=resync, on_error=errors.append)
+            except TarTruncated as e:
+                if e.complete and g.current is not None:  # cut inside the end-of-archive blocks: the last is whole
+                    yield g.whole()
+                raise
+            if errors:  # the reader resynchronised past damage: settle which sample it hit
+                yield from g.damage(errors[-1], m[0] if m is not None else None)
+                errors.clear()
+            if m is None:
+                break
         name, size, header_offset = m
-        dot = name.find(".") if "/" not in name else -1
-        if dot > 0:  # webdataset's rule (``_KEY_EXT``) for a name without a folder: split at the first dot
+        slash = name.rfind("/")
+        dot = name.find(".", slash + 1)
+        if dot > slash + 1 and (slash < 0 or "\n" not in name):
+            # webdataset's rule (``_KEY_EXT``) where it is plain: the key ends at the first dot of the last
+            # path component (the regular expression decides the rest: a newline in a folder, a leading dot)
             key, ext = name[:dot], name[dot + 1:]
             match = True
         else:
