@@ -99,3 +99,18 @@ def test_mmap_reader_lets_go_of_read_pages_and_views_stay_whole(tmp_path, monkey
             reader.close()
         assert values == [(f"s{i:03d}", bytes([i, 1]) * (20_000 + i), bytes([i, 2]) * (20_000 + i))
                           for i in range(30)]
+
+
+def test_keys_follow_webdatasets_rule_for_every_kind_of_name():
+    """Keys and extensions as webdataset's regular expression splits them: at the first dot of the last path
+    component, also for dotted folders, a last component that starts with a dot and a newline in a folder."""
+    import re
+
+    names = ["a.jpg", "a.b.c", "d/x.jpg", "d.e/x.y.z", "p/q/r.txt", "f/.hidden", "g.h/.x", "n\nl/x.jpg", "m.jpg\n",
+             "nodot", "f/nodot"]
+    rule = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+    data = make_tar([(name, name.encode()) for name in names], fmt=tarfile.GNU_FORMAT)
+    got = {(e.key, ext) for e in iter_samples(BlockReader(io.BytesIO(data)), "u") for ext in e.sample
+           if not ext.startswith("__")}
+    expected = {(m.group(1), m.group(2).lower()) for m in map(rule.match, names) if m}
+    assert got == expected and ("f/", "hidden") in got and ("g", "h/.x") not in got
