@@ -43,7 +43,8 @@ from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from datapipe.order import elastic
-from loaders.dataloader_iter import EpochSource, LoaderIterator, pinned, pins_for_cuda, shutdown, tagged_batches
+from loaders.dataloader_iter import (EpochSource, LoaderIterator, fast_fetch, pinned, pins_for_cuda, shutdown,
+                                    tagged_batches)
 from loaders.dataloader_progress import Progress, stats as pass_stats
 from loaders.dataloader_rawshm import RawCopies, pack_raw, unpacked
 from loaders.dataloader_shm import PooledCollate, SegmentReturns, recycling_available
@@ -189,6 +190,8 @@ class DataLoader(tud.DataLoader[_T_co]):
             self.collate_fn, self.pin_memory = collate, pin
             self._plan = Plan()
         rng.base_seed = getattr(it, "_base_seed", None)
+        if workers == 0:
+            fast_fetch(it)
         return it
 
     def _pins_here(self, workers: int) -> bool:

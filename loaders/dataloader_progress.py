@@ -72,11 +72,29 @@ class Progress:
         self.rng = RngRecord()
 
 
+_LEAVES = frozenset({bytes, bytearray, memoryview, str, int, float, type(None)})
+
+
+def _first_tensor(obj):
+    """``first_tensor(obj)``, with the leaves of plain lists and tuples (raw samples' keys, bytes, labels)
+    passed over without a call each."""
+    if type(obj) is list or type(obj) is tuple:
+        leaves = _LEAVES
+        for child in obj:
+            if type(child) in leaves:
+                continue
+            found = _first_tensor(child)
+            if found is not None:
+                return found
+        return None
+    return first_tensor(obj)
+
+
 def count_samples(batch, *, auto_collation: bool, batch_size: int | None) -> int:
     """Samples in a batch: the first tensor's leading dimension, else the list's length, else ``batch_size``."""
     if not auto_collation:
         return 1
-    found = first_tensor(batch)
+    found = _first_tensor(batch)
     if found is not None and found.dim() > 0:
         return int(found.shape[0])
     if isinstance(batch, (list, tuple)) and batch and found is None:

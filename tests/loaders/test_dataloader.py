@@ -698,3 +698,37 @@ def test_state_names_its_kind_and_another_kind_is_refused():
     assert state["kind"] == "DataLoader"  # datapipe.state: every state says what it is
     with pytest.raises(ValueError, match="ImageLoader state, not a DataLoader state"):
         DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({**state, "kind": "ImageLoader"})
+
+
+class _Flaky(IterableDataset):
+    """0..n-1, raising once at ``bad`` (the generator then ends, as any generator that raised does)."""
+
+    def __init__(self, n, bad=None):
+        self.n, self.bad = n, bad
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.bad:
+                raise RuntimeError("bad sample")
+            yield i
+
+
+def _batches(loader):
+    out, it = [], iter(loader)
+    while True:
+        try:
+            batch = next(it)
+            out.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
+        except StopIteration:
+            return out
+        except RuntimeError as e:
+            out.append(str(e))
+
+
+@pytest.mark.parametrize("n,batch_size,drop_last,bad", [(10, 3, False, None), (10, 3, True, None), (9, 3, True, None),
+                                                        (10, 4, False, 5), (0, 2, False, None), (10, None, False, 3)])
+def test_iterable_batches_as_torch_without_workers(n, batch_size, drop_last, bad):
+    """Without workers an iterable dataset's batches, last partial batch, drop_last and errors are torch's."""
+    kw = dict(batch_size=batch_size, drop_last=drop_last)
+    ours = _batches(DataLoader(_Flaky(n, bad), **kw))
+    assert ours == _batches(torch.utils.data.DataLoader(_Flaky(n, bad), **kw))
