@@ -171,10 +171,12 @@ def _read_exactly(read, n: int) -> bytes:
 
 
 class MmapReader:
-    """The reader interface over a memory-mapped local file: slices copy once, skips are free.
+    """The reader interface over a local file: headers and values are read with ``pread`` (one copy straight
+    from the page cache, no page of the file mapped into this process), skips are free, and zero-copy views
+    (``read_view``) and values over ``MAX_READ`` come from a memory map of the file.
 
-    Pages behind the read position are let go every ``RELEASE_BYTES`` (``MADV_DONTNEED``: the kernel's page
-    cache keeps them, this process no longer maps them), so a shard read through costs this process's
+    Mapped pages behind the read position are let go every ``RELEASE_BYTES`` (``MADV_DONTNEED``: the kernel's
+    page cache keeps them, this process no longer maps them), so a shard read through costs this process's
     memory (its RSS / PSS) no more than a few blocks; a zero-copy view into a released page reads it again
     from the page cache.
     """
@@ -183,7 +185,8 @@ class MmapReader:
 
     def __init__(self, f):
         self.f = f
-        size = os.fstat(f.fileno()).st_size
+        self._fd = f.fileno()
+        size = os.fstat(self._fd).st_size
         self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         if size:
             self.mm.madvise(mmap.MADV_SEQUENTIAL)
@@ -205,14 +208,23 @@ class MmapReader:
         self._next_release = self.offset + self.RELEASE_BYTES
 
     def peek(self, n: int) -> bytes | None:
-        return self.mm[self.offset:self.offset + n] if self.offset + n <= self.size else None
+        if self.offset + n > self.size:
+            return None
+        data = os.pread(self._fd, n, self.offset)
+        return data if len(data) == n else None  # the file shrank under us: read as its end
 
     def read(self, n: int) -> bytes | None:
         end = self.offset + n
         if end > self.size:
             self.offset = self.size
             return None
-        data = self.mm[self.offset:end]
+        if n > MAX_READ:  # one pread may return less than asked past 2 GB: the mapping copies it whole
+            data = self.mm[self.offset:end]
+        else:
+            data = os.pread(self._fd, n, self.offset) if n else b""
+            if len(data) != n:  # the file shrank under us: read as its end
+                self.offset = self.size
+                return None
         self.offset = end
         if end >= self._next_release:
             self._release()

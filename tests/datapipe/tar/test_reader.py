@@ -114,3 +114,18 @@ def test_keys_follow_webdatasets_rule_for_every_kind_of_name():
            if not ext.startswith("__")}
     expected = {(m.group(1), m.group(2).lower()) for m in map(rule.match, names) if m}
     assert got == expected and ("f/", "hidden") in got and ("g", "h/.x") not in got
+
+
+def test_mmap_reader_reads_a_file_cut_under_it_as_its_end(tmp_path):
+    """A local shard cut short after it was opened reads as a truncated shard (no crash on the lost pages)."""
+    from datapipe.tar.blocks import TarTruncated
+
+    path = tmp_path / "s.tar"
+    path.write_bytes(make_tar([(f"s{i}.bin", bytes([i]) * 50_000) for i in range(6)]))
+    with open(path, "rb", buffering=0) as f:
+        reader = MmapReader(f)
+        with open(path, "r+b") as cut:
+            cut.truncate(120_000)
+        with pytest.raises(TarTruncated):
+            list(iter_samples(reader, "u"))
+        reader.close()
