@@ -155,7 +155,8 @@ def _chunks(items: list, size: int) -> list[list]:
 
 
 def _auto_partition_items(sizes: list[int], max_bytes: int, max_count: int) -> int:
-    """About two shards' worth of items (from input sizes), but at least 64 partitions; within [64, 20000]."""
+    """Items per partition: about two shards' worth (from input sizes), fewer when that gives under 64 partitions;
+    always within [64, 20000] items. A partition writes its own shards, so a shard never holds more."""
     mean = max(1.0, sum(sizes) / max(1, len(sizes)))
     per_shard = min(max_count, max(1, int(max_bytes / (mean + 1024))))
     return max(64, min(20000, 2 * per_shard, len(sizes) // 64))
