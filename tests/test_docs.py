@@ -170,9 +170,11 @@ def _page_run(page: Path, doc_data: Path, tmp_path_factory) -> PageRun:
     return run
 
 
-def _execute(block: Block, run: PageRun) -> None:
+def _execute(block: Block, run: PageRun) -> bool:
+    """Run ``block`` in its page's namespace; True once it ran to its end (an exception propagates)."""
     run.ran.add(block.index)
     exec(compile(block.source, block.id, "exec"), run.namespace)
+    return True
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
@@ -187,7 +189,7 @@ def test_block(block: Block, doc_data, tmp_path_factory, monkeypatch):
             _execute(earlier, run)
     if block.index in run.ran:  # run again only when asked alone after its page ran (e.g. -k)
         return
-    _execute(block, run)
+    assert _execute(block, run), f"{block.id} did not run to its end"
 
 
 def test_skip_markers():
