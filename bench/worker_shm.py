@@ -233,17 +233,8 @@ def main(argv=None) -> dict:
         raise ValueError(f"--mode {args.mode!r}: pass a comma list of images, raw")
     rows, raw = [], {}
     for spin in [float(s) for s in args.spin_ms.split(",") if s] if "images" in modes else []:
-        runs = variants(args, spin)
-        rates = {name: [] for name in runs}
-        for r in range(args.rounds):
-            for name, run in runs.items():
-                rates[name].append(round(run(), 2))
-                print(f"spin {spin} ms, round {r}, {name}: {rates[name][-1]} batches/s", file=sys.stderr, flush=True)
-        base = statistics.median(rates["torch"])
-        for name, values in rates.items():
-            med = statistics.median(values)
-            rows.append({"spin_ms": spin, "variant": name, "batches_per_s": round(med, 2),
-                         "vs_torch": round(med / base, 3), "rounds": values})
+        rates = interleaved(variants(args, spin), args.rounds, label=f"spin {spin} ms", unit="batches/s", digits=2)
+        rows += rows_vs_torch(rates, {"spin_ms": spin}, name="variant", value="batches_per_s", digits=2)
         raw[str(spin)] = rates
     raw_rows = raw_samples(args) if "raw" in modes else []
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
@@ -268,18 +259,27 @@ def raw_samples(args) -> list[dict]:
     for name in [c for c in args.collates.split(",") if c]:
         if name not in collates:
             raise ValueError(f"--collates {args.collates!r}: pass a comma list of list, default")
-        runs = raw_variants(args, collates[name])
-        rates = {variant: [] for variant in runs}
-        for r in range(args.rounds):
-            for variant, run in runs.items():
-                rates[variant].append(round(run() * args.raw_batch_size, 1))
-                print(f"raw {name}, round {r}, {variant}: {rates[variant][-1]} samples/s", file=sys.stderr, flush=True)
-        base = statistics.median(rates["torch"])
-        for variant, values in rates.items():
-            med = statistics.median(values)
-            rows.append({"collate": name, "variant": variant, "samples_per_s": round(med, 1),
-                         "vs_torch": round(med / base, 3), "rounds": values})
+        rates = interleaved(raw_variants(args, collates[name]), args.rounds, label=f"raw {name}", unit="samples/s",
+                            scale=args.raw_batch_size, digits=1)
+        rows += rows_vs_torch(rates, {"collate": name}, name="variant", value="samples_per_s", digits=1)
     return rows
+
+
+def interleaved(runs: dict, rounds: int, *, label: str, unit: str, digits: int, scale: float = 1.0) -> dict:
+    """Each variant's rate (batches/s from ``run()``, times ``scale``) per round, the variants interleaved."""
+    rates = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, run in runs.items():
+            rates[name].append(round(run() * scale, digits))
+            print(f"{label}, round {r}, {name}: {rates[name][-1]} {unit}", file=sys.stderr, flush=True)
+    return rates
+
+
+def rows_vs_torch(rates: dict, fixed: dict, *, name: str, value: str, digits: int) -> list[dict]:
+    """One row per variant: ``fixed``, the median rate and its ratio to torch's median, every round's rate."""
+    base = statistics.median(rates["torch"])
+    return [{**fixed, name: variant, value: round(statistics.median(v), digits),
+             "vs_torch": round(statistics.median(v) / base, 3), "rounds": v} for variant, v in rates.items()]
 
 
 if __name__ == "__main__":
