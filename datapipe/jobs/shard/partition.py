@@ -1,7 +1,7 @@
 """One partition of ``datapipe shard``, as a worker runs it: read, check and transform, write part shards.
 
 :func:`run_partition` runs anywhere (this process, a pool process, a Ray worker): it reads the
-partition's records (:mod:`datapipe.jobs.shard.sources`), applies the job's transform (image check, resize /
+partition's records (:mod:`datapipe.jobs.shard.readers`), applies the job's transform (image check, resize /
 re-encode, tokenization), writes part shards with :class:`datapipe.ShardWriter` and finally the
 partition's done marker (:mod:`datapipe.jobs.shard.journal`).
 """
@@ -17,7 +17,8 @@ from datapipe.errors import DataError
 from datapipe.image_bytes import truncation
 from datapipe.jobs.shard.journal import marker_url, part_pattern, write_json
 from datapipe.jobs.shard.options import image_check
-from datapipe.jobs.shard.sources import IMAGE_EXTENSIONS, iter_partition, read_item
+from datapipe.jobs.shard.listing import IMAGE_EXTENSIONS
+from datapipe.jobs.shard.readers import iter_partition, read_item
 from datapipe.storage.locations import local_path
 
 
