@@ -20,9 +20,10 @@ Epochs: a finished pass advances the loader's epoch; a dataset with ``set_epoch`
 is told the new epoch before the next pass unless someone else changed its ``epoch`` meanwhile.
 Samplers are left alone, as torch does (call ``sampler.set_epoch`` yourself, or ``dl.set_epoch``).
 
-The parts: this module is the loader (torch's hooks, the pass, epochs, the public methods);
+The parts: this module is the loader (torch's hooks, the pass, its end, ``close()``);
+:mod:`loaders.dataloader_state` the epoch and state methods; :mod:`loaders.dataloader_stats` ``stats()``;
 :mod:`loaders.dataloader_iter` the pass's stream and the consumer-side iterator;
-:mod:`loaders.dataloader_progress` a pass's position, timing and ``stats()``;
+:mod:`loaders.dataloader_progress` a pass's position and timing;
 :mod:`loaders.dataloader_tuning` the "auto" choices; where the loader pins
 (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers: in a thread of its own, in place of
 torch's pin thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory; with workers,
@@ -42,15 +43,15 @@ from torch.utils.data import IterableDataset
 from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
-from datapipe.order import elastic
 from loaders.dataloader_iter import (EpochSource, LoaderIterator, fast_fetch, pinned, pins_for_cuda, shutdown,
                                     tagged_batches)
-from loaders.dataloader_progress import Progress, stats as pass_stats
+from loaders.dataloader_progress import Progress
 from loaders.dataloader_rawshm import RawCopies, pack_raw, unpacked
 from loaders.dataloader_shm import PooledCollate, SegmentReturns, recycling_available
+from loaders.dataloader_resume import IndexSampler, Plan
+from loaders.dataloader_state import LoaderState
+from loaders.dataloader_stats import LoaderStats
 from loaders.dataloader_tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
-from loaders.dataloader_resume import (IndexSampler, Plan, as_loadable, check_local, fresh_state, from_global,
-                                       pass_state, rank_world, record_order)
 from loaders.dataloader_workers import StatefulCollate, has_protocol
 
 __all__ = ["DataLoader"]
@@ -59,7 +60,7 @@ _END = object()
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader(tud.DataLoader[_T_co]):
+class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     """``torch.utils.data.DataLoader`` plus ``device=`` prefetch, resumable state, stats, autotune.
 
     Positional and keyword arguments are torch's; ours are keyword-only: ``device``,
@@ -306,25 +307,6 @@ class DataLoader(tud.DataLoader[_T_co]):
         self._auto_workers = d["value"]
         self._auto["num_workers"] = d
 
-    def _restore(self, p: Progress, resume: dict | None) -> None:
-        """Record this pass's generator and sampler epoch, or put a pending resume's back (its RNG
-        states, sampler epoch and the dataset's state)."""
-        record_order(p.rng, resume, sampler=self.sampler, generator=self.generator)
-        if self._protocol and resume is not None and resume.get("dataset") is not None:
-            ds = p.workers.resume(resume)
-            self._drop_persistent()  # persistent workers hold a stale dataset copy
-            self.dataset.load_state_dict(ds)
-
-    def _sync_dataset_epoch(self) -> None:
-        set_epoch = getattr(self.dataset, "set_epoch", None)
-        if not callable(set_epoch):
-            return
-        current = getattr(self.dataset, "epoch", None)
-        if self._tell_dataset and (current is None or current == self._ds_epoch_seen):
-            set_epoch(self._epoch)
-        self._tell_dataset = False
-        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
-
     def _finish_epoch(self, p: Progress) -> None:
         """The pass ``p`` ran to its end: the next epoch follows; "auto" choices adapt."""
         if p is not self._progress:
@@ -350,141 +332,6 @@ class DataLoader(tud.DataLoader[_T_co]):
         if res["prefetch_depth"] is not None:
             self._depth = res["prefetch_depth"]
         self._auto["history"].append({"epoch": p.epoch, **res})
-
-    # ---- epochs and state ----------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the next pass, and of the sampler and dataset if they have ``set_epoch``
-        (with ``seed=``: the order of ``seed + epoch``). A pending resume of that epoch is kept."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch={epoch!r}: pass an int >= 0")
-        if self._pending is not None and self._pending["epoch"] != epoch:
-            self._pending = None
-        self._epoch = epoch
-        for obj in (self.sampler, self.dataset):
-            set_epoch = getattr(obj, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-        self._tell_dataset = False
-        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
-
-    def state_dict(self) -> dict:
-        """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader_resume`):
-        ``{"kind", "epoch", "batches", "num_workers", "generator_state", "rng_state",
-        "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``."""
-        if self._pending is not None:
-            return dict(self._pending.get("global") or self._pending)
-        p = self._progress
-        if p is None or p.epoch != self._epoch or p.finished:
-            return fresh_state(self._epoch, self._workers_now())
-        return pass_state(p, protocol=self._protocol)
-
-    def _workers_now(self) -> int:
-        return self._auto_workers if self._auto_workers is not None else 0
-
-    def _fixed_workers(self) -> int | None:
-        """The worker count a resumed state must match; None under ``num_workers="auto"``."""
-        return None if self._auto_workers_mode else self.num_workers
-
-    def global_state_dict(self) -> dict:
-        """The state of the whole job: every rank's ``state_dict()``, gathered (``datapipe.order.elastic``).
-
-        A collective under torch.distributed (every rank must call it at the same step; every rank
-        gets the global state); without it, this process must be the whole job. ``load_state_dict``
-        resumes it on any ``world_size`` and ``num_workers`` (iterable datasets with the worker-state
-        protocol whose states name their rank: ``ShardStream``, ``mix``).
-        """
-        state = self.state_dict()
-        if not elastic.is_global(state) and state.get("dataset") is None:
-            rank, world = rank_world(self.dataset)  # nothing handed out this epoch: a fresh start of it
-            state = {**state, "rank": rank, "world_size": world}
-        return elastic.gather_state(state)
-
-    def _load_global(self, state: dict) -> None:
-        """Resume a global state (``global_state_dict``): own rank's state on the same shape, else replan."""
-        if not self._protocol:
-            raise ValueError("a global state resumes only an iterable dataset with the worker-state protocol "
-                             "(ShardStream, mix): this loader's dataset has no state_dict/load_state_dict")
-        rank, world = rank_world(self.dataset)
-        own, replanned = from_global(state, rank=rank, world_size=world, fixed_workers=self._fixed_workers(),
-                                     workers_now=self._workers_now())
-        self.load_state_dict(own)
-        if replanned:
-            self._pending["global"] = state
-
-    def load_state_dict(self, state: dict | list[dict]) -> None:
-        """Make the next ``iter()`` yield exactly the rest of the saved epoch.
-
-        ``state``: this rank's ``state_dict()`` (same ``num_workers``), or a global state
-        (``global_state_dict()``, or the list of every rank's ``state_dict()``) of an iterable
-        dataset with the worker-state protocol: on the same shape each rank takes its own state
-        back (bit-exact); on another ``world_size`` / ``num_workers`` the dataset plans the epoch's
-        undelivered samples over the new shape (see ``datapipe.order.elastic``). A state taken over other
-        shards or with another ``seed`` / ``shuffle`` / ``shuffle_buffer`` (a mix: ``weights``) is refused here,
-        with a ValueError naming each setting and both values.
-        """
-        state = as_loadable(state, protocol=self._protocol, fixed_workers=self._fixed_workers())
-        check = getattr(self.dataset, "check_loadable", None)
-        if self._protocol and callable(check) and isinstance(state, dict) and state.get("dataset") is not None:
-            check(state["dataset"])  # refused now, naming what differs, not when the resumed epoch starts
-        if elastic.is_global(state):
-            self._load_global(state)
-            return
-        check_local(state, iterable=self._iterable, fixed_workers=self._fixed_workers())
-        saved_w = int(state["num_workers"])
-        ds = state.get("dataset") if isinstance(state, dict) else None
-        if self._auto_workers_mode and state["batches"] > 0 and not elastic.is_global(ds):
-            if self._auto_workers != saved_w:
-                self._drop_persistent()
-            self._auto_workers = saved_w
-        self._close_active()
-        self._progress = None
-        self._epoch = int(state["epoch"])
-        self._tell_dataset = True
-        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
-        self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None
-
-    def _dataset_losses(self) -> dict:
-        """The dataset's loss totals (``skipped``, ``errors``, ``padded``, ``last_errors``) when it counts them
-        (``ShardStream``, ``mix``: over the main process and the workers, counted once), else ``{}``."""
-        losses = getattr(self.dataset, "stats", None)
-        ds = losses() if callable(losses) else None
-        return {k: ds[k] for k in ("skipped", "errors", "padded", "last_errors") if k in ds} \
-            if isinstance(ds, dict) else {}
-
-    def stats(self) -> dict:
-        """Figures of the current (or last) pass, the autotune choices and, when the dataset counts them, its losses.
-
-        The pass (one ``iter()``; a resumed one counts from the resume): ``epoch``, ``samples``, ``batches``,
-        ``elapsed_s``, ``samples_per_s``, ``batches_per_s``, ``wait_s`` (seconds the consumer waited for a
-        batch), ``wait_fraction`` (of ``elapsed_s``), ``batch_bytes``, ``num_workers``, ``prefetch_depth``
-        (``device`` set; else None), ``autotune`` (``num_workers="auto"`` / ``prefetch_depth="auto"`` choices).
-        Losses (``ShardStream``, ``mix``: over the main process and the workers, each counted once):
-        ``skipped`` (samples lost), ``errors`` (failures handled under ``on_error``) and ``padded`` (repeats
-        that even out ranks) of the same pass as ``samples``; ``skipped_total``, ``errors_total``,
-        ``padded_total``: the same over this loader's dataset since it was made; ``last_errors``: the latest
-        messages.
-
-        When the loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers),
-        ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``), the
-        segments the main process holds mapped (``segments``) and of those the ones registered for CUDA,
-        copied to the GPU in place (``registered``; ``device="cuda"``); once workers sent raw samples in shared
-        memory, ``raw_shared_memory``: those batches (``batches``) and the segments held mapped (``segments``)."""
-        out = pass_stats(self._progress, epoch=self._epoch, num_workers=self._workers_now(),
-                         prefetch_depth=self._depth if self.device else None, tuning=self._auto,
-                         prefetcher=self._prefetcher)
-        losses = self._dataset_losses()
-        for key in ("skipped", "errors", "padded"):
-            if key in losses:  # this pass's, as "samples" is; the running totals beside
-                out[key] = losses[key] - self._losses_before.get(key, 0)
-                out[f"{key}_total"] = losses[key]
-        if "last_errors" in losses:
-            out["last_errors"] = losses["last_errors"]
-        if self._returns is not None and self._pass_pins:
-            r = self._returns
-            out["shared_memory"] = {"recycled": r.released, "segments": len(r.kept), "registered": len(r.registered)}
-        if self._raw is not None and self._raw.copied:
-            out["raw_shared_memory"] = {"batches": self._raw.copied, "segments": len(self._raw.kept)}
-        return out
 
     def close(self) -> None:
         """Stop prefetching, shut every worker down (persistent ones too), free the pinned pool and unmap

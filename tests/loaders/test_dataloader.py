@@ -1,143 +1,25 @@
-"""loaders.DataLoader: torch parity, exact resume (map-style and worker-state protocol), stats,
-autotune bounds, clean failure without orphaned workers or threads."""
+"""loaders.DataLoader: torch parity, autotune bounds, pinning in a thread of its own, clean failure without
+orphaned workers or threads. Its state: test_dataloader_state.py; its stats(): test_dataloader_stats.py."""
 import gc
 import logging
-import multiprocessing
 import threading
 import time
-import warnings
 
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset
 
 from datapipe.device import autotune
 from loaders import DataLoader
-
-N = 22
-
-
-class Squares(Dataset):
-    """Map-style; remembers which indices it loaded (in the main process)."""
-
-    def __init__(self, n=N, fail_at=None):
-        self.n = n
-        self.fail_at = fail_at
-        self.loaded = []
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if i == self.fail_at:
-            raise RuntimeError(f"cannot read sample {i}")
-        self.loaded.append(i)
-        return {"x": torch.tensor([i, i * i]), "i": i, "name": f"s{i}"}
-
-
-class Counting(IterableDataset):
-    """Plain iterable dataset split over workers (no state protocol)."""
-
-    def __init__(self, n=N):
-        self.n = n
-
-    def __iter__(self):
-        info = get_worker_info()
-        w, k = (info.num_workers, info.id) if info else (1, 0)
-        for i in range(k, self.n, w):
-            yield torch.tensor([i, -i])
-
-
-class ToyStream(IterableDataset):
-    """Stateful stream implementing the worker-state protocol.
-
-    Logical worker ``l`` of ``W`` reads shards ``l, l + W, ...`` (unequal lengths), physical worker
-    ``p`` plays logical worker ``(p + first_worker) % W``. Position = (shard, offset, done).
-    """
-
-    def __init__(self, shards):
-        self.shards = shards
-        self.epoch = 0
-        self._resume = None
-        self._w, self._l, self._pos = 1, 0, {"shard": 0, "offset": 0, "done": False}
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def load_state_dict(self, state):
-        self._resume = {**state, "workers": {int(k): dict(v) for k, v in state["workers"].items()}}
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "num_workers": self._w, "workers": {self._l: dict(self._pos)}}
-
-    def __iter__(self):
-        info = get_worker_info()
-        w, p = (info.num_workers, info.id) if info else (1, 0)
-        resume = self._resume if self._resume and self._resume["epoch"] == self.epoch else None
-        if resume is not None and resume["num_workers"] != w:
-            raise ValueError(f"state saved with num_workers={resume['num_workers']}, running with {w}")
-        first = resume["first_worker"] if resume else 0
-        self._w, self._l = w, (p + first) % w
-        start = (resume or {"workers": {}})["workers"].get(self._l, {"shard": 0, "offset": 0, "done": False})
-        self._pos = dict(start)
-        if start["done"]:
-            return
-        mine = self.shards[self._l::w]
-        s, o = start["shard"], start["offset"]
-        while s < len(mine):
-            while o < len(mine[s]):
-                x = mine[s][o]
-                o += 1
-                self._pos = {"shard": s, "offset": o, "done": False}
-                yield torch.tensor(x + 1000 * self.epoch)
-            s, o = s + 1, 0
-        self._pos = {"shard": s, "offset": 0, "done": True}
-
-
-SHARDS = [list(range(0, 9)), [10, 11], list(range(20, 24)), [30], list(range(40, 43)), list(range(50, 56))]
-
-
-def _plain(batch):
-    """Comparable form of a (nested) batch."""
-    if isinstance(batch, torch.Tensor):
-        return ("T", str(batch.dtype), batch.tolist())
-    if isinstance(batch, dict):
-        return {k: _plain(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_plain(v) for v in batch)
-    return batch
-
-
-def _run(loader, limit=None):
-    out = []
-    for b in loader:
-        out.append(_plain(b))
-        if limit is not None and len(out) == limit:
-            break
-    return out
-
-
-def _children_gone(timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return multiprocessing.active_children() == []
-
-
-def _threads_gone(timeout=10.0):
-    deadline = time.monotonic() + timeout
-    alive = lambda: [t for t in threading.enumerate() if t.name == "datapipe-prefetch" and t.is_alive()]  # noqa: E731
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return alive() == []
-
+from tests.loaders.toy_datasets import (N, SHARDS, Counting, Squares, ToyStream, children_gone, plain, run,
+                                        threads_gone)
 
 # ---------------------------------------------------------------- torch parity --------------------
 
 def _pair(dataset, *, seed=0, **kw):
     ours = DataLoader(dataset, seed=seed, **kw)
     theirs = torch.utils.data.DataLoader(dataset, generator=torch.Generator().manual_seed(seed), **kw)
-    return _run(ours), _run(theirs)
+    return run(ours), run(theirs)
 
 
 class Fixed(torch.utils.data.Sampler):
@@ -180,9 +62,9 @@ def test_same_batches_as_torch(case, workers):
         # a sampler with its own seeded generator: same order when both start from the same state
         kw.update(sampler=torch.utils.data.WeightedRandomSampler(
             [1.0] * N, 10, generator=torch.Generator().manual_seed(5)))
-        ours = _run(DataLoader(ds, **kw))
+        ours = run(DataLoader(ds, **kw))
         kw["sampler"].generator.manual_seed(5)
-        assert ours == _run(torch.utils.data.DataLoader(ds, **kw))
+        assert ours == run(torch.utils.data.DataLoader(ds, **kw))
         return
     ours, theirs = _pair(ds, seed=11, **kw)
     assert len(ours) > 0 and ours == theirs
@@ -190,130 +72,36 @@ def test_same_batches_as_torch(case, workers):
 
 def test_protocol_dataset_batches_equal_torch():
     for workers in (0, 2):
-        ours = _run(DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=workers))
-        theirs = _run(torch.utils.data.DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=workers))
+        ours = run(DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=workers))
+        theirs = run(torch.utils.data.DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=workers))
         assert ours == theirs and len(ours) > 3
-
-
-def test_seed_plus_epoch_and_set_epoch():
-    ds = Squares()
-    dl = DataLoader(ds, batch_size=4, shuffle=True, seed=3)
-    e0, e1 = _run(dl), _run(dl)  # a finished pass advances the epoch
-    ref = lambda s: _run(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True,  # noqa: E731
-                                                     generator=torch.Generator().manual_seed(s)))
-    assert e0 == ref(3) and e1 == ref(4) and e0 != e1
-    dl.set_epoch(0)
-    assert _run(dl) == e0
-    assert len(dl) == len(e0)
 
 
 def test_user_generator_is_used():
     ds = Squares()
-    ours = _run(DataLoader(ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(9)))
-    theirs = _run(torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True,
+    ours = run(DataLoader(ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(9)))
+    theirs = run(torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True,
                                               generator=torch.Generator().manual_seed(9)))
     assert ours == theirs
 
 
 def test_device_cpu_prefetch_same_batches():
     ds = Squares()
-    ours = _run(DataLoader(ds, batch_size=4, shuffle=True, device="cpu", prefetch_depth=3, seed=2))
-    assert ours == _run(DataLoader(ds, batch_size=4, shuffle=True, seed=2))
-    assert _threads_gone()
+    ours = run(DataLoader(ds, batch_size=4, shuffle=True, device="cpu", prefetch_depth=3, seed=2))
+    assert ours == run(DataLoader(ds, batch_size=4, shuffle=True, seed=2))
+    assert threads_gone()
 
 
-# ---------------------------------------------------------------- resume: map-style ----------------
-
-@pytest.mark.parametrize("workers,device", [(0, None), (2, None), (0, "cpu")])
-def test_map_style_resume_exact_without_loading_skipped(workers, device):
-    kw = dict(batch_size=4, shuffle=True, num_workers=workers, seed=5, device=device)
-    full = _run(DataLoader(Squares(), **kw))
-    n = len(full)
-    for stop in (0, 1, 3, n - 1, n):
-        first = DataLoader(Squares(), **kw)
-        head = _run(first, limit=stop) if stop else []
-        state = first.state_dict()
-        first.close()
-        assert state["epoch"] == 0 and state["batches"] == stop
-        ds = Squares()
-        second = DataLoader(ds, **kw)
-        second.load_state_dict(state)
-        rest = _run(second)
-        assert head + rest == full, stop
-        if workers == 0:  # skipped batches were never loaded
-            assert sorted(ds.loaded) == sorted(i for b in rest for i in b["i"][2])
-    assert _children_gone()
-
-
-def test_map_style_resume_with_user_generator():
-    kw = dict(batch_size=3, shuffle=True)
-
-    def fresh(seed=1):
-        return DataLoader(Squares(), generator=torch.Generator().manual_seed(seed), **kw)
-
-    ref = fresh()
-    _run(ref)
-    second_pass = _run(ref)  # the generator advanced during the first pass
-    a = fresh()
-    _run(a)
-    head = _run(a, limit=2)
-    state = a.state_dict()
-    assert state["generator_state"] is not None
-    b = fresh(seed=123)  # its own generator is replaced by the saved state
-    b.load_state_dict(state)
-    assert head + _run(b) == second_pass
-
-
-def test_resume_of_finished_epoch_moves_on():
-    dl = DataLoader(Squares(), batch_size=5, shuffle=True, seed=0)
-    _run(dl)
-    state = dl.state_dict()
-    assert state["epoch"] == 1 and state["batches"] == 0
-    nxt = DataLoader(Squares(), batch_size=5, shuffle=True, seed=0)
-    nxt.load_state_dict(state)
-    assert _run(nxt) == _run(DataLoader(Squares(), batch_size=5, shuffle=True, seed=1))
-
-
-def test_iterable_without_protocol_replays():
-    kw = dict(batch_size=3, num_workers=2)
-    full = _run(DataLoader(Counting(), **kw))
-    a = DataLoader(Counting(), **kw)
-    head = _run(a, limit=4)
-    b = DataLoader(Counting(), **kw)
-    b.load_state_dict(a.state_dict())
-    a.close()
-    assert head + _run(b) == full
-    with pytest.raises(ValueError, match="num_workers"):
-        DataLoader(Counting(), batch_size=3, num_workers=1).load_state_dict(a.state_dict())
-
-
-# ---------------------------------------------------------------- resume: worker-state protocol -----
-
-@pytest.mark.filterwarnings("ignore:This DataLoader will create")
-@pytest.mark.parametrize("workers", [0, 2, 3])
-def test_protocol_resume_exact_at_every_stop(workers):
-    kw = dict(batch_size=2, num_workers=workers)
-    full = _run(DataLoader(ToyStream(SHARDS), **kw))
-    assert len(full) >= 8
-    for stop in range(0, len(full) + 1):
-        a = DataLoader(ToyStream(SHARDS), **kw)
-        head = _run(a, limit=stop) if stop else []
-        state = a.state_dict()
-        a.close()
-        b = DataLoader(ToyStream(SHARDS), **kw)
-        b.load_state_dict(state)
-        assert head + _run(b) == full, (workers, stop, state)
-    assert _children_gone()
-
+# ---------------------------------------------------------------- worker-state protocol ------------
 
 def test_recycled_worker_memory_composes_with_the_worker_state_protocol(monkeypatch):
     kw = dict(batch_size=2, num_workers=2)
-    full = _run(DataLoader(ToyStream(SHARDS), **kw))
+    full = run(DataLoader(ToyStream(SHARDS), **kw))
     _fake_pinning(monkeypatch)  # as with a GPU (GPU tests run that): our thread pins, segments recycled
     a = DataLoader(ToyStream(SHARDS), pin_memory=True, **kw)
     got = []
     for batch in a:
-        got.append(_plain(batch))
+        got.append(plain(batch))
         if len(got) == 3:
             break
     returns = a._returns
@@ -323,71 +111,10 @@ def test_recycled_worker_memory_composes_with_the_worker_state_protocol(monkeypa
     assert not returns.kept
     b = DataLoader(ToyStream(SHARDS), pin_memory=True, **kw)
     b.load_state_dict(state)
-    assert got + _run(b) == full
+    assert got + run(b) == full
 
 
-def test_protocol_resume_twice_and_next_epoch():
-    kw = dict(batch_size=2, num_workers=2)
-    ref = DataLoader(ToyStream(SHARDS), **kw)
-    full0, full1 = _run(ref), _run(ref)
-    a = DataLoader(ToyStream(SHARDS), **kw)
-    got = _run(a, limit=1)
-    b = DataLoader(ToyStream(SHARDS), **kw)
-    b.load_state_dict(a.state_dict())
-    a.close()
-    got += _run(b, limit=3)  # resumed run stopped again (first_worker composes)
-    c = DataLoader(ToyStream(SHARDS), **kw)
-    c.load_state_dict(b.state_dict())
-    b.close()
-    got += _run(c)
-    assert got == full0
-    assert _run(c) == full1  # the following epoch starts fresh
-    assert full0 != full1
-
-
-@pytest.mark.filterwarnings("ignore:This DataLoader will create")
-def test_protocol_state_shape_and_worker_count_check():
-    a = DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=2)
-    _run(a, limit=3)
-    state = a.state_dict()
-    a.close()
-    ds = state["dataset"]
-    assert set(ds) == {"epoch", "num_workers", "workers", "first_worker"}
-    assert ds["num_workers"] == 2 and ds["first_worker"] == 1 and set(ds["workers"]) == {0, 1}
-    with pytest.raises(ValueError, match="num_workers"):
-        DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=3).load_state_dict(state)
-    with pytest.raises(ValueError, match="state_dict"):
-        DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({"epoch": 0})
-
-
-def test_protocol_resume_through_cpu_prefetch():
-    kw = dict(batch_size=2, num_workers=2, device="cpu", prefetch_depth=3)
-    full = _run(DataLoader(ToyStream(SHARDS), **kw))
-    a = DataLoader(ToyStream(SHARDS), **kw)
-    head = _run(a, limit=5)  # the prefetcher ran ahead; the state must not count those batches
-    state = a.state_dict()
-    a.close()
-    assert state["batches"] == 5
-    b = DataLoader(ToyStream(SHARDS), **kw)
-    b.load_state_dict(state)
-    assert head + _run(b) == full
-    b.close()
-    assert _threads_gone() and _children_gone()
-
-
-# ---------------------------------------------------------------- stats and autotune ----------------
-
-def test_stats_counts():
-    dl = DataLoader(Squares(), batch_size=4, device="cpu")
-    assert dl.stats()["batches"] == 0
-    n = len(_run(dl))
-    s = dl.stats()
-    assert s["batches"] == n and s["samples"] == N
-    assert s["elapsed_s"] > 0 and 0.0 <= s["wait_fraction"] <= 1.0 and s["wait_s"] <= s["elapsed_s"]
-    assert s["samples_per_s"] == pytest.approx(N / s["elapsed_s"])
-    assert {"autotune", "num_workers", "prefetch_depth", "batches_per_s"} <= set(s)
-    assert s["producer"]["batches"] == n  # the prefetch thread's CPU time, per batch it made
-
+# ---------------------------------------------------------------- autotune --------------------------
 
 @pytest.mark.parametrize("produce,consume,avail,cap", [
     (0.1, 0.001, 64 << 30, None), (0.001, 0.1, 64 << 30, None), (0.05, 0.01, 1 << 20, None),
@@ -427,22 +154,22 @@ def test_choose_depth_bounds():
 
 def test_auto_loader_same_order_and_logged(caplog):
     kw = dict(batch_size=2, shuffle=True, seed=4)
-    ref = _run(DataLoader(Squares(), **kw))
+    ref = run(DataLoader(Squares(), **kw))
     with caplog.at_level(logging.INFO, logger="datapipe.device.autotune"):
         dl = DataLoader(Squares(), num_workers="auto", prefetch_depth="auto", device="cpu", max_workers=2, **kw)
-        assert _run(dl) == ref  # probe batches from the main process, then workers, same order
-        _run(dl)
+        assert run(dl) == ref  # probe batches from the main process, then workers, same order
+        run(dl)
     s = dl.stats()
     choice = s["autotune"]["num_workers"]
     assert 1 <= choice["value"] <= 2 and 1 <= s["num_workers"] <= 2
     assert any("num_workers=" in r.getMessage() for r in caplog.records if r.name == "datapipe.device.autotune")
     dl.close()
-    assert _children_gone() and _threads_gone()
+    assert children_gone() and threads_gone()
 
 
 def test_auto_iterable_within_bounds():
     dl = DataLoader(ToyStream(SHARDS), batch_size=2, num_workers="auto", max_workers=2)
-    assert _run(dl) == _run(DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=dl.stats()["num_workers"]))
+    assert run(dl) == run(DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=dl.stats()["num_workers"]))
     assert 1 <= dl.stats()["num_workers"] <= 2
 
 
@@ -459,9 +186,9 @@ def _bad_collate(samples):
 def test_collate_error_reaches_consumer(workers, device):
     dl = DataLoader(Squares(), batch_size=2, num_workers=workers, collate_fn=_bad_collate, device=device)
     with pytest.raises(ValueError, match="sample 9"):
-        _run(dl)
+        run(dl)
     gc.collect()  # like torch's, the iterator survives one batch's error (cyclic traceback refs)
-    assert _children_gone() and _threads_gone()
+    assert children_gone() and threads_gone()
 
 
 @pytest.mark.timeout(60)
@@ -469,22 +196,22 @@ def test_collate_error_reaches_consumer(workers, device):
 def test_dataset_error_in_worker_reaches_consumer(workers, device):
     dl = DataLoader(Squares(fail_at=13), batch_size=2, num_workers=workers, device=device, shuffle=True)
     with pytest.raises(RuntimeError, match="cannot read sample 13"):
-        _run(dl)
+        run(dl)
     gc.collect()  # like torch's, the iterator survives one batch's error (cyclic traceback refs)
-    assert _children_gone() and _threads_gone()
+    assert children_gone() and threads_gone()
 
 
 @pytest.mark.timeout(60)
 def test_break_and_close_leave_nothing_running():
     dl = DataLoader(Squares(), batch_size=2, num_workers=2, device="cpu", persistent_workers=True)
-    _run(dl, limit=2)
+    run(dl, limit=2)
     it = iter(dl)  # a new pass abandons the old one
     next(it)
     dl.close()
-    assert _children_gone() and _threads_gone()
+    assert children_gone() and threads_gone()
     with DataLoader(Counting(), batch_size=2, num_workers=2, device="cpu") as dl2:
-        _run(dl2, limit=1)
-    assert _children_gone() and _threads_gone()
+        run(dl2, limit=1)
+    assert children_gone() and threads_gone()
 
 
 def test_non_tensor_leaves_pass_through():
@@ -533,11 +260,11 @@ def _fake_pinning(monkeypatch):
 def test_pin_memory_pins_in_a_thread_of_ours_and_recycles_worker_memory(monkeypatch, workers):
     threads = _fake_pinning(monkeypatch)
     kw = dict(batch_size=4, num_workers=workers)
-    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    ref = run(torch.utils.data.DataLoader(Pictures(), **kw))
     dl = DataLoader(Pictures(), pin_memory=True, **kw)
     for epoch in range(2):
         held = list(dl)  # every batch kept: its copy outlives the segment it came in, reused meanwhile
-        assert [_plain(b) for b in held] == ref
+        assert [plain(b) for b in held] == ref
         # 12 batches x 2 tensors; without workers torch's own path (which pins nothing on a CPU machine)
         assert dl.stats().get("shared_memory", {}).get("recycled") == (24 * (epoch + 1) if workers else None)
     assert threads == ({"datapipe-pin-memory"} if workers else set())
@@ -549,12 +276,12 @@ def test_pin_memory_pins_in_a_thread_of_ours_and_recycles_worker_memory(monkeypa
 def test_a_new_pass_stops_the_last_ones_thread_first(monkeypatch, persistent, where):
     _fake_pinning(monkeypatch)
     kw = dict(batch_size=4, num_workers=2, persistent_workers=persistent)
-    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    ref = run(torch.utils.data.DataLoader(Pictures(), **kw))
     dl = DataLoader(Pictures(), **(dict(pin_memory=True) if where == "pin" else dict(device="cpu")), **kw)
     for _ in range(8):  # the old pass still referenced, its thread running ahead
         old = iter(dl)
         next(old)
-        assert _run(dl) == ref
+        assert run(dl) == ref
         with pytest.raises(StopIteration):  # superseded: stopped (one pass at a time)
             next(old)
     dl.close()
@@ -564,16 +291,16 @@ def test_a_new_pass_stops_the_last_ones_thread_first(monkeypatch, persistent, wh
 def test_persistent_workers_recycle_again_after_passes_left_unfinished(monkeypatch, context):
     _fake_pinning(monkeypatch)
     kw = dict(batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context=context)
-    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    ref = run(torch.utils.data.DataLoader(Pictures(), **kw))
     dl = DataLoader(Pictures(), pin_memory=True, **kw)
-    assert _run(dl) == ref and dl._returns.released == 24
+    assert run(dl) == ref and dl._returns.released == 24
     for _ in range(3):  # each leaves its in-flight batches to torch, which drops them unread
         it = iter(dl)
         next(it)
         it.close()
     before = dl._returns.released
     held = list(dl)  # a whole pass, every batch kept
-    assert [_plain(b) for b in held] == ref
+    assert [plain(b) for b in held] == ref
     # recycled again (0 of 24 before the workers freed them); a batch the last unfinished pass was still
     # collating when this one began may hold its segment for this pass: at most one per outstanding task
     stale = kw["num_workers"] * 2 * 2  # workers x prefetch_factor x tensors per batch
@@ -584,12 +311,12 @@ def test_persistent_workers_recycle_again_after_passes_left_unfinished(monkeypat
 def test_without_pinning_or_a_gpu_torch_keeps_its_own_path(monkeypatch):
     kw = dict(batch_size=4, num_workers=2)
     plain = DataLoader(Pictures(), **kw)
-    assert _run(plain) == _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    assert run(plain) == run(torch.utils.data.DataLoader(Pictures(), **kw))
     assert "shared_memory" not in plain.stats() and not plain._returns.released
     if not torch.cuda.is_available():  # pin_memory=True without a GPU: torch's loader warns and does not pin
         with pytest.warns(UserWarning, match="pin_memory"):
             pinned_off = DataLoader(Pictures(), pin_memory=True, **kw)
-            _run(pinned_off)
+            run(pinned_off)
         assert "shared_memory" not in pinned_off.stats()
 
 
@@ -599,19 +326,19 @@ def test_without_pinning_or_a_gpu_torch_keeps_its_own_path(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_loader_batches_and_resume():
     kw = dict(batch_size=4, shuffle=True, num_workers=2, seed=6)
-    ref = _run(DataLoader(Squares(), **kw))
+    ref = run(DataLoader(Squares(), **kw))
     dl = DataLoader(Squares(), device="cuda", **kw)
     got = []
     for b in dl:
         assert b["x"].is_cuda
-        got.append(_plain(b))
+        got.append(plain(b))
         if len(got) == 2:
             break
     state = dl.state_dict()
     dl.close()
     dl2 = DataLoader(Squares(), device="cuda", **kw)
     dl2.load_state_dict(state)
-    assert got + _run(dl2) == ref
+    assert got + run(dl2) == ref
     # the batches come pinned (pinned in the prefetch thread), so the prefetcher stages no copies of its own,
     # and torch's iterator runs no pin-memory thread of its own
     assert dl2.stats()["pinned_pool"]["allocations"] == 0
@@ -634,11 +361,11 @@ class Pictures(Dataset):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_gpu_pin_memory_true_pins_in_our_thread_with_recycled_memory(workers):
     kw = dict(batch_size=4, num_workers=workers)
-    ref = _run(torch.utils.data.DataLoader(Pictures(), **kw))
+    ref = run(torch.utils.data.DataLoader(Pictures(), **kw))
     dl = DataLoader(Pictures(), pin_memory=True, **kw)
     held = list(dl)
     assert all(t.is_pinned() and not t.is_cuda for images, labels in held for t in (images, labels))
-    assert [_plain(b) for b in held] == ref
+    assert [plain(b) for b in held] == ref
     # without workers torch pins in this thread, as before: no pin thread, no shared memory
     assert dl.stats().get("shared_memory", {}).get("recycled") == (24 if workers else None)
     assert not [t for t in threading.enumerate() if "_pin_memory_loop" in t.name]
@@ -691,13 +418,6 @@ def test_gpu_batches_copied_in_place_from_registered_segments_arrive_whole(regis
     assert (dl.stats()["shared_memory"]["registered"] > 0) == register
     assert dl.stats()["pinned_pool"]["allocations"] == 0
     dl.close()
-
-
-def test_state_names_its_kind_and_another_kind_is_refused():
-    state = DataLoader(ToyStream(SHARDS), batch_size=2).state_dict()
-    assert state["kind"] == "DataLoader"  # datapipe.state: every state says what it is
-    with pytest.raises(ValueError, match="ImageLoader state, not a DataLoader state"):
-        DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({**state, "kind": "ImageLoader"})
 
 
 class _Flaky(IterableDataset):

@@ -1,0 +1,128 @@
+"""Epochs and checkpoints of ``loaders.DataLoader``: ``set_epoch``, ``state_dict``, ``load_state_dict``,
+``global_state_dict``, and how a pass takes a pending resume back.
+
+A mixin of :class:`loaders.dataloader.DataLoader` (it reads and sets the loader's attributes); the
+state's shape, its checks and the map-style replay are in :mod:`loaders.dataloader_resume`.
+"""
+from __future__ import annotations
+
+from datapipe.order import elastic
+from loaders.dataloader_progress import Progress
+from loaders.dataloader_resume import (as_loadable, check_local, fresh_state, from_global, pass_state, rank_world,
+                                       record_order)
+
+__all__ = ["LoaderState"]
+
+
+class LoaderState:
+    """The epoch and state methods of :class:`loaders.dataloader.DataLoader`."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next pass, and of the sampler and dataset if they have ``set_epoch``
+        (with ``seed=``: the order of ``seed + epoch``). A pending resume of that epoch is kept."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch={epoch!r}: pass an int >= 0")
+        if self._pending is not None and self._pending["epoch"] != epoch:
+            self._pending = None
+        self._epoch = epoch
+        for obj in (self.sampler, self.dataset):
+            set_epoch = getattr(obj, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+        self._tell_dataset = False
+        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
+
+    def _sync_dataset_epoch(self) -> None:
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if not callable(set_epoch):
+            return
+        current = getattr(self.dataset, "epoch", None)
+        if self._tell_dataset and (current is None or current == self._ds_epoch_seen):
+            set_epoch(self._epoch)
+        self._tell_dataset = False
+        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
+
+    def _restore(self, p: Progress, resume: dict | None) -> None:
+        """Record this pass's generator and sampler epoch, or put a pending resume's back (its RNG
+        states, sampler epoch and the dataset's state)."""
+        record_order(p.rng, resume, sampler=self.sampler, generator=self.generator)
+        if self._protocol and resume is not None and resume.get("dataset") is not None:
+            ds = p.workers.resume(resume)
+            self._drop_persistent()  # persistent workers hold a stale dataset copy
+            self.dataset.load_state_dict(ds)
+
+    def state_dict(self) -> dict:
+        """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader_resume`):
+        ``{"kind", "epoch", "batches", "num_workers", "generator_state", "rng_state",
+        "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``."""
+        if self._pending is not None:
+            return dict(self._pending.get("global") or self._pending)
+        p = self._progress
+        if p is None or p.epoch != self._epoch or p.finished:
+            return fresh_state(self._epoch, self._workers_now())
+        return pass_state(p, protocol=self._protocol)
+
+    def _workers_now(self) -> int:
+        return self._auto_workers if self._auto_workers is not None else 0
+
+    def _fixed_workers(self) -> int | None:
+        """The worker count a resumed state must match; None under ``num_workers="auto"``."""
+        return None if self._auto_workers_mode else self.num_workers
+
+    def global_state_dict(self) -> dict:
+        """The state of the whole job: every rank's ``state_dict()``, gathered (``datapipe.order.elastic``).
+
+        A collective under torch.distributed (every rank must call it at the same step; every rank
+        gets the global state); without it, this process must be the whole job. ``load_state_dict``
+        resumes it on any ``world_size`` and ``num_workers`` (iterable datasets with the worker-state
+        protocol whose states name their rank: ``ShardStream``, ``mix``).
+        """
+        state = self.state_dict()
+        if not elastic.is_global(state) and state.get("dataset") is None:
+            rank, world = rank_world(self.dataset)  # nothing handed out this epoch: a fresh start of it
+            state = {**state, "rank": rank, "world_size": world}
+        return elastic.gather_state(state)
+
+    def _load_global(self, state: dict) -> None:
+        """Resume a global state (``global_state_dict``): own rank's state on the same shape, else replan."""
+        if not self._protocol:
+            raise ValueError("a global state resumes only an iterable dataset with the worker-state protocol "
+                             "(ShardStream, mix): this loader's dataset has no state_dict/load_state_dict")
+        rank, world = rank_world(self.dataset)
+        own, replanned = from_global(state, rank=rank, world_size=world, fixed_workers=self._fixed_workers(),
+                                     workers_now=self._workers_now())
+        self.load_state_dict(own)
+        if replanned:
+            self._pending["global"] = state
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Make the next ``iter()`` yield exactly the rest of the saved epoch.
+
+        ``state``: this rank's ``state_dict()`` (same ``num_workers``), or a global state
+        (``global_state_dict()``, or the list of every rank's ``state_dict()``) of an iterable
+        dataset with the worker-state protocol: on the same shape each rank takes its own state
+        back (bit-exact); on another ``world_size`` / ``num_workers`` the dataset plans the epoch's
+        undelivered samples over the new shape (see ``datapipe.order.elastic``). A state taken over other
+        shards or with another ``seed`` / ``shuffle`` / ``shuffle_buffer`` (a mix: ``weights``) is refused here,
+        with a ValueError naming each setting and both values.
+        """
+        state = as_loadable(state, protocol=self._protocol, fixed_workers=self._fixed_workers())
+        check = getattr(self.dataset, "check_loadable", None)
+        if self._protocol and callable(check) and isinstance(state, dict) and state.get("dataset") is not None:
+            check(state["dataset"])  # refused now, naming what differs, not when the resumed epoch starts
+        if elastic.is_global(state):
+            self._load_global(state)
+            return
+        check_local(state, iterable=self._iterable, fixed_workers=self._fixed_workers())
+        saved_w = int(state["num_workers"])
+        ds = state.get("dataset") if isinstance(state, dict) else None
+        if self._auto_workers_mode and state["batches"] > 0 and not elastic.is_global(ds):
+            if self._auto_workers != saved_w:
+                self._drop_persistent()
+            self._auto_workers = saved_w
+        self._close_active()
+        self._progress = None
+        self._epoch = int(state["epoch"])
+        self._tell_dataset = True
+        self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
+        self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None

@@ -1,0 +1,155 @@
+"""loaders.DataLoader's epochs and state (loaders/dataloader_state.py): seed + epoch, exact resume (map-style,
+plain iterable and worker-state protocol datasets), the state's kind."""
+import pytest
+import torch
+
+from loaders import DataLoader
+from tests.loaders.toy_datasets import SHARDS, Counting, Squares, ToyStream, children_gone, run, threads_gone
+
+
+def test_seed_plus_epoch_and_set_epoch():
+    ds = Squares()
+    dl = DataLoader(ds, batch_size=4, shuffle=True, seed=3)
+    e0, e1 = run(dl), run(dl)  # a finished pass advances the epoch
+    ref = lambda s: run(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True,  # noqa: E731
+                                                     generator=torch.Generator().manual_seed(s)))
+    assert e0 == ref(3) and e1 == ref(4) and e0 != e1
+    dl.set_epoch(0)
+    assert run(dl) == e0
+    assert len(dl) == len(e0)
+
+
+@pytest.mark.parametrize("workers,device", [(0, None), (2, None), (0, "cpu")])
+def test_map_style_resume_exact_without_loading_skipped(workers, device):
+    kw = dict(batch_size=4, shuffle=True, num_workers=workers, seed=5, device=device)
+    full = run(DataLoader(Squares(), **kw))
+    n = len(full)
+    for stop in (0, 1, 3, n - 1, n):
+        first = DataLoader(Squares(), **kw)
+        head = run(first, limit=stop) if stop else []
+        state = first.state_dict()
+        first.close()
+        assert state["epoch"] == 0 and state["batches"] == stop
+        ds = Squares()
+        second = DataLoader(ds, **kw)
+        second.load_state_dict(state)
+        rest = run(second)
+        assert head + rest == full, stop
+        if workers == 0:  # skipped batches were never loaded
+            assert sorted(ds.loaded) == sorted(i for b in rest for i in b["i"][2])
+    assert children_gone()
+
+
+def test_map_style_resume_with_user_generator():
+    kw = dict(batch_size=3, shuffle=True)
+
+    def fresh(seed=1):
+        return DataLoader(Squares(), generator=torch.Generator().manual_seed(seed), **kw)
+
+    ref = fresh()
+    run(ref)
+    second_pass = run(ref)  # the generator advanced during the first pass
+    a = fresh()
+    run(a)
+    head = run(a, limit=2)
+    state = a.state_dict()
+    assert state["generator_state"] is not None
+    b = fresh(seed=123)  # its own generator is replaced by the saved state
+    b.load_state_dict(state)
+    assert head + run(b) == second_pass
+
+
+def test_resume_of_finished_epoch_moves_on():
+    dl = DataLoader(Squares(), batch_size=5, shuffle=True, seed=0)
+    run(dl)
+    state = dl.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == 0
+    nxt = DataLoader(Squares(), batch_size=5, shuffle=True, seed=0)
+    nxt.load_state_dict(state)
+    assert run(nxt) == run(DataLoader(Squares(), batch_size=5, shuffle=True, seed=1))
+
+
+def test_iterable_without_protocol_replays():
+    kw = dict(batch_size=3, num_workers=2)
+    full = run(DataLoader(Counting(), **kw))
+    a = DataLoader(Counting(), **kw)
+    head = run(a, limit=4)
+    b = DataLoader(Counting(), **kw)
+    b.load_state_dict(a.state_dict())
+    a.close()
+    assert head + run(b) == full
+    with pytest.raises(ValueError, match="num_workers"):
+        DataLoader(Counting(), batch_size=3, num_workers=1).load_state_dict(a.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_protocol_resume_exact_at_every_stop(workers):
+    kw = dict(batch_size=2, num_workers=workers)
+    full = run(DataLoader(ToyStream(SHARDS), **kw))
+    assert len(full) >= 8
+    for stop in range(0, len(full) + 1):
+        a = DataLoader(ToyStream(SHARDS), **kw)
+        head = run(a, limit=stop) if stop else []
+        state = a.state_dict()
+        a.close()
+        b = DataLoader(ToyStream(SHARDS), **kw)
+        b.load_state_dict(state)
+        assert head + run(b) == full, (workers, stop, state)
+    assert children_gone()
+
+
+def test_protocol_resume_twice_and_next_epoch():
+    kw = dict(batch_size=2, num_workers=2)
+    ref = DataLoader(ToyStream(SHARDS), **kw)
+    full0, full1 = run(ref), run(ref)
+    a = DataLoader(ToyStream(SHARDS), **kw)
+    got = run(a, limit=1)
+    b = DataLoader(ToyStream(SHARDS), **kw)
+    b.load_state_dict(a.state_dict())
+    a.close()
+    got += run(b, limit=3)  # resumed run stopped again (first_worker composes)
+    c = DataLoader(ToyStream(SHARDS), **kw)
+    c.load_state_dict(b.state_dict())
+    b.close()
+    got += run(c)
+    assert got == full0
+    assert run(c) == full1  # the following epoch starts fresh
+    assert full0 != full1
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_protocol_state_shape_and_worker_count_check():
+    a = DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=2)
+    run(a, limit=3)
+    state = a.state_dict()
+    a.close()
+    ds = state["dataset"]
+    assert set(ds) == {"epoch", "num_workers", "workers", "first_worker"}
+    assert ds["num_workers"] == 2 and ds["first_worker"] == 1 and set(ds["workers"]) == {0, 1}
+    with pytest.raises(ValueError, match="num_workers"):
+        DataLoader(ToyStream(SHARDS), batch_size=2, num_workers=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="state_dict"):
+        DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({"epoch": 0})
+
+
+def test_protocol_resume_through_cpu_prefetch():
+    kw = dict(batch_size=2, num_workers=2, device="cpu", prefetch_depth=3)
+    full = run(DataLoader(ToyStream(SHARDS), **kw))
+    a = DataLoader(ToyStream(SHARDS), **kw)
+    head = run(a, limit=5)  # the prefetcher ran ahead; the state must not count those batches
+    state = a.state_dict()
+    a.close()
+    assert state["batches"] == 5
+    b = DataLoader(ToyStream(SHARDS), **kw)
+    b.load_state_dict(state)
+    assert head + run(b) == full
+    b.close()
+    assert threads_gone() and children_gone()
+
+
+def test_state_names_its_kind_and_another_kind_is_refused():
+    state = DataLoader(ToyStream(SHARDS), batch_size=2).state_dict()
+    assert state["kind"] == "DataLoader"  # datapipe.state: every state says what it is
+    with pytest.raises(ValueError, match="ImageLoader state, not a DataLoader state"):
+        DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({**state, "kind": "ImageLoader"})
