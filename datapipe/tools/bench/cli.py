@@ -92,6 +92,7 @@ def run_storage(*a, **kw):
 
 def _storage_command(args) -> int:
     from datapipe.tools.bench import storage as bs
+    from datapipe.tools.bench.storage_report import TABLE_COLUMNS, rows_for_table
 
     try:
         options = json.loads(args.storage_options) if args.storage_options else None
@@ -101,7 +102,7 @@ def _storage_command(args) -> int:
     except (DataError, OSError, ValueError) as e:
         print(f"datapipe bench storage: {redact_text(e)}", file=sys.stderr)
         return 1
-    print(table(bs.rows_for_table(result), bs.TABLE_COLUMNS))
+    print(table(rows_for_table(result), TABLE_COLUMNS))
     print(f"page cache: {result['page_cache']['reason']}")
     print(f"recommendation: {result['recommendation']['text']}")
     if result["recommendation"].get("warning"):

@@ -36,7 +36,8 @@ import torch.utils.data
 from datapipe.device.autotune import usable_cores
 from datapipe.tools.bench.baselines import (IMAGE_EXTS, DaliBaseline, PilEval, decode_image, endless, image_bytes,
                                             torch_loader, webdataset_loader)
-from datapipe.tools.bench.storage import Store, measure_reads, measure_stream, resolve
+from datapipe.tools.bench.storage import resolve
+from datapipe.tools.bench.storage_reads import Store, measure_reads, measure_stream
 
 IMAGE_PIPELINES = ("torch", "webdataset", "dali", "datapipe-images", "datapipe-loader")
 TOKEN_PIPELINES = ("datapipe-tokens", "naive-pad")

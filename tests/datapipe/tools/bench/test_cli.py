@@ -1,3 +1,4 @@
+"""The datapipe bench command: storage and loader runs end to end, their tables, files and errors."""
 import importlib.util
 import json
 import os
@@ -6,22 +7,12 @@ import numpy as np
 import pytest
 
 from datapipe import ShardWriter
-from datapipe.units import parse_size
 from datapipe.tools.bench.loader import run_loader
-from datapipe.tools.bench.storage import drop_page_cache, parse_list, resident_fraction, run_storage
 from datapipe.cli import main
-from tests.shards import write_shards
-from tests.servers import http_server
 
 
 def _ordered(lat):
     return lat["p50"] <= lat["p90"] <= lat["p99"]
-
-
-@pytest.fixture
-def shard_dir(tmp_path):
-    write_shards(tmp_path / "data", [40, 40, 30])
-    return str(tmp_path / "data")
 
 
 def test_storage_cli_end_to_end(shard_dir, tmp_path, capsys):
@@ -50,49 +41,11 @@ def test_storage_cli_end_to_end(shard_dir, tmp_path, capsys):
     assert (tmp_path / "res" / "storage.png").stat().st_size > 1000
 
 
-def test_page_cache_drop_is_verified(shard_dir):
-    path = os.path.join(shard_dir, "shard-000000.tar")
-    open(path, "rb").read()
-    before = resident_fraction(path)
-    res = drop_page_cache([path])
-    if res["dropped"]:
-        assert res["resident_after"] is None or res["resident_after"] < 0.05
-        assert before is None or before > res["resident_after"]
-    else:
-        assert res["reason"]
-
-
-def test_storage_over_http_and_processes(shard_dir):
-    with http_server(shard_dir) as (base, faults):
-        res = run_storage([base + "/shard-{000000..000002}.tar"], concurrency=[1, 2], block_sizes=[16 << 10],
-                          seconds=0.3, processes=True, progress=False)
-    assert res["storage"] == "http"
-    assert res["page_cache"]["reason"] == "remote: no page cache"
-    assert set(res["sequential"]) == {"remote"}
-    assert {r["mode"] for r in res["sweep"]} == {"threads", "processes"}
-    for r in res["sweep"]:
-        assert r["mb_per_s"] > 0 and _ordered(r["latency_ms"])
-    assert res["stream"]["copy"]["samples"] == 110
-    assert faults.requests > 0
-
-
 @pytest.mark.parametrize("target", ["/nonexistent/datapipe-bench", "http://127.0.0.1:9/missing.tar"])
 def test_storage_bad_url_exit_1(target, capsys):
     assert main(["bench", "storage", target, "--seconds", "0.1", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "datapipe bench storage:" in err and "cannot" in err
-
-
-def test_parse_arguments():
-    assert parse_size("4M") == 4 << 20 and parse_size("512K") == 512 << 10 and parse_size("100") == 100
-    assert parse_list("1,2,4") == [1, 2, 4]
-    for bad in ("4X", "", "-1M"):
-        with pytest.raises(ValueError):
-            parse_size(bad)
-    with pytest.raises(ValueError):
-        parse_list("1,a")
-    with pytest.raises(ValueError):
-        run_storage(["x.tar"], concurrency=[0], progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -182,68 +135,6 @@ def test_loader_on_cuda_reports_gpu_busy_and_h2d(image_dir):
         assert isinstance(p["gpu_busy_fraction"], float) and 0 < p["gpu_busy_fraction"] <= 1
     h2d = next(s for s in res["stages"] if s["stage"] == "host-to-device")
     assert h2d["samples_per_s"] > 0
-
-
-# ---- the storage advice -------------------------------------------------------------------------------
-def _sweep_result(rates, *, shards=16, storage="s3", nbytes=2 << 30, cold_seconds=None):
-    """A run_storage-shaped result with the given {(concurrency, block): MB/s}."""
-    sweep = [{"mode": "threads", "concurrency": c, "block_size": b, "cache": "remote", "mb_per_s": v,
-              "seconds": 2.0} for (c, b), v in rates.items()]
-    sequential = {"remote": {"mb_per_s": 50.0, "seconds": 2.0}}
-    if cold_seconds is not None:
-        sequential = {"cold": {"mb_per_s": 50.0, "seconds": cold_seconds}}
-    return {"sweep": sweep, "sequential": sequential, "stream": {"copy": {"mb_per_s": 40.0}}, "shards": shards,
-            "storage": storage, "bytes": nbytes, "page_cache": {"cold_possible": cold_seconds is not None}}
-
-
-def _named_options(text):
-    import re
-
-    return set(re.findall(r"\b([a-z_]+)=", text))
-
-
-def test_storage_advice_names_loader_options_that_exist():
-    import inspect
-
-    from datapipe import ShardStream
-    from datapipe.tools.bench.storage import recommend
-    from loaders import DataLoader
-
-    res = _sweep_result({(1, 1 << 20): 100.0, (4, 1 << 20): 380.0, (8, 1 << 20): 390.0})
-    rec = recommend(res)
-    assert rec["concurrency"] == 8 and rec["num_workers"] == 8
-    assert "num_workers=8" in rec["text"] and "concurrency" not in rec["text"]
-    known = set(inspect.signature(DataLoader).parameters) | set(inspect.signature(ShardStream).parameters)
-    assert _named_options(rec["text"]) <= known, rec["text"]
-    assert rec["warning"] is None
-
-
-def test_storage_advice_when_parallel_reads_do_not_help_and_when_shards_are_too_few():
-    from datapipe.tools.bench.storage import recommend
-
-    flat = recommend(_sweep_result({(1, 1 << 20): 100.0, (4, 1 << 20): 105.0}))
-    assert flat["num_workers"] is None and "one reader already gets 100 MB/s" in flat["text"]
-    few = recommend(_sweep_result({(1, 1 << 20): 100.0, (8, 1 << 20): 600.0}, shards=3))
-    assert "with 3 shards at most 3 readers are busy" in few["text"]
-
-
-def test_storage_advice_reports_a_better_block_size_as_a_fact_not_a_setting():
-    from datapipe.storage.files import REMOTE_BLOCK
-    from datapipe.tools.bench.storage import recommend
-
-    rec = recommend(_sweep_result({(1, REMOTE_BLOCK): 100.0, (1, 4 * REMOTE_BLOCK): 200.0}))
-    assert "(fixed)" in rec["text"] and "2.0x faster" in rec["text"]
-    local = recommend(_sweep_result({(1, REMOTE_BLOCK): 100.0, (1, 4 * REMOTE_BLOCK): 200.0}, storage="local"))
-    assert "fixed" not in local["text"]  # local shards are mapped or read whole: no request size to speak of
-
-
-def test_storage_warns_when_the_data_set_is_too_small():
-    from datapipe.tools.bench.storage import recommend
-
-    small = recommend(_sweep_result({(1, 1 << 20): 100.0}, nbytes=53_000_000))["warning"]
-    assert "the data set is 53.0 MB" in small and "at least 256 MB" in small
-    blink = recommend(_sweep_result({(1, 1 << 20): 100.0}, cold_seconds=0.05))["warning"]
-    assert "cold pass over it took 50 ms" in blink
 
 
 def test_storage_cli_prints_the_warning_on_a_small_set(shard_dir, capsys):

@@ -1,0 +1,35 @@
+import pytest
+
+from datapipe.tools.bench.storage import parse_list, run_storage
+from datapipe.units import parse_size
+from tests.servers import http_server
+
+
+def _ordered(lat):
+    return lat["p50"] <= lat["p90"] <= lat["p99"]
+
+
+def test_storage_over_http_and_processes(shard_dir):
+    with http_server(shard_dir) as (base, faults):
+        res = run_storage([base + "/shard-{000000..000002}.tar"], concurrency=[1, 2], block_sizes=[16 << 10],
+                          seconds=0.3, processes=True, progress=False)
+    assert res["storage"] == "http"
+    assert res["page_cache"]["reason"] == "remote: no page cache"
+    assert set(res["sequential"]) == {"remote"}
+    assert {r["mode"] for r in res["sweep"]} == {"threads", "processes"}
+    for r in res["sweep"]:
+        assert r["mb_per_s"] > 0 and _ordered(r["latency_ms"])
+    assert res["stream"]["copy"]["samples"] == 110
+    assert faults.requests > 0
+
+
+def test_parse_arguments():
+    assert parse_size("4M") == 4 << 20 and parse_size("512K") == 512 << 10 and parse_size("100") == 100
+    assert parse_list("1,2,4") == [1, 2, 4]
+    for bad in ("4X", "", "-1M"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    with pytest.raises(ValueError):
+        parse_list("1,a")
+    with pytest.raises(ValueError):
+        run_storage(["x.tar"], concurrency=[0], progress=False)
