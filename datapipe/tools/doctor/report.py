@@ -18,6 +18,10 @@ that triggered it.
 
 ``datapipe doctor [--json F] [--plot F.png] -- SCRIPT [ARGS...]`` runs a script with the doctor
 installed around ``torch.utils.data.DataLoader`` and the ``loaders`` loaders.
+
+The parts: this module records and assembles the report; :mod:`datapipe.tools.doctor.timed` times a
+loader's iterations, :mod:`datapipe.tools.doctor.ceiling` measures the data-free ceiling,
+:mod:`datapipe.tools.doctor.advice` draws the advice, :mod:`datapipe.tools.doctor.report_text` prints it.
 """
 from __future__ import annotations
 
@@ -25,13 +29,16 @@ import json
 import os
 import sys
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from datapipe.device.autotune import usable_cores
-from datapipe.units import percentiles
 from datapipe.tools.doctor.advice import _torch, advise, inspect_batch
+from datapipe.tools.doctor.ceiling import CeilingReplay, ceiling_meaning
+from datapipe.tools.doctor.report_text import format_report
+from datapipe.tools.doctor.timed import TimedIteration, WrappedLoader
+from datapipe.units import percentiles
 
-__all__ = ["Doctor", "doctor", "format_report", "advise", "inspect_batch"]
+__all__ = ["Doctor", "doctor", "format_report", "advise", "inspect_batch", "ceiling_meaning"]
 
 
 def _cuda_available() -> bool:
@@ -62,65 +69,8 @@ def _decoder_load(loader) -> float | None:
     hw = getattr(loader, "hw_decoder_load", None)
     return hw if isinstance(hw, float) else None
 
-class _Timed:
-    """One iteration of a loader, timed: ``next()`` is wait, the time until the next ``next()`` is compute."""
 
-    def __init__(self, doctor: Doctor, it: Iterator, entry: dict):
-        self._doctor = doctor
-        self._it = it
-        self._entry = entry
-        self._first = True  # the first batch of an iteration carries its start-up (workers, pipeline build)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        d = self._doctor
-        if d._replay_left:
-            batch = d._replayed()
-            if batch is not None:
-                return batch
-        d._wait_start()
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            d._exhausted()
-            raise
-        except BaseException:
-            d._exhausted()
-            raise
-        self._entry["batches"] += 1
-        self._entry["_first"], self._first = self._first, False
-        d._ready(batch, self._entry)
-        if d.ceiling_steps and d._ceiling is None and d._replay_left == 0 and self._entry["batches"] == d.ceiling_after:
-            d._replay, d._replay_left = batch, d.ceiling_steps + 1
-        return batch
-
-    def __len__(self):
-        return len(self._it)
-
-    def __getattr__(self, name):  # _shutdown_workers, close, ... of the wrapped iterator
-        return getattr(self._it, name)
-
-
-class _Wrapped:
-    """What ``Doctor.wrap(loader)`` returns: every ``iter()`` is a timed iteration of ``loader``."""
-
-    def __init__(self, doctor: Doctor, loader: Iterable):
-        self._doctor = doctor
-        self._loader = loader
-
-    def __iter__(self):
-        return self._doctor._timed(self._loader, iter(self._loader))
-
-    def __len__(self):
-        return len(self._loader)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class Doctor:
+class Doctor(CeilingReplay):
     """Measures data wait vs compute of a training loop; see the module docstring. Use as a context manager."""
 
     def __init__(self, *, report: str | None = None, plot: str | None = None, probe_capacity: bool = False,
@@ -170,9 +120,9 @@ class Doctor:
     # ---- recording --------------------------------------------------------------------------------------
     def wrap(self, loader: Iterable) -> Iterable:
         """``loader``, timed: iterate it as usual (epoch after epoch)."""
-        return _Wrapped(self, loader)
+        return WrappedLoader(self, loader)
 
-    def _timed(self, loader, it) -> _Timed:
+    def _timed(self, loader, it) -> TimedIteration:
         entry = next((e for e, o in zip(self._loaders, self._loader_objs) if o is loader), None)
         if entry is None:
             workers = getattr(loader, "num_workers", None)
@@ -186,59 +136,7 @@ class Doctor:
             self._loaders.append(entry)
             self._loader_objs.append(loader)
         entry["iterations"] += 1
-        return _Timed(self, it, entry)
-
-    def _replayed(self):
-        """The next replayed batch, or None once ``ceiling_steps`` replayed steps ran (then timed)."""
-        now = time.perf_counter()
-        if self._replay_t0 is None:  # the loader's step before ends here
-            self._end_step(now)
-            if self._sync():
-                _torch().cuda.synchronize()
-            self._replay_t0 = time.perf_counter()
-        self._replay_left -= 1
-        if self._replay_left > 0:
-            self._replayed_batches += 1
-            return self._replay
-        if self._sync():
-            _torch().cuda.synchronize()
-        end = time.perf_counter()
-        seconds = end - self._replay_t0
-        self._replay_s += end - self._replay_t0
-        self._replay_end = end
-        self._ceiling = {"steps": self.ceiling_steps, "seconds": round(seconds, 4),
-                         "batches_per_s": round(self.ceiling_steps / seconds, 3) if seconds > 0 else None}
-        self._replay = None
-        self._replay_end_step = len(self._steps)
-        self._last_end = end
-        return None
-
-    def _ceiling_report(self) -> dict:
-        """The data-free rate (the last batch replayed through the step) vs the loaded rate after it, and what
-        the replay did to the user's run."""
-        out: dict[str, Any] = {"ceiling_batches_per_s": None, "ceiling_ratio": None}
-        if self.ceiling_steps:
-            n, bs = self._replayed_batches, self._batch["batch_size"]
-            samples = f" ({n * bs} samples counted twice by the script)" if bs and n else ""
-            out["ceiling_replay"] = (
-                f"batch {self.ceiling_after} was handed to the training loop {n} more times: {n} extra training "
-                f"steps (optimizer steps, step counters, schedules) on a repeated batch{samples}; the doctor's "
-                "step counts and times leave them out")
-            out["ceiling_replayed_batches"] = n
-        if self._ceiling is None:
-            why = "not requested (ceiling_steps > 0)" if not self.ceiling_steps else \
-                f"not measured: the run ended before {self.ceiling_after} batches + {self.ceiling_steps} replayed steps"
-            return {**out, "ceiling": why}
-        after = self._steps[self._replay_end_step:]
-        out.update(ceiling_batches_per_s=self._ceiling["batches_per_s"], ceiling_steps=self.ceiling_steps)
-        if len(after) < 3 or not out["ceiling_batches_per_s"]:
-            return {**out, "ceiling": "not measured: fewer than 3 loader steps after the replay"}
-        wall = after[-1][0] - self._replay_end
-        loaded = len(after) / wall if wall > 0 else None
-        ratio = round(loaded / out["ceiling_batches_per_s"], 4) if loaded else None
-        return {**out, "loaded_batches_per_s": round(loaded, 3) if loaded else None, "ceiling_ratio": ratio,
-                "ceiling_meaning": ceiling_meaning(ratio),
-                "ceiling": f"{self.ceiling_steps} steps replaying one cached batch after {self.ceiling_after} batches"}
+        return TimedIteration(self, it, entry)
 
     def _wait_start(self) -> None:
         now = time.perf_counter()
@@ -443,42 +341,3 @@ def doctor(*, report: str | None = None, plot: str | None = None, **kwargs) -> D
         plot = os.path.splitext(report)[0] + ".png"
     return Doctor(report=report, plot=plot, **kwargs)
 
-
-def ceiling_meaning(ratio: float | None) -> str:
-    """What a loaded / data-free step-rate ratio says, in words (a ratio above 1 is no speed-up)."""
-    if ratio is None:
-        return "not measured"
-    if ratio >= 1:
-        return ("the loaded steps ran no slower than the replayed ones: no cost of the loader is measurable "
-                "(a ratio above 1 is noise or the replay's own warm-up, not a speed-up)")
-    return f"the loaded steps ran {1 - ratio:.1%} slower than the same step fed one cached batch"
-
-
-def format_report(rep: dict) -> str:
-    wall = rep["wall_s"]
-    lines = [f"datapipe doctor: {rep['steps']} steps in {wall:.2f} s"
-             + (f" ({rep['steps'] / wall:.1f} steps/s)" if wall > 0 else "")]
-    for name in ("wait", "compute", "other"):
-        label = {"wait": "data wait", "compute": "compute", "other": "other"}[name]
-        lines.append(f"  {label:<10} {rep[name + '_s']:9.3f} s  {rep[name + '_fraction']:6.1%}")
-    if rep["steps"]:
-        lines.append(f"  per step (p50): wait {rep['wait_ms']['p50']:.2f} ms, compute {rep['compute_ms']['p50']:.2f} ms")
-    if len(rep["loaders"]) > 1 or any(e["startup_wait_s"] for e in rep["loaders"]):
-        for e in rep["loaders"]:
-            lines.append(f"  {e['type'].rsplit('.', 1)[-1]:<12} {e['batches']:5d} batches  wait {e['wait_fraction']:6.1%}"
-                         f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
-    if rep.get("ceiling_ratio") is not None:
-        lines.append(f"  loaded / data-free step rate {rep['ceiling_ratio']:.3f}: {rep['loaded_batches_per_s']:.2f} "
-                     f"batches/s fed by the loader vs {rep['ceiling_batches_per_s']:.2f} with one cached batch "
-                     f"replayed through the same step: {rep['ceiling_meaning']}")
-    elif rep.get("ceiling_replay"):
-        lines.append(f"  data-free ceiling {rep['ceiling']}")
-    if rep.get("ceiling_replay"):
-        lines.append(f"  note: the ceiling replay changed your run: {rep['ceiling_replay']}")
-    r = rep["rates"]
-    if r.get("capacity_batches_per_s"):
-        lines.append(f"  input capacity {r['capacity_batches_per_s']:.1f} batches/s alone vs model consumption "
-                     f"{r['consumption_batches_per_s'] or 0:.1f} batches/s")
-    lines.append("advice:" if rep["advice"] else "advice: none triggered")
-    lines += [f"  - {a['advice']}" for a in rep["advice"]]
-    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""The doctor's report as text (what ``datapipe doctor`` prints): time split, per-loader wait, the ceiling,
+capacity and the advice."""
+from __future__ import annotations
+
+__all__ = ["format_report"]
+
+
+def format_report(rep: dict) -> str:
+    wall = rep["wall_s"]
+    lines = [f"datapipe doctor: {rep['steps']} steps in {wall:.2f} s"
+             + (f" ({rep['steps'] / wall:.1f} steps/s)" if wall > 0 else "")]
+    for name in ("wait", "compute", "other"):
+        label = {"wait": "data wait", "compute": "compute", "other": "other"}[name]
+        lines.append(f"  {label:<10} {rep[name + '_s']:9.3f} s  {rep[name + '_fraction']:6.1%}")
+    if rep["steps"]:
+        lines.append(f"  per step (p50): wait {rep['wait_ms']['p50']:.2f} ms, compute {rep['compute_ms']['p50']:.2f} ms")
+    if len(rep["loaders"]) > 1 or any(e["startup_wait_s"] for e in rep["loaders"]):
+        for e in rep["loaders"]:
+            lines.append(f"  {e['type'].rsplit('.', 1)[-1]:<12} {e['batches']:5d} batches  wait {e['wait_fraction']:6.1%}"
+                         f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
+    if rep.get("ceiling_ratio") is not None:
+        lines.append(f"  loaded / data-free step rate {rep['ceiling_ratio']:.3f}: {rep['loaded_batches_per_s']:.2f} "
+                     f"batches/s fed by the loader vs {rep['ceiling_batches_per_s']:.2f} with one cached batch "
+                     f"replayed through the same step: {rep['ceiling_meaning']}")
+    elif rep.get("ceiling_replay"):
+        lines.append(f"  data-free ceiling {rep['ceiling']}")
+    if rep.get("ceiling_replay"):
+        lines.append(f"  note: the ceiling replay changed your run: {rep['ceiling_replay']}")
+    r = rep["rates"]
+    if r.get("capacity_batches_per_s"):
+        lines.append(f"  input capacity {r['capacity_batches_per_s']:.1f} batches/s alone vs model consumption "
+                     f"{r['consumption_batches_per_s'] or 0:.1f} batches/s")
+    lines.append("advice:" if rep["advice"] else "advice: none triggered")
+    lines += [f"  - {a['advice']}" for a in rep["advice"]]
+    return "\n".join(lines)
