@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import posixpath
 import sys
 from collections import Counter
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import fsspec
 
 from datapipe.errors import DataError
-from datapipe.tar.manifest import read_manifest
+from datapipe.tar.manifest import counts_from_manifests
 from datapipe.storage.files import describe, is_permanent, open_shard, secrets_of
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
@@ -22,15 +21,14 @@ from datapipe.storage.urls import expand_urls, redact_text, redact_url
 _WHAT = "give a shard, a brace pattern of shards or a shard directory"
 
 
-def shard_urls(target: str, *, storage_options: dict | None = None) -> tuple[list[str], dict | None]:
-    """The shards a target names: a spec of shard URLs (with the manifest beside them, when they share
-    a directory that has one), a single file, or a directory (with or without a manifest)."""
+def shard_urls(target: str, *, storage_options: dict | None = None) -> list[str]:
+    """The shards a target names, listed as ShardStream lists them (:func:`datapipe.storage.urls.expand_urls`): a
+    spec of shard URLs, a folder (the shards its manifest lists, else its shard files) or a single file, which
+    must exist and be a tar."""
     options = storage_options or {}
-    if target.endswith((".tar", ".tar.gz", ".tgz")) or "{" in target or "::" in target:
-        urls = expand_urls(target)
-        directories = {posixpath.dirname(u) for u in urls}
-        manifest = read_manifest(directories.pop(), storage_options=options) if len(directories) == 1 else None
-        return urls, manifest
+    urls = expand_urls(target, storage_options=options)
+    if urls != [target]:
+        return urls
     fs, path = fsspec.core.url_to_fs(target, **options)
     try:
         fs.info(path)
@@ -39,24 +37,21 @@ def shard_urls(target: str, *, storage_options: dict | None = None) -> tuple[lis
             raise FileNotFoundError(f"{redact_url(target)} does not exist: {_WHAT}") from None
         text, cause = describe(e, secrets_of(target, options))
         raise DataError(f"cannot read: {text}", url=redact_url(target), what="target") from cause
-    if not fs.isdir(path):
-        with fs.open(path, "rb") as f:
-            head = f.read(BLOCK)
-        if len(head) < BLOCK or not _checksum_ok(head):
-            raise ValueError(f"{redact_url(target)} is neither a tar file nor a directory: {_WHAT}")
-        return [target], None
-    manifest = read_manifest(target, storage_options=options)
-    if manifest is not None:
-        return [posixpath.join(target.rstrip("/"), s["name"]) for s in manifest["shards"]], manifest
-    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".tar", ".tar.gz", ".tgz")))
-    prefix = target.split("://", 1)[0] + "://" if "://" in target else ""
-    return [prefix + n if prefix and not n.startswith(prefix) else n for n in names], None
+    with fs.open(path, "rb") as f:
+        head = f.read(BLOCK)
+    if len(head) < BLOCK or not _checksum_ok(head):
+        raise ValueError(f"{redact_url(target)} is neither a tar file nor a directory: {_WHAT}")
+    return urls
 
 
 def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | None = None) -> dict[str, Any]:
-    """Walk every shard fully; report counts per shard, extensions, sizes, problems and a preview."""
-    urls, manifest = shard_urls(target, storage_options=storage_options)
-    expected = {s["name"]: s["count"] for s in manifest["shards"]} if manifest else {}
+    """Walk every shard fully; report counts per shard, extensions, sizes, problems and a preview.
+
+    ``manifest``: whether a manifest beside the shards lists every one of them (``manifest_lists``: how many it
+    lists), by the rule ShardStream counts them by; a shard whose sample count differs from its entry is a problem.
+    """
+    urls = shard_urls(target, storage_options=storage_options)
+    expected = counts_from_manifests(urls, storage_options=storage_options)
     report: dict[str, Any] = {"target": redact_url(target), "shards": [], "samples": 0, "bytes": 0,
                               "extensions": Counter(), "problems": [], "preview": []}
     for url in urls:
@@ -80,15 +75,20 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
                 f.close()
         except (DataError, TarFormatError) as e:
             report["problems"].append(f"{redact_url(url)}: {redact_text(e)}")
-        name = posixpath.basename(url)
-        if name in expected and expected[name] != entry["samples"]:
-            report["problems"].append(f"{redact_url(url)}: {entry['samples']} samples, manifest says {expected[name]}")
+        if url in expected and expected[url] != entry["samples"]:
+            report["problems"].append(f"{redact_url(url)}: {entry['samples']} samples, manifest says {expected[url]}")
         report["shards"].append(entry)
         report["samples"] += entry["samples"]
         report["bytes"] += entry["bytes"]
     report["extensions"] = dict(report["extensions"])
-    report["manifest"] = manifest is not None
+    report["manifest"] = bool(urls) and len(expected) == len(urls)
+    report["manifest_lists"] = len(expected)
     return report
+
+
+def _manifest_line(report: dict) -> str:
+    listed, total = report["manifest_lists"], len(report["shards"])
+    return "yes" if report["manifest"] else ("no" if not listed else f"lists {listed} of {total} shards")
 
 
 def _preview(value: Any) -> Any:
@@ -133,7 +133,7 @@ def run_command(args: argparse.Namespace) -> int:
         print()
     else:
         print(f"{report['target']}: {len(report['shards'])} shards, {report['samples']} samples, "
-              f"{report['bytes'] / 1e6:.1f} MB of values, manifest: {'yes' if report['manifest'] else 'no'}")
+              f"{report['bytes'] / 1e6:.1f} MB of values, manifest: {_manifest_line(report)}")
         print("extensions: " + ", ".join(f"{k} ({v})" for k, v in sorted(report["extensions"].items())))
         for sample in report["preview"]:
             print("preview: " + ", ".join(f"{k}={v}" for k, v in sample.items()))

@@ -20,7 +20,7 @@ from typing import Any
 
 from datapipe.errors import DataError
 from datapipe.storage.files import describe, secrets_of
-from datapipe.storage.urls import local_path, redact_url, url_scheme
+from datapipe.storage.urls import expand_urls, local_path, redact_url, url_scheme
 from datapipe.tools.bench.page_cache import drop_page_cache, resident_fraction
 from datapipe.tools.bench.storage_reads import Store, measure_reads, measure_stream
 from datapipe.tools.bench.storage_report import TABLE_COLUMNS, recommend, rows_for_table
@@ -42,29 +42,13 @@ def parse_list(text: str, conv=int) -> list:
 
 
 def resolve(targets: list[str], storage_options: dict | None = None) -> list[str]:
-    """Shard URLs of targets: files, brace specs, directories (with a manifest, or every tar in them)."""
-    import fsspec
-
-    from datapipe.tar.manifest import read_manifest
-    from datapipe.storage.urls import expand_urls
-
+    """Shard URLs of targets, listed as ShardStream lists them (:func:`datapipe.storage.urls.expand_urls`): files,
+    brace specs, folders (the shards their manifest lists, else their shard files)."""
     urls: list[str] = []
     for target in targets:
         try:
-            if target.endswith((".tar", ".tar.gz", ".tgz")) or "{" in target or "::" in target:
-                urls += expand_urls(target)
-                continue
-            manifest = read_manifest(target, storage_options=storage_options, retries=1)
-            if manifest is not None:
-                urls += [target.rstrip("/") + "/" + s["name"] for s in manifest["shards"]]
-                continue
-            fs, path = fsspec.core.url_to_fs(target, **(storage_options or {}))
-            names = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".tar", ".tar.gz", ".tgz")))
-            if not names:
-                raise FileNotFoundError(f"no .tar shards in {redact_url(target)}")
-            prefix = target.split("://", 1)[0] + "://" if "://" in target else ""
-            urls += [prefix + n if prefix and not n.startswith(prefix) else n for n in names]
-        except DataError:
+            urls += expand_urls(target, storage_options=storage_options)
+        except (DataError, ValueError):
             raise
         except Exception as e:
             raise DataError(f"cannot list shards: {type(e).__name__}: {e}", url=redact_url(target)) from e

@@ -103,3 +103,37 @@ def test_an_unreachable_host_is_not_reported_as_missing(capsys):
     assert main(["inspect", f"http://127.0.0.1:{_closed_port()}/data/"]) == 1
     err = capsys.readouterr().err
     assert "cannot connect" in err and "does not exist" not in err and "FileNotFoundError" not in err
+
+
+def test_the_manifest_line_says_what_the_stream_counts_by(tmp_path, capsys, caplog):
+    """A pattern naming a shard the folder's manifest does not list: inspect says so, as ShardStream warns."""
+    import logging
+    import shutil
+
+    from datapipe import ShardStream
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "d", [3, 4])
+    extra, _ = write_shards(tmp_path / "e", [2], manifest=False)
+    shutil.copy(extra[0], tmp_path / "d" / "shard-000002.tar")
+    pattern = str(tmp_path / "d" / "shard-{000000..000002}.tar")
+    assert main(["inspect", pattern]) == 0
+    assert "3 shards, 9 samples" in capsys.readouterr().out.splitlines()[0]
+    assert main(["inspect", pattern, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["manifest"] is False and report["manifest_lists"] == 2
+    assert inspect_shards(pattern)["manifest_lists"] == 2
+    main(["inspect", pattern])
+    assert "manifest: lists 2 of 3 shards" in capsys.readouterr().out
+    with caplog.at_level(logging.WARNING, logger="datapipe"):
+        assert len(ShardStream(pattern)) == 9
+    assert "no manifest lists 1 of 3 shards" in caplog.text
+
+
+def test_an_http_folder_is_read_as_shardstream_reads_it(out, capsys):
+    from tests.servers import http_server
+
+    with http_server(str(out)) as (base, _):
+        assert main(["inspect", base + "/"]) == 0
+    text = capsys.readouterr().out
+    assert "3 shards, 12 samples" in text and "manifest: yes" in text
