@@ -27,3 +27,24 @@ def test_results_hold_one_current_file_per_benchmark():
     assert len(names) == len(set(names))
     assert not [n for n in names if n.endswith(("_b", "_c", "_d", "_old", "_final"))], names
     assert not (BENCH / "HISTORY.md").exists()
+
+
+def test_results_name_only_scripts_that_exist():
+    """A result's text (its note, its command) names the bench script that made it: one that is still here."""
+    import json
+    import re
+
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from strings(v)
+        elif isinstance(value, list):
+            for v in value:
+                yield from strings(v)
+
+    gone = {f"{p.name}: {name}" for p in (BENCH / "results").glob("*.json")
+            for text in strings(json.loads(p.read_text())) for name in re.findall(r"\bbench/(\w+\.py)\b", text)
+            if not (BENCH / name).exists()}
+    assert not gone, sorted(gone)
