@@ -28,6 +28,7 @@ import torch
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import ProducerMeter, close_last
 from datapipe.device.pacing import IMAGE_PACE
+from datapipe.device.queues import WIDE_QUEUES, StepHold, hardware_queues
 from datapipe.device.side_stream import on_side_stream
 from datapipe.order.ranks import rank_world
 from datapipe.order.seeds import derive_seed
@@ -46,23 +47,22 @@ SHUFFLE_BUFFER = 2000  # the sample shuffle buffer of a stream the loader builds
 
 
 log = logging.getLogger("loaders.images")
-WIDE_QUEUES = 32
-
-
 @functools.lru_cache(maxsize=1)
 def advise_hardware_queues() -> bool:
     """Warn once per process when CUDA has fewer than 32 hardware queues (the driver's default is 8).
 
-    DALI decodes on many CUDA streams; with 8 queues some share the training stream's queue and wait behind
-    its kernels. The library never sets the variable itself: it only takes effect before CUDA starts.
-    Returns whether it warned.
+    DALI decodes on many CUDA streams; with 8 queues its decoding falls behind a training loop that runs
+    ahead of the GPU, so the loader then holds each ``next()`` until the GPU finished the step before
+    (:class:`datapipe.device.queues.StepHold`). The library never sets the variable itself: it only takes
+    effect before CUDA starts. Returns whether it warned.
     """
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
-    if value.isdigit() and int(value) >= WIDE_QUEUES:
+    if hardware_queues() >= WIDE_QUEUES:
         return False
-    log.warning("CUDA_DEVICE_MAX_CONNECTIONS is %s: DALI's decoding may queue behind the training kernels. Start "
-                "the program with CUDA_DEVICE_MAX_CONNECTIONS=%d (it must be set before CUDA starts; "
-                "see docs/performance.md)", value or "unset (8 queues)", WIDE_QUEUES)
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    log.warning("CUDA_DEVICE_MAX_CONNECTIONS is %s: with few hardware queues DALI's decoding falls behind a "
+                "loop that runs ahead of the GPU, so ImageLoader waits for the GPU's last step in next(). Start "
+                "the program with CUDA_DEVICE_MAX_CONNECTIONS=%d for the full rate (it must be set before CUDA "
+                "starts; see docs/performance.md)", value or "unset (8 queues)", WIDE_QUEUES)
     return True
 
 
@@ -146,6 +146,7 @@ class ImageLoader:
         self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
         self._resumed = False
         self._side_stream = None  # the producer's CUDA stream, the same every epoch
+        self._hold = StepHold(self.device, decodes_on_gpu=self._dali_cuda)  # few hardware queues: see StepHold
         self._last_pass = None  # weakref to the latest pass's iterator
         self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
@@ -321,7 +322,8 @@ class ImageLoader:
         self._resumed = True
 
     def stats(self) -> dict[str, Any]:
-        """Batches and samples handed out, samples skipped (here and in the stream), decode errors."""
+        """Batches and samples handed out, samples skipped (here and in the stream), decode errors; ``step_hold``:
+        whether ``next()`` waits for the GPU's last step (few hardware queues) and the seconds it waited."""
         stream = self.stream.stats()
         out = {k: v for k, v in self._stats.items() if k != "last_errors"}
         out["skipped"] = self._stats["skipped"] + self._errors.skipped + stream.get("skipped", 0)
@@ -331,6 +333,7 @@ class ImageLoader:
         out["seconds"] = {k: round(v, 4) for k, v in self._seconds.items()}
         out["producer"] = self._producer.stats()
         out["decoder"] = self._decoder.stats()
+        out["step_hold"] = {"active": self._hold.active, "seconds": round(self._hold.seconds, 4)}
         return out
 
     # ---- iteration ----------------------------------------------------------------------------
@@ -362,6 +365,7 @@ class ImageLoader:
         try:
             while True:
                 t0 = time.perf_counter()
+                self._hold()
                 try:
                     (images, labels), position = next(items)
                 except StopIteration:

@@ -757,3 +757,17 @@ def test_gpu_decoding_advises_wide_hardware_queues_once(monkeypatch, caplog):
         lines = [r for r in caplog.records if "CUDA_DEVICE_MAX_CONNECTIONS=32" in r.getMessage()]
         assert len(lines) == (1 if warns else 0)
     image_loader.advise_hardware_queues.cache_clear()
+
+
+@pytest.mark.parametrize("queues, device, active", [
+    ("8", "cpu", False), pytest.param("8", "cuda", True, marks=pytest.mark.gpu),
+    pytest.param("32", "cuda", False, marks=pytest.mark.gpu)])
+def test_step_hold_follows_the_hardware_queues(shards, monkeypatch, queues, device, active):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", queues)
+    lo = loader(shards, device=device)
+    x, y = collect(lo)
+    hold = lo.stats()["step_hold"]
+    assert hold["active"] is active
+    if not active:
+        assert hold["seconds"] == 0.0  # an inactive hold never waits
+    assert len(y) == lo.stats()["samples"] > 0
