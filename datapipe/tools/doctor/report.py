@@ -38,7 +38,7 @@ from datapipe.tools.doctor.report_text import format_report
 from datapipe.tools.doctor.timed import TimedIteration, WrappedLoader
 from datapipe.units import percentiles
 
-__all__ = ["Doctor", "doctor", "format_report", "advise", "inspect_batch", "ceiling_meaning"]
+__all__ = ["Doctor", "doctor", "format_report", "advise", "inspect_batch", "ceiling_meaning", "loader_losses"]
 
 
 def _cuda_available() -> bool:
@@ -68,6 +68,30 @@ def _decoder_load(loader) -> float | None:
     """An ImageLoader's hardware decoder share in use now (None for other loaders)."""
     hw = getattr(loader, "hw_decoder_load", None)
     return hw if isinstance(hw, float) else None
+
+
+LOSSES = ("skipped", "errors", "padded")
+
+
+def loader_losses(loader) -> dict[str, int]:
+    """What a loader's ``stats()`` counts as lost since it was made: ``skipped`` samples, ``errors`` handled under
+    ``on_error``, ``padded`` repeats (``loaders.DataLoader``'s ``*_total``, else the loader's own counts, else its
+    stream's); ``{}`` for a loader without ``stats()`` (torch's)."""
+    stats = getattr(loader, "stats", None)
+    try:
+        s = stats() if callable(stats) else None
+    except Exception:  # a report never fails on a loader's figures
+        return {}
+    if not isinstance(s, dict):
+        return {}
+    stream = s.get("stream") if isinstance(s.get("stream"), dict) else {}
+    out = {}
+    for key in LOSSES:
+        value = next((v for v in (s.get(f"{key}_total"), s.get(key), stream.get(key))
+                      if isinstance(v, int) and not isinstance(v, bool)), None)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 class Doctor(CeilingReplay):
@@ -259,6 +283,7 @@ class Doctor(CeilingReplay):
         rates.update(self._capacity or {})
         for entry, loader in zip(self._loaders, self._loader_objs):  # "auto" may have switched since
             entry["hw_decoder_load"] = _decoder_load(loader)
+            entry["losses"] = loader_losses(loader)
         torch = _torch()
         cuda = _cuda_available()
         out = {

@@ -1,5 +1,5 @@
-"""The doctor's report as text (what ``datapipe doctor`` prints): time split, per-loader wait, the ceiling,
-capacity and the advice."""
+"""The doctor's report as text (what ``datapipe doctor`` prints): time split, per-loader wait and losses, the
+ceiling, capacity and the advice."""
 from __future__ import annotations
 
 __all__ = ["format_report"]
@@ -18,6 +18,9 @@ def format_report(rep: dict) -> str:
         for e in rep["loaders"]:
             lines.append(f"  {e['type'].rsplit('.', 1)[-1]:<12} {e['batches']:5d} batches  wait {e['wait_fraction']:6.1%}"
                          f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
+    for e in rep["loaders"]:
+        if any(e.get("losses", {}).values()):
+            lines.append(f"  losses: {e['type'].rsplit('.', 1)[-1]} {_losses(e['losses'])} (since it was made)")
     if rep.get("ceiling_ratio") is not None:
         lines.append(f"  loaded / data-free step rate {rep['ceiling_ratio']:.3f}: {rep['loaded_batches_per_s']:.2f} "
                      f"batches/s fed by the loader vs {rep['ceiling_batches_per_s']:.2f} with one cached batch "
@@ -33,3 +36,8 @@ def format_report(rep: dict) -> str:
     lines.append("advice:" if rep["advice"] else "advice: none triggered")
     lines += [f"  - {a['advice']}" for a in rep["advice"]]
     return "\n".join(lines)
+
+
+def _losses(losses: dict) -> str:
+    words = {"skipped": "samples skipped", "errors": "errors handled under on_error", "padded": "padded repeats"}
+    return ", ".join(f"{n} {words[k]}" for k, n in losses.items() if n)

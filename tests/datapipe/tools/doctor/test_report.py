@@ -184,3 +184,37 @@ def test_cuda_advice_on_pageable_batches():
     rep = d.finish()
     assert rep["cuda"] and rep["cuda_sync"]
     assert "pin_memory" in [a["id"] for a in rep["advice"]]
+
+
+def _fails_on_every_third(sample):
+    if int(sample["cls"]) % 3 == 0:
+        raise ValueError("bad sample")
+    return sample["__key__"]
+
+
+def test_the_loaders_losses_are_reported_when_there_are_any(tmp_path):
+    """The losses a loader's stats() counts (skipped samples, handled errors) reach the report and one line of it."""
+    from datapipe import ShardStream
+    from datapipe.tools.doctor.report_text import format_report
+    from loaders import DataLoader
+    from tests.shards import write_shards
+
+    urls, samples = write_shards(tmp_path / "d", [7, 5])
+    bad = sum(int(s["cls"]) % 3 == 0 for s in samples)
+    lossy = DataLoader(ShardStream(urls, on_error="skip").map(_fails_on_every_third), batch_size=2, collate_fn=list)
+    d = Doctor(print_report=False)
+    for _ in range(2):
+        for _ in d.wrap(lossy):
+            pass
+    rep = d.finish()
+    assert rep["loader"]["losses"] == {"skipped": 2 * bad, "errors": 2 * bad, "padded": 0}  # since it was made
+    assert (f"  losses: DataLoader {2 * bad} samples skipped, {2 * bad} errors handled under on_error "
+            "(since it was made)") in format_report(rep).splitlines()
+    clean = Doctor(print_report=False)
+    for _ in clean.wrap(DataLoader(ShardStream(urls), batch_size=4, collate_fn=list)):
+        pass
+    for _ in clean.wrap(torch.utils.data.DataLoader(torch.arange(4.0), batch_size=2)):  # no stats(): no losses
+        pass
+    rep = clean.finish()
+    assert [e["losses"] for e in rep["loaders"]] == [{"skipped": 0, "errors": 0, "padded": 0}, {}]
+    assert "losses:" not in format_report(rep)
