@@ -173,7 +173,8 @@ def _read_exactly(read, n: int) -> bytes:
 class MmapReader:
     """The reader interface over a local file: headers and values are read with ``pread`` (one copy straight
     from the page cache, no page of the file mapped into this process), skips are free, and zero-copy views
-    (``read_view``) and values over ``MAX_READ`` come from a memory map of the file.
+    (``read_view``) and values over ``MAX_READ`` come from a memory map of the file, made the first time one
+    is asked for (a shard read by copy is never mapped).
 
     Mapped pages behind the read position are let go every ``RELEASE_BYTES`` (``MADV_DONTNEED``: the kernel's
     page cache keeps them, this process no longer maps them), so a shard read through costs this process's
@@ -186,26 +187,34 @@ class MmapReader:
     def __init__(self, f):
         self.f = f
         self._fd = f.fileno()
-        size = os.fstat(self._fd).st_size
-        self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        if size:
-            self.mm.madvise(mmap.MADV_SEQUENTIAL)
-        self.size = size
+        self.size = os.fstat(self._fd).st_size
+        self._mm = None  # the memory map, made by the first zero-copy view or huge value
         self.offset = 0
         self.seekable = True
         self._released = 0  # bytes [0, _released) are no longer mapped in
         self._next_release = self.RELEASE_BYTES
 
+    @property
+    def mm(self):
+        """The file mapped read-only (made on first use; ``b""`` for an empty file)."""
+        if self._mm is None:
+            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if self.size else b""
+            if self.size:
+                self._mm.madvise(mmap.MADV_SEQUENTIAL)
+        return self._mm
+
     def _release(self) -> None:
-        """Let go of the whole pages before the read position."""
+        """Let go of the whole mapped pages before the read position."""
+        self._next_release = self.offset + self.RELEASE_BYTES
+        if self._mm is None or not self.size:
+            return  # nothing mapped
         end = (self.offset - mmap.PAGESIZE) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > self._released:
             try:
-                self.mm.madvise(mmap.MADV_DONTNEED, self._released, end - self._released)
+                self._mm.madvise(mmap.MADV_DONTNEED, self._released, end - self._released)
             except (OSError, ValueError):
                 pass
             self._released = end
-        self._next_release = self.offset + self.RELEASE_BYTES
 
     def peek(self, n: int) -> bytes | None:
         if self.offset + n > self.size:
@@ -254,8 +263,8 @@ class MmapReader:
         self.offset += n
 
     def close(self) -> None:
-        if self.size and not getattr(self, "_views", False):
-            self.mm.close()  # with views handed out, the mapping closes when the last one goes
+        if self._mm is not None and self.size and not getattr(self, "_views", False):
+            self._mm.close()  # with views handed out, the mapping closes when the last one goes
 
 
 def _file_size(f) -> int | None:

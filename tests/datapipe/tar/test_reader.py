@@ -84,8 +84,8 @@ def test_missing_end_of_archive_is_truncation_but_keeps_the_last_sample():
 
 
 def test_mmap_reader_lets_go_of_read_pages_and_views_stay_whole(tmp_path, monkeypatch):
-    """Pages behind the read position are released as the read goes on; values and zero-copy views into
-    released pages are still the shard's bytes."""
+    """Mapped pages behind the read position are released as the read goes on (values read by copy map
+    nothing); values and zero-copy views into released pages are still the shard's bytes."""
     monkeypatch.setattr(MmapReader, "RELEASE_BYTES", 64 << 10)
     members = [(f"s{i:03d}.{ext}", bytes([i, len(ext)]) * (20_000 + i)) for i in range(30) for ext in ("a", "bb")]
     path = tmp_path / "s.tar"
@@ -94,7 +94,10 @@ def test_mmap_reader_lets_go_of_read_pages_and_views_stay_whole(tmp_path, monkey
         with open(path, "rb", buffering=0) as f:
             reader = MmapReader(f)
             samples = [e.sample for e in iter_samples(reader, "u", zero_copy=zero_copy)]
-            assert reader._released > len(path.read_bytes()) // 2
+            if zero_copy:
+                assert reader._released > len(path.read_bytes()) // 2
+            else:
+                assert reader._mm is None  # values are pread: nothing of the file is mapped at all
             values = [(s["__key__"], bytes(s["a"]), bytes(s["bb"])) for s in samples]  # views read after release
             reader.close()
         assert values == [(f"s{i:03d}", bytes([i, 1]) * (20_000 + i), bytes([i, 2]) * (20_000 + i))
@@ -128,4 +131,26 @@ def test_mmap_reader_reads_a_file_cut_under_it_as_its_end(tmp_path):
             cut.truncate(120_000)
         with pytest.raises(TarTruncated):
             list(iter_samples(reader, "u"))
+        reader.close()
+
+
+def test_mmap_reader_maps_a_shard_only_for_views(tmp_path, monkeypatch):
+    """Values read by copy map nothing of the file (no mmap, madvise or munmap per shard); the first
+    zero-copy view maps it."""
+    import mmap as mmap_module
+
+    path = tmp_path / "s.tar"
+    path.write_bytes(make_tar([(f"s{i}.bin", bytes([i]) * 30_000) for i in range(4)]))
+    made = []
+    real = mmap_module.mmap
+    monkeypatch.setattr(mmap_module, "mmap", lambda *a, **k: made.append(a) or real(*a, **k))
+    with open(path, "rb", buffering=0) as f:
+        reader = MmapReader(f)
+        assert [e.sample["bin"] for e in iter_samples(reader, "u")] == [bytes([i]) * 30_000 for i in range(4)]
+        reader.close()
+    assert made == []
+    with open(path, "rb", buffering=0) as f:
+        reader = MmapReader(f)
+        views = [e.sample["bin"] for e in iter_samples(reader, "u", zero_copy=True)]
+        assert len(made) == 1 and [bytes(v) for v in views] == [bytes([i]) * 30_000 for i in range(4)]
         reader.close()
