@@ -12,6 +12,9 @@ def format_report(rep: dict) -> str:
     for name in ("wait", "compute", "other"):
         label = {"wait": "data wait", "compute": "compute", "other": "other"}[name]
         lines.append(f"  {label:<10} {rep[name + '_s']:9.3f} s  {rep[name + '_fraction']:6.1%}")
+    if rep.get("gpu_hold_s"):
+        lines.append(f"  compute includes {rep['gpu_hold_s']:.3f} s that next() waited for the GPU's last step "
+                     "(ImageLoader with few CUDA hardware queues), not for data")
     if rep["steps"]:
         lines.append(f"  per step (p50): wait {rep['wait_ms']['p50']:.2f} ms, compute {rep['compute_ms']['p50']:.2f} ms")
     if len(rep["loaders"]) > 1 or any(e["startup_wait_s"] for e in rep["loaders"]):

@@ -218,3 +218,34 @@ def test_the_loaders_losses_are_reported_when_there_are_any(tmp_path):
     rep = clean.finish()
     assert [e["losses"] for e in rep["loaders"]] == [{"skipped": 0, "errors": 0, "padded": 0}, {}]
     assert "losses:" not in format_report(rep)
+
+
+class _HoldingLoader:
+    """Batches whose next() waits (as ImageLoader's step hold does), with stats() saying how long it held."""
+
+    def __init__(self, batches: int, hold_s: float, reported_s: float):
+        self.batches, self.hold_s, self.reported_s = batches, hold_s, reported_s
+
+    def __iter__(self):
+        for i in range(self.batches):
+            time.sleep(self.hold_s)
+            yield torch.full((2,), float(i))
+
+    def stats(self):
+        return {"step_hold": {"active": True, "seconds": self.reported_s}}
+
+
+def test_time_next_waits_for_the_gpu_is_compute_not_data_wait():
+    from datapipe.tools.doctor.report_text import format_report
+
+    d = Doctor(print_report=False)
+    for _ in d.wrap(_HoldingLoader(5, 0.02, reported_s=0.05)):  # next() waits >= 0.1 s, 0.05 s of it the hold
+        pass
+    rep = d.finish()
+    assert rep["gpu_hold_s"] == 0.05
+    plain = Doctor(print_report=False)
+    for _ in plain.wrap(_HoldingLoader(5, 0.02, reported_s=0.0)):
+        pass
+    assert plain.finish()["gpu_hold_s"] == 0.0
+    assert "waited for the GPU's last step" in format_report(rep)
+    assert "GPU's last step" not in format_report(plain.finish())
