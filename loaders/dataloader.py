@@ -31,6 +31,7 @@ torch's pin thread), :mod:`loaders.dataloader_shm` the workers' recycled shared 
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -78,7 +79,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     travel in recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to
     the GPU in place. With any ``device``, workers' raw samples (``bytes``, numpy arrays, in dicts, lists and
     tuples) travel in recycled shared memory and are copied out as they arrive
-    (:mod:`loaders.dataloader_rawshm`), not pickled through a pipe. With ``device`` set, a pin thread or
+    (:mod:`loaders.dataloader_rawshm`), not pickled through a pipe; where no thread of this loader pins,
+    so do the tensors torch would send one shared-memory file descriptor at a time (a list of decoded
+    images: one socket round trip a batch instead of one a tensor). With ``device`` set, a pin thread or
     persistent workers, one pass runs at a time:
     ``iter()`` stops the last pass's iterator first (its ``next()`` ends).
     """
@@ -167,8 +170,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                 returns.workers = workers
             if raw:
                 self._raw.workers = workers
+            # the batch's tensors travel in the raw segment unless recycled on their own (a thread of ours pins)
             inner = PooledCollate(collate, returns.mark, returns.batches, returns.pass_counter(), tensors=tensors,
-                                  pack=pack_raw if raw else None)
+                                  pack=functools.partial(pack_raw, tensors=not tensors) if raw else None)
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
         self.collate_fn = inner

@@ -9,26 +9,48 @@ leaf replaced by its slot number, plus the segment. The main process (:class:`Ra
 every leaf out of the segment into an ordinary object of the same type (``bytes`` stay ``bytes``; an
 array keeps its dtype, shape and C/Fortran order, writable) and hands the segment back to its worker
 at once: what the loader hands out is the consumer's own memory, whatever it does with it and for
-however long. The segment stays mapped in the main process for the worker's next batch.
+however long. The segment stays mapped in the main process for the worker's next batch. A segment of
+:data:`RELEASE_BYTES` or more (a batch of 100 decoded images) first has its data pages given back to
+the system (``MADV_REMOVE``): kept, two or three such segments a worker would hold gigabytes for the
+whole pass, where torch's shared memory lasts until the batch is used; the worker's next write
+faults them in again (~35 ms for 154 MB, in the worker), the release costs the main process ~12 ms.
+
+With ``tensors=True`` (where the loader does not recycle the batch's tensors itself: no pin thread of
+its own) the batch's CPU tensors travel in the segment too, copied out into tensors of the same dtype,
+shape and strides. torch sends each tensor in fresh shared memory of its own, and the main process
+fetches every one's file descriptor from the worker over a socket (an authenticated connection each,
+answered by a thread of the worker that needs the worker's interpreter lock): a batch of 256
+decoded images as a list (variable sizes, or a collate that keeps samples apart) is 256 such
+round trips, ~150 ms of the one main process a batch. Packed, a batch is one. Tensors already in
+shared memory (``default_collate``'s stacks, made there) and tensors sharing a storage with another
+leaf keep torch's way, as do tensors it cannot rebuild densely (see :func:`_movable`).
 
 Applies to worker processes with torch's ``file_descriptor`` sharing strategy. A batch with fewer
-than :data:`MIN_BYTES` of such leaves, a leaf under :data:`MIN_LEAF` bytes, object or structured
-arrays, numpy subclasses, and anything inside another type travel as torch sends them, and so does a
-batch whose worker has no free segment for it (it never waits).
+than :data:`MIN_BYTES` of such leaves (and fewer than :data:`MIN_TENSORS` tensors to pack), a
+``bytes`` or array leaf under :data:`MIN_LEAF` bytes, object or structured arrays, numpy subclasses,
+and anything inside another type travel as torch sends them, and so does a batch whose worker has no
+free segment for it (it never waits).
 """
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
+import mmap
 
 import numpy as np
 import torch
 
-from loaders.dataloader_shm import _LEAVES, FREE, HEADER, SegmentPool, _STATE, _segment_header, map_leaves
+from loaders.dataloader_shm import (_LEAVES, FREE, HEADER, SegmentPool, _STATE, _movable, _segment_header,
+                                    _shared_storages, map_leaves)
 
-__all__ = ["MIN_BYTES", "MIN_LEAF", "Packed", "RawCopies", "pack_raw", "unpacked"]
+__all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "RELEASE_BYTES", "Packed", "RawCopies", "pack_raw", "unpacked"]
 
 MIN_BYTES = 256 * 1024  # a batch with fewer raw bytes is pickled as torch does
-MIN_LEAF = 512  # smaller leaves stay in the pickle (a slot costs about as much)
+MIN_LEAF = 512  # smaller bytes / array leaves stay in the pickle (a slot costs about as much)
+RELEASE_BYTES = 64 << 20  # a segment this large has its pages given back to the system once copied out
+MIN_TENSORS = 2  # a batch with this many tensors to pack is packed whatever its size (torch: a socket round
+#                  trip per tensor; packed: one for the batch's segment)
 _ALIGN = 64
 
 
@@ -43,8 +65,9 @@ class Packed(tuple):
 
     ``body``: the batch with each packed leaf replaced by its :class:`_Slot`; ``data``: a uint8 tensor
     over the segment's data; ``spans``: offset, length per slot (flat); ``kinds``: one letter per slot
-    (``b`` bytes, ``a`` bytearray, ``c``/``f`` a C/Fortran-ordered array); ``dtypes``, ``shapes``: the
-    arrays', in slot order. A tuple of plain values, so that the segment code sees its tensors.
+    (``b`` bytes, ``a`` bytearray, ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor); ``dtypes``,
+    ``shapes``: the arrays' and tensors', in slot order (a tensor's shape entry is ``(shape, strides)``).
+    A tuple of plain values, so that the segment code sees its tensors.
     """
 
     __slots__ = ()
@@ -57,7 +80,7 @@ class Packed(tuple):
 
 
 def _kind(leaf) -> str | None:
-    """The kind letter ``leaf`` packs as, or None (it stays in the pickle)."""
+    """The kind letter a ``bytes``, ``bytearray`` or numpy ``leaf`` packs as, or None (it stays in the pickle)."""
     t = type(leaf)
     if t is bytes or t is bytearray:
         return ("b" if t is bytes else "a") if len(leaf) >= MIN_LEAF else None
@@ -66,20 +89,39 @@ def _kind(leaf) -> str | None:
     return None
 
 
-def pack_raw(batch, pool: SegmentPool):
+def _packable_tensor(t, aliased: set[int]) -> bool:
+    """Whether tensor ``t`` travels in the segment: a plain dense CPU tensor (:func:`_movable`), not in shared
+    memory already (torch sends that without a copy) and alone on its storage in the batch (aliasing kept)."""
+    if not _movable(t):
+        return False
+    storage = t.untyped_storage()
+    return not storage.is_shared() and storage.data_ptr() not in aliased
+
+
+def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
     """(Worker) ``batch`` as a :class:`Packed` whose raw leaves lie in a segment taken from ``pool``, or
-    ``batch`` itself when it has too few raw bytes or the pool no free segment."""
+    ``batch`` itself when it has too few raw bytes (and tensors) or the pool no free segment.
+
+    ``tensors``: the batch's CPU tensors go in the segment too (see the module's notes)."""
     leaves: list = []
     spans: list[int] = []
     kinds: list[str] = []
     end = 0
+    counted = 0  # tensors packed
+    aliased = _shared_storages(batch) if tensors else set()
 
     def note(x):
-        nonlocal end
-        kind = _kind(x)
-        if kind is None:
-            return x
-        n = len(x) if kind in "ba" else x.nbytes
+        nonlocal end, counted
+        if type(x) is torch.Tensor:
+            if not tensors or not _packable_tensor(x, aliased):
+                return x
+            kind, n = "t", x.numel() * x.element_size()
+            counted += 1
+        else:
+            kind = _kind(x)
+            if kind is None:
+                return x
+            n = len(x) if kind in "ba" else x.nbytes
         spans.extend((end, n))
         kinds.append(kind)
         leaves.append(x)
@@ -87,7 +129,7 @@ def pack_raw(batch, pool: SegmentPool):
         return _Slot(len(leaves) - 1)
 
     body = map_leaves(batch, note)
-    if end < MIN_BYTES:
+    if end < MIN_BYTES and counted < MIN_TENSORS:
         return batch
     storage = pool.take(end)
     if storage is None:
@@ -97,13 +139,25 @@ def pack_raw(batch, pool: SegmentPool):
     dtypes, shapes = [], []
     for i, x in enumerate(leaves):
         offset, n = spans[2 * i], spans[2 * i + 1]
-        if kinds[i] in "ba":
+        kind = kinds[i]
+        if kind in "ba":
             buf[offset:offset + n] = np.frombuffer(x, np.uint8)
+        elif kind == "t":
+            dtypes.append(x.dtype)
+            shapes.append((tuple(x.shape), x.stride()))
+            _tensor_at(data, offset, x.dtype, x.shape, x.stride()).copy_(x)
         else:
             dtypes.append(x.dtype.str)
             shapes.append(x.shape)
-            _array_at(buf, offset, x.dtype, x.shape, kinds[i])[...] = x
+            _array_at(buf, offset, x.dtype, x.shape, kind)[...] = x
     return Packed((body, data, spans, "".join(kinds), dtypes, shapes))
+
+
+def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
+    """A tensor of ``dtype``, ``shape`` and ``stride`` over ``data``'s storage, ``offset`` bytes into ``data``."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    start = data.storage_offset() + offset  # both multiples of _ALIGN: a whole number of elements
+    return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), start // size, tuple(shape), tuple(stride))
 
 
 def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarray:
@@ -125,6 +179,11 @@ def _unpack(packed: Packed):
             out.append(bytes(view[offset:offset + n]))
         elif kind == "a":
             out.append(bytearray(view[offset:offset + n]))
+        elif kind == "t":
+            dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
+            out.append(torch.empty_strided(shape, stride, dtype=dtype).copy_(_tensor_at(data, offset, dtype, shape,
+                                                                                      stride)))
+            arrays += 1
         else:
             src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
             out.append(src.copy(order="K"))
@@ -176,6 +235,8 @@ class RawCopies:
         finally:
             head = _segment_header(data, self.mark)
             if head is not None:
+                if data.numel() >= RELEASE_BYTES:  # before FREE: once free, its worker may write into it
+                    _release_pages(data)
                 head[_STATE] = FREE
                 storage = data.untyped_storage()
                 self.kept[storage.data_ptr()] = storage
@@ -187,6 +248,30 @@ class RawCopies:
 
     def clear(self) -> None:
         self.kept.clear()
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's ``madvise`` (None where it cannot be loaded)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _release_pages(data: torch.Tensor) -> bool:
+    """Give the shared-memory pages wholly inside ``data`` (a uint8 tensor over a segment) back to the system:
+    the next write faults fresh zeroed pages in. The segment's header page stays. False where not possible."""
+    madvise, advice = _madvise(), getattr(mmap, "MADV_REMOVE", None)
+    if madvise is None or advice is None:
+        return False
+    page = mmap.PAGESIZE
+    start = -(-data.data_ptr() // page) * page
+    stop = (data.data_ptr() + data.numel()) // page * page
+    return stop > start and madvise(start, stop - start, advice) == 0
 
 
 def unpacked(stream, copies: RawCopies, *, keep: bool = False):

@@ -1,6 +1,7 @@
 """loaders.dataloader_rawshm: workers' raw samples (bytes, numpy arrays) travel in recycled shared memory and
 come out of the loader as ordinary objects, exact, whatever the consumer does with them."""
 import collections
+import mmap
 import pickle
 import time
 
@@ -211,3 +212,115 @@ def test_shardstream_batches_resume_exactly_on_the_raw_path(tmp_path):
     assert all(type(s["bin"]) is bytes and s["bin"] == payload(int(s["__key__"][1]) * 100 + int(s["__key__"][3:]))
                for b in full for s in b)
     assert seen[0].stats()["raw_shared_memory"]["batches"] >= 3
+
+
+# ---- tensors: one segment a batch instead of a file descriptor a tensor ----------------------
+
+def tensor_leaves():
+    """Tensors of every kind the segment carries, and of those it leaves to torch."""
+    base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+    shared = torch.arange(10.0).share_memory_()
+    alias = torch.arange(40, dtype=torch.int16)
+    packed = {"f32": base, "bf16": base.to(torch.bfloat16), "bool": base > 20, "c64": torch.complex(base, -base),
+              "nhwc": torch.arange(2 * 3 * 4 * 5, dtype=torch.uint8).reshape(2, 3, 4, 5).contiguous(
+                  memory_format=torch.channels_last), "scalar": torch.tensor(7, dtype=torch.int64),
+              "slice": torch.arange(100.0)[10:20]}  # a dense view of a larger storage: the view's values
+    kept = {"strided": base.clone()[:, ::2], "shared": shared, "alias": (alias[:20], alias[20:]),
+            "grad": torch.ones(3, requires_grad=True), "param": torch.nn.Parameter(torch.ones(2)),
+            "empty": torch.zeros(0)}
+    return packed, kept
+
+
+def test_tensors_travel_in_the_segment_and_come_out_equal_owned_and_private():
+    packed_leaves, kept = tensor_leaves()
+    batch = {"images": [torch.full((3, 8, 8), float(i)) for i in range(6)], **packed_leaves, "kept": kept,
+             "keys": [f"{i:04d}" for i in range(6)]}
+    pool = SegmentPool(MARK, cap=2)
+    assert pack_raw(batch, pool) is batch  # tensors=False: the bytes rule alone (too few), tensors as torch sends
+    packed = pack_raw(batch, pool, tensors=True)
+    assert type(packed) is Packed and packed[3] == "t" * (6 + len(packed_leaves))
+    body = pickle.loads(pickle.dumps(packed[0]))
+    assert body["kept"]["shared"] is not None and type(body["kept"]["param"]) is torch.nn.Parameter
+    out = RawCopies(MARK, workers=1, batches=2).unpack(Packed((body, *packed[1:])))
+    for name, t in {**packed_leaves, **{f"image{i}": t for i, t in enumerate(batch["images"])}}.items():
+        got = out[name] if name in out else out["images"][int(name[5:])]
+        assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride(), name
+        assert torch.equal(got, t) and not got.untyped_storage().is_shared(), name
+    assert out["nhwc"].is_contiguous(memory_format=torch.channels_last) and out["keys"] == batch["keys"]
+    assert segment_state(packed) == FREE
+    packed[1].fill_(0)  # the worker writes its next batch there: what was handed out stays
+    assert torch.equal(out["images"][5], torch.full((3, 8, 8), 5.0)) and torch.equal(out["f32"], packed_leaves["f32"])
+
+
+def test_one_tensor_or_only_shared_tensors_are_left_to_torch():
+    pool = SegmentPool(MARK, cap=2)
+    one = [torch.ones(4), "key"]
+    assert pack_raw(one, pool, tensors=True) is one
+    stacked = {"images": torch.ones(4, 3, 8, 8).share_memory_(), "labels": torch.arange(4).share_memory_()}
+    assert pack_raw(stacked, pool, tensors=True) is stacked and pool.fresh == 0  # default_collate's, in a worker
+
+
+def test_a_large_segment_gives_its_pages_back_before_it_is_free(monkeypatch):
+    import loaders.dataloader_rawshm as rawshm
+
+    batch = [torch.full((64, 1024), float(i)) for i in range(4)]  # 4 x 256 KB
+    pool = SegmentPool(MARK, cap=2)
+    monkeypatch.setattr(rawshm, "RELEASE_BYTES", 4 << 20)
+    small = pack_raw(batch[:2], pool, tensors=True)
+    out = RawCopies(MARK, workers=1, batches=2).unpack(small)
+    assert torch.equal(small[1][-4096:].view(torch.float32), torch.full((1024,), 1.0))  # under it: kept as is
+    monkeypatch.setattr(rawshm, "RELEASE_BYTES", 512 << 10)
+    big = pack_raw(batch, pool, tensors=True)
+    out = RawCopies(MARK, workers=1, batches=2).unpack(big)
+    assert all(torch.equal(t, torch.full((64, 1024), float(i))) for i, t in enumerate(out))
+    # released: every whole page of the data reads zero (the header's page and a last partial page stay)
+    assert segment_state(big) == FREE and int(big[1].count_nonzero()) <= 2 * mmap.PAGESIZE < big[1].numel() // 4
+    again = pack_raw(batch, pool, tensors=True)  # the worker's next batch writes it again
+    assert again[1].untyped_storage().data_ptr() == big[1].untyped_storage().data_ptr()
+    assert all(torch.equal(t, torch.full((64, 1024), float(i)))
+               for i, t in enumerate(RawCopies(MARK, workers=1, batches=2).unpack(again)))
+
+
+class Images(IterableDataset):
+    """``n`` samples ``(key, image tensor, label)`` of varying sizes, dealt to the workers in batches of 16."""
+
+    def __init__(self, n=64):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(self.n):
+            if (i // 16) % workers == worker:
+                yield image_sample(i)
+
+
+def image_sample(i):
+    return f"{i:04d}", torch.full((3, 8 + i % 5, 8), float(i)), i % 10
+
+
+def as_lists(samples):
+    keys, images, labels = zip(*samples)
+    return list(keys), list(images), list(labels)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_batches_of_tensor_lists_come_out_exact_in_one_segment_each(context):
+    reference = list(DataLoader(Images(), batch_size=16, num_workers=0, collate_fn=as_lists))
+    dl = DataLoader(Images(), batch_size=16, num_workers=2, collate_fn=as_lists, multiprocessing_context=context)
+    got = list(dl)
+    assert len(got) == len(reference) == 4
+    for (keys, images, labels), (rkeys, rimages, rlabels) in zip(got, reference):
+        assert keys == rkeys and labels == rlabels
+        assert all(a.shape == b.shape and torch.equal(a, b) and not a.is_shared() for a, b in zip(images, rimages))
+    assert dl.stats()["raw_shared_memory"]["batches"] == 4  # torch: 16 shared-memory tensors a batch
+
+
+def test_stacked_batches_keep_torchs_shared_memory():
+    def stacked(samples):
+        return default_collate([(key, torch.zeros(3, 8, 8) + float(key), label) for key, _, label in samples])
+
+    dl = DataLoader(Images(), batch_size=16, num_workers=2, collate_fn=stacked)
+    batches = list(dl)
+    assert len(batches) == 4 and all(b[1].shape == (16, 3, 8, 8) and b[1].is_shared() for b in batches)
+    assert "raw_shared_memory" not in dl.stats()
