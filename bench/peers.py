@@ -5,7 +5,8 @@ documented loader, shuffle on, every row in a fresh process (``datapipe.tools.be
 throughput; raw bytes at each ``--workers`` (epoch 1 in the fresh process, epoch 2); PIL decode +
 random-resized-crop in ``--decode-workers`` workers (steady rate, first batch, peak PSS); mid-epoch resume
 (time to the first batch after loading a state, and whether the rest is exact). Writes
-``bench/results/peers.json`` and ``peers.png``; the table goes to stdout.
+``bench/results/peers.json`` and ``peers.png`` (the H200 host's run is kept beside it as ``peers_h200.json``);
+the table goes to stdout.
 
 litdata and MosaicML rows need them installed: ``pip install -c constraints.txt -e '.[peers]'``
 (where pip refuses their pins beside the rest, install them into a folder of their own with
