@@ -80,9 +80,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     the GPU in place. With any ``device``, workers' raw samples (``bytes``, numpy arrays, in dicts, lists and
     tuples) travel in recycled shared memory and are copied out as they arrive
     (:mod:`loaders.dataloader_rawshm`), not pickled through a pipe; where no thread of this loader pins,
-    so do the tensors torch would send one shared-memory file descriptor at a time (a list of decoded
-    images: one socket round trip a batch instead of one a tensor). With ``device`` set, a pin thread or
-    persistent workers, one pass runs at a time:
+    a batch's tensors travel in one block of shared memory and come out as views of it (a list of
+    decoded images: one socket round trip a batch instead of one a tensor). With ``device`` set, a pin
+    thread or persistent workers, one pass runs at a time:
     ``iter()`` stops the last pass's iterator first (its ``next()`` ends).
     """
 

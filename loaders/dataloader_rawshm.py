@@ -9,21 +9,19 @@ leaf replaced by its slot number, plus the segment. The main process (:class:`Ra
 every leaf out of the segment into an ordinary object of the same type (``bytes`` stay ``bytes``; an
 array keeps its dtype, shape and C/Fortran order, writable) and hands the segment back to its worker
 at once: what the loader hands out is the consumer's own memory, whatever it does with it and for
-however long. The segment stays mapped in the main process for the worker's next batch. A segment of
-:data:`RELEASE_BYTES` or more (a batch of 100 decoded images) first has its data pages given back to
-the system (``MADV_REMOVE``): kept, two or three such segments a worker would hold gigabytes for the
-whole pass, where torch's shared memory lasts until the batch is used; the worker's next write
-faults them in again (~35 ms for 154 MB, in the worker), the release costs the main process ~12 ms.
+however long. The segment stays mapped in the main process for the worker's next batch.
 
 With ``tensors=True`` (where the loader does not recycle the batch's tensors itself: no pin thread of
-its own) the batch's CPU tensors travel in the segment too, copied out into tensors of the same dtype,
-shape and strides. torch sends each tensor in fresh shared memory of its own, and the main process
-fetches every one's file descriptor from the worker over a socket (an authenticated connection each,
-answered by a thread of the worker that needs the worker's interpreter lock): a batch of 256
-decoded images as a list (variable sizes, or a collate that keeps samples apart) is 256 such
-round trips, ~150 ms of the one main process a batch. Packed, a batch is one. Tensors already in
-shared memory (``default_collate``'s stacks, made there) and tensors sharing a storage with another
-leaf keep torch's way, as do tensors it cannot rebuild densely (see :func:`_movable`).
+its own) the batch's CPU tensors travel together too, in one block of fresh shared memory per batch,
+and come out as views of it with their dtype, shape and strides, not copied. torch sends each tensor
+in shared memory of its own, and the main process fetches every one's file descriptor from the
+worker over a socket (an authenticated connection each, answered by a thread of the worker that
+needs the worker's interpreter lock, held while it decodes): a batch of 256 decoded images as a
+list (variable sizes, or a collate that keeps samples apart) is 256 such round trips in the one main
+process. Packed, it is one. The block is freed when the last of the batch's tensors is, as a stacked
+batch is (one tensor kept keeps the block). Tensors already in shared memory (``default_collate``'s
+stacks, made there) and tensors sharing a storage with another leaf keep torch's way, as do tensors
+it cannot rebuild densely (see :func:`_movable`).
 
 Applies to worker processes with torch's ``file_descriptor`` sharing strategy. A batch with fewer
 than :data:`MIN_BYTES` of such leaves (and fewer than :data:`MIN_TENSORS` tensors to pack), a
@@ -34,9 +32,6 @@ free segment for it (it never waits).
 from __future__ import annotations
 
 import collections
-import ctypes
-import functools
-import mmap
 
 import numpy as np
 import torch
@@ -44,13 +39,12 @@ import torch
 from loaders.dataloader_shm import (_LEAVES, FREE, HEADER, SegmentPool, _STATE, _movable, _segment_header,
                                     _shared_storages, map_leaves)
 
-__all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "RELEASE_BYTES", "Packed", "RawCopies", "pack_raw", "unpacked"]
+__all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "pack_raw", "unpacked"]
 
 MIN_BYTES = 256 * 1024  # a batch with fewer raw bytes is pickled as torch does
 MIN_LEAF = 512  # smaller bytes / array leaves stay in the pickle (a slot costs about as much)
-RELEASE_BYTES = 64 << 20  # a segment this large has its pages given back to the system once copied out
 MIN_TENSORS = 2  # a batch with this many tensors to pack is packed whatever its size (torch: a socket round
-#                  trip per tensor; packed: one for the batch's segment)
+#                  trip per tensor; packed: one for the batch's block)
 _ALIGN = 64
 
 
@@ -61,13 +55,15 @@ class _Slot(int):
 
 
 class Packed(tuple):
-    """A batch whose raw leaves travel in a segment: ``(body, data, spans, kinds, dtypes, shapes)``.
+    """A batch whose raw leaves travel in a segment: ``(body, data, spans, kinds, dtypes, shapes, tensors)``.
 
     ``body``: the batch with each packed leaf replaced by its :class:`_Slot`; ``data``: a uint8 tensor
-    over the segment's data; ``spans``: offset, length per slot (flat); ``kinds``: one letter per slot
-    (``b`` bytes, ``a`` bytearray, ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor); ``dtypes``,
-    ``shapes``: the arrays' and tensors', in slot order (a tensor's shape entry is ``(shape, strides)``).
-    A tuple of plain values, so that the segment code sees its tensors.
+    over the segment's data (None: no bytes or arrays packed); ``spans``: offset, length per slot (flat;
+    a tensor's into ``tensors``); ``kinds``: one letter per slot (``b`` bytes, ``a`` bytearray, ``c``/``f``
+    a C/Fortran-ordered array, ``t`` a tensor); ``dtypes``, ``shapes``: the arrays' and tensors', in slot
+    order (a tensor's shape entry is ``(shape, strides)``); ``tensors``: a uint8 tensor over the fresh
+    shared memory holding the packed tensors, or None. A tuple of plain values, so that the segment code
+    sees its tensors.
     """
 
     __slots__ = ()
@@ -106,36 +102,42 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
     leaves: list = []
     spans: list[int] = []
     kinds: list[str] = []
-    end = 0
-    counted = 0  # tensors packed
+    end = tend = 0  # bytes of the segment (bytes, arrays) and of the tensors' block
     aliased = _shared_storages(batch) if tensors else set()
 
     def note(x):
-        nonlocal end, counted
+        nonlocal end, tend
         if type(x) is torch.Tensor:
             if not tensors or not _packable_tensor(x, aliased):
                 return x
-            kind, n = "t", x.numel() * x.element_size()
-            counted += 1
+            kind, n, offset = "t", x.numel() * x.element_size(), tend
+            tend += -(-n // _ALIGN) * _ALIGN
         else:
             kind = _kind(x)
             if kind is None:
                 return x
-            n = len(x) if kind in "ba" else x.nbytes
-        spans.extend((end, n))
+            n, offset = (len(x) if kind in "ba" else x.nbytes), end
+            end += -(-n // _ALIGN) * _ALIGN
+        spans.extend((offset, n))
         kinds.append(kind)
         leaves.append(x)
-        end += -(-n // _ALIGN) * _ALIGN
         return _Slot(len(leaves) - 1)
 
     body = map_leaves(batch, note)
-    if end < MIN_BYTES and counted < MIN_TENSORS:
+    if end < MIN_BYTES and kinds.count("t") < MIN_TENSORS:
         return batch
-    storage = pool.take(end)
-    if storage is None:
-        return batch
-    data = torch.empty(0, dtype=torch.uint8).set_(storage, HEADER, (end,), (1,))
-    buf = data.numpy()
+    data = block = None
+    if end:
+        storage = pool.take(end)
+        if storage is None:
+            return batch
+        data = torch.empty(0, dtype=torch.uint8).set_(storage, HEADER, (end,), (1,))
+    if tend:
+        try:  # fresh, as torch's: handed out as views, it lives as long as the consumer keeps a tensor of it
+            block = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(tend), 0, (tend,), (1,))
+        except RuntimeError:  # shared memory short (/dev/shm full): torch's own path, and its error
+            return batch
+    buf = data.numpy() if data is not None else None
     dtypes, shapes = [], []
     for i, x in enumerate(leaves):
         offset, n = spans[2 * i], spans[2 * i + 1]
@@ -145,12 +147,12 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
         elif kind == "t":
             dtypes.append(x.dtype)
             shapes.append((tuple(x.shape), x.stride()))
-            _tensor_at(data, offset, x.dtype, x.shape, x.stride()).copy_(x)
+            _tensor_at(block, offset, x.dtype, x.shape, x.stride()).copy_(x)
         else:
             dtypes.append(x.dtype.str)
             shapes.append(x.shape)
             _array_at(buf, offset, x.dtype, x.shape, kind)[...] = x
-    return Packed((body, data, spans, "".join(kinds), dtypes, shapes))
+    return Packed((body, data, spans, "".join(kinds), dtypes, shapes, block))
 
 
 def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
@@ -167,10 +169,10 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
 
 
 def _unpack(packed: Packed):
-    """The batch ``packed`` carries, every packed leaf copied out of its segment."""
-    body, data, spans, kinds, dtypes, shapes = packed
-    buf = data.numpy()
-    view = memoryview(buf)
+    """The batch ``packed`` carries, every packed leaf copied out of its segment (tensors: views of their block)."""
+    body, data, spans, kinds, dtypes, shapes, block = packed
+    buf = data.numpy() if data is not None else None
+    view = memoryview(buf) if buf is not None else None
     out: list = []
     arrays = 0
     for i, kind in enumerate(kinds):
@@ -181,8 +183,7 @@ def _unpack(packed: Packed):
             out.append(bytearray(view[offset:offset + n]))
         elif kind == "t":
             dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
-            out.append(torch.empty_strided(shape, stride, dtype=dtype).copy_(_tensor_at(data, offset, dtype, shape,
-                                                                                      stride)))
+            out.append(_tensor_at(block, offset, dtype, shape, stride))
             arrays += 1
         else:
             src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
@@ -233,10 +234,8 @@ class RawCopies:
         try:
             return _unpack(batch)
         finally:
-            head = _segment_header(data, self.mark)
+            head = _segment_header(data, self.mark) if data is not None else None
             if head is not None:
-                if data.numel() >= RELEASE_BYTES:  # before FREE: once free, its worker may write into it
-                    _release_pages(data)
                 head[_STATE] = FREE
                 storage = data.untyped_storage()
                 self.kept[storage.data_ptr()] = storage
@@ -248,30 +247,6 @@ class RawCopies:
 
     def clear(self) -> None:
         self.kept.clear()
-
-
-@functools.lru_cache(maxsize=1)
-def _madvise():
-    """libc's ``madvise`` (None where it cannot be loaded)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _release_pages(data: torch.Tensor) -> bool:
-    """Give the shared-memory pages wholly inside ``data`` (a uint8 tensor over a segment) back to the system:
-    the next write faults fresh zeroed pages in. The segment's header page stays. False where not possible."""
-    madvise, advice = _madvise(), getattr(mmap, "MADV_REMOVE", None)
-    if madvise is None or advice is None:
-        return False
-    page = mmap.PAGESIZE
-    start = -(-data.data_ptr() // page) * page
-    stop = (data.data_ptr() + data.numel()) // page * page
-    return stop > start and madvise(start, stop - start, advice) == 0
 
 
 def unpacked(stream, copies: RawCopies, *, keep: bool = False):

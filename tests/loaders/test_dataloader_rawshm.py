@@ -1,7 +1,6 @@
 """loaders.dataloader_rawshm: workers' raw samples (bytes, numpy arrays) travel in recycled shared memory and
 come out of the loader as ordinary objects, exact, whatever the consumer does with them."""
 import collections
-import mmap
 import pickle
 import time
 
@@ -231,25 +230,29 @@ def tensor_leaves():
     return packed, kept
 
 
-def test_tensors_travel_in_the_segment_and_come_out_equal_owned_and_private():
+def test_tensors_travel_in_one_block_and_come_out_equal_as_views_of_it():
     packed_leaves, kept = tensor_leaves()
     batch = {"images": [torch.full((3, 8, 8), float(i)) for i in range(6)], **packed_leaves, "kept": kept,
-             "keys": [f"{i:04d}" for i in range(6)]}
+             "keys": [f"{i:04d}" for i in range(6)], "jpg": payload(3)}
     pool = SegmentPool(MARK, cap=2)
     assert pack_raw(batch, pool) is batch  # tensors=False: the bytes rule alone (too few), tensors as torch sends
     packed = pack_raw(batch, pool, tensors=True)
-    assert type(packed) is Packed and packed[3] == "t" * (6 + len(packed_leaves))
+    assert type(packed) is Packed and packed[3].count("t") == 6 + len(packed_leaves) and "b" in packed[3]
     body = pickle.loads(pickle.dumps(packed[0]))
     assert body["kept"]["shared"] is not None and type(body["kept"]["param"]) is torch.nn.Parameter
     out = RawCopies(MARK, workers=1, batches=2).unpack(Packed((body, *packed[1:])))
+    block = packed[6].untyped_storage()
     for name, t in {**packed_leaves, **{f"image{i}": t for i, t in enumerate(batch["images"])}}.items():
         got = out[name] if name in out else out["images"][int(name[5:])]
         assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride(), name
-        assert torch.equal(got, t) and not got.untyped_storage().is_shared(), name
+        assert torch.equal(got, t) and got.untyped_storage().data_ptr() == block.data_ptr(), name  # a view
     assert out["nhwc"].is_contiguous(memory_format=torch.channels_last) and out["keys"] == batch["keys"]
-    assert segment_state(packed) == FREE
-    packed[1].fill_(0)  # the worker writes its next batch there: what was handed out stays
+    assert out["jpg"] == payload(3) and segment_state(packed) == FREE
+    packed[1].fill_(0)  # the worker writes its next batch into the segment: what was handed out stays
     assert torch.equal(out["images"][5], torch.full((3, 8, 8), 5.0)) and torch.equal(out["f32"], packed_leaves["f32"])
+    assert out["jpg"] == payload(3)
+    again = pack_raw(batch, pool, tensors=True)  # the next batch's tensors: a block of their own
+    assert again[6].untyped_storage().data_ptr() != block.data_ptr()
 
 
 def test_one_tensor_or_only_shared_tensors_are_left_to_torch():
@@ -258,27 +261,10 @@ def test_one_tensor_or_only_shared_tensors_are_left_to_torch():
     assert pack_raw(one, pool, tensors=True) is one
     stacked = {"images": torch.ones(4, 3, 8, 8).share_memory_(), "labels": torch.arange(4).share_memory_()}
     assert pack_raw(stacked, pool, tensors=True) is stacked and pool.fresh == 0  # default_collate's, in a worker
-
-
-def test_a_large_segment_gives_its_pages_back_before_it_is_free(monkeypatch):
-    import loaders.dataloader_rawshm as rawshm
-
-    batch = [torch.full((64, 1024), float(i)) for i in range(4)]  # 4 x 256 KB
-    pool = SegmentPool(MARK, cap=2)
-    monkeypatch.setattr(rawshm, "RELEASE_BYTES", 4 << 20)
-    small = pack_raw(batch[:2], pool, tensors=True)
-    out = RawCopies(MARK, workers=1, batches=2).unpack(small)
-    assert torch.equal(small[1][-4096:].view(torch.float32), torch.full((1024,), 1.0))  # under it: kept as is
-    monkeypatch.setattr(rawshm, "RELEASE_BYTES", 512 << 10)
-    big = pack_raw(batch, pool, tensors=True)
-    out = RawCopies(MARK, workers=1, batches=2).unpack(big)
-    assert all(torch.equal(t, torch.full((64, 1024), float(i))) for i, t in enumerate(out))
-    # released: every whole page of the data reads zero (the header's page and a last partial page stay)
-    assert segment_state(big) == FREE and int(big[1].count_nonzero()) <= 2 * mmap.PAGESIZE < big[1].numel() // 4
-    again = pack_raw(batch, pool, tensors=True)  # the worker's next batch writes it again
-    assert again[1].untyped_storage().data_ptr() == big[1].untyped_storage().data_ptr()
-    assert all(torch.equal(t, torch.full((64, 1024), float(i)))
-               for i, t in enumerate(RawCopies(MARK, workers=1, batches=2).unpack(again)))
+    only = pack_raw([torch.ones(4), torch.zeros(2)], pool, tensors=True)  # tensors alone: no segment taken
+    assert type(only) is Packed and only[1] is None and pool.fresh == 0
+    first, second = RawCopies(MARK, workers=1, batches=1).unpack(only)
+    assert torch.equal(first, torch.ones(4)) and torch.equal(second, torch.zeros(2))
 
 
 class Images(IterableDataset):
@@ -312,8 +298,9 @@ def test_worker_batches_of_tensor_lists_come_out_exact_in_one_segment_each(conte
     assert len(got) == len(reference) == 4
     for (keys, images, labels), (rkeys, rimages, rlabels) in zip(got, reference):
         assert keys == rkeys and labels == rlabels
-        assert all(a.shape == b.shape and torch.equal(a, b) and not a.is_shared() for a, b in zip(images, rimages))
-    assert dl.stats()["raw_shared_memory"]["batches"] == 4  # torch: 16 shared-memory tensors a batch
+        assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(images, rimages))
+        assert len({t.untyped_storage().data_ptr() for t in images}) == 1  # one block (torch: one storage each)
+    assert dl.stats()["raw_shared_memory"]["batches"] == 4
 
 
 def test_stacked_batches_keep_torchs_shared_memory():
