@@ -278,6 +278,11 @@ class ShardStream(torch.utils.data.IterableDataset):
                         "base": None if base is None else elastic.unpack_ranges(base),
                         "reshape": reshape}
 
+    def forget_resume(self) -> None:
+        """Drop a loaded resume that worker processes took with their copies of this stream (``loaders.DataLoader``
+        calls it once a resumed pass's workers started): this object's own next pass is a whole epoch."""
+        self._resume = None
+
     def check_loadable(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """A ValueError unless ``load_state_dict`` takes ``state`` (this stream is not changed): one naming a
         malformed entry, or every setting (``seed``, ``shuffle``, ``shuffle_buffer``, ``shards``) it was taken

@@ -287,6 +287,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         if self._returns is not None:
             self._returns.next_pass()  # persistent workers free what the last pass left in flight
         first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
+        if resume is not None and workers and callable(getattr(self.dataset, "forget_resume", None)):
+            self.dataset.forget_resume()  # the workers took it: a later pass over this dataset is a whole epoch
         stream = self._epoch_stream(p, first, p.batches)
         if self._raw is not None:
             stream = unpacked(stream, self._raw, keep=self.persistent_workers)

@@ -25,6 +25,9 @@ A dataset takes part when it is a ``torch.utils.data.IterableDataset`` with ``st
 6. A global state (:mod:`datapipe.order.elastic`) under ``"dataset"`` goes to ``load_state_dict``
    unchanged (the dataset replans the epoch's rest over the new shape); until the first batch of
    the resumed run, the loader's ``state_dict()`` returns the global state it was given.
+7. Once a resumed pass's workers have started (they took the resume with their copies), the loader calls
+   the dataset's ``forget_resume()`` where it has one: another pass over the same dataset object (another
+   loader's, or this one's next) is a whole epoch.
 """
 from __future__ import annotations
 

@@ -214,6 +214,10 @@ class Mix(torch.utils.data.IterableDataset):
                 "streams": len(self.streams), "num_workers": self._num_workers,
                 "workers": workers, "rank": rank, "world_size": world, "generation": self._generation}
 
+    def forget_resume(self) -> None:
+        """Drop a loaded resume that worker processes took with their copies (see ``ShardStream.forget_resume``)."""
+        self._resume = None
+
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Resume: the next iteration yields exactly the rest of the saved epoch.
 

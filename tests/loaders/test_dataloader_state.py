@@ -153,3 +153,28 @@ def test_state_names_its_kind_and_another_kind_is_refused():
     assert state["kind"] == "DataLoader"  # datapipe.state: every state says what it is
     with pytest.raises(ValueError, match="ImageLoader state, not a DataLoader state"):
         DataLoader(ToyStream(SHARDS), batch_size=2).load_state_dict({**state, "kind": "ImageLoader"})
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_resumed_pass_with_workers_leaves_the_shared_stream_whole(tmp_path, mixed):
+    """Resuming one loader does not shorten the next pass of another loader over the same stream object."""
+    from datapipe import ShardStream, mix
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "d", [9, 7, 8, 6])
+    stream = ShardStream(urls, shuffle=True, seed=1)
+    data = mix([stream, ShardStream(urls)], weights=[1, 1], seed=2) if mixed else stream
+    kw = dict(batch_size=3, num_workers=2, collate_fn=lambda b: [s["__key__"] for s in b])
+    whole = sum(len(b) for b in DataLoader(data, **kw))
+    first = DataLoader(data, **kw)
+    it = iter(first)
+    head = len(next(it))
+    state = first.state_dict()
+    del it
+    resumed = DataLoader(data, **kw)
+    resumed.load_state_dict(state)
+    assert head + sum(len(b) for b in resumed) == whole
+    assert sum(len(b) for b in DataLoader(data, **kw)) == whole  # a new loader: the whole epoch
+    assert sum(len(b) for b in first) == whole
+    first.close()
+    assert children_gone()
