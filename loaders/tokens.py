@@ -162,6 +162,7 @@ class TokenLoader:
             self._stats["batches"] = int(resume.get("batches", 0))
         else:
             self._stats["batches"] = 0
+        self._stats.update(tokens=0, wait_s=0.0, elapsed_s=0.0)  # rates are this pass's, as batches are
         group = self._sync_group()
         prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
         self._producer = prefetcher.meter
@@ -192,6 +193,7 @@ class TokenLoader:
                         self._stats["dropped_tail_batches"] += 1 + sum(1 for _ in it)
                         item = None
                 if item is None:
+                    self._stats["elapsed_s"] = time.perf_counter() - start  # the last wait counted too
                     break
                 batch, snapshot = item
                 if group is not None:  # the next batch, and the ranks' agreement on it, while this one trains
@@ -273,7 +275,8 @@ class TokenLoader:
                 "batcher": holding_state(self.seq_len, share), "batches": 0}
 
     def stats(self) -> dict:
-        """Batches, tokens (real), tokens/s, consumer wait, plus the batcher's own counters (efficiency...)."""
+        """This pass's batches, tokens (real), tokens/s, consumer wait and its share of the pass's time, plus the
+        batcher's own counters (efficiency...)."""
         s = dict(self._stats)
         s["bad_documents"] = self._errors.skipped
         s["tokens_per_s"] = s["tokens"] / s["elapsed_s"] if s["elapsed_s"] else 0.0

@@ -262,3 +262,16 @@ def test_a_new_pass_stops_the_last_one_first(tmp_path):
     assert torch.equal(torch.cat([real_tokens(b) for b in loader]).sort().values, ref)
     with pytest.raises(StopIteration):
         next(old)
+
+
+def test_stats_describe_the_last_pass(tmp_path):
+    """batches, tokens, wait and elapsed time all restart with a pass: its rates stay rates of that pass."""
+    lens = lengths(80)
+    loader = tl(write_token_shards(tmp_path, lens), seq_len=128, batch_size=4, buffer_size=64)
+    next(iter(loader))  # an abandoned pass
+    for _ in range(2):
+        n = sum(1 for _ in loader)
+        stats = loader.stats()
+        assert stats["batches"] == n and stats["tokens"] == sum(lens)
+        assert 0.0 <= stats["wait_fraction"] <= 1.0
+        assert stats["tokens_per_s"] == stats["tokens"] / stats["elapsed_s"]
