@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import sys
 import traceback
@@ -58,7 +59,10 @@ def install(d: Doctor):
 
 
 def run_script(d: Doctor, script: str, args: list[str]) -> int:
-    """Run ``script`` as ``__main__`` with ``args`` under the doctor; returns its exit status."""
+    """Run ``script`` as ``__main__`` with ``args`` under the doctor; returns its exit status. A leading
+    ``python`` / ``python3`` (``doctor -- python train.py``, as other profilers take it) is dropped."""
+    if re.fullmatch(r"python(\d+(\.\d+)?)?", os.path.basename(script)) and args:
+        script, args = args[0], list(args[1:])
     if not os.path.isfile(script):
         print(f"datapipe doctor: no such script: {script}", file=sys.stderr)
         return 1

@@ -165,6 +165,8 @@ def test_cli_runs_script_and_propagates_exit_code(tmp_path, capsys):
     assert rep["loader"]["wait_s"] == max(entry["wait_s"] for entry in rep["loaders"])
     assert "datapipe doctor:" in capsys.readouterr().err
     assert main(["doctor", "--", str(script), "0"]) == 0
+    assert main(["doctor", "--", "python", str(script), "4"]) == 4  # as other profilers take it
+    assert main(["doctor", "--", sys.executable, str(script), "5"]) == 5
     bad = tmp_path / "bad.py"
     bad.write_text("raise RuntimeError('boom')\n")
     assert main(["doctor", "--", str(bad)]) == 1
