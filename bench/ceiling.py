@@ -417,7 +417,7 @@ def parse(argv=None):
     if args.quick:
         args.num_images, args.batch_size, args.image_size, args.arch = 64, 4, 32, "resnet18"
         args.steps, args.ceiling_steps, args.warmup, args.rounds = 2, 2, 1, min(args.rounds, 1)
-        args.data = args.data.rstrip("/") + "-quick"
+        args.data = args.data.rstrip("/") + f"-quick{args.num_images}"  # its own folder per size
         args.tokens_dir, args.docs, args.seq_len, args.token_batch, args.workers = args.tokens_dir + "-quick", 200, 128, 2, 1
     args.device = torch.device(args.device)
     args.loaders = [x for x in args.loaders.split(",") if x]

@@ -67,7 +67,7 @@ def recommend(result: dict) -> dict:
     if st and st["mb_per_s"] > 0:
         text += f". ShardStream parses {st['mb_per_s']:.0f} MB/s in one process"
         if result.get("storage") == "local" and "zero_copy" in result["stream"]:
-            text += " with zero_copy=True"
+            text += " with storage=StorageOptions(zero_copy=True)"
     warning = size_warning(result)
     return {"mode": best["mode"], "concurrency": c, "block_size": best["block_size"], "mb_per_s": best["mb_per_s"],
             "num_workers": c if c > 1 and gain is not None and gain >= 1.2 else None, "text": text,
