@@ -94,13 +94,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     lo.add_argument("--pipelines", default=None,
                     help="comma list of torch, webdataset, dali, datapipe-images, datapipe-loader (image data); "
                          "datapipe-tokens, naive-pad (token data). Default: all that fit the data")
-    lo.add_argument("--batch-size", type=int, default=64)
+    lo.add_argument("--batch-size", type=int, default=64, help="samples per batch (default 64)")
     lo.add_argument("--workers", type=int, default=None, help="loader workers / DALI threads (default: cores)")
-    lo.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    lo.add_argument("--steps", type=int, default=20, help="timed batches per pipeline")
-    lo.add_argument("--warmup", type=int, default=2, help="untimed batches first")
-    lo.add_argument("--image-size", type=int, default=224)
-    lo.add_argument("--seq-len", type=int, default=2048, help="row length for token data")
+    lo.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where batches land (default cpu)")
+    lo.add_argument("--steps", type=int, default=20, help="timed batches per pipeline (default 20)")
+    lo.add_argument("--warmup", type=int, default=2, help="untimed batches first (default 2)")
+    lo.add_argument("--image-size", type=int, default=224, help="output height and width of image pipelines (default 224)")
+    lo.add_argument("--seq-len", type=int, default=2048, help="row length for token data (default 2048)")
     lo.add_argument("--make-images", type=int, default=0, metavar="N",
                     help="if DATA is empty or missing, write N ImageNet-like JPEGs there first")
     lo.add_argument("--peers", action="store_true",

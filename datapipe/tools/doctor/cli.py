@@ -98,7 +98,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="PNG of data wait over time (default: next to --json)")
     parser.add_argument("--probe-capacity", action="store_true",
                         help="at the end, pull batches without a consumer to measure the input capacity")
-    parser.add_argument("--probe-seconds", type=float, default=2.0)
+    parser.add_argument("--probe-seconds", type=float, default=2.0,
+                        help="how long --probe-capacity pulls batches (default 2 s)")
     parser.add_argument("--ceiling-steps", type=int, default=0,
                         help="after 5 batches, hand the 5th to the script N more times and time those steps: "
                              "the data-free rate of the same step. This adds N training steps on a repeated batch "
