@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
+
+import torch
 
 from datapipe.device import autotune
 from datapipe.device.prefetch import first_tensor
@@ -91,9 +94,21 @@ def _first_tensor(obj):
 
 
 def count_samples(batch, *, auto_collation: bool, batch_size: int | None) -> int:
-    """Samples in a batch: the first tensor's leading dimension, else the list's length, else ``batch_size``."""
+    """Samples in a batch: its first column's (a tensor's leading dimension, or a list of per-sample values in a
+    tuple or dict of columns), a list of samples' length, else the first tensor's leading dimension, else
+    ``batch_size``."""
     if not auto_collation:
         return 1
+    if isinstance(batch, Mapping):
+        first = next(iter(batch.values()), None)
+    else:
+        first = batch[0] if isinstance(batch, (list, tuple)) and batch else None
+    if torch.is_tensor(first) and first.dim() > 0:
+        return int(first.shape[0])
+    if isinstance(batch, (tuple, Mapping)) and isinstance(first, (list, tuple)):
+        return len(first)  # columns: (keys, [images], labels), {"__key__": [...], ...}
+    if type(batch) is list and batch:
+        return len(batch)  # a list of samples
     found = _first_tensor(batch)
     if found is not None and found.dim() > 0:
         return int(found.shape[0])

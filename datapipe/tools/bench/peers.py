@@ -106,7 +106,7 @@ def write(system: str, source: str, out: str, *, workers: int) -> dict:
     elif system == "datapipe":
         from datapipe.cli import main
 
-        rc = main(["shard", source, out, "--no-progress", "--workers", str(max(1, workers))])
+        rc = main(["shard", source, out, "--no-progress", "--shuffle", "--workers", str(max(1, workers))])  # classes mixed
         if rc != 0:
             raise RuntimeError(f"datapipe shard exited {rc}")
     elif system == "litdata":
