@@ -105,7 +105,7 @@ class Shards:
             absent = [u for u in missing if is_local(u) and not u.startswith("pipe:") and not os.path.exists(local_path(u))]
             if absent:  # said first (under on_error), not after a warning about counting them
                 names = ", ".join(redact_url(u) for u in absent[:3]) + (", ..." if len(absent) > 3 else "")
-                if all(u.endswith(("/", os.sep)) for u in absent):  # a folder path that is not there
+                if all(u.endswith(("/", os.sep)) or "." not in os.path.basename(u) for u in absent):  # folder paths
                     what = f"no such folder: {names}"
                 else:
                     what = f"{len(absent)} of {len(self.urls)} shards do not exist: {names}"

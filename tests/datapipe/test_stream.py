@@ -364,6 +364,7 @@ def test_missing_local_shards_are_named_before_any_counting(tmp_path, caplog, on
             assert "no manifest lists 1 of 4 shards" in caplog.text  # only the one that exists is counted
 
 
-def test_a_folder_that_is_not_there_is_named_as_a_folder(tmp_path):
-    with pytest.raises(DataError, match=r"no such folder: .*missing/"):
-        list(ShardStream(str(tmp_path / "missing") + "/"))
+@pytest.mark.parametrize("suffix", ["/", ""])
+def test_a_folder_that_is_not_there_is_named_as_a_folder(tmp_path, suffix):
+    with pytest.raises(DataError, match=r"no such folder: .*missing"):
+        list(ShardStream(str(tmp_path / "missing") + suffix))
