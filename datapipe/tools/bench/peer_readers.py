@@ -125,7 +125,7 @@ def open_loader(system: str, data: str, *, batch_size: int, workers: int, seed: 
         from datapipe import ShardStream
         from loaders import DataLoader
 
-        stream = ShardStream(data, shuffle=True, shuffle_buffer=1000, seed=seed)  # samples too, as webdataset's
+        stream = ShardStream(data, shuffle=True, shuffle_buffer=200, seed=seed)  # samples too (the README's)
         stream = stream.map(_Then(_stream_tuple, decode) if decode else _stream_tuple)
         return DataLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=raw_collate, **extra)
     if system == "litdata":
