@@ -73,6 +73,8 @@ def main(argv=None) -> dict:
     path = write_result("peers", result, args.out)
     plots.plot_peers(result, os.path.splitext(path)[0] + ".png")
     print(table(peers.table_rows(result), ["row"] + list(result["systems"])))
+    for line in peers.run_notes(result):
+        print(line)
     print(f"\nwrote {path}")
     return result
 

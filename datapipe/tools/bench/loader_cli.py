@@ -40,10 +40,12 @@ def _loader_command(args) -> int:
         except (DataError, OSError, ValueError) as e:
             print(f"datapipe bench loader --peers: {redact_text(e)}", file=sys.stderr)
             return 1
-        from datapipe.tools.bench.peers import table_rows
+        from datapipe.tools.bench.peers import run_notes, table_rows
 
         print()
         print(table(table_rows(result["peers"]), ["row"] + list(result["peers"]["systems"])))
+        for line in run_notes(result["peers"]):
+            print(line)
     _outputs(args, result, "loader")
     png = plot_path(args)
     if png and "peers" in result:

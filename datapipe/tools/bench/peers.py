@@ -324,6 +324,15 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
     cores = usable_cores()
     decode_workers = cores if decode_workers is None else decode_workers
     write_workers = cores if write_workers is None else write_workers
+    notes = []
+    if len(images) // batch_size < 4:  # the decode and resume rows time what follows a first batch
+        smaller = max(1, len(images) // 4)
+        notes.append(f"{len(images)} images make {len(images) // batch_size} batch(es) of {batch_size}: batches of "
+                     f"{smaller} instead, so that the decode and mid-epoch resume rows have batches to time")
+        batch_size = smaller
+    over = sorted({w for w in (*workers, decode_workers) if w > cores})
+    if over:
+        notes.append(f"worker counts {over} exceed the {cores} usable cores here: those rows share cores")
     own_tmp = work_dir is None
     work_dir = work_dir or tempfile.mkdtemp(prefix="datapipe-peers-")
     source_bytes = sum(os.path.getsize(p) for p, _, _ in images)
@@ -332,7 +341,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         "settings": {"batch_size": batch_size, "workers": list(workers), "decode_workers": decode_workers,
                      "resume_workers": resume_workers, "image_size": image_size, "write_workers": write_workers,
                      "seed": seed, "shuffle": True, "timeout_s": timeout},
-        "systems": {}}
+        "notes": notes, "systems": {}}
 
     def say(text):
         if progress:
@@ -416,6 +425,14 @@ def summary(result: dict) -> list[dict]:
             row[system] = get(entry)
         out.append(row)
     return out
+
+
+def run_notes(result: dict) -> list[str]:
+    """Lines to print under the table: the run's notes, and each system that was not measured, with why."""
+    lines = [f"note: {n}" for n in result.get("notes", [])]
+    lines += [f"{system}: not measured: {entry['error']}" for system, entry in result["systems"].items()
+              if entry.get("error")]
+    return lines
 
 
 def table_rows(result: dict) -> list[dict]:

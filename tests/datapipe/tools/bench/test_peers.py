@@ -31,12 +31,12 @@ def _check_system(entry, *, resumable):
         assert epochs["epoch1"]["samples"] == 24 and epochs["epoch2"]["samples"] == 24
     dec = entry["decode"]
     assert "error" not in dec, dec
-    assert dec["first_batch_s"] > 0 and dec["steady_samples"] == 24 - 8
+    assert dec["first_batch_s"] > 0 and dec["steady_samples"] == 24 - 6  # batches of 6 (see _run)
     if resumable:
         res = entry["resume"]
         assert "error" not in res, res
         assert res["exact"] is True, res
-        assert res["resumed_samples"] == res["expected_samples"] == 24 - 8 * res["saved"]["stopped_after_batches"]
+        assert res["resumed_samples"] == res["expected_samples"] == 24 - 6 * res["saved"]["stopped_after_batches"]
     else:
         assert entry["resume"] == {"error": "no mid-epoch resume"}
 
@@ -53,6 +53,8 @@ def _run(source, tmp_path, systems):
     for system in systems:
         _check_system(res["systems"][system], resumable=system in peers.RESUMABLE)
     assert res["source"]["images"] == 24 and res["settings"]["shuffle"] is True
+    # 24 images are 3 batches of 8: smaller batches, so that a first batch is followed by more (and said so)
+    assert res["settings"]["batch_size"] == 6 and "batches of 6 instead" in res["notes"][0]
     json.dumps(res)  # the result is JSON as it is
     return res
 
@@ -114,3 +116,10 @@ def test_folder_from_shards_gives_every_system_the_same_images(tmp_path):
     assert len(peers.list_images(folder)) == 10
 
 
+
+
+def test_notes_say_why_a_system_was_not_measured():
+    result = {"notes": ["worker counts [8] exceed the 2 usable cores here: those rows share cores"],
+              "systems": {"datapipe": {"version": "x"}, "mosaicml": {"version": None, "error": "not installed (...)"}}}
+    assert peers.run_notes(result) == ["note: worker counts [8] exceed the 2 usable cores here: those rows share cores",
+                                       "mosaicml: not measured: not installed (...)"]
