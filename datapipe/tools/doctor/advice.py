@@ -90,6 +90,10 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     def add(key, text, **trigger):
         out.append({"id": key, "advice": text, "trigger": trigger})
 
+    if m.get("steps") == 0:  # the report counts them; measurements without the key are advised on
+        add("no_steps", "no training steps were measured: the script iterated no DataLoader, datapipe loader or "
+                        "ShardStream (or stopped before its first batch); nothing to advise on", steps=0)
+        return out
     if wait < WAIT_LOW:
         add("not_bottleneck", f"input is not the bottleneck: the loop waited for data {wait:.1%} of the time "
                               f"(< {WAIT_LOW:.0%}); speed up the model step instead", wait_fraction=wait)

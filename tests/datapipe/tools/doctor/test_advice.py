@@ -101,3 +101,8 @@ def test_cuda_connections_advice_for_an_image_loader_waiting_on_gpu_work():
     assert "cuda_connections" in _ids(m(connections=8))
     assert "cuda_connections" not in _ids(m(kind="torch.utils.data.dataloader.DataLoader"))
     assert "cuda_connections" not in _ids(m(cuda=False))
+
+
+def test_no_steps_gets_no_advice_about_the_model():
+    assert _ids({**_m(wait=0.0), "steps": 0}) == ["no_steps"]
+    assert "not_bottleneck" in _ids({**_m(wait=0.0), "steps": 5})
