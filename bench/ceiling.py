@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import sync, table, write_result  # noqa: E402
+from bench.common import analyse, sync, table, write_result  # noqa: E402
 from bench.models import ImageStep, LlamaStep  # noqa: E402
 from datapipe.tools.bench.baselines import DaliBaseline, close, endless, replay  # noqa: E402
 
@@ -267,57 +267,6 @@ def profile_window(batches, step, args, steps: int, trace_dir: str, name: str) -
             step(next(it))
         sync(args.device)
     return _trace_events(prof, os.path.join(trace_dir, f"trace_{name}.json"))
-
-
-def _busy(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total time (same units) where the merged interval lists ``a`` and ``b`` both run."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, e - s)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def analyse(events: list[dict], steps: int, train_stream) -> dict:
-    """Per step: device ms per stream (top kernels), the loader's own work (other streams) and its overlap
-    with the training stream's kernels."""
-    streams: dict = {}
-    for e in events:
-        s = e.get("args", {}).get("stream")
-        d = streams.setdefault(s, {"ms": 0.0, "n": 0, "names": {}})
-        d["ms"] += e["dur"] / 1e3
-        d["n"] += 1
-        d["names"][e["name"]] = d["names"].get(e["name"], 0.0) + e["dur"] / 1e3
-    train = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("args", {}).get("stream") == train_stream]
-    other = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("args", {}).get("stream") != train_stream]
-    train_busy, other_busy = _busy(train), _busy(other)
-    out = {"streams": {str(s): {"ms_per_step": round(d["ms"] / steps, 3), "events_per_step": round(d["n"] / steps, 1),
-                                "top": [(k[:70], round(v / steps, 3)) for k, v in
-                                        sorted(d["names"].items(), key=lambda kv: -kv[1])[:6]]}
-                       for s, d in streams.items()},
-           "train_stream": str(train_stream),
-           "train_kernel_ms_per_step": round(sum(e - s for s, e in train) / 1e3 / steps, 3),
-           "loader_device_ms_per_step": round(sum(e - s for s, e in other) / 1e3 / steps, 3),
-           "overlap_ms_per_step": round(_overlap(train_busy, other_busy) / 1e3 / steps, 3)}
-    if events:
-        span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-        out["wall_ms_per_step"] = round(span / 1e3 / steps, 3)
-    return out
 
 
 def profile_part(bench: Bench, args, trace_dir: str) -> dict:

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from bench import ceiling
+from bench.common import analyse
 
 
 @pytest.mark.slow
@@ -44,7 +45,7 @@ def test_overlap_of_training_and_loader_streams():
     events = [{"name": "k", "ts": 0, "dur": 10, "args": {"stream": 7}},
               {"name": "k", "ts": 20, "dur": 10, "args": {"stream": 7}},
               {"name": "decode", "ts": 5, "dur": 20, "args": {"stream": 13}}]
-    a = ceiling.analyse(events, 1, 7)
+    a = analyse(events, 1, 7)
     assert a["train_kernel_ms_per_step"] == 0.02 and a["loader_device_ms_per_step"] == 0.02
     assert a["overlap_ms_per_step"] == 0.01  # 5..10 and 20..25
     assert set(a["streams"]) == {"7", "13"}

@@ -40,7 +40,7 @@ def _loader_command(args) -> int:
         except (DataError, OSError, ValueError) as e:
             print(f"datapipe bench loader --peers: {redact_text(e)}", file=sys.stderr)
             return 1
-        from datapipe.tools.bench.peers import run_notes, table_rows
+        from datapipe.tools.bench.peer_table import run_notes, table_rows
 
         print()
         print(table(table_rows(result["peers"]), ["row"] + list(result["peers"]["systems"])))

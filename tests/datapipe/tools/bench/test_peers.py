@@ -117,9 +117,3 @@ def test_folder_from_shards_gives_every_system_the_same_images(tmp_path):
 
 
 
-
-def test_notes_say_why_a_system_was_not_measured():
-    result = {"notes": ["worker counts [8] exceed the 2 usable cores here: those rows share cores"],
-              "systems": {"datapipe": {"version": "x"}, "mosaicml": {"version": None, "error": "not installed (...)"}}}
-    assert peers.run_notes(result) == ["note: worker counts [8] exceed the 2 usable cores here: those rows share cores",
-                                       "mosaicml: not measured: not installed (...)"]
