@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader as TorchLoader, Dataset, IterableDataset
 from torch.utils.data import get_worker_info  # noqa: E402
 
 from bench.common import table, write_result  # noqa: E402
-from loaders.dataloader_shm import PooledCollate, SegmentReturns  # noqa: E402
+from loaders.dataloader_returns import SegmentReturns  # noqa: E402
+from loaders.dataloader_shm import PooledCollate  # noqa: E402
 
 
 class Frames(Dataset):

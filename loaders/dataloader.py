@@ -48,7 +48,8 @@ from loaders.dataloader_iter import (EpochSource, LoaderIterator, fast_fetch, pi
                                     tagged_batches)
 from loaders.dataloader_progress import Progress
 from loaders.dataloader_rawshm import RawCopies, pack_raw, unpacked
-from loaders.dataloader_shm import PooledCollate, SegmentReturns, recycling_available
+from loaders.dataloader_returns import SegmentReturns
+from loaders.dataloader_shm import PooledCollate, recycling_available
 from loaders.dataloader_resume import IndexSampler, Plan
 from loaders.dataloader_state import LoaderState
 from loaders.dataloader_stats import LoaderStats

@@ -94,7 +94,7 @@ def test_a_batch_whose_pinning_raises_becomes_a_failure_and_the_stream_goes_on()
 
 
 class Returns:
-    """Stands in for loaders.dataloader_shm.SegmentReturns: records what was given back, and when."""
+    """Stands in for loaders.dataloader_returns.SegmentReturns: records what was given back, and when."""
 
     def __init__(self):
         self.released = []

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from loaders.dataloader_shm import (BUSY, FREE, HEADER, PooledCollate, SegmentPool, SegmentReturns,
+from loaders.dataloader_returns import SegmentReturns
+from loaders.dataloader_shm import (BUSY, FREE, HEADER, PooledCollate, SegmentPool,
                                     recycling_available)
 
 pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
@@ -291,7 +292,7 @@ def test_settle_frees_what_the_batch_does_not_send():
 
 def fake_registry(monkeypatch, refuse=()):
     """host_register stood in for (no GPU here): which pointers are registered, and the calls."""
-    import loaders.dataloader_shm as shm
+    import loaders.dataloader_returns as returns_module
 
     calls = []
 
@@ -299,8 +300,8 @@ def fake_registry(monkeypatch, refuse=()):
         calls.append(("register", ptr, nbytes))
         return ptr not in refuse
 
-    monkeypatch.setattr(shm.host_register, "register", register)
-    monkeypatch.setattr(shm.host_register, "unregister", lambda ptr: calls.append(("unregister", ptr)))
+    monkeypatch.setattr(returns_module.host_register, "register", register)
+    monkeypatch.setattr(returns_module.host_register, "unregister", lambda ptr: calls.append(("unregister", ptr)))
     return calls
 
 
