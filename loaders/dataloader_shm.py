@@ -17,8 +17,7 @@ A segment starts with a 64-byte header: the loader's 8-byte mark and a state byt
 when its worker writes into it until the main process sets it back to ``FREE``. A worker never
 waits: with no free segment of the size and its pool full, a batch's tensor goes to fresh shared
 memory as torch does. ``default_collate`` (alone or inside a custom collate) stacks straight into
-a segment; the other tensors of a batch are copied into one segment together (torch sends a storage
-once: one file descriptor for them all, not one a tensor). Leaves moved: plain CPU tensors, dense
+a segment; other tensors of a batch are copied into one. Leaves moved: plain CPU tensors, dense
 (contiguous or channels-last), not needing grad, inside dicts, lists, tuples and namedtuples; a
 tensor sharing its storage with another leaf of the batch, and anything else, travels as torch
 sends it. A batch holding anything but tensors, numbers, strings and those containers (a custom
@@ -302,29 +301,16 @@ _LEAVES = frozenset({bytes, str, int, float, bool, type(None), torch.Tensor, byt
 
 
 def _moved(batch, pool: SegmentPool, keep: set[int]):
-    """``batch`` with its movable tensors copied into one segment of ``pool`` together (see :func:`map_leaves`):
-    torch sends tensors of one storage with one file descriptor, fetched by the main process over a socket
-    from the worker, so a batch that is a list of 256 tensors costs one round trip, not 256."""
-    todo, seen, end = [], set(), 0
-    for t in _tensors(batch):
-        if (id(t) in seen or not _movable(t) or t.untyped_storage().data_ptr() in keep
+    """``batch`` with its movable tensors copied into segments of ``pool`` (see :func:`map_leaves`)."""
+
+    def move(t):
+        if (not isinstance(t, torch.Tensor) or not _movable(t) or t.untyped_storage().data_ptr() in keep
                 or _segment_header(t, pool.mark) is not None):
-            continue
-        seen.add(id(t))
-        todo.append((t, end))
-        end += -(-t.numel() * t.element_size() // HEADER) * HEADER  # each tensor 64-byte aligned, as the data
-    if not todo:
-        return batch
-    storage = pool.take(end)
-    if storage is None:
-        return batch
-    placed = {}
-    for t, offset in todo:
-        size = t.element_size()
-        strides = torch.empty(t.shape, dtype=t.dtype, device="meta", memory_format=_format(t)).stride()
-        out = torch.empty(0, dtype=t.dtype).set_(storage, (HEADER + offset) // size, tuple(t.shape), strides)
-        placed[id(t)] = out.copy_(t)
-    return map_leaves(batch, lambda t: placed.get(id(t), t) if isinstance(t, torch.Tensor) else t)
+            return t
+        out = pool.place(t.dtype, t.shape, _format(t))
+        return t if out is None else out.copy_(t)
+
+    return map_leaves(batch, move)
 
 
 def _rebuilt(batch, moved):

@@ -401,19 +401,3 @@ def test_a_new_pass_frees_what_the_last_one_left_in_flight():
     assert all(state(t) == BUSY for t in held)
     pool.new_pass(1)
     assert all(state(t) == FREE for t in held) and pool.place(torch.uint8, (10,)) is not None
-
-
-def as_list(samples):
-    return [s[0].float() for s in samples], [s[1] for s in samples]
-
-
-def test_a_list_of_tensors_travels_in_one_segment_and_comes_back_exact():
-    returns = SegmentReturns(MARK, workers=2, batches=4)
-    dl = DataLoader(Images(32), batch_size=8, num_workers=2, collate_fn=PooledCollate(as_list, MARK, batches=4))
-    for i, (images, ids) in enumerate(dl):
-        assert ids == list(range(8 * i, 8 * i + 8))
-        assert all(torch.equal(t, Images()[j][0].float()) for t, j in zip(images, ids))
-        # one storage (one file descriptor fetched from the worker), not one a tensor
-        assert len({t.untyped_storage().data_ptr() for t in images}) == 1 and state(images[0]) == BUSY
-        returns.release((images, ids))
-    assert i == 3 and state(images[0]) == FREE and returns.released == 4 * 8
