@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where the hold runs: the constants serve modules that keep torch out
+    import torch
 
 __all__ = ["DEFAULT_QUEUES", "WIDE_QUEUES", "StepHold", "hardware_queues"]
 
@@ -44,6 +46,8 @@ class StepHold:
 
     def __call__(self) -> None:
         if self.active:
+            import torch
+
             t0 = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()
             self.seconds += time.perf_counter() - t0

@@ -5,11 +5,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterator
 
+from datapipe.device.queues import WIDE_QUEUES  # CUDA_DEVICE_MAX_CONNECTIONS advised for DALI beside training
+
 WAIT_HIGH = 0.10  # above this share of wall time the input pipeline is a bottleneck
 WAIT_LOW = 0.02  # below it, input is not the bottleneck
 PADDING_HIGH = 0.20
 CEILING_LOW = 0.98  # below this share of the data-free ceiling the loader costs the step visibly
-WIDE_QUEUES = 32  # CUDA_DEVICE_MAX_CONNECTIONS advised for DALI's work beside training
 HYBRID_DECODE_CORES = 12  # DecodeOptions(hw_decoder_load="auto") starts on the CUDA decoder from 12 cores (decoder_choice)
 
 

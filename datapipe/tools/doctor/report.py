@@ -73,17 +73,22 @@ def _decoder_load(loader) -> float | None:
 LOSSES = ("skipped", "errors", "padded")
 
 
+def _loader_stats(loader) -> dict:
+    """``loader.stats()``, or ``{}`` for a loader without it (torch's) or whose ``stats()`` fails: a report never
+    fails on a loader's figures."""
+    stats = getattr(loader, "stats", None)
+    try:
+        s = stats() if callable(stats) else None
+    except Exception:  # noqa: BLE001
+        return {}
+    return s if isinstance(s, dict) else {}
+
+
 def loader_losses(loader) -> dict[str, int]:
     """What a loader's ``stats()`` counts as lost since it was made: ``skipped`` samples, ``errors`` handled under
     ``on_error``, ``padded`` repeats (``loaders.DataLoader``'s ``*_total``, else the loader's own counts, else its
     stream's); ``{}`` for a loader without ``stats()`` (torch's)."""
-    stats = getattr(loader, "stats", None)
-    try:
-        s = stats() if callable(stats) else None
-    except Exception:  # a report never fails on a loader's figures
-        return {}
-    if not isinstance(s, dict):
-        return {}
+    s = _loader_stats(loader)
     stream = s.get("stream") if isinstance(s.get("stream"), dict) else {}
     out = {}
     for key in LOSSES:
@@ -97,11 +102,7 @@ def loader_losses(loader) -> dict[str, int]:
 def gpu_hold_seconds(loader) -> float:
     """Seconds a loader's ``next()`` spent waiting for the GPU's last step (ImageLoader's ``step_hold``,
     active with few CUDA hardware queues): the loop waited for its own step there, not for data."""
-    stats = getattr(loader, "stats", None)
-    try:
-        hold = (stats() if callable(stats) else {}).get("step_hold") or {}
-    except Exception:  # a report never fails on a loader's figures
-        return 0.0
+    hold = _loader_stats(loader).get("step_hold")
     seconds = hold.get("seconds") if isinstance(hold, dict) else None
     return float(seconds) if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else 0.0
 
