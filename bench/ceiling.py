@@ -24,7 +24,9 @@ every loader and loop style once per round, the order reversed every other round
 ``--profile``: one ``runs_ahead`` window under the torch profiler for the ceiling, ImageLoader and
 the hand DALI loop: per CUDA stream the kernels and copies, the loader's own work (streams other
 than the training one), and how much longer the training stream's kernels ran than in the ceiling.
-``--compile``: ImageLoader and the hand loop again, ResNet-50 under ``torch.compile``, runs_ahead.
+``--compile [MODE]``: ImageLoader and the hand loop again, ResNet-50 under ``torch.compile`` (``MODE``, default
+``max-autotune-no-cudagraphs``; ``default``, ``reduce-overhead`` for CUDA graphs), runs_ahead; such rows say
+``step: "compiled"`` and their ``compile_mode``.
 
     python bench/ceiling.py                      # the H200 run: bench/results/ceiling.json
     python bench/ceiling.py --loaders imageloader,dali --rounds 1 --profile
@@ -171,13 +173,13 @@ class Bench:
         self.rows: list[dict] = []
 
     def step(self, fmt: str, compiled: bool = False):
-        key = (fmt, compiled)
+        key = (fmt, compiled)  # one compile mode per run: args.compile
         if key not in self.steps:
             a = self.args
             if fmt == "tokens":
                 self.steps[key] = LlamaStep(a.device, a.seq_len, small=a.quick)
             else:
-                self.steps[key] = ImageStep(a.device, a.arch, compile=compiled)
+                self.steps[key] = ImageStep(a.device, a.arch, compile=a.compile if compiled else False)
         return self.steps[key]
 
     @staticmethod
@@ -217,6 +219,7 @@ class Bench:
         after = self.ceiling(fmt, loop, compiled)
         ceiling = (before + after) / 2
         out = {"loader": name, "loop": loop, "round": round_, "step": "compiled" if compiled else "eager",
+               **({"compile_mode": a.compile} if compiled else {}),
                "cuda_device_max_connections": CONNECTIONS,
                "rate": round(r["rate"], 1), "ceiling": round(ceiling, 1), "ceiling_before": round(before, 1),
                "ceiling_after": round(after, 1), "ceiling_ratio": round(r["rate"] / ceiling, 4),
@@ -356,7 +359,9 @@ def parse(argv=None):
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers of the dataloader rows")
     p.add_argument("--profile", action="store_true", help="profile one runs_ahead window (ImageLoader, hand loop)")
     p.add_argument("--trace-dir", default=None, help="where the profiler's traces go (default: a temporary folder)")
-    p.add_argument("--compile", action="store_true", help="also rows with ResNet-50 under torch.compile")
+    p.add_argument("--compile", nargs="?", const="max-autotune-no-cudagraphs", default=None, metavar="MODE",
+                   help="also rows with ResNet-50 under torch.compile in MODE (default max-autotune-no-cudagraphs; "
+                        "'default', 'reduce-overhead' for CUDA graphs)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new round after this many seconds")
     p.add_argument("--quick", action="store_true", help="smoke check: tiny data, resnet18, a few steps")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")

@@ -10,6 +10,13 @@ hardware decoder, once and for good, as soon as the consumer is seen waiting for
   wall time: above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after
   ``EARLY`` batches of a window it switches without waiting for the window's end.
 
+``None`` (the default) is the loader's own choice, fixed for the run: with fewer than 32 CUDA hardware
+queues (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder
+alone; else ``HARDWARE_LOAD``. Measured on an H200 (ResNet-50, 8 queues, a loop that runs ahead of
+the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
+ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder does not (0.971-0.977,
+no hold); with 32 queues the hardware decoder gives 0.985.
+
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
 repeating nothing; about half a second). Few cores
 (fewer than ``MIN_CORES`` for this process) start on the hardware decoder. The images the two
@@ -41,21 +48,26 @@ def cores_per_process() -> int:
 class DecoderChoice:
     """The decoder share and DALI thread count the next pipeline is built with, and when to change them.
 
-    ``setting``: ``"auto"`` or a fixed share in [0, 1]. ``threads``: the user's ``num_threads``
+    ``setting``: ``None`` (the loader's choice, see the module), ``"auto"`` or a fixed share in [0, 1]. ``threads``: the user's ``num_threads``
     (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, on the CUDA decoder; ``hardware_threads``
     on the hardware decoder). Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
     (:meth:`took`); the producer checks :attr:`due` between batches, calls :meth:`switching`, builds
     its new pipeline and calls :meth:`switched`.
     """
 
-    def __init__(self, setting: float | str, *, cuda: bool, threads: int | None, hardware_threads: int,
-                 cores: int | None = None):
+    def __init__(self, setting: float | str | None, *, cuda: bool, threads: int | None, hardware_threads: int,
+                 cores: int | None = None, queues: int | None = None):
         cores = cores_per_process() if cores is None else cores
         self.auto = setting == "auto" and cuda
         self.threads_asked = threads
         self.hardware_threads = hardware_threads
         self.cuda_threads = max(1, min(CUDA_THREADS, cores - SPARE_CORES))
-        if self.auto and cores >= MIN_CORES:
+        if setting is None:
+            from datapipe.device.queues import WIDE_QUEUES, hardware_queues
+
+            few_queues = (hardware_queues() if queues is None else queues) < WIDE_QUEUES
+            self.load = 0.0 if cuda and few_queues and cores >= MIN_CORES else HARDWARE_LOAD
+        elif self.auto and cores >= MIN_CORES:
             self.load = 0.0
         else:
             self.load = HARDWARE_LOAD if setting == "auto" else float(setting)

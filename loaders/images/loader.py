@@ -47,22 +47,29 @@ SHUFFLE_BUFFER = 2000  # the sample shuffle buffer of a stream the loader builds
 
 
 log = logging.getLogger("loaders.images")
-@functools.lru_cache(maxsize=1)
-def advise_hardware_queues() -> bool:
-    """Warn once per process when CUDA has fewer than 32 hardware queues (the driver's default is 8).
+@functools.lru_cache(maxsize=2)
+def advise_hardware_queues(hardware_decoder: bool = True) -> bool:
+    """Say once per process what CUDA's hardware queues mean for decoding when there are fewer than 32.
 
-    DALI decodes on many CUDA streams; with 8 queues its decoding falls behind a training loop that runs
-    ahead of the GPU, so the loader then holds each ``next()`` until the GPU finished the step before
-    (:class:`datapipe.device.queues.StepHold`). The library never sets the variable itself: it only takes
-    effect before CUDA starts. Returns whether it warned.
+    With the driver's default 8, the hardware JPEG decoder's streams stall behind one another beside a
+    training loop that runs ahead of the GPU. ImageLoader's default decodes on CUDA cores there instead
+    (an info line); a hardware decoder share the user chose makes ``next()`` wait for the GPU's last
+    step (:class:`datapipe.device.queues.StepHold`): a warning. The library never sets the variable
+    itself: it only takes effect before CUDA starts. Returns whether it warned.
     """
     if hardware_queues() >= WIDE_QUEUES:
         return False
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
-    log.warning("CUDA_DEVICE_MAX_CONNECTIONS is %s: with few hardware queues DALI's decoding falls behind a "
-                "loop that runs ahead of the GPU, so ImageLoader waits for the GPU's last step in next(). Start "
-                "the program with CUDA_DEVICE_MAX_CONNECTIONS=%d for the full rate (it must be set before CUDA "
-                "starts; see docs/performance.md)", value or "unset (8 queues)", WIDE_QUEUES)
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "") or "unset (8 queues)"
+    if not hardware_decoder:
+        log.info("CUDA_DEVICE_MAX_CONNECTIONS is %s: ImageLoader decodes JPEGs on CUDA cores (the hardware "
+                 "decoder stalls beside training with few queues). CUDA_DEVICE_MAX_CONNECTIONS=%d, set before "
+                 "CUDA starts, lets it use the hardware decoder: ~1%% faster, fewer CPU threads (see "
+                 "docs/performance.md)", value, WIDE_QUEUES)
+        return False
+    log.warning("CUDA_DEVICE_MAX_CONNECTIONS is %s: with few hardware queues the hardware JPEG decoder falls behind "
+                "a loop that runs ahead of the GPU, so ImageLoader waits for the GPU's last step in next(). Start "
+                "the program with CUDA_DEVICE_MAX_CONNECTIONS=%d for the full rate, or leave hw_decoder_load at "
+                "its default (it must be set before CUDA starts; see docs/performance.md)", value, WIDE_QUEUES)
     return True
 
 
@@ -132,12 +139,12 @@ class ImageLoader:
         if dec.decode_device == "gpu" and self.device.type != "cuda":
             raise ValueError("decode_device='gpu' needs device='cuda'")
         self._host_decode = dec.decode_device == "cpu"
-        if not self._host_decode and self.device.type == "cuda":
-            advise_hardware_queues()
         self._threads = _threads(dec.num_threads, host_decode=self._host_decode, cuda=self.device.type == "cuda")
         self.label_decoder = self.read.label_decoder or parse_label
         self._decoder = DecoderChoice(dec.hw_decoder_load, cuda=self._dali_cuda, threads=dec.num_threads,
                                       hardware_threads=self._threads)
+        if self._dali_cuda:
+            advise_hardware_queues(self._decoder.load > 0 or self._decoder.auto)
         self._upload = HostUpload(self.device, dtype=dtype, layout=dec.layout, mean=dec.mean, std=dec.std,
                                   buffers=self.read.prefetch_queue_depth + 2)  # decode_device="cpu"'s batches
         self.epoch = 0
@@ -146,7 +153,7 @@ class ImageLoader:
         self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
         self._resumed = False
         self._side_stream = None  # the producer's CUDA stream, the same every epoch
-        self._hold = StepHold(self.device, decodes_on_gpu=self._dali_cuda)  # few hardware queues: see StepHold
+        self._hold = StepHold(self.device, decodes_on_gpu=self._dali_cuda)  # few queues + hardware decoder
         self._last_pass = None  # weakref to the latest pass's iterator
         self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
@@ -323,7 +330,8 @@ class ImageLoader:
 
     def stats(self) -> dict[str, Any]:
         """Batches and samples handed out, samples skipped (here and in the stream), decode errors; ``step_hold``:
-        whether ``next()`` waits for the GPU's last step (few hardware queues) and the seconds it waited."""
+        whether ``next()`` waits for the GPU's last step (few hardware queues and the hardware decoder in use)
+        and the seconds it waited."""
         stream = self.stream.stats()
         out = {k: v for k, v in self._stats.items() if k != "last_errors"}
         out["skipped"] = self._stats["skipped"] + self._errors.skipped + stream.get("skipped", 0)
@@ -333,7 +341,7 @@ class ImageLoader:
         out["seconds"] = {k: round(v, 4) for k, v in self._seconds.items()}
         out["producer"] = self._producer.stats()
         out["decoder"] = self._decoder.stats()
-        out["step_hold"] = {"active": self._hold.active, "seconds": round(self._hold.seconds, 4)}
+        out["step_hold"] = {"active": self._holds(), "seconds": round(self._hold.seconds, 4)}
         return out
 
     # ---- iteration ----------------------------------------------------------------------------
@@ -365,7 +373,8 @@ class ImageLoader:
         try:
             while True:
                 t0 = time.perf_counter()
-                self._hold()
+                if self._holds():
+                    self._hold()
                 try:
                     (images, labels), position = next(items)
                 except StopIteration:
@@ -380,6 +389,10 @@ class ImageLoader:
                 yield images, labels
         finally:
             items.close()
+
+    def _holds(self) -> bool:
+        """Whether ``next()`` waits for the GPU's last step: few hardware queues and the hardware decoder in use."""
+        return self._hold.active and self._decoder.load > 0
 
     def _prepare(self, images: torch.Tensor, labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(Producer thread) labels to the device, bfloat16 cast: enqueued on the producer's stream."""

@@ -53,8 +53,11 @@ class DecodeOptions:
         num_threads: DALI's CPU threads (default: up to 8; with ``decode_device="cpu"`` on CUDA the
             usable cores minus 2).
         hw_decoder_load: the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG's CUDA
-            decoder); ``"auto"`` starts on the CUDA decoder and moves to 0.75 once the training loop is
-            seen waiting (:mod:`loaders.images.decoder_choice`).
+            decoder). ``None`` (default): the loader chooses by the CUDA hardware queues: 0.75 with
+            ``CUDA_DEVICE_MAX_CONNECTIONS=32``, else 0.0 (the CUDA decoder; the hardware decoder's streams
+            stall beside training on 8 queues) where the process has 12 cores or more; ``"auto"`` starts
+            on the CUDA decoder and moves to 0.75 once the training loop is seen waiting
+            (:mod:`loaders.images.decoder_choice`).
         antialias: DALI's low-pass filter when it shrinks (as torchvision's PIL path); ``False`` costs
             less GPU time, with a little more aliasing.
     """
@@ -65,7 +68,7 @@ class DecodeOptions:
     resize_size: int | None = None
     decode_device: str | None = None
     num_threads: int | None = None
-    hw_decoder_load: float | str = 0.75
+    hw_decoder_load: float | str | None = None
     antialias: bool = True
 
     def __post_init__(self):
@@ -84,7 +87,7 @@ class DecodeOptions:
             raise ValueError(f"decode_device={self.decode_device!r}: use None (where device is), 'gpu' or 'cpu'")
         _int("num_threads", self.num_threads, 1, none=True)
         load = self.hw_decoder_load
-        if load != "auto":
+        if load is not None and load != "auto":
             if isinstance(load, (str, bool)) or not isinstance(load, Real) or not 0.0 <= load <= 1.0:
                 raise ValueError(f"hw_decoder_load={load!r}: use 'auto' or a share in [0, 1]")
             object.__setattr__(self, "hw_decoder_load", float(load))

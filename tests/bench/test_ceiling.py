@@ -66,3 +66,9 @@ def test_rows_of_another_connections_setting_are_summarised_apart(tmp_path):
     (tmp_path / "ceiling.json").write_text(json.dumps({"rows": rows}))
     assert ceiling._earlier_rows(ceiling.parse(["--out", str(tmp_path), "--append"])) == rows
     assert ceiling._earlier_rows(ceiling.parse(["--out", str(tmp_path / "none")])) == []
+
+
+def test_compile_takes_an_optional_mode():
+    assert ceiling.parse([]).compile is None
+    assert ceiling.parse(["--compile"]).compile == "max-autotune-no-cudagraphs"
+    assert ceiling.parse(["--compile", "reduce-overhead"]).compile == "reduce-overhead"

@@ -1,4 +1,5 @@
-"""hw_decoder_load="auto": the CUDA decoder while the consumer does not wait, the hardware decoder once it does."""
+"""hw_decoder_load: None (the loader's choice by the hardware queues); "auto": the CUDA decoder while the consumer
+does not wait, the hardware decoder once it does."""
 import pytest
 
 from loaders.images import decoder_choice
@@ -30,6 +31,25 @@ def test_auto_starts_on_the_cuda_decoder_with_its_threads_where_cores_allow():
     assert few.load == HARDWARE_LOAD and few.threads == 8
     feed(few, 200, wait_s=0.05)
     assert not few.due
+
+
+@pytest.mark.parametrize("queues, cores, cuda, load", [
+    (8, 16, True, 0.0), (31, 12, True, 0.0),  # few queues: the CUDA decoder, where the cores allow
+    (32, 16, True, HARDWARE_LOAD),  # wide queues: the hardware decoder
+    (8, 11, True, HARDWARE_LOAD),  # too few cores for the CUDA decoder's Huffman stage
+    (8, 16, False, HARDWARE_LOAD)])  # a CPU pipeline never uses the share
+def test_the_default_share_follows_the_hardware_queues(queues, cores, cuda, load):
+    c = DecoderChoice(None, cuda=cuda, threads=None, hardware_threads=8, cores=cores, queues=queues)
+    assert c.load == load and not c.auto and c.threads == 8
+    feed(c, 500, wait_s=0.05)
+    assert not c.due  # chosen once, for the run
+
+
+def test_the_default_share_reads_cuda_device_max_connections(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    assert DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16).load == HARDWARE_LOAD
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16).load == 0.0
 
 
 def test_fixed_shares_and_cpu_pipelines_never_switch():

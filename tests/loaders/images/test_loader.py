@@ -745,6 +745,7 @@ def test_a_new_pass_stops_the_last_one_first(shards, reader):
 def test_gpu_decoding_advises_wide_hardware_queues_once(monkeypatch, caplog):
     from loaders.images import loader as image_loader
 
+    caplog.set_level("INFO", logger="loaders.images")
     for value, warns in (("", True), ("8", True), ("32", False)):
         image_loader.advise_hardware_queues.cache_clear()
         if value:
@@ -754,17 +755,20 @@ def test_gpu_decoding_advises_wide_hardware_queues_once(monkeypatch, caplog):
         caplog.clear()
         assert image_loader.advise_hardware_queues() is warns
         assert image_loader.advise_hardware_queues() is warns  # cached: one line per process
+        assert image_loader.advise_hardware_queues(False) is False  # the CUDA decoder: no hold, no warning
         lines = [r for r in caplog.records if "CUDA_DEVICE_MAX_CONNECTIONS=32" in r.getMessage()]
-        assert len(lines) == (1 if warns else 0)
+        assert [r.levelname for r in lines] == (["WARNING", "INFO"] if warns else [])
     image_loader.advise_hardware_queues.cache_clear()
 
 
-@pytest.mark.parametrize("queues, device, active", [
-    ("8", "cpu", False), pytest.param("8", "cuda", True, marks=pytest.mark.gpu),
-    pytest.param("32", "cuda", False, marks=pytest.mark.gpu)])
-def test_step_hold_follows_the_hardware_queues(shards, monkeypatch, queues, device, active):
+@pytest.mark.parametrize("queues, device, load, active", [
+    ("8", "cpu", None, False), pytest.param("8", "cuda", 0.75, True, marks=pytest.mark.gpu),
+    pytest.param("8", "cuda", 0.0, False, marks=pytest.mark.gpu),
+    pytest.param("32", "cuda", 0.75, False, marks=pytest.mark.gpu)])
+def test_step_hold_follows_the_hardware_queues_and_decoder(shards, monkeypatch, queues, device, load, active):
+    """Few queues hold next() only while the hardware decoder is in use."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", queues)
-    lo = loader(shards, device=device)
+    lo = loader(shards, device=device, hw_decoder_load=load)
     x, y = collect(lo)
     hold = lo.stats()["step_hold"]
     assert hold["active"] is active
