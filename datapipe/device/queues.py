@@ -1,12 +1,14 @@
 """CUDA's hardware queues for this process, and holding the host to the GPU when they are few.
 
 The driver maps a process's streams onto ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 unless set,
-at most 32), read once when CUDA starts. DALI decodes on ~20 streams: with 8 queues they share queues
-with one another, and in a loop whose host runs ahead of the GPU (the training queue never drains)
-its decoding falls behind and the next batch is late; with 32 it does not. Measured on an H200
-(ResNet-50, 8 queues, a loop that waits for the GPU every 50 steps): ImageLoader 0.92-0.93 of the
-data-free ceiling left alone, 0.958 when its ``next()`` first waits for the GPU to finish the step
-before (:class:`StepHold`), against 0.93-0.94 for a hand-written DALI loop.
+at most 32), read once when CUDA starts. DALI decodes on ~20 streams: with 8 queues the hardware JPEG
+decoder's work stalls behind the rest, and in a loop whose host runs ahead of the GPU (the training
+queue never drains) the next batch is late; with 32 it does not. Measured on an H200 (ResNet-50,
+8 queues, a loop that waits for the GPU every 50 steps), the hardware decoder: ImageLoader 0.92-0.93 of
+the data-free ceiling left alone, 0.96 when its ``next()`` first waits for the GPU to finish the step
+before (:class:`StepHold`). ImageLoader's default decodes on nvJPEG's CUDA decoder there instead (0.98,
+no hold; :mod:`loaders.images.decoder_choice`), so the hold serves a hardware share the user chose, or
+a process with too few cores for the CUDA decoder.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class StepHold:
     """Makes ``next()`` wait until the consumer's stream finished its last step, when queues are few.
 
     ``active``: DALI decodes on the GPU (``decodes_on_gpu``) and CUDA has fewer than :data:`WIDE_QUEUES`
-    hardware queues. Then every call waits
+    hardware queues (ImageLoader calls it only while the hardware decoder is in use). Then every call waits
     for the consumer's current stream (the step launched before this ``next()``); in a loop that
     already waits for the GPU each step this returns at once. ``seconds``: the time spent waiting.
     """

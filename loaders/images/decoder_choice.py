@@ -14,8 +14,10 @@ hardware decoder, once and for good, as soon as the consumer is seen waiting for
 queues (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder
 alone; else ``HARDWARE_LOAD``. Measured on an H200 (ResNet-50, 8 queues, a loop that runs ahead of
 the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
-ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder does not (0.971-0.977,
-no hold); with 32 queues the hardware decoder gives 0.985.
+ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder does not (0.977-0.982,
+no hold; the hand-written DALI loop 0.936-0.946); with 32 queues the hardware decoder gives 0.985. The
+CUDA decoder's Huffman stage is CPU-bound: 8 threads cap it near 5.3k images/s (ResNet-50 under
+``torch.compile`` wants 6.8k: 0.80), 12 threads gave 0.92 there (the hand loop 0.91).
 
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
 repeating nothing; about half a second). Few cores
@@ -48,9 +50,9 @@ def cores_per_process() -> int:
 class DecoderChoice:
     """The decoder share and DALI thread count the next pipeline is built with, and when to change them.
 
-    ``setting``: ``None`` (the loader's choice, see the module), ``"auto"`` or a fixed share in [0, 1]. ``threads``: the user's ``num_threads``
-    (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, on the CUDA decoder; ``hardware_threads``
-    on the hardware decoder). Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
+    ``setting``: ``None`` (the loader's choice, see the module), ``"auto"`` or a fixed share in [0, 1].
+    ``threads``: the user's ``num_threads`` (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, on
+    the CUDA decoder the loader chose; ``hardware_threads`` otherwise). Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
     (:meth:`took`); the producer checks :attr:`due` between batches, calls :meth:`switching`, builds
     its new pipeline and calls :meth:`switched`.
     """
@@ -62,6 +64,7 @@ class DecoderChoice:
         self.threads_asked = threads
         self.hardware_threads = hardware_threads
         self.cuda_threads = max(1, min(CUDA_THREADS, cores - SPARE_CORES))
+        self.chosen = setting is None  # the loader's choice: its CUDA decoder gets the CUDA decoder's threads
         if setting is None:
             from datapipe.device.queues import WIDE_QUEUES, hardware_queues
 
@@ -83,7 +86,7 @@ class DecoderChoice:
         """DALI threads for the next pipeline."""
         if self.threads_asked is not None:
             return self.threads_asked
-        return self.cuda_threads if self.load == 0.0 and self.auto else self.hardware_threads
+        return self.cuda_threads if self.load == 0.0 and (self.auto or self.chosen) else self.hardware_threads
 
     def start(self) -> None:
         """A new iteration: skip its first batches, then judge in windows."""

@@ -40,7 +40,9 @@ def test_auto_starts_on_the_cuda_decoder_with_its_threads_where_cores_allow():
     (8, 16, False, HARDWARE_LOAD)])  # a CPU pipeline never uses the share
 def test_the_default_share_follows_the_hardware_queues(queues, cores, cuda, load):
     c = DecoderChoice(None, cuda=cuda, threads=None, hardware_threads=8, cores=cores, queues=queues)
-    assert c.load == load and not c.auto and c.threads == 8
+    cuda_threads = min(decoder_choice.CUDA_THREADS, cores - decoder_choice.SPARE_CORES)
+    assert c.load == load and not c.auto and c.threads == (cuda_threads if load == 0.0 else 8)
+    assert DecoderChoice(None, cuda=cuda, threads=5, hardware_threads=8, cores=cores, queues=queues).threads == 5
     feed(c, 500, wait_s=0.05)
     assert not c.due  # chosen once, for the run
 
