@@ -25,8 +25,8 @@ every loader and loop style once per round, the order reversed every other round
 the hand DALI loop: per CUDA stream the kernels and copies, the loader's own work (streams other
 than the training one), and how much longer the training stream's kernels ran than in the ceiling.
 ``--compile [MODE]``: ImageLoader and the hand loop again, ResNet-50 under ``torch.compile`` (``MODE``, default
-``max-autotune-no-cudagraphs``; ``default``, ``reduce-overhead`` for CUDA graphs), runs_ahead; such rows say
-``step: "compiled"`` and their ``compile_mode``.
+``default``; ``reduce-overhead`` for CUDA graphs; the max-autotune modes autotune for minutes), runs_ahead;
+such rows say ``step: "compiled"`` and their ``compile_mode`` (``--rounds 0``: only those).
 
     python bench/ceiling.py                      # the H200 run: bench/results/ceiling.json
     python bench/ceiling.py --loaders imageloader,dali --rounds 1 --profile
@@ -56,6 +56,7 @@ from datapipe.tools.bench.baselines import DaliBaseline, close, endless, replay 
 CONNECTIONS = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")  # recorded per row: it decides DALI's queues (docs)
 LOOPS = {"runs_ahead": 50, "waits_each_step": 1}  # loop style -> wait for the GPU every this many steps
 LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 FORMAT = {"imageloader": "images", "dali": "images", "dataloader": "uint8", "torch_dataloader": "uint8",
           "tokenloader": "tokens"}  # rows of one format share a step and its cached batch
 
@@ -345,26 +346,31 @@ def parse(argv=None):
     p.add_argument("--loops", default=",".join(LOOPS), help="comma list of " + ", ".join(LOOPS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a row per loader and loop each)")
     p.add_argument("--steps", type=int, default=100, help="timed steps per row (a multiple of 50 for runs_ahead)")
-    p.add_argument("--ceiling-steps", type=int, default=100)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--data", default="/tmp/datapipe-bench-images")
-    p.add_argument("--num-images", type=int, default=20000)
-    p.add_argument("--tokens-dir", default="/tmp/datapipe-scaling-tokens")
-    p.add_argument("--docs", type=int, default=20000)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--arch", default="resnet50")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--token-batch", type=int, default=4)
+    p.add_argument("--ceiling-steps", type=int, default=100, help="timed steps of each ceiling measurement")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before each row")
+    p.add_argument("--data", default="/tmp/datapipe-bench-images", help="image shards (made there if missing)")
+    p.add_argument("--num-images", type=int, default=20000, help="JPEGs to make when --data is empty")
+    p.add_argument("--tokens-dir", default="/tmp/datapipe-scaling-tokens", help="token shards (made if missing)")
+    p.add_argument("--docs", type=int, default=20000, help="documents to make when --tokens-dir is empty")
+    p.add_argument("--batch-size", type=int, default=256, help="images per batch")
+    p.add_argument("--image-size", type=int, default=224, help="crop size of the images")
+    p.add_argument("--arch", default="resnet50", help="torchvision model of the image step (a tiny CNN without "
+                                                       "torchvision)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row (TokenLoader)")
+    p.add_argument("--token-batch", type=int, default=4, help="packed rows per batch (TokenLoader)")
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers of the dataloader rows")
     p.add_argument("--profile", action="store_true", help="profile one runs_ahead window (ImageLoader, hand loop)")
     p.add_argument("--trace-dir", default=None, help="where the profiler's traces go (default: a temporary folder)")
-    p.add_argument("--compile", nargs="?", const="max-autotune-no-cudagraphs", default=None, metavar="MODE",
-                   help="also rows with ResNet-50 under torch.compile in MODE (default max-autotune-no-cudagraphs; "
-                        "'default', 'reduce-overhead' for CUDA graphs)")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
+                   help="also rows with the image step under torch.compile in MODE: " + ", ".join(COMPILE_MODES)
+                        + " (default 'default'; 'reduce-overhead' uses CUDA graphs; the max-autotune modes "
+                          "autotune for minutes on ResNet-50)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new round after this many seconds")
-    p.add_argument("--quick", action="store_true", help="smoke check: tiny data, resnet18, a few steps")
-    p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke check of the harness: tiny data (its own folders, -quick* beside --data and "
+                        "--tokens-dir), resnet18, a few steps; its ratios measure nothing")
+    p.add_argument("--out", default=None, help="results directory (default bench/results: a full run replaces "
+                                               "ceiling.json there unless --append)")
     p.add_argument("--append", action="store_true",
                    help="add this run's rows to the ceiling.json already in --out (e.g. another CUDA_DEVICE_MAX_CONNECTIONS)")
     args = p.parse_args(argv)
@@ -408,7 +414,7 @@ def main(argv=None) -> dict:
             bench.row(name, loop, r)
         out["summary"] = summary(bench.rows)
         write_result("ceiling", out, args.out)
-    if args.compile and args.device.type == "cuda":
+    if args.compile:
         for r in range(max(1, min(2, args.rounds))):
             for name in ("imageloader", "dali"):
                 if name in args.loaders:

@@ -1,4 +1,4 @@
-"""``ImageLoader(hw_decoder_load="auto")``: which JPEG decoder runs, chosen by whether the training loop waits.
+"""``DecodeOptions(hw_decoder_load=None | "auto")``: which JPEG decoder runs, chosen by the loader.
 
 nvJPEG's CUDA decoder (the Huffman stage on DALI's CPU threads, the rest on the GPU) decodes ~3x
 slower than the GPU's hardware decoder and uses more cores, but can slow a training step beside it
@@ -10,14 +10,16 @@ hardware decoder, once and for good, as soon as the consumer is seen waiting for
   wall time: above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after
   ``EARLY`` batches of a window it switches without waiting for the window's end.
 
-``None`` (the default) is the loader's own choice, fixed for the run: with fewer than 32 CUDA hardware
+``"auto"`` above chooses by whether the training loop waits. ``None`` (the default) is the loader's own
+choice, fixed for the run: with fewer than 32 CUDA hardware
 queues (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder
 alone; else ``HARDWARE_LOAD``. Measured on an H200 (ResNet-50, 8 queues, a loop that runs ahead of
 the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
 ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder does not (0.977-0.982,
 no hold; the hand-written DALI loop 0.936-0.946); with 32 queues the hardware decoder gives 0.985. The
-CUDA decoder's Huffman stage is CPU-bound: 8 threads cap it near 5.3k images/s (ResNet-50 under
-``torch.compile`` wants 6.8k: 0.80), 12 threads gave 0.92 there (the hand loop 0.91).
+CUDA decoder's Huffman stage is CPU-bound: 8 threads capped it at ~5.4k images/s under ResNet-50 with
+``torch.compile`` (which wants 6.8k: 0.80 of its ceiling), 12 threads gave 0.92 (a separate row; the hand
+loop 0.91).
 
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
 repeating nothing; about half a second). Few cores
@@ -51,8 +53,9 @@ class DecoderChoice:
     """The decoder share and DALI thread count the next pipeline is built with, and when to change them.
 
     ``setting``: ``None`` (the loader's choice, see the module), ``"auto"`` or a fixed share in [0, 1].
-    ``threads``: the user's ``num_threads`` (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, on
-    the CUDA decoder the loader chose; ``hardware_threads`` otherwise). Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
+    ``threads``: the user's ``num_threads`` (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, while
+    a CUDA pipeline decodes on the CUDA decoder alone; ``hardware_threads`` otherwise). A CPU pipeline's
+    share reads 0.0 for ``None`` and ``"auto"`` (no GPU decoder runs). Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
     (:meth:`took`); the producer checks :attr:`due` between batches, calls :meth:`switching`, builds
     its new pipeline and calls :meth:`switched`.
     """
@@ -64,12 +67,14 @@ class DecoderChoice:
         self.threads_asked = threads
         self.hardware_threads = hardware_threads
         self.cuda_threads = max(1, min(CUDA_THREADS, cores - SPARE_CORES))
-        self.chosen = setting is None  # the loader's choice: its CUDA decoder gets the CUDA decoder's threads
-        if setting is None:
+        self.cuda = cuda
+        if not cuda:  # a CPU pipeline: no GPU decoder at all (a share the user gave is kept, unused)
+            self.load = 0.0 if setting in (None, "auto") else float(setting)
+        elif setting is None:
             from datapipe.device.queues import WIDE_QUEUES, hardware_queues
 
             few_queues = (hardware_queues() if queues is None else queues) < WIDE_QUEUES
-            self.load = 0.0 if cuda and few_queues and cores >= MIN_CORES else HARDWARE_LOAD
+            self.load = 0.0 if few_queues and cores >= MIN_CORES else HARDWARE_LOAD
         elif self.auto and cores >= MIN_CORES:
             self.load = 0.0
         else:
@@ -86,7 +91,7 @@ class DecoderChoice:
         """DALI threads for the next pipeline."""
         if self.threads_asked is not None:
             return self.threads_asked
-        return self.cuda_threads if self.load == 0.0 and (self.auto or self.chosen) else self.hardware_threads
+        return self.cuda_threads if self.cuda and self.load == 0.0 else self.hardware_threads
 
     def start(self) -> None:
         """A new iteration: skip its first batches, then judge in windows."""

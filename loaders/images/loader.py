@@ -67,9 +67,9 @@ def advise_hardware_queues(hardware_decoder: bool = True) -> bool:
                  "docs/performance.md)", value, WIDE_QUEUES)
         return False
     log.warning("CUDA_DEVICE_MAX_CONNECTIONS is %s: with few hardware queues the hardware JPEG decoder falls behind "
-                "a loop that runs ahead of the GPU, so ImageLoader waits for the GPU's last step in next(). Start "
-                "the program with CUDA_DEVICE_MAX_CONNECTIONS=%d for the full rate, or leave hw_decoder_load at "
-                "its default (it must be set before CUDA starts; see docs/performance.md)", value, WIDE_QUEUES)
+                "a loop that runs ahead of the GPU, so while ImageLoader uses it, next() first waits for the GPU's "
+                "last step. Start the program with CUDA_DEVICE_MAX_CONNECTIONS=%d for the full rate (the variable "
+                "must be set before CUDA starts; see docs/performance.md)", value, WIDE_QUEUES)
     return True
 
 
@@ -178,7 +178,7 @@ class ImageLoader:
 
     @property
     def num_threads(self) -> int:
-        """DALI's CPU threads in the pipeline now (``"auto"`` decoding on CUDA cores: 12 unless given)."""
+        """DALI's CPU threads in the pipeline now (on the CUDA decoder alone: 12, at most cores - 4, unless given)."""
         return self._decoder.threads
 
     @property

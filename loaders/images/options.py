@@ -50,12 +50,12 @@ class DecodeOptions:
         decode_device: ``None`` decodes where ``device`` is (``"gpu"`` on CUDA: nvImageCodec with the
             hardware JPEG decoder where present); ``"cpu"`` decodes, crops and flips on the CPU into
             uint8 and one kernel on ``device`` casts and normalises (keeps the GPU's SMs free).
-        num_threads: DALI's CPU threads (default: up to 8; with ``decode_device="cpu"`` on CUDA the
-            usable cores minus 2).
+        num_threads: DALI's CPU threads (default: up to 8; on nvJPEG's CUDA decoder alone 12, at most the
+            cores minus 4; with ``decode_device="cpu"`` on CUDA the usable cores minus 2).
         hw_decoder_load: the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG's CUDA
             decoder). ``None`` (default): the loader chooses by the CUDA hardware queues: 0.75 with
             ``CUDA_DEVICE_MAX_CONNECTIONS=32``, else 0.0 (the CUDA decoder; the hardware decoder's streams
-            stall beside training on 8 queues) where the process has 12 cores or more; ``"auto"`` starts
+            stall beside training on 8 queues) where the process has 12 cores or more, else 0.75; ``"auto"`` starts
             on the CUDA decoder and moves to 0.75 once the training loop is seen waiting
             (:mod:`loaders.images.decoder_choice`).
         antialias: DALI's low-pass filter when it shrinks (as torchvision's PIL path); ``False`` costs
@@ -89,7 +89,7 @@ class DecodeOptions:
         load = self.hw_decoder_load
         if load is not None and load != "auto":
             if isinstance(load, (str, bool)) or not isinstance(load, Real) or not 0.0 <= load <= 1.0:
-                raise ValueError(f"hw_decoder_load={load!r}: use 'auto' or a share in [0, 1]")
+                raise ValueError(f"hw_decoder_load={load!r}: use a share in [0, 1], 'auto' or None (the loader's choice)")
             object.__setattr__(self, "hw_decoder_load", float(load))
         object.__setattr__(self, "antialias", bool(self.antialias))
 

@@ -70,5 +70,20 @@ def test_rows_of_another_connections_setting_are_summarised_apart(tmp_path):
 
 def test_compile_takes_an_optional_mode():
     assert ceiling.parse([]).compile is None
-    assert ceiling.parse(["--compile"]).compile == "max-autotune-no-cudagraphs"
+    assert ceiling.parse(["--compile"]).compile == "default"
     assert ceiling.parse(["--compile", "reduce-overhead"]).compile == "reduce-overhead"
+    with pytest.raises(SystemExit):
+        ceiling.parse(["--compile", "fastest"])
+
+
+@pytest.mark.slow
+def test_compile_rows_alone(tmp_path):
+    """``--rounds 0 --compile``: only the rows under torch.compile, on any device."""
+    pytest.importorskip("nvidia.dali")
+    out = ceiling.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--data", str(tmp_path / "images"),
+                        "--tokens-dir", str(tmp_path / "tokens"), "--loaders", "imageloader", "--rounds", "0",
+                        "--compile", "default"])
+    (row,) = out["rows"]
+    assert (row["loader"], row["loop"], row["step"], row["compile_mode"]) == (
+        "imageloader", "runs_ahead", "compiled", "default")
+    assert row["ceiling_ratio"] > 0 and [s["step"] for s in out["summary"]] == ["compiled"]

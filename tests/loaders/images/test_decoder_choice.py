@@ -37,11 +37,11 @@ def test_auto_starts_on_the_cuda_decoder_with_its_threads_where_cores_allow():
     (8, 16, True, 0.0), (31, 12, True, 0.0),  # few queues: the CUDA decoder, where the cores allow
     (32, 16, True, HARDWARE_LOAD),  # wide queues: the hardware decoder
     (8, 11, True, HARDWARE_LOAD),  # too few cores for the CUDA decoder's Huffman stage
-    (8, 16, False, HARDWARE_LOAD)])  # a CPU pipeline never uses the share
+    (8, 16, False, 0.0)])  # a CPU pipeline: no GPU decoder runs
 def test_the_default_share_follows_the_hardware_queues(queues, cores, cuda, load):
     c = DecoderChoice(None, cuda=cuda, threads=None, hardware_threads=8, cores=cores, queues=queues)
     cuda_threads = min(decoder_choice.CUDA_THREADS, cores - decoder_choice.SPARE_CORES)
-    assert c.load == load and not c.auto and c.threads == (cuda_threads if load == 0.0 else 8)
+    assert c.load == load and not c.auto and c.threads == (cuda_threads if load == 0.0 and cuda else 8)
     assert DecoderChoice(None, cuda=cuda, threads=5, hardware_threads=8, cores=cores, queues=queues).threads == 5
     feed(c, 500, wait_s=0.05)
     assert not c.due  # chosen once, for the run
@@ -59,7 +59,10 @@ def test_fixed_shares_and_cpu_pipelines_never_switch():
                    DecoderChoice(0.3, cuda=True, threads=None, hardware_threads=8, cores=16), auto(cuda=False)):
         feed(choice, 500, wait_s=0.05)
         assert not choice.due and choice.switched_after is None
-    assert auto(cuda=False).load == HARDWARE_LOAD  # "auto" on a CPU pipeline: the share is never used
+    assert auto(cuda=False).load == 0.0  # "auto" on a CPU pipeline: no GPU decoder runs
+    assert DecoderChoice(0.3, cuda=False, threads=None, hardware_threads=8, cores=16).load == 0.3  # kept, unused
+    fixed = DecoderChoice(0.0, cuda=True, threads=None, hardware_threads=8, cores=16)
+    assert fixed.threads == decoder_choice.CUDA_THREADS  # the CUDA decoder alone: its threads
 
 
 def test_a_consumer_that_does_not_wait_keeps_the_cuda_decoder():
