@@ -3,17 +3,20 @@
 nvJPEG's CUDA decoder (the Huffman stage on DALI's CPU threads, the rest on the GPU) decodes ~3x
 slower than the GPU's hardware decoder and uses more cores, but can slow a training step beside it
 less. ``"auto"`` starts on the CUDA decoder where the process has the cores for it, and moves to the
-hardware decoder, once and for good, as soon as the consumer is seen waiting for batches:
+hardware decoder, once and for good, as soon as the consumer is seen starved of batches:
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
-- then, over windows of ``WINDOW`` batches, the consumer's time blocked in ``next()`` against the
-  wall time: above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after
-  ``EARLY`` batches of a window it switches without waiting for the window's end.
+- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: its
+  time blocked in ``next()`` while its GPU stream had nothing left to run (a loop that runs ahead of
+  the GPU also blocks in ``next()``, harmlessly, while the GPU still works through queued steps).
+  Above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after ``EARLY``
+  batches of a window it switches without waiting for the window's end.
 
 ``"auto"`` above chooses by whether the training loop waits. ``None`` (the default) is the loader's own
 choice, fixed for the run: with fewer than 32 CUDA hardware
 queues (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder
-alone; else ``HARDWARE_LOAD``. Measured on an H200 (ResNet-50, 8 queues, a loop that runs ahead of
+alone, and it moves to ``HARDWARE_LOAD`` as ``"auto"`` does if that starves the loop (too few cores
+for the Huffman stage, a fast model); else ``HARDWARE_LOAD``. Measured on an H200 (ResNet-50, 8 queues, a loop that runs ahead of
 the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
 ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder does not (0.977-0.982,
 no hold; the hand-written DALI loop 0.936-0.946); with 32 queues the hardware decoder gives 0.985. The
@@ -68,6 +71,7 @@ class DecoderChoice:
         self.hardware_threads = hardware_threads
         self.cuda_threads = max(1, min(CUDA_THREADS, cores - SPARE_CORES))
         self.cuda = cuda
+        self.switchable = self.auto  # may move to the hardware decoder once (see the module)
         if not cuda:  # a CPU pipeline: no GPU decoder at all (a share the user gave is kept, unused)
             self.load = 0.0 if setting in (None, "auto") else float(setting)
         elif setting is None:
@@ -75,6 +79,7 @@ class DecoderChoice:
 
             few_queues = (hardware_queues() if queues is None else queues) < WIDE_QUEUES
             self.load = 0.0 if few_queues and cores >= MIN_CORES else HARDWARE_LOAD
+            self.switchable = self.load == 0.0  # the CUDA decoder it chose, unless that starves the loop
         elif self.auto and cores >= MIN_CORES:
             self.load = 0.0
         else:
@@ -100,10 +105,16 @@ class DecoderChoice:
         self._batches = 0
         self._wait = 0.0
 
-    def took(self, wait_s: float, now: float) -> None:
-        """(Consumer) a batch was handed out after ``wait_s`` blocked in ``next()``; ``now``: the clock after it."""
+    @property
+    def judging(self) -> bool:
+        """Whether the consumer's waits are judged now: a switchable choice still on the CUDA decoder."""
+        return self.switchable and self.load == 0.0 and not self.due
+
+    def took(self, starved_s: float, now: float) -> None:
+        """(Consumer) a batch was handed out after ``starved_s`` blocked in ``next()`` with nothing queued on the
+        GPU (0 for a wait while the GPU still worked); ``now``: the clock after it."""
         self.handed += 1
-        if not (self.auto and self.load == 0.0) or self.due:  # judged only on the CUDA decoder, until due
+        if not self.judging:  # judged only on the CUDA decoder, until due
             return
         if self._skip > 0:
             self._skip -= 1
@@ -111,7 +122,7 @@ class DecoderChoice:
                 self._window_start = now
             return
         self._batches += 1
-        self._wait += wait_s
+        self._wait += starved_s
         elapsed = now - self._window_start
         if elapsed <= 0:
             return
@@ -135,7 +146,8 @@ class DecoderChoice:
 
     def stats(self) -> dict:
         """The share and threads in use, and whether and when "auto" switched (``ImageLoader.stats()["decoder"]``)."""
-        return {"hw_decoder_load": self.load, "auto": self.auto, "threads": self.threads,
+        return {"hw_decoder_load": self.load, "auto": self.auto, "switchable": self.switchable,
+                "threads": self.threads,
                 "switched_after_batches": self.switched_after, "switches": self.switches,
                 "rebuild_s": round(self.rebuild_s, 3)}
 

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
-from datapipe.device.handoff import ProducerMeter, close_last
+from datapipe.device.handoff import CurrentStream, ProducerMeter, close_last
 from datapipe.device.pacing import IMAGE_PACE
 from datapipe.device.queues import WIDE_QUEUES, StepHold, hardware_queues
 from datapipe.device.side_stream import on_side_stream
@@ -62,7 +62,8 @@ def advise_hardware_queues(hardware_decoder: bool = True) -> bool:
     value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "") or "unset (8 queues)"
     if not hardware_decoder:
         log.info("CUDA_DEVICE_MAX_CONNECTIONS is %s: ImageLoader decodes JPEGs on CUDA cores (the hardware "
-                 "decoder stalls beside training with few queues). CUDA_DEVICE_MAX_CONNECTIONS=%d, set before "
+                 "decoder stalls beside training with few queues; it moves to it, holding next() for the GPU's "
+                 "last step, only if the CUDA decoder starves the loop). CUDA_DEVICE_MAX_CONNECTIONS=%d, set before "
                  "CUDA starts, lets it use the hardware decoder: ~1%% faster, fewer CPU threads (see "
                  "docs/performance.md)", value, WIDE_QUEUES)
         return False
@@ -144,7 +145,7 @@ class ImageLoader:
         self._decoder = DecoderChoice(dec.hw_decoder_load, cuda=self._dali_cuda, threads=dec.num_threads,
                                       hardware_threads=self._threads)
         if self._dali_cuda:
-            advise_hardware_queues(self._decoder.load > 0 or self._decoder.auto)
+            advise_hardware_queues(self._decoder.load > 0 or self._decoder.auto)  # the loader's own choice: info
         self._upload = HostUpload(self.device, dtype=dtype, layout=dec.layout, mean=dec.mean, std=dec.std,
                                   buffers=self.read.prefetch_queue_depth + 2)  # decode_device="cpu"'s batches
         self.epoch = 0
@@ -155,6 +156,7 @@ class ImageLoader:
         self._side_stream = None  # the producer's CUDA stream, the same every epoch
         self._hold = StepHold(self.device, decodes_on_gpu=self._dali_cuda)  # few queues + hardware decoder
         self._last_pass = None  # weakref to the latest pass's iterator
+        self._consumer = None  # CUDA: the consumer's current stream (CurrentStream), made when first asked
         self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
         stream = as_stream(source, shuffle=self.train, shuffle_buffer=SHUFFLE_BUFFER)
@@ -382,13 +384,22 @@ class ImageLoader:
                 finally:
                     t1 = time.perf_counter()
                     seconds["wait"] += t1 - t0
-                decoder.took(t1 - t0, t1)
+                decoder.took(self._starved(t1 - t0), t1)
                 self._stats["batches"] += 1
                 self._stats["samples"] += len(labels)
                 self._source.handed(position)
                 yield images, labels
         finally:
             items.close()
+
+    def _starved(self, waited: float) -> float:
+        """The part of a wait in ``next()`` that left the GPU idle, for the decoder choice: all of it when the
+        consumer's stream had nothing left to run as the batch arrived (a CPU device: always), else none."""
+        if waited <= 0.0 or not self._decoder.judging or self.device.type != "cuda":
+            return waited
+        if self._consumer is None:
+            self._consumer = CurrentStream(self.device)
+        return waited if self._consumer().query() else 0.0
 
     def _holds(self) -> bool:
         """Whether ``next()`` waits for the GPU's last step: few hardware queues and the hardware decoder in use."""

@@ -73,6 +73,14 @@ def _decoder_load(loader) -> float | None:
 LOSSES = ("skipped", "errors", "padded")
 
 
+def _decoder_moves(loader) -> bool:
+    """Whether the loader moves between JPEG decoders by itself (``"auto"``, or the CUDA decoder its default chose)."""
+    if getattr(getattr(loader, "decode", None), "hw_decoder_load", None) == "auto":
+        return True
+    decoder = _loader_stats(loader).get("decoder")
+    return bool(isinstance(decoder, dict) and decoder.get("switchable"))
+
+
 def _loader_stats(loader) -> dict:
     """``loader.stats()``, or ``{}`` for a loader without it (torch's) or whose ``stats()`` fails: a report never
     fails on a loader's figures."""
@@ -166,7 +174,7 @@ class Doctor(CeilingReplay):
             entry = {"type": f"{type(loader).__module__}.{type(loader).__qualname__}",
                      "num_workers": workers if isinstance(workers, int) else None,
                      "hw_decoder_load": _decoder_load(loader),
-                     "hw_decoder_auto": getattr(getattr(loader, "decode", None), "hw_decoder_load", None) == "auto",
+                     "hw_decoder_auto": _decoder_moves(loader),
                      "pin_memory": getattr(loader, "pin_memory", None), "batches": 0,
                      "reiterable": it is not loader, "wait_s": 0.0, "compute_s": 0.0, "startup_wait_s": 0.0,
                      "iterations": 0}

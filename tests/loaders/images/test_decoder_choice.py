@@ -43,8 +43,14 @@ def test_the_default_share_follows_the_hardware_queues(queues, cores, cuda, load
     cuda_threads = min(decoder_choice.CUDA_THREADS, cores - decoder_choice.SPARE_CORES)
     assert c.load == load and not c.auto and c.threads == (cuda_threads if load == 0.0 and cuda else 8)
     assert DecoderChoice(None, cuda=cuda, threads=5, hardware_threads=8, cores=cores, queues=queues).threads == 5
-    feed(c, 500, wait_s=0.05)
-    assert not c.due  # chosen once, for the run
+    assert c.switchable is (load == 0.0 and cuda)  # only the CUDA decoder it chose may give way
+    feed(c, 20 * WINDOW, wait_s=0.0)  # a loop that is never starved (waits while the GPU still works count 0)
+    assert not c.due
+    feed(c, 500, wait_s=0.05)  # a starved loop: the CUDA decoder gives way to the hardware decoder, once
+    assert c.due is c.switchable
+    if c.due:
+        c.switching()
+        assert c.load == HARDWARE_LOAD and c.threads == 8 and not c.judging
 
 
 def test_the_default_share_reads_cuda_device_max_connections(monkeypatch):
@@ -78,7 +84,7 @@ def test_a_steady_shortfall_switches_at_the_end_of_a_window():
     c.switching()
     assert c.load == HARDWARE_LOAD and c.threads == 8 and not c.due
     c.switched(2.5)
-    assert c.stats() == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "threads": 8,
+    assert c.stats() == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "threads": 8,
                          "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5}
     feed(c, 10 * WINDOW, wait_s=0.05)
     assert not c.due  # once, for good

@@ -775,3 +775,26 @@ def test_step_hold_follows_the_hardware_queues_and_decoder(shards, monkeypatch, 
     if not active:
         assert hold["seconds"] == 0.0  # an inactive hold never waits
     assert len(y) == lo.stats()["samples"] > 0
+
+
+def test_only_a_wait_that_leaves_the_gpu_idle_counts_as_starved():
+    """The decoder choice judges waits in next() by whether the consumer's stream had nothing left to run."""
+    from types import SimpleNamespace
+
+    from loaders.images.loader import ImageLoader
+
+    class Stream:
+        def __init__(self, idle):
+            self.idle = idle
+
+        def query(self):
+            return self.idle
+
+    def fake(device, idle, judging=True):
+        return SimpleNamespace(device=torch.device(device), _decoder=SimpleNamespace(judging=judging),
+                               _consumer=lambda: Stream(idle))
+
+    assert ImageLoader._starved(fake("cuda", idle=True), 0.02) == 0.02  # the GPU ran dry while it waited
+    assert ImageLoader._starved(fake("cuda", idle=False), 0.02) == 0.0  # ran ahead: the GPU still had work
+    assert ImageLoader._starved(fake("cpu", idle=False), 0.02) == 0.02  # no GPU: every wait starves the loop
+    assert ImageLoader._starved(fake("cuda", idle=False, judging=False), 0.02) == 0.02  # not judged: as waited

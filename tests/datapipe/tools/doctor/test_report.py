@@ -251,3 +251,18 @@ def test_time_next_waits_for_the_gpu_is_compute_not_data_wait():
     assert plain.finish()["gpu_hold_s"] == 0.0
     assert "waited for the GPU's last step" in format_report(rep)
     assert "GPU's last step" not in format_report(plain.finish())
+
+
+def test_a_loader_that_moves_between_decoders_by_itself_is_seen_as_such():
+    from types import SimpleNamespace
+
+    from datapipe.tools.doctor.report import _decoder_moves
+
+    def loader(setting, switchable):
+        return SimpleNamespace(decode=SimpleNamespace(hw_decoder_load=setting),
+                               stats=lambda: {"decoder": {"switchable": switchable}})
+
+    assert _decoder_moves(loader("auto", False))
+    assert _decoder_moves(loader(None, True))  # the default's CUDA decoder gives way when starved
+    assert not _decoder_moves(loader(None, False)) and not _decoder_moves(loader(0.75, False))
+    assert not _decoder_moves(SimpleNamespace())  # torch's DataLoader: no decoder at all
