@@ -798,3 +798,27 @@ def test_only_a_wait_that_leaves_the_gpu_idle_counts_as_starved():
     assert ImageLoader._starved(fake("cuda", idle=False), 0.02) == 0.0  # ran ahead: the GPU still had work
     assert ImageLoader._starved(fake("cpu", idle=False), 0.02) == 0.02  # no GPU: every wait starves the loop
     assert ImageLoader._starved(fake("cuda", idle=False, judging=False), 0.02) == 0.02  # not judged: as waited
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_busy", [False, True])
+def test_gpu_default_cuda_decoder_gives_way_only_when_the_gpu_starves(shards, monkeypatch, gpu_busy):
+    """Few hardware queues: the default decodes on the CUDA decoder and moves to the hardware decoder when the
+    loop starves; a loop that runs ahead of a busy GPU waits in next() without starving it and keeps it."""
+    from loaders.images import decoder_choice
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    dl = loader(shards, device="cuda", reader="dali", batch_size=2, num_threads=None)
+    if decoder_choice.cores_per_process() < decoder_choice.MIN_CORES:
+        pytest.skip("fewer than 12 cores: the default keeps the hardware decoder")
+    assert dl.hw_decoder_load == 0.0 and dl.stats()["decoder"]["switchable"]
+    ys = []
+    for _, y in dl:
+        ys.append(y)
+        if gpu_busy:
+            torch.cuda._sleep(50_000_000)  # ~25 ms of one thread block on the consumer's stream: the host runs ahead
+    torch.cuda.synchronize()
+    decoder = dl.stats()["decoder"]
+    assert decoder["switches"] == (0 if gpu_busy else 1)
+    assert dl.stats()["step_hold"]["active"] is (not gpu_busy)  # the hardware decoder on 8 queues holds next()
+    assert torch.cat(ys).numel() == dl.stats()["samples"] == N
