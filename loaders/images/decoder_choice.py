@@ -12,12 +12,11 @@ hardware decoder, once and for good, as soon as the consumer is seen starved of 
   Above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after ``EARLY``
   batches of a window it switches without waiting for the window's end.
 
-``"auto"`` above chooses by whether the training loop waits. ``None`` (the default) is the loader's own
-choice, fixed for the run: with fewer than 32 CUDA hardware
-queues (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder
-alone, and it moves to ``HARDWARE_LOAD`` as ``"auto"`` does if that starves the loop (too few cores
-for the Huffman stage, a fast model); else ``HARDWARE_LOAD``. Measured on an H200 (ResNet-50, 8 queues, a loop that runs ahead of
-the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
+``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
+(``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder alone, moving
+to ``HARDWARE_LOAD`` as ``"auto"`` does if that starves the loop (too few cores for the Huffman stage,
+a fast model); else ``HARDWARE_LOAD`` throughout. Measured on an H200 (ResNet-50, 8 queues, a loop
+that runs ahead of the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
 ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder does not (0.977-0.982,
 no hold; the hand-written DALI loop 0.936-0.946); with 32 queues the hardware decoder gives 0.985. The
 CUDA decoder's Huffman stage is CPU-bound: 8 threads capped it at ~5.4k images/s under ResNet-50 with
@@ -58,9 +57,10 @@ class DecoderChoice:
     ``setting``: ``None`` (the loader's choice, see the module), ``"auto"`` or a fixed share in [0, 1].
     ``threads``: the user's ``num_threads`` (None: ``CUDA_THREADS``, at most ``cores - SPARE_CORES``, while
     a CUDA pipeline decodes on the CUDA decoder alone; ``hardware_threads`` otherwise). A CPU pipeline's
-    share reads 0.0 for ``None`` and ``"auto"`` (no GPU decoder runs). Only ``"auto"`` on a CUDA pipeline ever changes. The consumer reports each batch
-    (:meth:`took`); the producer checks :attr:`due` between batches, calls :meth:`switching`, builds
-    its new pipeline and calls :meth:`switched`.
+    share reads 0.0 for ``None`` and ``"auto"`` (no GPU decoder runs). Only a ``switchable`` choice (``"auto"``,
+    or ``None``'s CUDA decoder) ever changes: the consumer reports each batch (:meth:`took`); the producer
+    checks :attr:`due` between batches, calls :meth:`switching`, builds its new pipeline and calls
+    :meth:`switched`.
     """
 
     def __init__(self, setting: float | str | None, *, cuda: bool, threads: int | None, hardware_threads: int,

@@ -90,7 +90,8 @@ class DecodeOptions:
         load = self.hw_decoder_load
         if load is not None and load != "auto":
             if isinstance(load, (str, bool)) or not isinstance(load, Real) or not 0.0 <= load <= 1.0:
-                raise ValueError(f"hw_decoder_load={load!r}: use a share in [0, 1], 'auto' or None (the loader's choice)")
+                raise ValueError(f"hw_decoder_load={load!r}: use a share in [0, 1], 'auto' or None "
+                                 "(the loader's choice)")
             object.__setattr__(self, "hw_decoder_load", float(load))
         object.__setattr__(self, "antialias", bool(self.antialias))
 
