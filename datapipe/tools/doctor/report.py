@@ -306,6 +306,9 @@ class Doctor(CeilingReplay):
         for entry, loader in zip(self._loaders, self._loader_objs):  # "auto" may have switched since
             entry["hw_decoder_load"] = _decoder_load(loader)
             entry["losses"] = loader_losses(loader)
+            decoder = _loader_stats(loader).get("decoder")
+            if isinstance(decoder, dict):  # ImageLoader: which JPEG decoder, its threads, whether it moved
+                entry["decoder"] = decoder
         torch = _torch()
         cuda = _cuda_available()
         out = {

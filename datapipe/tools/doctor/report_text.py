@@ -22,6 +22,8 @@ def format_report(rep: dict) -> str:
             lines.append(f"  {e['type'].rsplit('.', 1)[-1]:<12} {e['batches']:5d} batches  wait {e['wait_fraction']:6.1%}"
                          f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
     for e in rep["loaders"]:
+        if rep.get("cuda") and isinstance(e.get("decoder"), dict):
+            lines.append(_decoder(e["type"].rsplit(".", 1)[-1], e["decoder"], rep.get("cuda_device_max_connections")))
         if any(e.get("losses", {}).values()):
             lines.append(f"  losses: {e['type'].rsplit('.', 1)[-1]} {_losses(e['losses'])} (since it was made)")
     if rep.get("ceiling_ratio") is not None:
@@ -39,6 +41,18 @@ def format_report(rep: dict) -> str:
     lines.append("advice:" if rep["advice"] else "advice: none triggered")
     lines += [f"  - {a['advice']}" for a in rep["advice"]]
     return "\n".join(lines)
+
+
+def _decoder(name: str, d: dict, connections) -> str:
+    """One line on an ImageLoader's JPEG decoding: the hardware decoder's share, threads, and a move if any."""
+    line = (f"  decoder: {name} {d.get('hw_decoder_load', 0):.0%} of JPEGs on the hardware decoder, "
+            f"{d.get('threads')} DALI threads")
+    if d.get("switches"):
+        line += f"; moved there after {d.get('switched_after_batches')} batches (the loop was starved)"
+    elif d.get("switchable"):
+        line += "; moves there by itself if the loop starves"
+    queues = connections or "unset (8 queues)"
+    return line + f" (CUDA_DEVICE_MAX_CONNECTIONS {queues})"
 
 
 def _losses(losses: dict) -> str:

@@ -266,3 +266,38 @@ def test_a_loader_that_moves_between_decoders_by_itself_is_seen_as_such():
     assert _decoder_moves(loader(None, True))  # the default's CUDA decoder gives way when starved
     assert not _decoder_moves(loader(None, False)) and not _decoder_moves(loader(0.75, False))
     assert not _decoder_moves(SimpleNamespace())  # torch's DataLoader: no decoder at all
+
+
+class _DecodingLoader:
+    """Batches, and stats() with the decoder entry ImageLoader's has."""
+
+    def __init__(self, decoder: dict):
+        self.decoder = decoder
+
+    def __iter__(self):
+        return iter([torch.zeros(2)] * 3)
+
+    def stats(self):
+        return {"decoder": self.decoder}
+
+
+def test_an_image_loaders_decoder_choice_is_one_line_of_a_cuda_report():
+    from datapipe.tools.doctor.report_text import format_report
+
+    chosen = {"hw_decoder_load": 0.0, "auto": False, "switchable": True, "threads": 12,
+              "switched_after_batches": None, "switches": 0, "rebuild_s": 0.0}
+    moved = {**chosen, "hw_decoder_load": 0.75, "threads": 8, "switched_after_batches": 13, "switches": 1}
+    for decoder, tail in ((chosen, "moves there by itself if the loop starves"),
+                          (moved, "moved there after 13 batches (the loop was starved)")):
+        d = Doctor(print_report=False)
+        for _ in d.wrap(_DecodingLoader(decoder)):
+            pass
+        rep = d.finish()
+        assert rep["loader"]["decoder"] == decoder
+        assert "decoder:" not in format_report({**rep, "cuda": False})  # no GPU: nothing decodes there
+        (line,) = [x for x in format_report({**rep, "cuda": True, "cuda_device_max_connections": None}).splitlines()
+                   if x.startswith("  decoder:")]
+        share = f"{decoder['hw_decoder_load']:.0%}"
+        assert line.startswith(f"  decoder: _DecodingLoader {share} of JPEGs on the hardware decoder, "
+                               f"{decoder['threads']} DALI threads; {tail}")
+        assert line.endswith("(CUDA_DEVICE_MAX_CONNECTIONS unset (8 queues))")
