@@ -26,6 +26,7 @@ from datapipe.order import elastic
 from datapipe.order.padding import deliver
 from datapipe.order.plan import samples_per_rank, shard_order, worker_plan
 from datapipe.order.ranks import rank_world
+from datapipe.order.shared_epoch import SharedEpoch
 from datapipe.order.shuffle import shuffled
 from datapipe.read.ledger import Ledger
 from datapipe.read.options import StorageOptions, check_types
@@ -38,7 +39,7 @@ from datapipe.storage.urls import expand_urls
 log = logging.getLogger("datapipe.stream")
 
 
-class ShardStream(torch.utils.data.IterableDataset):
+class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
     """An iterable dataset of WebDataset samples (``__key__``, ``__url__``, one bytes value per extension).
 
     Every sample is read exactly once per epoch over all ranks x DataLoader workers, and every rank
@@ -200,6 +201,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     # ---- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
+        self._publish_epoch()  # persistent workers' copies follow (datapipe.order.shared_epoch)
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
@@ -261,6 +263,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._loaded_shape = elastic.shape(state)
             if world != state["world_size"]:
                 self.epoch = int(state["epoch"])
+                self._publish_epoch()
                 self._resume = {"epoch": self.epoch, "num_workers": -1, "world_size": state["world_size"],
                                 "first_worker": 0, "workers": {}, "reshape": reshape}
                 return
@@ -269,6 +272,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}
         self.epoch = int(state["epoch"])
+        self._publish_epoch()
         base = state.get("base")
         self._resume = {"epoch": self.epoch, "num_workers": int(state["num_workers"]),
                         "world_size": state.get("world_size"),
@@ -307,6 +311,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return rank_world(self)
 
     def __iter__(self) -> Iterator[Any]:
+        self._follow_epoch()  # a persistent worker's copy: the epoch the main process set
         info = torch.utils.data.get_worker_info()
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0

@@ -183,6 +183,10 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                                                                             "open_ledger", None)
         if workers > 0 and callable(open_ledger) and not (self.persistent_workers and self._iterator is not None):
             open_ledger(workers)  # the workers' losses reach the dataset's stats() here (datapipe.read.ledger)
+        share_epoch = getattr(self.dataset, "share_epoch", None) or getattr(getattr(self.dataset, "stream", None),
+                                                                            "share_epoch", None)
+        if workers > 0 and self.persistent_workers and callable(share_epoch):
+            share_epoch()  # before the workers start: their copies follow each pass's epoch (order.shared_epoch)
         forks.install()  # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
             if replay and rng.rng_state is not None:

@@ -9,6 +9,7 @@ import torch.utils.data
 
 from datapipe.order import elastic
 from datapipe.order.ranks import rank_world
+from datapipe.order.shared_epoch import SharedEpoch
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_identity, check_state
 
@@ -78,7 +79,7 @@ def mix_draws(sources: list[Iterable], weights: Sequence[float], *, key: int, st
         yield item
 
 
-class Mix(torch.utils.data.IterableDataset):
+class Mix(SharedEpoch, torch.utils.data.IterableDataset):
     """A weighted interleaving of streams (see ``mix``); ``set_epoch``, ``state_dict``, ``load_state_dict``."""
 
     def __init__(self, streams: Sequence[Iterable], *, weights: Sequence[float], seed: int = 0, stop: str = "first"):
@@ -113,12 +114,14 @@ class Mix(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The mix's epoch; streams start each epoch at this epoch too (restarts count up from it)."""
         self.epoch = int(epoch)
+        self._publish_epoch()  # persistent workers' copies follow (datapipe.order.shared_epoch)
 
     def _set_stream_epoch(self, i: int, epoch: int) -> None:
         if callable(getattr(self.streams[i], "set_epoch", None)):
             self.streams[i].set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        self._follow_epoch()  # a persistent worker's copy: the epoch the main process set
         info = torch.utils.data.get_worker_info()
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0
@@ -231,10 +234,12 @@ class Mix(torch.utils.data.IterableDataset):
         self.check_loadable(state)
         if elastic.is_global(state):
             self.epoch = int(state["epoch"])
+            self._publish_epoch()
             self._loaded_shape = elastic.shape(state)
             self._resume = {"global": state}
             return
         self.epoch = int(state["epoch"])
+        self._publish_epoch()
         if state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}

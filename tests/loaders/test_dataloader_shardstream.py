@@ -94,3 +94,27 @@ def test_stats_losses_are_per_pass_like_samples_with_totals_beside(tmp_path, num
         assert (s["skipped_total"], s["errors_total"]) == (bad * epoch, bad * epoch)
         assert s["padded"] == s["padded_total"] == 0
     assert "skipped_total" in DataLoader.stats.__doc__ and "errors_total" in DataLoader.stats.__doc__
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_persistent_workers_follow_each_epoch_as_fresh_workers_do(tmp_path, mixed):
+    """Persistent workers keep the stream copy they started with; each pass still reshuffles by the epoch the main
+    process set (the loader's own, or the user's set_epoch): the same orders as workers started afresh each pass."""
+    from datapipe import mix
+
+    urls, _ = write_shards(tmp_path / "d", [6, 6, 6, 6])
+
+    def make(persistent):
+        stream = ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=4)
+        if mixed:
+            stream = mix([stream, ShardStream(urls[:2], shuffle=True, seed=5)], weights=[0.5, 0.5], seed=6)
+        return DataLoader(stream, batch_size=3, num_workers=2, persistent_workers=persistent, collate_fn=keys)
+
+    def passes(loader):
+        out = [list(loader) for _ in range(3)]
+        loader.dataset.set_epoch(7)  # the user's own choice of epoch reaches the workers too
+        return out + [list(loader)]
+
+    fresh, persistent = passes(make(False)), passes(make(True))
+    assert persistent == fresh
+    assert len({str(p) for p in fresh}) == 4  # every pass its own order
