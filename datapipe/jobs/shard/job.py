@@ -58,6 +58,16 @@ JOURNAL_VERSION = 1
 SEED_RULE = 2  # shuffled orders from datapipe.order.seeds.derive_seed (1: ad-hoc seeds, before #16)
 
 
+def _inside(spath: str, opath: str, *, local: bool) -> str | None:
+    """``"same"`` when OUT is SRC, ``"inside"`` when OUT lies in the folder SRC, else None (paths on one filesystem)."""
+    if local:
+        spath, opath = os.path.realpath(spath), os.path.realpath(opath)
+    spath, opath = spath.rstrip("/") or "/", opath.rstrip("/") or "/"
+    if spath == opath:
+        return "same"
+    return "inside" if opath.startswith(spath.rstrip("/") + "/") else None
+
+
 def shard(src: str, out: str, options: ShardOptions | None = None, *, engine: str = "local",
           workers: int | None = None, progress: bool = True, storage_options: dict | None = None) -> dict:
     """Convert ``src`` into WebDataset shards in the folder ``out``; returns the job report (also ``OUT/report.json``).
@@ -88,8 +98,13 @@ def shard(src: str, out: str, options: ShardOptions | None = None, *, engine: st
     if ofs.exists(opath) and not ofs.isdir(opath):
         raise UsageError(f"OUT {out!r} is a file: give a folder (new or empty) to hold the shards")
     sfs, spath = filesystem(src, opts) if "{" not in src and "::" not in src else (None, None)
-    if sfs is not None and sfs.protocol == ofs.protocol and spath.rstrip("/") == opath.rstrip("/"):
-        raise UsageError(f"OUT {out!r} is SRC itself: give a separate folder for the shards")
+    if sfs is not None and sfs.protocol == ofs.protocol:
+        inside = _inside(spath, opath, local=is_local(src) and is_local(out))
+        if inside == "same":
+            raise UsageError(f"OUT {out!r} is SRC itself: give a separate folder for the shards")
+        if inside == "inside":
+            raise UsageError(f"OUT {out!r} is inside SRC {src!r}: its shards would be read as input (an image "
+                             "folder's class, a tar folder's shards); give a folder outside SRC")
     with OutputLock(out, storage_options=opts) as lock:
         return _run(src, out, options, engine=engine, workers=workers, progress=progress, opts=opts, lock=lock)
 

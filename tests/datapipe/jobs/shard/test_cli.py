@@ -75,3 +75,20 @@ def test_cli_messages_for_a_missing_source_and_a_file_as_output(images, tmp_path
     assert "is a file" in err and "Errno" not in err and len(err.strip().splitlines()) == 1
 
 
+
+
+def test_an_output_folder_inside_the_source_or_the_source_itself_is_refused(images, tmp_path, capsys):
+    """OUT inside SRC would be read as input by the next job (a class folder of an image tree, more tars)."""
+    import shutil
+
+    root, _ = images
+    src = tmp_path / "photos"
+    shutil.copytree(root, src)
+    for out, words in ((src / "shards", "is inside SRC"), (src / "dog" / "deeper", "is inside SRC"),
+                       (src, "is SRC itself"), (tmp_path / "photos" / ".." / "photos", "is SRC itself")):
+        capsys.readouterr()
+        assert run_cli(src, out, "--workers", "1") == 2, out
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    assert not (src / "shards").exists() and not (src / "dog" / "deeper").exists()  # refused before any write
+    assert run_cli(src, tmp_path / "photos-shards", "--workers", "1") == 0  # a sibling named alike is fine
