@@ -106,6 +106,11 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
         add("cpu_bound", f"the loop waited for data {wait:.0%} of the time although num_workers={workers} already "
                          f"uses all {cores} cores: move work off the CPU (GPU decode, pre-decoded or smaller data)",
             wait_fraction=wait, num_workers=workers, cores=cores)
+    elif wait > WAIT_HIGH and ((m.get("loader") or {}).get("type") or "").endswith(".ImageLoader"):
+        add("input_bound", f"the loop waited for data {wait:.0%} of the time: ImageLoader is the bottleneck; give "
+                           "DALI more CPU threads (ImageLoader(..., decode=DecodeOptions(num_threads=...))), or the "
+                           f"GPU's hardware JPEG decoder with CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} set before CUDA "
+                           "starts (docs/performance.md)", wait_fraction=wait)
     elif wait > WAIT_HIGH:
         add("input_bound", f"the loop waited for data {wait:.0%} of the time: the input pipeline is the bottleneck "
                            "(its worker count is unknown to the doctor: wrap the DataLoader itself to see it)",

@@ -106,3 +106,13 @@ def test_cuda_connections_advice_for_an_image_loader_waiting_on_gpu_work():
 def test_no_steps_gets_no_advice_about_the_model():
     assert _ids({**_m(wait=0.0), "steps": 0}) == ["no_steps"]
     assert "not_bottleneck" in _ids({**_m(wait=0.0), "steps": 5})
+
+
+def test_an_input_bound_image_loader_is_told_about_its_own_settings():
+    m = _m(wait=0.3, workers=None)
+    m["loader"]["type"] = "loaders.images.loader.ImageLoader"
+    (a,) = [a for a in advise(m) if a["id"] == "input_bound"]
+    assert "num_threads" in a["advice"] and "CUDA_DEVICE_MAX_CONNECTIONS=32" in a["advice"]
+    assert "wrap the DataLoader" not in a["advice"]  # ImageLoader has no DataLoader to wrap
+    plain = [a for a in advise(_m(wait=0.3, workers=None)) if a["id"] == "input_bound"][0]
+    assert "wrap the DataLoader" in plain["advice"]
