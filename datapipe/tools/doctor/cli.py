@@ -9,6 +9,7 @@ import argparse
 import os
 import re
 import runpy
+import shutil
 import sys
 import traceback
 
@@ -58,21 +59,68 @@ def install(d: Doctor):
     return undo
 
 
-def run_script(d: Doctor, script: str, args: list[str]) -> int:
-    """Run ``script`` as ``__main__`` with ``args`` under the doctor; returns its exit status. A leading
-    ``python`` / ``python3`` (``doctor -- python train.py``, as other profilers take it) is dropped."""
-    if re.fullmatch(r"python(\d+(\.\d+)?)?", os.path.basename(script)) and args:
-        script, args = args[0], list(args[1:])
+_FLAGS = frozenset("-u -O -OO -B -E -s -S -I -q -b -bb -d -v".split())  # python's options without a value
+_VALUED = frozenset(("-W", "-X"))  # python's options that take one
+
+
+def target(script: str, args: list[str]) -> tuple[str, str, list[str]] | str:
+    """What to run: ``("path", script, args)`` or ``("module", name, args)``, or a message saying why not.
+
+    A leading ``python`` / ``python3`` (as other profilers take it) is dropped with its own options
+    (``-u``, ``-X dev``, ...); ``python -m module`` runs the module."""
+    if re.fullmatch(r"python(\d+(\.\d+)?)?", os.path.basename(script)):
+        rest = list(args)
+        while rest and (rest[0] in _FLAGS or rest[0] in _VALUED or rest[0][:2] in _VALUED):
+            flag = rest.pop(0)
+            if flag in _VALUED and rest:
+                rest.pop(0)
+        if rest[:1] == ["-m"]:
+            if len(rest) < 2:
+                return "python -m needs a module name"
+            if not _module_found(rest[1]):
+                return f"no such module: {rest[1]} (python -m looks in the current folder and sys.path)"
+            return ("module", rest[1], rest[2:])
+        if not rest:
+            return "give the training script after python"
+        script, args = rest[0], rest[1:]
     if not os.path.isfile(script):
-        print(f"datapipe doctor: no such script: {script}", file=sys.stderr)
+        if shutil.which(script) and not script.endswith(".py"):
+            return (f"{script} is a program, not a Python script: the doctor runs one training process in its own "
+                    "(datapipe doctor -- python train.py ARGS, or -- python -m package.train ARGS); for a launcher "
+                    "such as torchrun, run one process of the job that way")
+        return f"no such script: {script}"
+    return ("path", script, list(args))
+
+
+def _module_found(name: str) -> bool:
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())  # as python -m sees it
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.pop(0)
+
+
+def run_script(d: Doctor, script: str, args: list[str]) -> int:
+    """Run ``script`` (see :func:`target`) as ``__main__`` with ``args`` under the doctor; returns its exit status."""
+    what = target(script, args)
+    if isinstance(what, str):
+        print(f"datapipe doctor: {what}", file=sys.stderr)
         return 1
+    kind, name, args = what
     undo = install(d)
     argv, path0 = sys.argv[:], list(sys.path)
-    sys.argv = [script] + list(args)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.argv = [name] + list(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(name)) if kind == "path" else os.getcwd())
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if kind == "module":
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(name, run_name="__main__")
     except SystemExit as e:
         if e.code is None:
             code = 0

@@ -301,3 +301,25 @@ def test_an_image_loaders_decoder_choice_is_one_line_of_a_cuda_report():
         assert line.startswith(f"  decoder: _DecodingLoader {share} of JPEGs on the hardware decoder, "
                                f"{decoder['threads']} DALI threads; {tail}")
         assert line.endswith("(CUDA_DEVICE_MAX_CONNECTIONS unset (8 queues))")
+
+
+def test_cli_takes_python_options_and_modules_and_explains_launchers(tmp_path, monkeypatch, capsys):
+    from datapipe.tools.doctor.cli import target
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    package = tmp_path / "proj"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    assert target("python3", ["-u", "-X", "dev", str(script), "1"]) == ("path", str(script), ["1"])
+    assert target("python", ["-W", "ignore", "-m", "proj.train", "2"]) == ("module", "proj.train", ["2"])
+    assert main(["doctor", "--", "python", "-u", str(script), "6"]) == 6
+    assert main(["doctor", "--", "python", "-m", "proj.train", "7"]) == 7
+    capsys.readouterr()
+    assert main(["doctor", "--", "python", "-m", "proj.nothing"]) == 1
+    assert "no such module: proj.nothing" in capsys.readouterr().err
+    assert main(["doctor", "--", "ls", "train.py"]) == 1  # a program, not a script: say how instead
+    err = capsys.readouterr().err
+    assert "is a program, not a Python script" in err and "python -m" in err
