@@ -68,6 +68,16 @@ def _inside(spath: str, opath: str, *, local: bool) -> str | None:
     return "inside" if opath.startswith(spath.rstrip("/") + "/") else None
 
 
+def _check_kind(kind: str, src: str, *, folder: bool) -> None:
+    """A UsageError when ``--input-kind`` cannot be what SRC is (a list is one file; an image tree a folder)."""
+    if kind == "list" and folder:
+        raise UsageError(f"--input-kind list reads one .csv/.jsonl file of path,label rows; {src!r} is a folder "
+                         "(an image folder: --input-kind images, or leave it to auto)")
+    if kind == "images" and not folder:
+        raise UsageError(f"--input-kind images reads a folder of class sub-folders; {src!r} is a file (a list of "
+                         "path,label rows: --input-kind list, or leave it to auto)")
+
+
 def shard(src: str, out: str, options: ShardOptions | None = None, *, engine: str = "local",
           workers: int | None = None, progress: bool = True, storage_options: dict | None = None) -> dict:
     """Convert ``src`` into WebDataset shards in the folder ``out``; returns the job report (also ``OUT/report.json``).
@@ -105,6 +115,8 @@ def shard(src: str, out: str, options: ShardOptions | None = None, *, engine: st
         if inside == "inside":
             raise UsageError(f"OUT {out!r} is inside SRC {src!r}: its shards would be read as input (an image "
                              "folder's class, a tar folder's shards); give a folder outside SRC")
+    if sfs is not None and sfs.exists(spath):
+        _check_kind(options.kind, src, folder=sfs.isdir(spath))
     with OutputLock(out, storage_options=opts) as lock:
         return _run(src, out, options, engine=engine, workers=workers, progress=progress, opts=opts, lock=lock)
 

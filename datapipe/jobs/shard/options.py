@@ -2,6 +2,7 @@
 and the error that says one is wrong (exit status 2)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from datapipe.jobs.shard.sources import KINDS
@@ -74,6 +75,9 @@ class TextOptions:
         tok = self.tokenizer
         if tok is not None and (not isinstance(tok, str) or (tok != "byte" and not tok.endswith(".json"))):
             raise UsageError(f"--tokenizer must be 'byte' or a tokenizer.json path, got {tok!r}")
+        if tok is not None and tok != "byte" and "://" not in tok and not os.path.isfile(tok):
+            raise UsageError(f"--tokenizer {tok!r}: no such file (give the path of a Hugging Face tokenizer.json, "
+                             "or 'byte')")
 
 
 @dataclass(frozen=True)

@@ -92,3 +92,17 @@ def test_an_output_folder_inside_the_source_or_the_source_itself_is_refused(imag
         assert words in err and len(err.strip().splitlines()) == 1, err
     assert not (src / "shards").exists() and not (src / "dog" / "deeper").exists()  # refused before any write
     assert run_cli(src, tmp_path / "photos-shards", "--workers", "1") == 0  # a sibling named alike is fine
+
+
+def test_an_input_kind_that_cannot_be_src_and_a_missing_tokenizer_are_usage_errors(images, tmp_path, capsys):
+    root, _ = images
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+    cases = ((root, "--input-kind", "list", "is a folder"),
+             (tmp_path / "docs.jsonl", "--input-kind", "images", "is a file"),
+             (tmp_path / "docs.jsonl", "--tokenizer", str(tmp_path / "nosuch.json"), "no such file"))
+    for src, flag, value, words in cases:
+        capsys.readouterr()
+        assert run_cli(src, tmp_path / "out", flag, value, "--workers", "1") == 2, (flag, value)
+        err = capsys.readouterr().err
+        assert words in err and "Errno" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
