@@ -86,7 +86,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"datapipe shard: failed: {type(e).__name__}: {redact_text(e)} (run `datapipe -v shard ...` for the traceback)",
               file=sys.stderr)
         return 1
+    lost = report.get("num_lost_samples") or 0
     print(f"{report['out']}: {report['samples']} samples in {report['shards']} shards, "
           f"{report['bytes'] / 1e6:.1f} MB, {report['num_skipped']} skipped "
+          + (f"and {lost} more samples lost with truncated input tars " if lost else "") +
           f"({report['samples_per_s']} samples/s, {report['mb_per_s']} MB/s)")
     return 0

@@ -232,7 +232,8 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
         "status": "ok", "src": src, "out": out, "kind": source.kind, "engine": engine, "workers": workers,
         "samples": manifest["num_samples"], "shards": len(manifest["shards"]), "bytes": manifest["num_bytes"],
         "value_bytes": written, "partitions": len(source.partitions), "resumed_partitions": resumed,
-        "num_skipped": len(skipped), "skipped": skipped, "num_ignored": len(source.ignored),
+        "num_skipped": len(skipped), "num_lost_samples": sum(s.get("lost", 0) for s in skipped),
+        "skipped": skipped, "num_ignored": len(source.ignored),
         "ignored": source.ignored, "check_images": im.check, "classes": len(source.classes or []),
         "seconds": round(seconds, 3), "samples_per_s": round(manifest["num_samples"] / seconds, 1),
         "mb_per_s": round(manifest["num_bytes"] / 1e6 / seconds, 2),
@@ -244,7 +245,9 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
         if fs.exists(posixpath.join(path, sub)):
             fs.rm(posixpath.join(path, sub), recursive=True)
     if skipped:
-        log.warning("skipped %d unreadable items (listed in %s)", len(skipped), join_url(out, "report.json"))
+        lost = report["num_lost_samples"]
+        log.warning("skipped %d unreadable items%s (listed in %s)", len(skipped),
+                    f", {lost} more samples lost with truncated tars" if lost else "", join_url(out, "report.json"))
     return report
 
 

@@ -170,7 +170,7 @@ def run_partition(job: dict, part: dict, progress: Callable[[int, int], None] | 
             if sample is None:
                 if job["strict"]:
                     raise DataError(f"--strict: unreadable input {rec.name}: {error}")
-                skipped.append({"item": rec.name, "error": error})
+                skipped.append({"item": rec.name, "error": error, **({"lost": rec.lost} if rec.lost else {})})
                 continue
             writer.write(sample)
             samples += 1

@@ -18,11 +18,13 @@ from datapipe.storage.files import filesystem
 
 @dataclass
 class Record:
-    """One input item: ``sample`` (a dict with ``__key__``) or, when unreadable, ``error`` naming why."""
+    """One input item: ``sample`` (a dict with ``__key__``) or, when unreadable, ``error`` naming why; ``lost``:
+    the samples that went with it beyond this one item (a truncated tar's cut, counted from its manifest)."""
 
     name: str
     sample: dict | None = None
     error: str | None = None
+    lost: int = 0
 
 
 def iter_partition(part: dict, *, shuffle_buffer: int = 1000) -> Iterator[Record]:
@@ -139,11 +141,12 @@ def _iter_tar(part: dict) -> Iterator[Record]:
     except DataError as e:
         yield Record(url, error=str(e))
         return
-    found = 0
+    found = kept = 0
     try:
         for event in iter_samples(reader_for(f, seekable=seekable), url, resync=True):
             name = f"{url}#{event.key or '?'}"
             found += 1
+            kept += event.sample is not None
             if event.sample is None:
                 yield Record(name, error=f"damaged sample: {event.error}")
                 continue
@@ -151,14 +154,24 @@ def _iter_tar(part: dict) -> Iterator[Record]:
                                 for k, v in event.sample.items() if k != "__url__"})
         missing_end = _lacks_end_of_archive(url, part.get("storage_options"))
     except (TarFormatError, OSError, EOFError, DataError) as e:
-        yield Record(url, error=f"unreadable tar (truncated?): {e}")
+        yield _cut(part, f"unreadable tar (truncated?): {e}", found, kept)
         return
     finally:
         f.close()
     if missing_end and not found:
         yield Record(url, error="not a tar file (or one cut before its first sample)")
     elif missing_end:
-        yield Record(url, error="tar has no end-of-archive block: truncated (samples before the cut were kept)")
+        yield _cut(part, "tar has no end-of-archive block: truncated (samples before the cut were kept)", found, kept)
+
+
+def _cut(part: dict, why: str, found: int, kept: int) -> Record:
+    """The record of a tar that ended early after ``found`` samples (``kept`` of them whole): with the count its
+    manifest gave (``part["expected"]``), how many it kept and lost; ``lost``: those never read at all."""
+    expected = part.get("expected")
+    if expected is None:
+        return Record(part["url"], error=why)
+    return Record(part["url"], error=f"{why}: {kept} of the manifest's {expected} samples kept, {expected - kept} lost",
+                  lost=max(0, expected - found))
 
 
 def _lacks_end_of_archive(url: str, storage_options) -> bool:

@@ -144,9 +144,28 @@ def open_source(
         return Source(kind, url, _number(parts, shuffle, seed), None, None, fp, [], ignored)
     files, ignored = list_files(url, TAR_EXTENSIONS, storage_options) if "{" not in url and "::" not in url \
         else (expand_tars(url, storage_options), [])
-    parts = [{"kind": "tar", "url": f, **common} for f, _ in files]
+    expected = _manifest_counts([f for f, _ in files], storage_options)
+    parts = [{"kind": "tar", "url": f, **common, **({"expected": expected[f]} if f in expected else {})}
+             for f, _ in files]
     fp = _fingerprint(kind, files)
     return Source("tar", url, _number(parts, shuffle, seed), None, None, fp, [], ignored)
+
+
+def _manifest_counts(urls: list[str], storage_options) -> dict[str, int]:
+    """Samples per input tar from the ``manifest.json`` beside it (datapipe's shards have one): what a truncated tar
+    should have held, so the job counts the samples lost with its cut. ``{}`` where there is none."""
+    counts: dict[str, int] = {}
+    for folder in sorted({posixpath.dirname(u) for u in urls}):
+        try:
+            fs, path = filesystem(posixpath.join(folder, "manifest.json"), storage_options)
+            with fs.open(path, "rb") as f:
+                shards = json.load(f).get("shards") or []
+            named = {s["name"]: int(s["count"]) for s in shards if isinstance(s, dict) and "name" in s and "count" in s}
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # no manifest, or not datapipe's: nothing expected
+        counts.update({u: named[posixpath.basename(u)] for u in urls
+                       if posixpath.dirname(u) == folder and posixpath.basename(u) in named})
+    return counts
 
 
 def _shard_chunks(items: list, sizes: list[int], max_bytes: int, max_count: int) -> list[list]:

@@ -410,3 +410,25 @@ def test_a_journal_of_the_earlier_seed_rule_is_not_resumed(images, tmp_path):
         run_shard(root, str(out), **kw)
     assert run_shard(root, str(out), overwrite=True, **kw)["status"] == "ok"
     assert run_shard(root, str(out), **kw)["status"] == "already complete"
+
+
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_a_truncated_input_tar_counts_the_samples_lost_after_its_cut(tmp_path, capsys, with_manifest):
+    """With the input's manifest, every sample is accounted for: written, listed as damaged, or counted as lost."""
+    urls, samples = write_shards(tmp_path / "in", [10, 30, 8], manifest=with_manifest)
+    data = open(urls[1], "rb").read()
+    with open(urls[1], "wb") as f:
+        f.write(data[: len(data) // 3 + 100])  # about a third of shard 1 survives, its last sample cut through
+    report = run_shard(str(tmp_path / "in"), str(tmp_path / "out"), workers=1, progress=False)
+    damaged = [s for s in report["skipped"] if "#" in s["item"]]  # samples cut through, listed by key
+    (cut,) = [s for s in report["skipped"] if s["item"] == urls[1]]
+    if with_manifest:
+        assert report["samples"] + len(damaged) + report["num_lost_samples"] == len(samples) == 48
+        assert cut["lost"] == report["num_lost_samples"] > 0
+        kept = report["samples"] - 18
+        assert f"{kept} of the manifest's 30 samples kept, {30 - kept} lost" in cut["error"]
+    else:  # nothing says how many there were: the cut is listed, no count is made up
+        assert report["num_lost_samples"] == 0 and "lost" not in cut and "manifest" not in cut["error"]
+    assert run_cli(tmp_path / "in", tmp_path / "out2", "--workers", "1") == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert ("more samples lost with truncated input tars" in line) is with_manifest
