@@ -73,11 +73,17 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
 
     index_path = index_path or default_index_path(tar_path_or_url)
     options = storage_options or {}
+    head = b""
     try:
         with fsspec.open(tar_path_or_url, "rb", **options) as f:
+            head = f.read(512)
+            f.seek(0)
             lines = index_lines(f)
     except (OSError, tarfile.TarError, ValueError, EOFError) as e:
-        raise DataError(f"cannot index shard: {e}", url=redact_url(tar_path_or_url)) from e
+        from datapipe.tar.headers import looks_like
+
+        why = f"not a tar file: {looks_like(head)}" if "checksum" in str(e) and head else str(e)
+        raise DataError(f"cannot index shard: {why}", url=redact_url(tar_path_or_url)) from e
     fs, path = fsspec.core.url_to_fs(index_path, **options)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     parent = posixpath.dirname(path)

@@ -132,7 +132,7 @@ _LOOKS = ((b"\xff\xd8\xff", "a JPEG image"), (b"\x89PNG", "a PNG image"), (b"PK\
           (b"%PDF", "a PDF document"), (b"RIFF", "a RIFF file (WebP, WAV, AVI)"), (b"GIF8", "a GIF image"))
 
 
-def _looks_like(head: bytes) -> str:
+def looks_like(head: bytes) -> str:
     """What a file whose first block is no tar header seems to be, in words."""
     for magic, what in _LOOKS:
         if head.startswith(magic):
@@ -203,7 +203,7 @@ def _next_member(reader, *, resync: bool, on_error: Callable[[TarFormatError], N
         err = None
         if not _checksum_ok(header):
             if header_offset == 0 and header[257:262] != b"ustar":
-                raise TarTruncated(f"not a tar file: {_looks_like(header)}", 0)
+                raise TarTruncated(f"not a tar file: {looks_like(header)}", 0)
             err = TarFormatError("bad tar header checksum", header_offset, name=_legible_name(header))
         else:
             try:

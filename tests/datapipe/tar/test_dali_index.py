@@ -163,3 +163,14 @@ def test_index_takes_a_folder(tmp_path):
     urls, _ = write_shards(tmp_path / "shards", [2, 3], manifest=False)
     assert index_command([str(tmp_path / "shards")]) == 0
     assert all(os.path.exists(default_index_path(u)) for u in urls)
+
+
+def test_indexing_a_file_that_is_no_tar_says_what_it_looks_like(tmp_path):
+    from datapipe.errors import DataError
+    from datapipe.tar.dali_index import write_dali_index
+
+    jpeg = tmp_path / "0001.jpg"
+    jpeg.write_bytes(b"\xff\xd8\xff\xe0" + bytes(2000))
+    with pytest.raises(DataError, match="not a tar file: it starts like a JPEG image") as e:
+        write_dali_index(str(jpeg))
+    assert "checksum" not in str(e.value) and e.value.url == str(jpeg)
