@@ -131,6 +131,13 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
                          partition_size=o.partition_size, partition_bytes=o.partition_bytes, max_bytes=o.max_bytes,
                          max_count=o.max_count, shuffle=o.shuffle, seed=o.seed, fill_shards=copy,
                          storage_options=opts)
+    text_only = [flag for flag, value in (("--tokenizer", tx.tokenizer), ("--text-field", tx.text_field),
+                                          ("--key-field", tx.key_field)) if value]
+    if text_only and source.kind != "text":
+        one = len(text_only) == 1
+        raise UsageError(f"{', '.join(text_only)} {'applies' if one else 'apply'} to text input (JSONL or Parquet); "
+                         f"{src!r} is {'an image folder' if source.kind == 'images' else 'a ' + source.kind + ' input'}"
+                         f": leave {'it' if one else 'them'} out")
     if source.ignored:
         log.warning("ignored %d files that the %r source does not read: %s", len(source.ignored), source.kind,
                     _some(source.ignored))

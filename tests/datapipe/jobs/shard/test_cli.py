@@ -99,7 +99,9 @@ def test_an_input_kind_that_cannot_be_src_and_a_missing_tokenizer_are_usage_erro
     (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
     cases = ((root, "--input-kind", "list", "is a folder"),
              (tmp_path / "docs.jsonl", "--input-kind", "images", "is a file"),
-             (tmp_path / "docs.jsonl", "--tokenizer", str(tmp_path / "nosuch.json"), "no such file"))
+             (tmp_path / "docs.jsonl", "--tokenizer", str(tmp_path / "nosuch.json"), "no such file"),
+             (root, "--tokenizer", "byte", "--tokenizer applies to text input"),
+             (root, "--text-field", "body", "is an image folder"))
     for src, flag, value, words in cases:
         capsys.readouterr()
         assert run_cli(src, tmp_path / "out", flag, value, "--workers", "1") == 2, (flag, value)
