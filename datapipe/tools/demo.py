@@ -18,13 +18,14 @@ log = logging.getLogger("datapipe.demo")  # the CLI lives in datapipe; the demo 
 
 
 def _timed(name: str, iterable, count) -> dict:
+    """``items``: what the stage yields (batches, or samples for a bare stream), ``units``: what its rate counts."""
     start = time.perf_counter()
     items = units = 0
     for batch in iterable:
         items += 1
         units += count(batch)
     secs = time.perf_counter() - start
-    return {"stage": name, "batches": items, "units": units, "seconds": secs, "rate": units / secs if secs else 0.0}
+    return {"stage": name, "items": items, "units": units, "seconds": secs, "rate": units / secs if secs else 0.0}
 
 
 def stage_stream(shards: list[str]) -> dict:
@@ -128,6 +129,7 @@ def run_command(args: argparse.Namespace) -> int:
     shards = [os.path.join(image_dir, s["name"]) for s in manifest["shards"]]
     log.info("dataset: %d images, %.1f MB in %d shards", manifest["num_samples"], manifest["num_bytes"] / 1e6,
              len(shards))
+    log.info("token documents: %s", os.path.join(args.data, "tokens"))
     token_shards = make_token_shards(os.path.join(args.data, "tokens"))
 
     stages = [
@@ -145,9 +147,10 @@ def run_command(args: argparse.Namespace) -> int:
         except Exception:
             log.exception("the %s stage failed", name)
             failed += 1
-    print(f"\n{'stage':40s} {'rate':>14s}  {'batches':>7s}  {'seconds':>7s}  note")
+    print(f"{'stage':40s} {'rate':>14s}  {'yielded':>13s}  {'seconds':>7s}  note")
     for r in rows:
-        print(f"{r['stage']:40s} {r['rate']:>10,.0f} {r['unit'].split('/')[0]:>3s}/s  {r['batches']:>7d}  "
+        what = "samples" if r["unit"].startswith("samples") and r["items"] == r["units"] else "batches"
+        print(f"{r['stage']:40s} {r['rate']:>10,.0f} {r['unit'].split('/')[0]:>3s}/s  {r['items']:>5d} {what:7s}  "
               f"{r['seconds']:>7.2f}  {r.get('note', '')}")
     return 1 if failed else 0
 

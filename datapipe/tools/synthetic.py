@@ -224,7 +224,7 @@ def make_image_dataset(
     pattern = os.path.join(out_dir, "shard-%06d.tar")
     t0 = time.perf_counter()
     total = 0
-    bar = tqdm(total=num_images, unit="img", desc="images", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=num_images, unit="img", desc="images", file=sys.stderr, disable=None if progress else True)
     with ShardWriter(pattern, max_count=shard_max_count, max_bytes=1 << 40, index=index) as writer:
         if num_workers == 1:
             for sample in iter_image_samples(num_images, **kwargs):

@@ -196,7 +196,7 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
 
     done_samples = sum(m["samples"] for m in markers.values())
     bar = tqdm(total=source.num_items, initial=done_samples, unit="sample", desc="shard", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+               disable=None if progress else True, dynamic_ncols=True)
     moved = {"bytes": 0, "t": time.perf_counter()}
 
     def advance(n: int, b: int) -> None:

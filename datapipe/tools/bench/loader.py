@@ -281,7 +281,8 @@ def run_loader(data: str, *, pipelines: list[str] | None = None, batch_size: int
     result: dict[str, Any] = {"data": data, "kind": kind, "shards": len(urls), "samples_in_data": n_samples,
                               "bytes": total, "mean_sample_bytes": round(sample_bytes, 1), "device": device,
                               "config": {**cfg, "steps": steps, "warmup": warmup}, "pipelines": []}
-    bar = tqdm(total=steps * len(chosen), desc="bench loader", unit="batch", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=steps * len(chosen), desc="bench loader", unit="batch", file=sys.stderr,
+               disable=None if progress else True)  # None: no bar where stderr is not a terminal
     for name in chosen:
         bar.set_postfix_str(name)
         try:

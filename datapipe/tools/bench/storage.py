@@ -96,7 +96,7 @@ def run_storage(targets: list[str] | str, *, concurrency: list[int] = (1, 2, 4, 
     stream_variants = ([False, True] if local else [False]) if stream else []
     sweep_state = "cold" if cache["cold_possible"] else ("warm" if local else "remote")
     jobs = len(seq_states) + len(stream_variants) + len(modes) * len(concurrency) * len(block_sizes)
-    bar = tqdm(total=jobs, desc="bench storage", unit="run", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=jobs, desc="bench storage", unit="run", file=sys.stderr, disable=None if progress else True)
 
     def cold():
         if sweep_state == "cold":
