@@ -80,9 +80,11 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
             f.seek(0)
             lines = index_lines(f)
     except (OSError, tarfile.TarError, ValueError, EOFError) as e:
-        from datapipe.tar.headers import looks_like
+        from datapipe.tar.headers import is_tar_header, looks_like
 
-        why = f"not a tar file: {looks_like(head)}" if "checksum" in str(e) and head else str(e)
+        why = str(e) if not head or is_tar_header(head) else f"not a tar file: {looks_like(head)}"
+        if head.startswith(b"\x1f\x8b"):
+            why += " (DALI's reader and its index need uncompressed tars)"
         raise DataError(f"cannot index shard: {why}", url=redact_url(tar_path_or_url)) from e
     fs, path = fsspec.core.url_to_fs(index_path, **options)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"

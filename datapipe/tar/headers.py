@@ -129,11 +129,19 @@ def _skip_sparse(reader, header: bytes, name: str, size: int, header_offset: int
 
 
 _LOOKS = ((b"\xff\xd8\xff", "a JPEG image"), (b"\x89PNG", "a PNG image"), (b"PK\x03\x04", "a zip archive"),
+          (b"\x1f\x8b", "gzip-compressed data"),
           (b"%PDF", "a PDF document"), (b"RIFF", "a RIFF file (WebP, WAV, AVI)"), (b"GIF8", "a GIF image"))
+
+
+def is_tar_header(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes) starts with a tar header: a full block whose checksum holds."""
+    return len(head) >= BLOCK and _checksum_ok(head[:BLOCK])
 
 
 def looks_like(head: bytes) -> str:
     """What a file whose first block is no tar header seems to be, in words."""
+    if 0 < len(head) < BLOCK and not head.startswith(tuple(m for m, _ in _LOOKS)):
+        return f"{len(head)} bytes, shorter than one tar header"
     for magic, what in _LOOKS:
         if head.startswith(magic):
             return f"it starts like {what}"

@@ -169,8 +169,20 @@ def test_indexing_a_file_that_is_no_tar_says_what_it_looks_like(tmp_path):
     from datapipe.errors import DataError
     from datapipe.tar.dali_index import write_dali_index
 
+    import gzip
+
     jpeg = tmp_path / "0001.jpg"
     jpeg.write_bytes(b"\xff\xd8\xff\xe0" + bytes(2000))
     with pytest.raises(DataError, match="not a tar file: it starts like a JPEG image") as e:
         write_dali_index(str(jpeg))
     assert "checksum" not in str(e.value) and e.value.url == str(jpeg)
+    cases = {"a.png": (b"\x89PNG\r\n\x1a\n" + bytes(2000), "it starts like a PNG image"),
+             "s.tar.gz": (gzip.compress(bytes(4096)), "it starts like gzip-compressed data (DALI's reader and its index need "
+                                                       "uncompressed tars)"),
+             "d.jsonl": (b'{"text": "hi"}\n', "15 bytes, shorter than one tar header"),
+             "t.txt": (b"hello world\n" * 100, "it starts like a text file")}
+    for name, (data, words) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError) as e:
+            write_dali_index(str(tmp_path / name))
+        assert f"not a tar file: {words}" in str(e.value), (name, str(e.value))
