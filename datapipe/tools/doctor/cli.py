@@ -74,32 +74,53 @@ def target(script: str, args: list[str]) -> tuple[str, str, list[str]] | str:
             flag = rest.pop(0)
             if flag in _VALUED and rest:
                 rest.pop(0)
+        if rest[:1] == ["-c"]:
+            return "python -c is not run under the doctor: put the code in a script"
         if rest[:1] == ["-m"]:
             if len(rest) < 2:
                 return "python -m needs a module name"
-            if not _module_found(rest[1]):
-                return f"no such module: {rest[1]} (python -m looks in the current folder and sys.path)"
+            if rest[1] in _LAUNCHER_MODULES:
+                return _launcher(f"python -m {rest[1]}")
+            found = _module_found(rest[1])
+            if found != "module":
+                return found
             return ("module", rest[1], rest[2:])
         if not rest:
             return "give the training script after python"
         script, args = rest[0], rest[1:]
     if not os.path.isfile(script):
-        if shutil.which(script) and not script.endswith(".py"):
-            return (f"{script} is a program, not a Python script: the doctor runs one training process in its own "
-                    "(datapipe doctor -- python train.py ARGS, or -- python -m package.train ARGS); for a launcher "
-                    "such as torchrun, run one process of the job that way")
+        name = os.path.basename(script)
+        if name in _LAUNCHERS or (shutil.which(script) and not script.endswith(".py")):
+            return _launcher(script)
         return f"no such script: {script}"
     return ("path", script, list(args))
 
 
-def _module_found(name: str) -> bool:
+_LAUNCHERS = frozenset(("torchrun", "accelerate", "deepspeed", "mpirun", "srun", "composer", "lightning"))
+_LAUNCHER_MODULES = frozenset(("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
+                               "deepspeed.launcher.runner"))
+
+
+def _launcher(what: str) -> str:
+    return (f"{what} is a program or launcher, not a training script: the doctor runs one training process on its "
+            "own (datapipe doctor -- python train.py ARGS, or -- python -m package.train ARGS); under a launcher "
+            "such as torchrun, run one process of the job that way")
+
+
+def _module_found(name: str) -> str:
+    """``"module"`` when ``python -m name`` would run something, else a message saying why not."""
     import importlib.util
 
     sys.path.insert(0, os.getcwd())  # as python -m sees it
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: runs its __main__
+            if importlib.util.find_spec(name + ".__main__") is None:
+                return f"{name} is a package without a __main__ module: give the module that trains ({name}.train?)"
+        return "module" if spec is not None else \
+            f"no such module: {name} (python -m looks in the current folder and sys.path)"
     except (ImportError, ValueError):
-        return False
+        return f"no such module: {name} (python -m looks in the current folder and sys.path)"
     finally:
         sys.path.pop(0)
 

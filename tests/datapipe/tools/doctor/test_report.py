@@ -322,4 +322,12 @@ def test_cli_takes_python_options_and_modules_and_explains_launchers(tmp_path, m
     assert "no such module: proj.nothing" in capsys.readouterr().err
     assert main(["doctor", "--", "ls", "train.py"]) == 1  # a program, not a script: say how instead
     err = capsys.readouterr().err
-    assert "is a program, not a Python script" in err and "python -m" in err
+    assert "is a program or launcher" in err and "python -m" in err
+    for launcher in (["torchrun", "--nproc-per-node", "2", "train.py"],  # on PATH or not
+                     ["python", "-m", "torch.distributed.run", "train.py"]):
+        assert main(["doctor", "--", *launcher]) == 1
+        assert "is a program or launcher" in capsys.readouterr().err
+    assert main(["doctor", "--", "python", "-m", "proj"]) == 1  # a package without __main__
+    assert "package without a __main__ module" in capsys.readouterr().err
+    assert main(["doctor", "--", "python", "-c", "print(1)"]) == 1
+    assert "put the code in a script" in capsys.readouterr().err
