@@ -89,6 +89,7 @@ def run_command(args: argparse.Namespace) -> int:
     lost = report.get("num_lost_samples") or 0
     print(f"{report['out']}: {report['samples']} samples in {report['shards']} shards, "
           f"{report['bytes'] / 1e6:.1f} MB, {report['num_skipped']} skipped "
-          + (f"and {lost} more samples lost with truncated input tars " if lost else "") +
+          + (f"(input items listed in report.json) and {lost} samples never read after the cut of a truncated "
+             "input tar " if lost else "") +
           f"({report['samples_per_s']} samples/s, {report['mb_per_s']} MB/s)")
     return 0

@@ -254,7 +254,8 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
     if skipped:
         lost = report["num_lost_samples"]
         log.warning("skipped %d unreadable items%s (listed in %s)", len(skipped),
-                    f", {lost} more samples lost with truncated tars" if lost else "", join_url(out, "report.json"))
+                    f", and {lost} samples never read after the cut of a truncated tar" if lost else "",
+                    join_url(out, "report.json"))
     return report
 
 

@@ -170,8 +170,10 @@ def _cut(part: dict, why: str, found: int, kept: int) -> Record:
     expected = part.get("expected")
     if expected is None:
         return Record(part["url"], error=why)
-    return Record(part["url"], error=f"{why}: {kept} of the manifest's {expected} samples kept, {expected - kept} lost",
-                  lost=max(0, expected - found))
+    lost = max(0, expected - found)
+    damaged = found - kept
+    return Record(part["url"], error=f"{why}: {kept} of the manifest's {expected} samples kept; {lost} never read"
+                  + (f", {damaged} damaged (listed apart)" if damaged else ""), lost=lost)
 
 
 def _lacks_end_of_archive(url: str, storage_options) -> bool:
