@@ -104,8 +104,9 @@ def test_dispatch_with_workers_has_other_processes_prefetch_and_discard(acc):
     main = sum((v for k, v in read.items() if k.startswith("0-")), [])
     other = sum((v for k, v in read.items() if k.startswith("1-")), [])
     assert sorted(main) == every
-    # Accelerate makes the iterator on every process; process 1's worker prefetches batches it never uses
-    assert other and set(other) <= set(every)
+    # Accelerate makes the iterator on every process: process 1's worker may prefetch batches it never uses (how many
+    # depends on how soon it starts: none at all on a loaded 2-core machine, as one CI run saw); never anything else
+    assert set(other) <= set(every)
 
 
 def test_shardstream_own_split_under_dispatch_loses_half(acc):
