@@ -74,8 +74,10 @@ def _check_kind(kind: str, src: str, *, folder: bool) -> None:
         raise UsageError(f"--input-kind list reads one .csv/.jsonl file of path,label rows; {src!r} is a folder "
                          "(an image folder: --input-kind images, or leave it to auto)")
     if kind == "images" and not folder:
-        raise UsageError(f"--input-kind images reads a folder of class sub-folders; {src!r} is a file (a list of "
-                         "path,label rows: --input-kind list, or leave it to auto)")
+        single = src.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"))
+        hint = ("one image: put it in a class folder, SRC/CLASS/name.jpg, and give SRC" if single
+                else "a list of path,label rows: --input-kind list, or leave it to auto")
+        raise UsageError(f"--input-kind images reads a folder of class sub-folders; {src!r} is a file ({hint})")
 
 
 def shard(src: str, out: str, options: ShardOptions | None = None, *, engine: str = "local",

@@ -97,7 +97,9 @@ def test_an_output_folder_inside_the_source_or_the_source_itself_is_refused(imag
 def test_an_input_kind_that_cannot_be_src_and_a_missing_tokenizer_are_usage_errors(images, tmp_path, capsys):
     root, _ = images
     (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "one.jpg").write_bytes(b"\xff\xd8\xff\xe0")
     cases = ((root, "--input-kind", "list", "is a folder"),
+             (tmp_path / "one.jpg", "--input-kind", "images", "put it in a class folder"),
              (tmp_path / "docs.jsonl", "--input-kind", "images", "is a file"),
              (tmp_path / "docs.jsonl", "--tokenizer", str(tmp_path / "nosuch.json"), "no such file"),
              (root, "--tokenizer", "byte", "--tokenizer applies to text input"),
