@@ -200,8 +200,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
 
     # ---- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-        self._publish_epoch()  # persistent workers' copies follow (datapipe.order.shared_epoch)
+        self.epoch = int(epoch)  # persistent workers' copies follow (datapipe.order.shared_epoch)
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
@@ -263,7 +262,6 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             self._loaded_shape = elastic.shape(state)
             if world != state["world_size"]:
                 self.epoch = int(state["epoch"])
-                self._publish_epoch()
                 self._resume = {"epoch": self.epoch, "num_workers": -1, "world_size": state["world_size"],
                                 "first_worker": 0, "workers": {}, "reshape": reshape}
                 return
@@ -272,7 +270,6 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}
         self.epoch = int(state["epoch"])
-        self._publish_epoch()
         base = state.get("base")
         self._resume = {"epoch": self.epoch, "num_workers": int(state["num_workers"]),
                         "world_size": state.get("world_size"),

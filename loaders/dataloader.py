@@ -179,12 +179,10 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self.collate_fn = inner
         if self._pass_pins:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
-        open_ledger = getattr(self.dataset, "open_ledger", None) or getattr(getattr(self.dataset, "stream", None),
-                                                                            "open_ledger", None)
+        open_ledger = self._dataset_hook("open_ledger")
         if workers > 0 and callable(open_ledger) and not (self.persistent_workers and self._iterator is not None):
             open_ledger(workers)  # the workers' losses reach the dataset's stats() here (datapipe.read.ledger)
-        share_epoch = getattr(self.dataset, "share_epoch", None) or getattr(getattr(self.dataset, "stream", None),
-                                                                            "share_epoch", None)
+        share_epoch = self._dataset_hook("share_epoch")
         if workers > 0 and self.persistent_workers and callable(share_epoch):
             share_epoch()  # before the workers start: their copies follow each pass's epoch (order.shared_epoch)
         forks.install()  # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
@@ -223,6 +221,10 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         """Whether this pass's workers send raw samples in recycled shared memory (loaders.dataloader_rawshm):
         copied out as they arrive, so whoever consumes the batch."""
         return self._raw is not None and self._returns is not None and workers > 0 and recycling_available()
+
+    def _dataset_hook(self, name: str):
+        """The dataset's method ``name`` for the loader (``open_ledger``, ``share_epoch``), or its ``stream``'s."""
+        return getattr(self.dataset, name, None) or getattr(getattr(self.dataset, "stream", None), name, None)
 
     def _drop_persistent(self) -> None:
         if self._iterator is not None:

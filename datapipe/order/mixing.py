@@ -113,8 +113,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """The mix's epoch; streams start each epoch at this epoch too (restarts count up from it)."""
-        self.epoch = int(epoch)
-        self._publish_epoch()  # persistent workers' copies follow (datapipe.order.shared_epoch)
+        self.epoch = int(epoch)  # persistent workers' copies follow (datapipe.order.shared_epoch)
 
     def _set_stream_epoch(self, i: int, epoch: int) -> None:
         if callable(getattr(self.streams[i], "set_epoch", None)):
@@ -234,12 +233,10 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         self.check_loadable(state)
         if elastic.is_global(state):
             self.epoch = int(state["epoch"])
-            self._publish_epoch()
             self._loaded_shape = elastic.shape(state)
             self._resume = {"global": state}
             return
         self.epoch = int(state["epoch"])
-        self._publish_epoch()
         if state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}

@@ -17,12 +17,20 @@ class SharedEpoch:
     """Mixin for a stream with an ``epoch`` attribute and a ``set_epoch`` method.
 
     ``share_epoch()``: ``loaders.DataLoader`` calls it before it starts persistent workers. From then on
-    :meth:`_publish_epoch` (the stream calls it wherever it sets ``epoch`` in the main process) writes the
-    epoch into the shared cell, and :meth:`_follow_epoch` (at the start of a pass) reads it there, in a
+    every assignment to ``epoch`` in the main process writes it into the shared cell, and :meth:`_follow_epoch` (at the start of a pass) reads it there, in a
     worker only: the main process's own epoch is always its ``epoch`` attribute.
     """
 
     _epoch_cell: torch.Tensor | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._epoch = int(value)
+        self._publish_epoch()  # every assignment reaches the worker copies, wherever it is made
 
     def share_epoch(self) -> None:
         """Give this stream's epoch a shared-memory cell its worker copies read (idempotent)."""

@@ -154,15 +154,16 @@ def open_source(
 def _manifest_counts(urls: list[str], storage_options) -> dict[str, int]:
     """Samples per input tar from the ``manifest.json`` beside it (datapipe's shards have one): what a truncated tar
     should have held, so the job counts the samples lost with its cut. ``{}`` where there is none."""
+    from datapipe.errors import DataError
+    from datapipe.tar.manifest import read_manifest
+
     counts: dict[str, int] = {}
     for folder in sorted({posixpath.dirname(u) for u in urls}):
         try:
-            fs, path = filesystem(posixpath.join(folder, "manifest.json"), storage_options)
-            with fs.open(path, "rb") as f:
-                shards = json.load(f).get("shards") or []
-            named = {s["name"]: int(s["count"]) for s in shards if isinstance(s, dict) and "name" in s and "count" in s}
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue  # no manifest, or not datapipe's: nothing expected
+            manifest = read_manifest(folder, storage_options=storage_options, retries=1)
+            named = {s["name"]: int(s["count"]) for s in (manifest or {}).get("shards") or []}
+        except (DataError, KeyError, TypeError, ValueError):
+            continue  # an unreadable manifest, or not datapipe's: nothing expected
         counts.update({u: named[posixpath.basename(u)] for u in urls
                        if posixpath.dirname(u) == folder and posixpath.basename(u) in named})
     return counts

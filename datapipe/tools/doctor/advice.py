@@ -85,6 +85,7 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     cores = m.get("cores") or 1
     cuda = bool(m.get("cuda"))
     workers = (m.get("loader") or {}).get("num_workers")
+    kind = (m.get("loader") or {}).get("type") or ""
     batch = m.get("batch") or {}
     rates = m.get("rates") or {}
 
@@ -106,7 +107,7 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
         add("cpu_bound", f"the loop waited for data {wait:.0%} of the time although num_workers={workers} already "
                          f"uses all {cores} cores: move work off the CPU (GPU decode, pre-decoded or smaller data)",
             wait_fraction=wait, num_workers=workers, cores=cores)
-    elif wait > WAIT_HIGH and ((m.get("loader") or {}).get("type") or "").endswith(".ImageLoader"):
+    elif wait > WAIT_HIGH and kind.endswith(".ImageLoader"):
         add("input_bound", f"the loop waited for data {wait:.0%} of the time: ImageLoader is the bottleneck; give "
                            "DALI more CPU threads (ImageLoader(..., decode=DecodeOptions(num_threads=...))), or the "
                            f"GPU's hardware JPEG decoder with CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} set before CUDA "
@@ -138,7 +139,6 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                              "nvJPEG's CUDA decoder with the Huffman stage on the CPU instead of the hardware "
                              "decoder while it keeps up, the hardware decoder once the loop waits",
             ceiling_ratio=ratio, wait_fraction=wait, hw_decoder_load=hw, cores=cores)
-    kind = (m.get("loader") or {}).get("type") or ""
     connections = m.get("cuda_device_max_connections")
     slowed = ratio is not None and ratio < CEILING_LOW
     if (cuda and kind.endswith(".ImageLoader") and (wait >= WAIT_LOW or slowed)

@@ -81,10 +81,8 @@ def target(script: str, args: list[str]) -> tuple[str, str, list[str]] | str:
                 return "python -m needs a module name"
             if rest[1] in _LAUNCHER_MODULES:
                 return _launcher(f"python -m {rest[1]}")
-            found = _module_found(rest[1])
-            if found != "module":
-                return found
-            return ("module", rest[1], rest[2:])
+            problem = _module_problem(rest[1])
+            return problem if problem else ("module", rest[1], rest[2:])
         if not rest:
             return "give the training script after python"
         script, args = rest[0], rest[1:]
@@ -107,20 +105,21 @@ def _launcher(what: str) -> str:
             "such as torchrun, run one process of the job that way")
 
 
-def _module_found(name: str) -> str:
-    """``"module"`` when ``python -m name`` would run something, else a message saying why not."""
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m name`` would run nothing, or None when it would run a module."""
     import importlib.util
 
+    missing = f"no such module: {name} (python -m looks in the current folder and sys.path)"
     sys.path.insert(0, os.getcwd())  # as python -m sees it
     try:
         spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations is not None:  # a package: runs its __main__
-            if importlib.util.find_spec(name + ".__main__") is None:
-                return f"{name} is a package without a __main__ module: give the module that trains ({name}.train?)"
-        return "module" if spec is not None else \
-            f"no such module: {name} (python -m looks in the current folder and sys.path)"
+        if spec is None:
+            return missing
+        if spec.submodule_search_locations is not None and importlib.util.find_spec(name + ".__main__") is None:
+            return f"{name} is a package without a __main__ module: give the module that trains ({name}.train?)"
+        return None
     except (ImportError, ValueError):
-        return f"no such module: {name} (python -m looks in the current folder and sys.path)"
+        return missing
     finally:
         sys.path.pop(0)
 
