@@ -17,8 +17,9 @@ class SharedEpoch:
     """Mixin for a stream with an ``epoch`` attribute and a ``set_epoch`` method.
 
     ``share_epoch()``: ``loaders.DataLoader`` calls it before it starts persistent workers. From then on
-    every assignment to ``epoch`` in the main process writes it into the shared cell, and :meth:`_follow_epoch` (at the start of a pass) reads it there, in a
-    worker only: the main process's own epoch is always its ``epoch`` attribute.
+    every assignment to ``epoch`` in the main process writes it into the shared cell, and
+    :meth:`_follow_epoch` (at the start of a pass) reads it there, in a worker only: the main process's
+    own epoch is always its ``epoch`` attribute.
     """
 
     _epoch_cell: torch.Tensor | None = None
