@@ -124,7 +124,7 @@ def make_feed(name: str, args, data: dict):
         from loaders import ImageLoader
 
         loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev)
-        return endless(loader), None
+        return endless(loader), loader
     if name == "dali":
         dali = DaliBaseline(data["images"], batch_size=args.batch_size, image_size=args.image_size,
                             device=dev.type, threads=min(8, os.cpu_count() or 1))
@@ -210,6 +210,7 @@ class Bench:
             before = self.last.get((fmt, loop, compiled)) or self.ceiling(fmt, loop, compiled)
             r = run_loop(feed, self.step(fmt, compiled), steps=a.steps, warmup=a.warmup, every=LOOPS[loop],
                          device=a.device, count=self.count(fmt))
+            chosen = decoder_choice(owner)
         except Exception as e:  # one broken loader must not cost the other rows
             traceback.print_exc()
             out = {"loader": name, "loop": loop, "round": round_, "error": repr(e)[:300]}
@@ -225,10 +226,20 @@ class Bench:
                "rate": round(r["rate"], 1), "ceiling": round(ceiling, 1), "ceiling_before": round(before, 1),
                "ceiling_after": round(after, 1), "ceiling_ratio": round(r["rate"] / ceiling, 4),
                "wait_fraction": round(r["wait_fraction"], 4), "step_ms": round(r["step_ms"], 2),
-               "unit": "tokens/s" if fmt == "tokens" else "images/s"}
+               "unit": "tokens/s" if fmt == "tokens" else "images/s", **chosen}
         print(f"    {out}", file=sys.stderr, flush=True)
         self.rows.append(out)
         return out
+
+
+def decoder_choice(loader) -> dict:
+    """An ImageLoader's decoder as the row ended: its hardware decoder share, DALI threads, whether it moved
+    by itself, whether ``next()`` held for the GPU (``{}`` for other loaders)."""
+    s = loader.stats() if callable(getattr(loader, "stats", None)) else {}
+    if not isinstance(s, dict) or "decoder" not in s:
+        return {}
+    keep = ("hw_decoder_load", "threads", "switchable", "switched_after_batches")
+    return {"decoder": {k: s["decoder"][k] for k in keep}, "step_hold": s["step_hold"]["active"]}
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -406,9 +417,10 @@ def main(argv=None) -> dict:
            "config": {k: str(v) for k, v in vars(args).items()}, "loops": LOOPS, "rows": bench.rows}
     if earlier:
         bench.rows[:0] = earlier
+    first = 1 + max((r.get("round", -1) for r in earlier if r.get("step") == "eager"), default=-1)  # --append goes on
     order = [(name, loop) for loop in args.loops for name in args.loaders]
-    for r in range(args.rounds):
-        if r and time.perf_counter() - t0 > args.budget_s:
+    for r in range(first, first + args.rounds):
+        if r > first and time.perf_counter() - t0 > args.budget_s:
             break
         for name, loop in (order if r % 2 == 0 else order[::-1]):
             bench.row(name, loop, r)
