@@ -47,6 +47,7 @@ from datapipe.storage.files import filesystem
 from datapipe.storage.locations import is_local
 from datapipe.jobs.shard.commit import commit, existing_outputs, remove_outputs, verify_shards
 from datapipe.jobs.shard.journal import JOB_DIR, clean_partition, join_url, marker_url, read_json, write_json
+from datapipe.jobs.shard.listing import ONE_IMAGE, image_ext
 from datapipe.jobs.shard.local_engine import run_local
 from datapipe.jobs.shard.lock import OutputLock
 from datapipe.jobs.shard.options import ShardOptions, UsageError, check_run
@@ -74,9 +75,7 @@ def _check_kind(kind: str, src: str, *, folder: bool) -> None:
         raise UsageError(f"--input-kind list reads one .csv/.jsonl file of path,label rows; {src!r} is a folder "
                          "(an image folder: --input-kind images, or leave it to auto)")
     if kind == "images" and not folder:
-        single = src.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"))
-        hint = ("one image: put it in a class folder, SRC/CLASS/name.jpg, and give SRC" if single
-                else "a list of path,label rows: --input-kind list, or leave it to auto")
+        hint = ONE_IMAGE if image_ext(src) else "a list of path,label rows: --input-kind list, or leave it to auto"
         raise UsageError(f"--input-kind images reads a folder of class sub-folders; {src!r} is a file ({hint})")
 
 

@@ -13,6 +13,7 @@ import posixpath
 import re
 from typing import Any
 
+from datapipe.jobs.shard.usage import UsageError
 from datapipe.storage.files import filesystem
 
 IMAGE_EXTENSIONS = {"jpg": "jpg", "jpeg": "jpg", "png": "png", "webp": "webp", "bmp": "bmp", "gif": "gif",
@@ -58,8 +59,8 @@ def detect_kind(url: str, *, storage_options: dict | None = None, text_field: st
             return "text"
         return "list" if isinstance(rec, dict) and "path" in rec and "text" not in rec else "text"
     if not fs.isdir(path):
-        raise ValueError(f"cannot tell what {url!r} is from its name: give a folder, a .csv/.jsonl/.parquet/.tar "
-                         "file, or --input-kind")
+        hint = (ONE_IMAGE if image_ext(url) else "give a folder, a .csv/.jsonl/.parquet/.tar file, or --input-kind")
+        raise UsageError(f"cannot tell what {url!r} is from its name: {hint}")
     names = list(find(fs, path))
     if any(n.endswith(TAR_EXTENSIONS) for n in names):
         return "tar"
@@ -94,6 +95,9 @@ def find(fs, path: str, *, withdirs: bool = False) -> dict[str, dict]:
                     except FileNotFoundError:  # a dangling link: fsspec lists it too
                         found[name] = {"type": "file", "size": 0}
     return dict(sorted(found.items()))
+
+
+ONE_IMAGE = "for one image, put it in a class folder (SRC/CLASS/name.jpg) and give SRC"
 
 
 def image_ext(name: str) -> str | None:

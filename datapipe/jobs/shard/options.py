@@ -6,13 +6,10 @@ import os
 from dataclasses import dataclass, field
 
 from datapipe.jobs.shard.sources import KINDS
+from datapipe.jobs.shard.usage import UsageError
 
 ENGINES = ("local", "ray")
 CHECKS = ("open", "decode", "none")
-
-
-class UsageError(ValueError):
-    """A mistake in how the job was asked for (exit status 2)."""
 
 
 def image_check(value: str | bool) -> str:

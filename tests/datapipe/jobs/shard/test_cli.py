@@ -110,3 +110,14 @@ def test_an_input_kind_that_cannot_be_src_and_a_missing_tokenizer_are_usage_erro
         err = capsys.readouterr().err
         assert words in err and "Errno" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_whose_kind_cannot_be_told_from_its_name_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "one.jpg").write_bytes(b"\xff\xd8\xff\xe0")
+    (tmp_path / "data.bin").write_bytes(b"x")
+    for src, words in ((tmp_path / "one.jpg", "put it in a class folder"), (tmp_path / "data.bin", "--input-kind")):
+        capsys.readouterr()
+        assert run_cli(src, tmp_path / "out", "--workers", "1") == 2, src
+        err = capsys.readouterr().err
+        assert "cannot tell what" in err and words in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
