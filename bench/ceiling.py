@@ -344,17 +344,37 @@ def prepare_data(args) -> dict:
     return data
 
 
-def _earlier_rows(args) -> list[dict]:
+def _earlier(args) -> dict:
+    """The ceiling.json already in ``--out`` (``{}`` if there is none)."""
     path = os.path.join(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "ceiling.json")
     if not os.path.exists(path):
-        return []
+        return {}
     with open(path) as f:
-        return json.load(f).get("rows", [])
+        return json.load(f)
+
+
+def appended(earlier: dict, run: dict) -> dict:
+    """``run``'s rows added to ``earlier``'s: the file keeps its own keys (its first run's date, settings and any
+    probes), and each appended run's date, versions and settings go to ``appended``."""
+    if earlier.get("gpu") != run["gpu"]:
+        raise SystemExit(f"ceiling.py: --append: the file's rows were measured on {earlier.get('gpu')!r}, this run "
+                         f"is on {run['gpu']!r}; give another --out")
+    out = {k: v for k, v in earlier.items() if k not in ("environment", "summary", "seconds")}
+    out["appended"] = earlier.get("appended", []) + [{k: run[k] for k in ("date", "versions", "config")}]
+    run["rows"][:0] = earlier.get("rows", [])
+    out["rows"] = run["rows"]
+    return out
+
+
+def next_round(rows: list[dict], step: str) -> int:
+    """The round number after the last of ``rows`` with this ``step`` ("eager" or "compiled"): --append goes on."""
+    return 1 + max((r.get("round", -1) for r in rows if r.get("step") == step), default=-1)
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the training step runs (default: cuda when there is one)")
     p.add_argument("--loaders", default=",".join(LOADER_NAMES), help="comma list of " + ", ".join(LOADER_NAMES))
     p.add_argument("--loops", default=",".join(LOOPS), help="comma list of " + ", ".join(LOOPS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a row per loader and loop each)")
@@ -387,7 +407,8 @@ def parse(argv=None):
     p.add_argument("--out", default=None, help="results directory (default bench/results: a full run replaces "
                                                "ceiling.json there unless --append)")
     p.add_argument("--append", action="store_true",
-                   help="add this run's rows to the ceiling.json already in --out (e.g. another CUDA_DEVICE_MAX_CONNECTIONS)")
+                   help="add this run's rows to the ceiling.json already in --out, numbering its rounds on and keeping the "
+                        "file's other keys (the same GPU only)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_images, args.batch_size, args.image_size, args.arch = 64, 4, 32, "resnet18"
@@ -414,15 +435,15 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.benchmark = True
     data = prepare_data(args)
     bench = Bench(args, data)
-    earlier = _earlier_rows(args) if args.append else []
     out = {"gpu": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
            "cpu_count": os.cpu_count(), "versions": versions(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
            "config": {k: str(v) for k, v in vars(args).items()}, "loops": LOOPS, "rows": bench.rows}
+    earlier = _earlier(args) if args.append else {}
     if earlier:
-        bench.rows[:0] = earlier
-    first = 1 + max((r.get("round", -1) for r in earlier if r.get("step") == "eager"), default=-1)  # --append goes on
+        out = appended(earlier, out)
+    first = next_round(bench.rows, "eager")
     order = [(name, loop) for loop in args.loops for name in args.loaders]
     for r in range(first, first + args.rounds):
         if r > first and time.perf_counter() - t0 > args.budget_s:
@@ -432,7 +453,8 @@ def main(argv=None) -> dict:
         out["summary"] = summary(bench.rows)
         write_result("ceiling", out, args.out)
     if args.compile:
-        for r in range(max(1, min(2, args.rounds))):
+        first = next_round(bench.rows, "compiled")
+        for r in range(first, first + max(1, min(2, args.rounds))):
             for name in ("imageloader", "dali"):
                 if name in args.loaders:
                     bench.row(name, "runs_ahead", r, compiled=True)

@@ -64,8 +64,26 @@ def test_rows_of_another_connections_setting_are_summarised_apart(tmp_path):
     by = {s["connections"]: s for s in ceiling.summary(rows)}
     assert by["default"]["ceiling_ratio"] == 0.9 and by["32"]["ceiling_ratio"] == 1.0
     (tmp_path / "ceiling.json").write_text(json.dumps({"rows": rows}))
-    assert ceiling._earlier_rows(ceiling.parse(["--out", str(tmp_path), "--append"])) == rows
-    assert ceiling._earlier_rows(ceiling.parse(["--out", str(tmp_path / "none")])) == []
+    assert ceiling._earlier(ceiling.parse(["--out", str(tmp_path), "--append"]))["rows"] == rows
+    assert ceiling._earlier(ceiling.parse(["--out", str(tmp_path / "none")])) == {}
+
+
+def test_append_keeps_the_files_keys_and_numbers_rounds_on():
+    def row(step, round_):
+        return {"loader": "a", "loop": "runs_ahead", "step": step, "round": round_}
+
+    earlier = {"gpu": "G", "date": "first", "config": {"steps": "100"}, "probe": {"kept": True}, "summary": [1],
+               "rows": [row("eager", 0), row("eager", 1), row("compiled", 0)]}
+    run = {"gpu": "G", "date": "second", "versions": {"torch": "x"}, "config": {"steps": "50"}, "rows": [row("eager", 2)]}
+    out = ceiling.appended(earlier, run)
+    assert out["date"] == "first" and out["config"] == {"steps": "100"} and out["probe"] == {"kept": True}
+    assert "summary" not in out and out["appended"] == [{"date": "second", "versions": {"torch": "x"},
+                                                          "config": {"steps": "50"}}]
+    assert out["rows"] is run["rows"] and [r["round"] for r in out["rows"]] == [0, 1, 0, 2]
+    assert ceiling.next_round(out["rows"], "eager") == 3 and ceiling.next_round(out["rows"], "compiled") == 1
+    assert ceiling.next_round([], "eager") == 0
+    with pytest.raises(SystemExit, match="measured on 'G'"):
+        ceiling.appended(earlier, {**run, "gpu": "other"})
 
 
 def test_compile_takes_an_optional_mode():
