@@ -1,7 +1,7 @@
 """CUDA's hardware queues for this process, and holding the host to the GPU when they are few.
 
 The driver maps a process's streams onto ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 unless set,
-at most 32), read once when CUDA starts. DALI decodes on ~20 streams: with 8 queues the hardware JPEG
+at most 32), read once when CUDA starts. DALI decodes on ~24 streams: with 8 queues the hardware JPEG
 decoder's work stalls behind the rest, and in a loop whose host runs ahead of the GPU (the training
 queue never drains) the next batch is late; with 32 it does not. Measured on an H200 (ResNet-50,
 8 queues, a loop that waits for the GPU every 50 steps), the hardware decoder: ImageLoader 0.92-0.93 of
@@ -19,16 +19,35 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where the hold runs: the constants serve modules that keep torch out
     import torch
 
-__all__ = ["DEFAULT_QUEUES", "WIDE_QUEUES", "StepHold", "hardware_queues"]
+__all__ = ["DEFAULT_QUEUES", "WIDE_QUEUES", "StepHold", "hardware_queues", "watch_cuda_start"]
 
 DEFAULT_QUEUES = 8  # the driver's default
 WIDE_QUEUES = 32  # the most the driver gives, and what DALI beside training needs
 
 
+VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
+_AT_CUDA_START: dict = {}  # "value": the variable as it was when CUDA started here, once known
+
+
+def watch_cuda_start() -> None:
+    """Note ``CUDA_DEVICE_MAX_CONNECTIONS`` when CUDA starts in this process, the moment CUDA reads it (at once
+    if it has already started: a value changed before then is not seen). Safe to call more than once."""
+    import torch
+
+    if _AT_CUDA_START.get("watching"):
+        return
+    _AT_CUDA_START["watching"] = True
+    lazy = getattr(torch.cuda, "_lazy_call", None)  # runs a callable right after CUDA starts (now if it has)
+    if lazy is not None:
+        lazy(lambda: _AT_CUDA_START.setdefault("value", os.environ.get(VARIABLE)))
+
+
 def hardware_queues() -> int:
-    """The hardware queues CUDA gives this process: ``CUDA_DEVICE_MAX_CONNECTIONS`` (as CUDA reads it
-    at start), else the driver's 8. A value set after CUDA started is not seen by CUDA either."""
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    """The hardware queues CUDA gives this process: ``CUDA_DEVICE_MAX_CONNECTIONS`` as it was when CUDA
+    started (once :func:`watch_cuda_start` saw it start; before that, as it is now), else the driver's 8.
+    A value set after CUDA started changes nothing, here as in CUDA."""
+    value = _AT_CUDA_START["value"] if "value" in _AT_CUDA_START else os.environ.get(VARIABLE)
+    value = (value or "").strip()
     return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_QUEUES
 
 

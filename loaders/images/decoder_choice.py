@@ -6,9 +6,10 @@ less. ``"auto"`` starts on the CUDA decoder where the process has the cores for 
 hardware decoder, once and for good, as soon as the consumer is seen starved of batches:
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
-- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: its
-  time blocked in ``next()`` while its GPU stream had nothing left to run (a loop that runs ahead of
-  the GPU also blocks in ``next()``, harmlessly, while the GPU still works through queued steps).
+- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the
+  waits in ``next()`` after which its GPU stream had nothing left to run, whole (a loop that runs ahead
+  of the GPU also blocks in ``next()``, harmlessly, while the GPU still works through queued steps: such
+  a wait, still queued when the batch arrives, counts nothing).
   Above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after ``EARLY``
   batches of a window it switches without waiting for the window's end.
 
@@ -17,11 +18,11 @@ hardware decoder, once and for good, as soon as the consumer is seen starved of 
 to ``HARDWARE_LOAD`` as ``"auto"`` does if that starves the loop (too few cores for the Huffman stage,
 a fast model); else ``HARDWARE_LOAD`` throughout. Measured on an H200 (ResNet-50, 8 queues, a loop
 that runs ahead of the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
-ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder does not (0.977-0.982,
-no hold; the hand-written DALI loop 0.936-0.946); with 32 queues the hardware decoder gives 0.985. The
+ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder with 12 threads does not
+(0.984, no hold; the hand-written DALI loop 0.90-0.94); with 32 queues the hardware decoder gives 0.985. The
 CUDA decoder's Huffman stage is CPU-bound: 8 threads capped it at ~5.4k images/s under ResNet-50 with
-``torch.compile`` (which wants 6.8k: 0.80 of its ceiling), 12 threads gave 0.92 (a separate row; the hand
-loop 0.91).
+``torch.compile`` (which wants ~6.7k: 0.80 of its ceiling), 12 threads reach 6.5k there (0.977; the hand
+loop 0.905).
 
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
 repeating nothing; about half a second). Few cores
@@ -33,7 +34,7 @@ from __future__ import annotations
 import os
 
 HARDWARE_LOAD = 0.75  # the hardware decoder's share of each batch once switched (the rest: the CUDA decoder)
-CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (8: 5.2k img/s on the H200, 12: 7.6k)
+CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (H200, compiled ResNet-50: 8 gave 5.4k img/s, 12 6.5k)
 SPARE_CORES = 4  # left to the training loop's threads (Python, autograd) and the producer: threads <= cores - 4
 MIN_CORES = 12  # fewer cores for this process: the hardware decoder from the start
 SKIP = 5

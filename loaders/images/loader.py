@@ -28,7 +28,7 @@ import torch
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import CurrentStream, ProducerMeter, close_last
 from datapipe.device.pacing import IMAGE_PACE
-from datapipe.device.queues import WIDE_QUEUES, StepHold, hardware_queues
+from datapipe.device.queues import WIDE_QUEUES, StepHold, hardware_queues, watch_cuda_start
 from datapipe.device.side_stream import on_side_stream
 from datapipe.order.ranks import rank_world
 from datapipe.order.seeds import derive_seed
@@ -47,6 +47,7 @@ SHUFFLE_BUFFER = 2000  # the sample shuffle buffer of a stream the loader builds
 
 
 log = logging.getLogger("loaders.images")
+watch_cuda_start()  # the hardware queues CUDA starts with, whatever the variable says later
 @functools.lru_cache(maxsize=2)
 def advise_hardware_queues(hardware_decoder: bool = True) -> bool:
     """Say once per process what CUDA's hardware queues mean for decoding when there are fewer than 32.

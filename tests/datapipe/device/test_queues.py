@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from datapipe.device import queues as queues_module
 from datapipe.device.queues import DEFAULT_QUEUES, WIDE_QUEUES, StepHold, hardware_queues
 
 
@@ -13,6 +14,31 @@ def test_hardware_queues_reads_what_cuda_reads(monkeypatch, value, queues):
     else:
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
     assert hardware_queues() == queues
+
+
+def test_hardware_queues_are_what_the_variable_was_when_cuda_started(monkeypatch):
+    started: list = []
+    monkeypatch.setattr(torch.cuda, "_lazy_call", started.append)  # CUDA starts when the test says so
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    queues_module.watch_cuda_start()
+    queues_module.watch_cuda_start()  # once is enough
+    assert len(started) == 1
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts: CUDA will read 32
+    assert hardware_queues() == 32
+    started[0]()  # CUDA starts
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "16")  # too late for CUDA
+    assert hardware_queues() == 32
+
+
+@pytest.mark.gpu
+def test_gpu_hardware_queues_ignore_a_value_set_after_cuda_started(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.init()
+    queues_module.watch_cuda_start()  # CUDA has started: notes the variable now
+    before = hardware_queues()
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32" if before != 32 else "8")
+    assert hardware_queues() == before
 
 
 @pytest.mark.parametrize("value, device, on_gpu, active", [
