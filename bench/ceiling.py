@@ -6,9 +6,9 @@ One process, one GPU. Loaders (``--loaders``):
 - ``dali``: the DALI loop a user writes by hand (``readers.webdataset`` + ``decoders.image_random_crop``
   mixed + ``resize`` + ``crop_mirror_normalize``, ``pipe.run()`` in the training thread, outputs copied on
   its stream: ``datapipe.tools.bench.baselines.DaliBaseline``);
-- ``dataloader``: ``loaders.DataLoader(device=...)`` over a map-style uint8 224x224 dataset that keeps up, as
-  long as ImageNet-1k's train split (``--epoch-batches``: 5004 batches, so a row's steps cross no epoch start;
-  one costs ~45 ms of the workers' first batch, torch's ~115 ms, which a 64-batch epoch would count 1/64 of the time);
+- ``dataloader``: ``loaders.DataLoader(device=...)`` over a map-style uint8 224x224 dataset that keeps up,
+  ``--epoch-batches`` long (64: every row's timed steps cross one epoch start, which costs ~45 ms of the
+  workers' first batch, torch's ~117 ms; 5004, ImageNet-1k's train split at batch 256, crosses none);
 - ``torch_dataloader``: torch's DataLoader over the same dataset, ``pin_memory=True`` +
   ``.to(device, non_blocking=True)`` (the usual idiom);
 - ``tokenloader``: ``loaders.TokenLoader`` (4 x 4096 packed rows) into a ~162M-parameter Llama.
@@ -392,8 +392,9 @@ def parse(argv=None):
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row (TokenLoader)")
     p.add_argument("--token-batch", type=int, default=4, help="packed rows per batch (TokenLoader)")
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers of the dataloader rows")
-    p.add_argument("--epoch-batches", type=int, default=5004,
-                   help="batches per epoch of the dataloader rows (5004: ImageNet-1k's train split at batch 256)")
+    p.add_argument("--epoch-batches", type=int, default=64,
+                   help="batches per epoch of the dataloader rows (64: a row crosses one epoch start; 5004: "
+                        "ImageNet-1k's train split at batch 256, none)")
     p.add_argument("--profile", action="store_true", help="profile one runs_ahead window (ImageLoader, hand loop)")
     p.add_argument("--trace-dir", default=None, help="where the profiler's traces go (default: a temporary folder)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
