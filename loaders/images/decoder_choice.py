@@ -3,7 +3,8 @@
 nvJPEG's CUDA decoder (the Huffman stage on DALI's CPU threads, the rest on the GPU) decodes ~3x
 slower than the GPU's hardware decoder and uses more cores, but can slow a training step beside it
 less. ``"auto"`` starts on the CUDA decoder where the process has the cores for it, and moves to the
-hardware decoder, once and for good, as soon as the consumer is seen starved of batches:
+hardware decoder once the consumer is seen starved of batches, and keeps it only if the loop then runs
+faster:
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
 - then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the
@@ -11,7 +12,11 @@ hardware decoder, once and for good, as soon as the consumer is seen starved of 
   of the GPU also blocks in ``next()``, harmlessly, while the GPU still works through queued steps: such
   a wait, still queued when the batch arrives, counts nothing).
   Above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after ``EARLY``
-  batches of a window it switches without waiting for the window's end.
+  batches of a window it switches without waiting for the window's end;
+- on the hardware decoder, after ``SKIP`` batches, a trial window of ``WINDOW`` batches: handed out
+  more slowly than in the window that moved it, the loader moves back to the CUDA decoder. Either way
+  the choice is then final. Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, H200, 8 queues)
+  the move made the loop twice as slow (0.48 of the ceiling; 12 threads had started it starved).
 
 ``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
 (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder alone, moving
@@ -86,9 +91,11 @@ class DecoderChoice:
         else:
             self.load = HARDWARE_LOAD if setting == "auto" else float(setting)
         self.due = False  # set by the consumer: the producer should switch before its next batch
+        self.settled = False  # the move was tried (kept or taken back): no more judging
         self.switched_after: int | None = None  # batches handed out when the switch was asked for
         self.switches = 0  # pipelines rebuilt for a switch
         self.rebuild_s = 0.0  # the producer's time spent rebuilding them
+        self.rates: list[float] = []  # batches/s of the window that moved it, then of the trial window
         self.handed = 0
         self.start()
 
@@ -108,14 +115,14 @@ class DecoderChoice:
 
     @property
     def judging(self) -> bool:
-        """Whether the consumer's waits are judged now: a switchable choice still on the CUDA decoder."""
-        return self.switchable and self.load == 0.0 and not self.due
+        """Whether the consumer's batches are judged now: a switchable choice not yet settled, no switch due."""
+        return self.switchable and not self.settled and not self.due
 
     def took(self, starved_s: float, now: float) -> None:
         """(Consumer) a batch was handed out after ``starved_s`` blocked in ``next()`` with nothing queued on the
         GPU (0 for a wait while the GPU still worked); ``now``: the clock after it."""
         self.handed += 1
-        if not self.judging:  # judged only on the CUDA decoder, until due
+        if not self.judging:
             return
         if self._skip > 0:
             self._skip -= 1
@@ -127,18 +134,27 @@ class DecoderChoice:
         elapsed = now - self._window_start
         if elapsed <= 0:
             return
+        if self.load > 0:  # the trial on the hardware decoder
+            if self._batches >= WINDOW:
+                self.rates.append(self._batches / elapsed)
+                self.settled = True
+                self.due = self.rates[-1] < self.rates[0]  # slower than before the move: back
+            return
         starving = self._wait / elapsed
         early = self._batches >= EARLY and starving > EARLY_THRESHOLD
         if starving > THRESHOLD and (self._batches >= WINDOW or early):
             self.due = True
             self.switched_after = self.handed
+            self.rates.append(self._batches / elapsed)
         elif self._batches >= WINDOW:
             self._window_start, self._batches, self._wait = now, 0, 0.0
 
     def switching(self) -> None:
-        """(Producer) the next pipeline decodes with the hardware decoder (call before building it)."""
-        self.load = HARDWARE_LOAD
+        """(Producer) the next pipeline decodes with the other decoder (call before building it): the hardware
+        decoder for ``HARDWARE_LOAD`` on a move, the CUDA decoder alone when the trial takes it back."""
+        self.load = 0.0 if self.load > 0 else HARDWARE_LOAD
         self.due = False
+        self.start()  # the trial skips the new pipeline's first batches
 
     def switched(self, seconds: float) -> None:
         """(Producer) the new pipeline is built; building it took ``seconds``."""
@@ -146,11 +162,12 @@ class DecoderChoice:
         self.rebuild_s += seconds
 
     def stats(self) -> dict:
-        """The share and threads in use, and whether and when "auto" switched (``ImageLoader.stats()["decoder"]``)."""
+        """The share and threads in use, whether and when it moved, and the rates before the move and in its trial
+        (``ImageLoader.stats()["decoder"]``; two switches: the trial took the move back)."""
         return {"hw_decoder_load": self.load, "auto": self.auto, "switchable": self.switchable,
                 "threads": self.threads,
                 "switched_after_batches": self.switched_after, "switches": self.switches,
-                "rebuild_s": round(self.rebuild_s, 3)}
+                "rebuild_s": round(self.rebuild_s, 3), "batches_per_s": [round(r, 2) for r in self.rates]}
 
 
 def age_replaced(replaced: list) -> list:

@@ -44,11 +44,17 @@ def format_report(rep: dict) -> str:
 
 
 def _decoder(name: str, d: dict, connections) -> str:
-    """One line on an ImageLoader's JPEG decoding: the hardware decoder's share, threads, and a move if any."""
+    """One line on an ImageLoader's JPEG decoding: the hardware decoder's share, threads, and a move (kept or taken
+    back after its trial) if any."""
     line = (f"  decoder: {name} {d.get('hw_decoder_load', 0):.0%} of JPEGs on the hardware decoder, "
             f"{d.get('threads')} DALI threads")
-    if d.get("switches"):
+    rates = " -> ".join(f"{r:g}" for r in d.get("batches_per_s") or [])
+    if d.get("switches", 0) >= 2:
+        line += (f"; tried the hardware decoder after {d.get('switched_after_batches')} batches (the loop was "
+                 f"starved) and moved back, slower there ({rates} batches/s)")
+    elif d.get("switches"):
         line += f"; moved there after {d.get('switched_after_batches')} batches (the loop was starved)"
+        line += f", faster there ({rates} batches/s)" if "->" in rates else ", on trial"
     elif d.get("switchable"):
         line += "; moves there by itself if the loop starves"
     queues = connections or "unset (8 queues)"

@@ -46,11 +46,11 @@ def test_the_default_share_follows_the_hardware_queues(queues, cores, cuda, load
     assert c.switchable is (load == 0.0 and cuda)  # only the CUDA decoder it chose may give way
     feed(c, 20 * WINDOW, wait_s=0.0)  # a loop that is never starved (waits while the GPU still works count 0)
     assert not c.due
-    feed(c, 500, wait_s=0.05)  # a starved loop: the CUDA decoder gives way to the hardware decoder, once
+    feed(c, 500, wait_s=0.05)  # a starved loop: the CUDA decoder gives way to the hardware decoder, on trial
     assert c.due is c.switchable
     if c.due:
         c.switching()
-        assert c.load == HARDWARE_LOAD and c.threads == 8 and not c.judging
+        assert c.load == HARDWARE_LOAD and c.threads == 8 and c.judging and not c.settled  # on trial
 
 
 def test_the_default_share_reads_cuda_device_max_connections(monkeypatch):
@@ -84,10 +84,47 @@ def test_a_steady_shortfall_switches_at_the_end_of_a_window():
     c.switching()
     assert c.load == HARDWARE_LOAD and c.threads == 8 and not c.due
     c.switched(2.5)
-    assert c.stats() == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "threads": 8,
-                         "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5}
+    stats = c.stats()
+    assert stats.pop("batches_per_s") == [pytest.approx(1 / 0.0525, abs=0.01)]  # the window that moved it
+    assert stats == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "threads": 8,
+                     "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5}
+
+
+def moved(wait_before: float) -> DecoderChoice:
+    """An "auto" choice that moved to the hardware decoder after waits of ``wait_before`` per 50 ms step."""
+    c = auto()
+    feed(c, 10 * WINDOW, wait_s=wait_before)
+    assert c.due
+    c.switching()
+    c.switched(0.5)
+    return c
+
+
+def test_the_move_is_kept_when_the_loop_runs_faster_on_the_hardware_decoder():
+    c = moved(0.05 * 0.05)
+    feed(c, SKIP + WINDOW, wait_s=0.0)  # the trial: no waits, faster
+    assert c.settled and not c.due and c.load == HARDWARE_LOAD
+    assert c.stats()["batches_per_s"][1] > c.stats()["batches_per_s"][0]
+    feed(c, 10 * WINDOW, wait_s=0.05)  # starving again: settled, no more moves
+    assert not c.due and c.load == HARDWARE_LOAD and c.switches == 1
+
+
+def test_the_move_is_taken_back_when_the_loop_runs_slower_on_the_hardware_decoder():
+    c = moved(0.05 * 0.05)
+    feed(c, SKIP + WINDOW, wait_s=0.05)  # the trial: half the time waiting, slower than before
+    assert c.settled and c.due
+    c.switching()
+    c.switched(0.5)
+    assert c.load == 0.0 and c.threads == decoder_choice.CUDA_THREADS and not c.due and c.switches == 2
     feed(c, 10 * WINDOW, wait_s=0.05)
-    assert not c.due  # once, for good
+    assert not c.due and c.load == 0.0  # final
+
+
+def test_the_trial_skips_the_new_pipelines_first_batches():
+    c = moved(0.05 * 0.05)
+    now = feed(c, SKIP, wait_s=1.0)  # the rebuilt pipeline's slow start is not held against it
+    feed(c, WINDOW, wait_s=0.0, t0=now)
+    assert c.settled and not c.due and c.load == HARDWARE_LOAD
 
 
 def test_a_starving_consumer_switches_early():
