@@ -172,7 +172,8 @@ class StreamReader:
         feed.start(itertools.chain(pending, feed.raw))
         lo._decoder.switching()
         rank, _ = lo._rank_world()
-        new = lo._pipeline(source=feed, seed=derive_seed(self.stream.seed, lo.epoch, rank, "dali-switch", bits=31))
+        seed = derive_seed(self.stream.seed, lo.epoch, rank, "dali-switch", lo._decoder.switches, bits=31)
+        new = lo._pipeline(source=feed, seed=seed)  # a random stream of its own per switch
         new.build()
         self._replaced.append([self._pipe, 2])
         self._pipe = new
