@@ -153,8 +153,8 @@ class DecoderChoice:
         """(Producer) the next pipeline decodes with the other decoder (call before building it): the hardware
         decoder for ``HARDWARE_LOAD`` on a move, the CUDA decoder alone when the trial takes it back."""
         self.load = 0.0 if self.load > 0 else HARDWARE_LOAD
-        self.due = False
         self.start()  # the trial skips the new pipeline's first batches
+        self.due = False  # last: the consumer judges again only once the window is reset
 
     def switched(self, seconds: float) -> None:
         """(Producer) the new pipeline is built; building it took ``seconds``."""
