@@ -380,7 +380,7 @@ class DaliReader:
         lo = self.loader
         t0 = time.perf_counter()
         checkpoint = _raw_checkpoint(pipe)
-        lo._decoder.switching()
+        lo._decoder.switching(in_flight=lo.read.prefetch_queue_depth)  # batches queued for the consumer
         new = lo._pipeline(reader=reader, checkpoint=checkpoint, source_info=True)
         try:
             new.build()

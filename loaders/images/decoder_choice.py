@@ -13,9 +13,10 @@ faster:
   a wait, still queued when the batch arrives, counts nothing).
   Above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after ``EARLY``
   batches of a window it switches without waiting for the window's end;
-- on the hardware decoder, after ``SKIP`` batches, a trial window of ``WINDOW`` batches: handed out
-  more slowly than in the window that moved it, the loader moves back to the CUDA decoder. Either way
-  the choice is then final. Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, H200, 8 queues)
+- on the hardware decoder, past the batches the old pipeline had queued and ``SKIP`` more, a trial of
+  ``WINDOW`` batches (added up over iterations, each one's first ``SKIP`` left out): handed out more
+  slowly than in the window that moved it, the loader moves back to the CUDA decoder. Either way the
+  choice is then final. Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, H200, 8 queues)
   the move made the loop twice as slow (0.48 of the ceiling; 12 threads had started it starved).
 
 ``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
@@ -39,7 +40,7 @@ from __future__ import annotations
 import os
 
 HARDWARE_LOAD = 0.75  # the hardware decoder's share of each batch once switched (the rest: the CUDA decoder)
-CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (H200, compiled ResNet-50: 8 gave 5.4k img/s, 12 6.5k)
+CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (compiled ResNet-50: 8 gave 5.4k img/s, 12 6.5k)
 SPARE_CORES = 4  # left to the training loop's threads (Python, autograd) and the producer: threads <= cores - 4
 MIN_CORES = 12  # fewer cores for this process: the hardware decoder from the start
 SKIP = 5
@@ -90,6 +91,7 @@ class DecoderChoice:
             self.load = 0.0
         else:
             self.load = HARDWARE_LOAD if setting == "auto" else float(setting)
+            self.switchable = False  # already on the hardware decoder (too few cores), or a share the user gave
         self.due = False  # set by the consumer: the producer should switch before its next batch
         self.settled = False  # the move was tried (kept or taken back): no more judging
         self.switched_after: int | None = None  # batches handed out when the switch was asked for
@@ -97,7 +99,7 @@ class DecoderChoice:
         self.rebuild_s = 0.0  # the producer's time spent rebuilding them
         self.rates: list[float] = []  # batches/s of the window that moved it, then of the trial window
         self.handed = 0
-        self.start()
+        self._reset(SKIP)
 
     @property
     def threads(self) -> int:
@@ -106,17 +108,38 @@ class DecoderChoice:
             return self.threads_asked
         return self.cuda_threads if self.cuda and self.load == 0.0 else self.hardware_threads
 
-    def start(self) -> None:
-        """A new iteration: skip its first batches, then judge in windows."""
-        self._skip = SKIP
-        self._window_start: float | None = None
+    def _reset(self, skip: int) -> None:
+        self._skip = skip  # batches not judged from now on
+        self._window_start: float | None = None  # the clock when judging started in this iteration
+        self._last = 0.0  # the clock at the last batch
+        self._done_s = 0.0  # a trial's judged seconds in earlier iterations
         self._batches = 0
         self._wait = 0.0
+
+    def start(self) -> None:
+        """A new iteration: skip its first batches, then judge in windows. A trial goes on where it was (its
+        batches and judged time add up over iterations), so a short epoch cannot keep it from ending."""
+        if not self.on_trial:
+            self._reset(SKIP)
+            return
+        if self._window_start is not None:
+            self._done_s += self._last - self._window_start
+        self._skip, self._window_start = SKIP, None
+
+    @property
+    def on_trial(self) -> bool:
+        """Moved to the hardware decoder, and not yet settled on it or back."""
+        return self.switchable and self.load > 0 and not self.settled
 
     @property
     def judging(self) -> bool:
         """Whether the consumer's batches are judged now: a switchable choice not yet settled, no switch due."""
         return self.switchable and not self.settled and not self.due
+
+    @property
+    def watching_starvation(self) -> bool:
+        """Whether ``next()``'s waits are judged as starvation now (on the CUDA decoder, before any move)."""
+        return self.judging and self.load == 0.0
 
     def took(self, starved_s: float, now: float) -> None:
         """(Consumer) a batch was handed out after ``starved_s`` blocked in ``next()`` with nothing queued on the
@@ -124,6 +147,7 @@ class DecoderChoice:
         self.handed += 1
         if not self.judging:
             return
+        self._last = now
         if self._skip > 0:
             self._skip -= 1
             if self._skip == 0:
@@ -131,7 +155,7 @@ class DecoderChoice:
             return
         self._batches += 1
         self._wait += starved_s
-        elapsed = now - self._window_start
+        elapsed = self._done_s + now - self._window_start
         if elapsed <= 0:
             return
         if self.load > 0:  # the trial on the hardware decoder
@@ -149,11 +173,12 @@ class DecoderChoice:
         elif self._batches >= WINDOW:
             self._window_start, self._batches, self._wait = now, 0, 0.0
 
-    def switching(self) -> None:
+    def switching(self, in_flight: int = 0) -> None:
         """(Producer) the next pipeline decodes with the other decoder (call before building it): the hardware
-        decoder for ``HARDWARE_LOAD`` on a move, the CUDA decoder alone when the trial takes it back."""
+        decoder for ``HARDWARE_LOAD`` on a move, the CUDA decoder alone when the trial takes it back.
+        ``in_flight``: batches the old pipeline made that the consumer has yet to take (not judged either)."""
         self.load = 0.0 if self.load > 0 else HARDWARE_LOAD
-        self.start()  # the trial skips the new pipeline's first batches
+        self._reset(SKIP + in_flight)  # the trial skips them and the new pipeline's first batches
         self.due = False  # last: the consumer judges again only once the window is reset
 
     def switched(self, seconds: float) -> None:
@@ -167,7 +192,19 @@ class DecoderChoice:
         return {"hw_decoder_load": self.load, "auto": self.auto, "switchable": self.switchable,
                 "threads": self.threads,
                 "switched_after_batches": self.switched_after, "switches": self.switches,
-                "rebuild_s": round(self.rebuild_s, 3), "batches_per_s": [round(r, 2) for r in self.rates]}
+                "rebuild_s": round(self.rebuild_s, 3), "batches_per_s": [round(r, 2) for r in self.rates],
+                "trial": self.trial}
+
+    @property
+    def trial(self) -> str | None:
+        """None (never moved), "on", "kept", "moving back" (decided, not yet rebuilt) or "taken back"."""
+        if not self.rates:
+            return None
+        if not self.settled:
+            return "on"
+        if self.due:
+            return "moving back"
+        return "kept" if self.load > 0 else "taken back"
 
 
 def age_replaced(replaced: list) -> list:

@@ -396,7 +396,7 @@ class ImageLoader:
     def _starved(self, waited: float) -> float:
         """The part of a wait in ``next()`` that left the GPU idle, for the decoder choice: all of it when the
         consumer's stream had nothing left to run as the batch arrived (a CPU device: always), else none."""
-        if waited <= 0.0 or not self._decoder.judging or self.device.type != "cuda":
+        if waited <= 0.0 or not self._decoder.watching_starvation or self.device.type != "cuda":
             return waited
         if self._consumer is None:
             self._consumer = CurrentStream(self.device)

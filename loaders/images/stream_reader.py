@@ -170,7 +170,7 @@ class StreamReader:
         t0 = time.perf_counter()
         pending = list(feed.fifo)
         feed.start(itertools.chain(pending, feed.raw))
-        lo._decoder.switching()
+        lo._decoder.switching(in_flight=lo.read.prefetch_queue_depth)  # batches queued for the consumer
         rank, _ = lo._rank_world()
         seed = derive_seed(self.stream.seed, lo.epoch, rank, "dali-switch", lo._decoder.switches, bits=31)
         new = lo._pipeline(source=feed, seed=seed)  # a random stream of its own per switch

@@ -49,12 +49,14 @@ def _decoder(name: str, d: dict, connections) -> str:
     line = (f"  decoder: {name} {d.get('hw_decoder_load', 0):.0%} of JPEGs on the hardware decoder, "
             f"{d.get('threads')} DALI threads")
     rates = " -> ".join(f"{r:g}" for r in d.get("batches_per_s") or [])
-    if d.get("switches", 0) >= 2:
-        line += (f"; tried the hardware decoder after {d.get('switched_after_batches')} batches (the loop was "
-                 f"starved) and moved back, slower there ({rates} batches/s)")
-    elif d.get("switches"):
-        line += f"; moved there after {d.get('switched_after_batches')} batches (the loop was starved)"
-        line += f", faster there ({rates} batches/s)" if "->" in rates else ", on trial"
+    tried = f"tried the hardware decoder after {d.get('switched_after_batches')} batches (the loop was starved)"
+    trial = d.get("trial")
+    if trial == "on":
+        line += f"; {tried}, on trial"
+    elif trial == "kept":
+        line += f"; {tried} and kept it, no slower there ({rates} batches/s)"
+    elif trial in ("moving back", "taken back"):
+        line += f"; {tried} and {'moves' if trial == 'moving back' else 'moved'} back, slower there ({rates} batches/s)"
     elif d.get("switchable"):
         line += "; moves there by itself if the loop starves"
     queues = connections or "unset (8 queues)"

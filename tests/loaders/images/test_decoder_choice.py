@@ -87,7 +87,7 @@ def test_a_steady_shortfall_switches_at_the_end_of_a_window():
     stats = c.stats()
     assert stats.pop("batches_per_s") == [pytest.approx(1 / 0.0525, abs=0.01)]  # the window that moved it
     assert stats == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "threads": 8,
-                     "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5}
+                     "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5, "trial": "on"}
 
 
 def moved(wait_before: float) -> DecoderChoice:
@@ -103,7 +103,7 @@ def moved(wait_before: float) -> DecoderChoice:
 def test_the_move_is_kept_when_the_loop_runs_faster_on_the_hardware_decoder():
     c = moved(0.05 * 0.05)
     feed(c, SKIP + WINDOW, wait_s=0.0)  # the trial: no waits, faster
-    assert c.settled and not c.due and c.load == HARDWARE_LOAD
+    assert c.settled and not c.due and c.load == HARDWARE_LOAD and c.trial == "kept"
     assert c.stats()["batches_per_s"][1] > c.stats()["batches_per_s"][0]
     feed(c, 10 * WINDOW, wait_s=0.05)  # starving again: settled, no more moves
     assert not c.due and c.load == HARDWARE_LOAD and c.switches == 1
@@ -112,12 +112,41 @@ def test_the_move_is_kept_when_the_loop_runs_faster_on_the_hardware_decoder():
 def test_the_move_is_taken_back_when_the_loop_runs_slower_on_the_hardware_decoder():
     c = moved(0.05 * 0.05)
     feed(c, SKIP + WINDOW, wait_s=0.05)  # the trial: half the time waiting, slower than before
-    assert c.settled and c.due
+    assert c.settled and c.due and c.trial == "moving back"
     c.switching()
     c.switched(0.5)
+    assert c.trial == "taken back"
     assert c.load == 0.0 and c.threads == decoder_choice.CUDA_THREADS and not c.due and c.switches == 2
     feed(c, 10 * WINDOW, wait_s=0.05)
     assert not c.due and c.load == 0.0  # final
+
+
+def test_a_trial_goes_on_over_short_epochs():
+    c = moved(0.05 * 0.05)
+    now = 0.0
+    for epoch in range(WINDOW):  # epochs of SKIP + 3 batches: each alone too short for a trial window
+        c.start()
+        now = feed(c, SKIP, wait_s=0.5, t0=now + 10.0)  # each epoch's slow start and the gap between epochs
+        now = feed(c, 3, wait_s=0.0, t0=now)  # unjudged
+        if c.settled:
+            break
+    assert c.trial == "kept" and epoch * 3 < WINDOW + 3  # judged on its 3 batches an epoch, gaps left out
+
+
+def test_batches_the_old_pipeline_queued_are_not_judged_in_the_trial():
+    c = auto()
+    feed(c, 10 * WINDOW, wait_s=0.05 * 0.05)
+    c.switching(in_flight=4)
+    now = feed(c, SKIP + 4, wait_s=1.0)  # four old batches, then the new pipeline's slow start
+    feed(c, WINDOW, wait_s=0.0, t0=now)
+    assert c.trial == "kept"
+
+
+def test_auto_without_the_cores_for_the_cuda_decoder_has_nothing_to_try():
+    c = auto(cores=8)
+    assert c.load == HARDWARE_LOAD and not c.switchable and not c.judging
+    feed(c, 10 * WINDOW, wait_s=0.05)
+    assert c.trial is None and not c.due
 
 
 def test_the_trial_skips_the_new_pipelines_first_batches():

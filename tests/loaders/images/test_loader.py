@@ -791,7 +791,7 @@ def test_only_a_wait_that_leaves_the_gpu_idle_counts_as_starved():
             return self.idle
 
     def fake(device, idle, judging=True):
-        return SimpleNamespace(device=torch.device(device), _decoder=SimpleNamespace(judging=judging),
+        return SimpleNamespace(device=torch.device(device), _decoder=SimpleNamespace(watching_starvation=judging),
                                _consumer=lambda: Stream(idle))
 
     assert ImageLoader._starved(fake("cuda", idle=True), 0.02) == 0.02  # the GPU ran dry while it waited

@@ -287,15 +287,16 @@ def test_an_image_loaders_decoder_choice_is_one_line_of_a_cuda_report():
     chosen = {"hw_decoder_load": 0.0, "auto": False, "switchable": True, "threads": 12,
               "switched_after_batches": None, "switches": 0, "rebuild_s": 0.0}
     moved = {**chosen, "hw_decoder_load": 0.75, "threads": 8, "switched_after_batches": 13, "switches": 1,
-             "batches_per_s": [17.5]}
-    kept = {**moved, "batches_per_s": [17.5, 19.25]}
-    back = {**chosen, "switched_after_batches": 13, "switches": 2, "batches_per_s": [17.5, 9.0]}
+             "batches_per_s": [17.5], "trial": "on"}
+    kept = {**moved, "batches_per_s": [17.5, 19.25], "trial": "kept"}
+    pending = {**moved, "batches_per_s": [17.5, 9.0], "trial": "moving back"}
+    back = {**chosen, "switched_after_batches": 13, "switches": 2, "batches_per_s": [17.5, 9.0], "trial": "taken back"}
+    tried = "tried the hardware decoder after 13 batches (the loop was starved)"
     for decoder, tail in ((chosen, "moves there by itself if the loop starves"),
-                          (moved, "moved there after 13 batches (the loop was starved), on trial"),
-                          (kept, "moved there after 13 batches (the loop was starved), faster there "
-                                 "(17.5 -> 19.25 batches/s)"),
-                          (back, "tried the hardware decoder after 13 batches (the loop was starved) and moved "
-                                 "back, slower there (17.5 -> 9 batches/s)")):
+                          (moved, f"{tried}, on trial"),
+                          (kept, f"{tried} and kept it, no slower there (17.5 -> 19.25 batches/s)"),
+                          (pending, f"{tried} and moves back, slower there (17.5 -> 9 batches/s)"),
+                          (back, f"{tried} and moved back, slower there (17.5 -> 9 batches/s)")):
         d = Doctor(print_report=False)
         for _ in d.wrap(_DecodingLoader(decoder)):
             pass
