@@ -360,7 +360,8 @@ def appended(earlier: dict, run: dict) -> dict:
         raise SystemExit(f"ceiling.py: --append: the file's rows were measured on {earlier.get('gpu')!r}, this run "
                          f"is on {run['gpu']!r}; give another --out")
     out = {k: v for k, v in earlier.items() if k not in ("environment", "summary", "seconds")}
-    out["appended"] = earlier.get("appended", []) + [{k: run[k] for k in ("date", "versions", "config")}]
+    keys = ("date", "versions", "config", "cpu_count", "cuda_device_max_connections")
+    out["appended"] = earlier.get("appended", []) + [{k: run.get(k) for k in keys}]
     run["rows"][:0] = earlier.get("rows", [])
     out["rows"] = run["rows"]
     return out

@@ -78,7 +78,8 @@ def test_append_keeps_the_files_keys_and_numbers_rounds_on():
     out = ceiling.appended(earlier, run)
     assert out["date"] == "first" and out["config"] == {"steps": "100"} and out["probe"] == {"kept": True}
     assert "summary" not in out and out["appended"] == [{"date": "second", "versions": {"torch": "x"},
-                                                          "config": {"steps": "50"}}]
+                                                          "config": {"steps": "50"}, "cpu_count": None,
+                                                          "cuda_device_max_connections": None}]
     assert out["rows"] is run["rows"] and [r["round"] for r in out["rows"]] == [0, 1, 0, 2]
     assert ceiling.next_round(out["rows"], "eager") == 3 and ceiling.next_round(out["rows"], "compiled") == 1
     assert ceiling.next_round([], "eager") == 0
