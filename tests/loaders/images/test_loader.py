@@ -707,6 +707,22 @@ def test_a_decoder_switch_mid_epoch_loses_and_repeats_nothing(shards, reader, tr
     assert switched["samples"] == N
 
 
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_a_move_and_a_move_back_mid_epoch_lose_and_repeat_nothing(shards, reader):
+    """A trial that takes the move back rebuilds the pipeline a second time, where the first rebuild left off."""
+    labels = by_key() if reader == "stream" else {}
+    _, y0 = collect(loader(shards, reader=reader, batch_size=2, **labels))
+    dl = loader(shards, reader=reader, batch_size=2, **labels)
+    ys = []
+    for i, (_, y) in enumerate(dl):
+        if i in (1, 6):
+            dl._decoder.due = True  # the move, then the trial's verdict (forced: CPU pipelines never switch)
+        ys.append(y)
+    decoder = dl.stats()["decoder"]
+    assert decoder["switches"] == 2 and decoder["hw_decoder_load"] == 0.0  # back where it started
+    assert torch.cat(ys).tolist() == y0.tolist() and dl.stats()["samples"] == N
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("reader", ["dali", "stream"])
 def test_gpu_auto_decoder_switches_once_when_the_consumer_waits(shards, reader):
