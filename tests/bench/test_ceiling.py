@@ -64,8 +64,8 @@ def test_rows_of_another_connections_setting_are_summarised_apart(tmp_path):
     by = {s["connections"]: s for s in ceiling.summary(rows)}
     assert by["default"]["ceiling_ratio"] == 0.9 and by["32"]["ceiling_ratio"] == 1.0
     (tmp_path / "ceiling.json").write_text(json.dumps({"rows": rows}))
-    assert ceiling._earlier(ceiling.parse(["--out", str(tmp_path), "--append"]))["rows"] == rows
-    assert ceiling._earlier(ceiling.parse(["--out", str(tmp_path / "none")])) == {}
+    assert ceiling.earlier_record(ceiling.parse(["--out", str(tmp_path), "--append"]))["rows"] == rows
+    assert ceiling.earlier_record(ceiling.parse(["--out", str(tmp_path / "none")])) == {}
 
 
 def test_append_keeps_the_files_keys_and_numbers_rounds_on():

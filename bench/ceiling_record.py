@@ -1,0 +1,64 @@
+"""bench/ceiling.py's record: the summary of its rows, what a row says of ImageLoader's decoder, and adding a
+run's rows to the ceiling.json already there (``--append``)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+
+def decoder_choice(loader) -> dict:
+    """An ImageLoader's decoder as the row ended: its hardware decoder share, DALI threads, whether it moved
+    by itself, whether ``next()`` held for the GPU (``{}`` for other loaders)."""
+    s = loader.stats() if callable(getattr(loader, "stats", None)) else {}
+    if not isinstance(s, dict) or "decoder" not in s:
+        return {}
+    keep = ("hw_decoder_load", "threads", "switchable", "switched_after_batches", "switches", "batches_per_s", "trial")
+    return {"decoder": {k: s["decoder"][k] for k in keep}, "step_hold": s["step_hold"]["active"]}
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per loader, loop style, step and ``CUDA_DEVICE_MAX_CONNECTIONS``: rows, mean / min / max ceiling ratio,
+    mean wait fraction."""
+    groups: dict = {}
+    for r in rows:
+        if "ceiling_ratio" in r:
+            key = (r["loader"], r["loop"], r["step"], r.get("cuda_device_max_connections"))
+            groups.setdefault(key, []).append(r)
+    out = []
+    for (loader, loop, step, connections), rs in groups.items():
+        ratios = [r["ceiling_ratio"] for r in rs]
+        out.append({"loader": loader, "loop": loop, "step": step, "connections": connections or "default",
+                    "rows": len(rs),
+                    "ceiling_ratio": round(statistics.mean(ratios), 4), "min": min(ratios), "max": max(ratios),
+                    "wait_fraction": round(statistics.mean(r["wait_fraction"] for r in rs), 4),
+                    "rate": round(statistics.mean(r["rate"] for r in rs), 1)})
+    return out
+
+
+def earlier_record(args) -> dict:
+    """The ceiling.json already in ``--out`` (``{}`` if there is none)."""
+    path = os.path.join(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "ceiling.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def appended(earlier: dict, run: dict) -> dict:
+    """``run``'s rows added to ``earlier``'s: the file keeps its own keys (its first run's date, settings and any
+    probes), and each appended run's date, versions and settings go to ``appended``."""
+    if earlier.get("gpu") != run["gpu"]:
+        raise SystemExit(f"ceiling.py: --append: the file's rows were measured on {earlier.get('gpu')!r}, this run "
+                         f"is on {run['gpu']!r}; give another --out")
+    out = {k: v for k, v in earlier.items() if k not in ("environment", "summary", "seconds")}
+    keys = ("date", "versions", "config", "cpu_count", "cuda_device_max_connections")
+    out["appended"] = earlier.get("appended", []) + [{k: run.get(k) for k in keys}]
+    run["rows"][:0] = earlier.get("rows", [])
+    out["rows"] = run["rows"]
+    return out
+
+
+def next_round(rows: list[dict], step: str) -> int:
+    """The round number after the last of ``rows`` with this ``step`` ("eager" or "compiled"): --append goes on."""
+    return 1 + max((r.get("round", -1) for r in rows if r.get("step") == step), default=-1)
