@@ -215,7 +215,8 @@ class Bench:
             chosen = decoder_choice(owner)
         except Exception as e:  # one broken loader must not cost the other rows
             traceback.print_exc()
-            out = {"loader": name, "loop": loop, "round": round_, "error": repr(e)[:300]}
+            out = {"loader": name, "loop": loop, "round": round_, "step": "compiled" if compiled else "eager",
+                   "error": repr(e)[:300]}
             self.rows.append(out)
             return out
         finally:
