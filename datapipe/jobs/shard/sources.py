@@ -157,15 +157,17 @@ def _manifest_counts(urls: list[str], storage_options) -> dict[str, int]:
     from datapipe.errors import DataError
     from datapipe.tar.manifest import read_manifest
 
+    by_folder: dict[str, list[str]] = {}
+    for u in urls:
+        by_folder.setdefault(posixpath.dirname(u), []).append(u)
     counts: dict[str, int] = {}
-    for folder in sorted({posixpath.dirname(u) for u in urls}):
+    for folder, members in sorted(by_folder.items()):
         try:
             manifest = read_manifest(folder, storage_options=storage_options, retries=1)
             named = {s["name"]: int(s["count"]) for s in (manifest or {}).get("shards") or []}
         except (DataError, KeyError, TypeError, ValueError):
             continue  # an unreadable manifest, or not datapipe's: nothing expected
-        counts.update({u: named[posixpath.basename(u)] for u in urls
-                       if posixpath.dirname(u) == folder and posixpath.basename(u) in named})
+        counts.update({u: named[posixpath.basename(u)] for u in members if posixpath.basename(u) in named})
     return counts
 
 
