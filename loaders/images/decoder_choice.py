@@ -7,17 +7,21 @@ hardware decoder once the consumer is seen starved of batches, and keeps it only
 faster:
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
-- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the
-  waits in ``next()`` after which its GPU stream had nothing left to run, whole (a loop that runs ahead
-  of the GPU also blocks in ``next()``, harmlessly, while the GPU still works through queued steps: such
-  a wait, still queued when the batch arrives, counts nothing).
-  Above ``THRESHOLD`` the loader is starving the loop; above ``EARLY_THRESHOLD`` after ``EARLY``
-  batches of a window it switches without waiting for the window's end;
+- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the part
+  of each wait in ``next()`` during which its GPU stream had nothing left to run
+  (:class:`datapipe.device.idle.IdleTimer`). A loop that runs ahead of the GPU also blocks in ``next()``,
+  harmlessly, while the GPU still works through queued steps; under CUDA graphs the host waits most of each
+  step that way. Above the threshold the loader is starving the loop; above the early threshold after
+  ``EARLY`` batches of a window it switches without waiting for the window's end. The thresholds are the
+  hardware decoder's own cost: on wide queues none (``THRESHOLD``: 2%); on few queues it slows the step
+  itself (``FEW_QUEUES_THRESHOLD``: 15%; H200, 8 queues: ResNet-50 0.96 against the CUDA decoder's 0.984,
+  under CUDA graphs 0.81 against 0.93, where the CUDA decoder starved the loop ~6%; ResNet-18, which the
+  CUDA decoder starves ~40%, 0.85 against 0.60);
 - on the hardware decoder, past the batches the old pipeline had queued and ``SKIP`` more, a trial of
   ``WINDOW`` batches (added up over iterations, each one's first ``SKIP`` left out): handed out more
   slowly than in the window that moved it, the loader moves back to the CUDA decoder. Either way the
-  choice is then final. Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, H200, 8 queues)
-  the move made the loop twice as slow (0.48 of the ceiling; 12 threads had started it starved).
+  choice is then final. A move costs about 2 s once per process (the hardware decoder's first batch), a
+  move back under CUDA graphs ~5 s (the CUDA pipeline's first batch).
 
 ``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
 (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder alone, moving
@@ -46,8 +50,10 @@ MIN_CORES = 12  # fewer cores for this process: the hardware decoder from the st
 SKIP = 5
 WINDOW = 30
 EARLY = 8
-THRESHOLD = 0.02
+THRESHOLD = 0.02  # starved share of the time that moves to the hardware decoder, on wide queues (it costs nothing)
 EARLY_THRESHOLD = 0.10
+FEW_QUEUES_THRESHOLD = 0.15  # on few queues the hardware decoder costs the step itself 3-19% (see the module)
+FEW_QUEUES_EARLY_THRESHOLD = 0.30
 
 
 def cores_per_process() -> int:
@@ -56,6 +62,13 @@ def cores_per_process() -> int:
 
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(usable_cores(), (os.cpu_count() or 1) // local))
+
+
+def _few_queues(queues: int | None) -> bool:
+    """Fewer CUDA hardware queues than the hardware decoder needs to run beside the step without slowing it."""
+    from datapipe.device.queues import WIDE_QUEUES, hardware_queues
+
+    return (hardware_queues() if queues is None else queues) < WIDE_QUEUES
 
 
 class DecoderChoice:
@@ -79,12 +92,12 @@ class DecoderChoice:
         self.cuda_threads = max(1, min(CUDA_THREADS, cores - SPARE_CORES))
         self.cuda = cuda
         self.switchable = self.auto  # may move to the hardware decoder once (see the module)
+        few_queues = cuda and _few_queues(queues)
+        self.threshold = FEW_QUEUES_THRESHOLD if few_queues else THRESHOLD
+        self.early_threshold = FEW_QUEUES_EARLY_THRESHOLD if few_queues else EARLY_THRESHOLD
         if not cuda:  # a CPU pipeline: no GPU decoder at all (a share the user gave is kept, unused)
             self.load = 0.0 if setting in (None, "auto") else float(setting)
         elif setting is None:
-            from datapipe.device.queues import WIDE_QUEUES, hardware_queues
-
-            few_queues = (hardware_queues() if queues is None else queues) < WIDE_QUEUES
             self.load = 0.0 if few_queues and cores >= MIN_CORES else HARDWARE_LOAD
             self.switchable = self.load == 0.0  # the CUDA decoder it chose, unless that starves the loop
         elif self.auto and cores >= MIN_CORES:
@@ -165,8 +178,8 @@ class DecoderChoice:
                 self.due = self.rates[-1] < self.rates[0]  # slower than before the move: back
             return
         starving = self._wait / elapsed
-        early = self._batches >= EARLY and starving > EARLY_THRESHOLD
-        if starving > THRESHOLD and (self._batches >= WINDOW or early):
+        early = self._batches >= EARLY and starving > self.early_threshold
+        if starving > self.threshold and (self._batches >= WINDOW or early):
             self.due = True
             self.switched_after = self.handed
             self.rates.append(self._batches / elapsed)

@@ -6,8 +6,9 @@ from loaders.images import decoder_choice
 from loaders.images.decoder_choice import EARLY, HARDWARE_LOAD, SKIP, WINDOW, DecoderChoice
 
 
-def auto(cores=16, threads=None, cuda=True):
-    return DecoderChoice("auto", cuda=cuda, threads=threads, hardware_threads=8, cores=cores)
+def auto(cores=16, threads=None, cuda=True, queues=32):
+    """An "auto" choice; on wide hardware queues (32) unless told: the hardware decoder costs the step nothing."""
+    return DecoderChoice("auto", cuda=cuda, threads=threads, hardware_threads=8, cores=cores, queues=queues)
 
 
 def feed(choice, batches, *, step_s=0.05, wait_s=0.0, t0=0.0):
@@ -154,6 +155,17 @@ def test_the_trial_skips_the_new_pipelines_first_batches():
     now = feed(c, SKIP, wait_s=1.0)  # the rebuilt pipeline's slow start is not held against it
     feed(c, WINDOW, wait_s=0.0, t0=now)
     assert c.settled and not c.due and c.load == HARDWARE_LOAD
+
+
+@pytest.mark.parametrize("starved, moves_after", [
+    (0.06, None),  # CUDA graphs on an H200: the CUDA decoder ~6% short, less than the hardware decoder costs
+    (0.20, SKIP + WINDOW),  # more than it costs: moves at the window's end
+    (0.40, SKIP + EARLY)])  # ResNet-18 on the CUDA decoder: at once
+def test_few_queues_move_only_when_starved_more_than_the_hardware_decoder_costs(starved, moves_after):
+    for c in (auto(queues=8), DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8)):
+        assert c.threshold == decoder_choice.FEW_QUEUES_THRESHOLD
+        feed(c, 10 * WINDOW, step_s=0.05 * (1 - starved), wait_s=0.05 * starved)
+        assert c.due is (moves_after is not None) and c.switched_after == moves_after
 
 
 def test_a_starving_consumer_switches_early():
