@@ -7,21 +7,24 @@ hardware decoder once the consumer is seen starved of batches, and keeps it only
 faster:
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
-- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the part
-  of each wait in ``next()`` during which its GPU stream had nothing left to run
-  (:class:`datapipe.device.idle.IdleTimer`). A loop that runs ahead of the GPU also blocks in ``next()``,
-  harmlessly, while the GPU still works through queued steps; under CUDA graphs the host waits most of each
-  step that way. Above the threshold the loader is starving the loop; above the early threshold after
-  ``EARLY`` batches of a window it switches without waiting for the window's end. The thresholds are the
-  hardware decoder's own cost: on wide queues none (``THRESHOLD``: 2%); on few queues it slows the step
-  itself (``FEW_QUEUES_THRESHOLD``: 15%; H200, 8 queues: ResNet-50 0.96 against the CUDA decoder's 0.984,
-  under CUDA graphs 0.81 against 0.93, where the CUDA decoder starved the loop ~6%; ResNet-18, which the
-  CUDA decoder starves ~40%, 0.85 against 0.60);
+- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the waits in
+  ``next()`` after which its GPU stream had nothing left to run, whole (a loop that runs ahead of the GPU also
+  blocks in ``next()``, harmlessly, while the GPU still works through queued steps: such a wait, still queued
+  when the batch arrives, counts nothing). Above the threshold the loader is starving the loop; above the
+  early threshold after ``EARLY`` batches of a window it switches without waiting for the window's end. The
+  thresholds follow the hardware decoder's own cost: none on wide queues (``THRESHOLD``, 2%); on few queues
+  it slows the step itself (``FEW_QUEUES_THRESHOLD``, 15%; H200, 8 queues: ResNet-50 0.96 against the CUDA
+  decoder's 0.984; under CUDA graphs 0.81 against 0.92-0.94; ResNet-18, which the CUDA decoder starves, 0.85
+  against 0.60). Under CUDA graphs the host waits most of each step in ``next()`` while the GPU still runs
+  it, and a wait after which the GPU is idle counts whole: the judge over-counts there and moves;
 - on the hardware decoder, past the batches the old pipeline had queued and ``SKIP`` more, a trial of
   ``WINDOW`` batches (added up over iterations, each one's first ``SKIP`` left out): handed out more
   slowly than in the window that moved it, the loader moves back to the CUDA decoder. Either way the
-  choice is then final. A move costs about 2 s once per process (the hardware decoder's first batch), a
-  move back under CUDA graphs ~5 s (the CUDA pipeline's first batch).
+  choice is then final. Measured on the H200 (``bench/results/ceiling.json``, ``cuda_graphs_trial`` and
+  ``fast_model_probe``): under CUDA graphs the trial took the move back in 4 of 5 rows (one kept it, 0.81);
+  with ResNet-18 it kept it each time. Once per process, the hardware decoder's first batch takes 2-3 s and,
+  under CUDA graphs, the CUDA pipeline's first batch after a move back ~5 s: a 200-step row that pays them
+  reads 0.54, one after them 0.87, against 0.92-0.94 on the CUDA decoder throughout.
 
 ``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
 (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder alone, moving

@@ -26,8 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
-from datapipe.device.handoff import ProducerMeter, close_last
-from datapipe.device.idle import IdleTimer
+from datapipe.device.handoff import CurrentStream, ProducerMeter, close_last
 from datapipe.device.pacing import IMAGE_PACE
 from datapipe.device.queues import WIDE_QUEUES, StepHold, hardware_queues, watch_cuda_start
 from datapipe.device.side_stream import on_side_stream
@@ -158,7 +157,7 @@ class ImageLoader:
         self._side_stream = None  # the producer's CUDA stream, the same every epoch
         self._hold = StepHold(self.device, decodes_on_gpu=self._dali_cuda)  # few queues + hardware decoder
         self._last_pass = None  # weakref to the latest pass's iterator
-        self._idle = IdleTimer(self.device) if self.device.type == "cuda" else None  # the GPU's idle time in next()
+        self._consumer = None  # CUDA: the consumer's current stream (CurrentStream), made when first asked
         self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
         stream = as_stream(source, shuffle=self.train, shuffle_buffer=SHUFFLE_BUFFER)
@@ -379,7 +378,6 @@ class ImageLoader:
                 t0 = time.perf_counter()
                 if self._holds():
                     self._hold()
-                self._wait_begins()
                 try:
                     (images, labels), position = next(items)
                 except StopIteration:
@@ -395,17 +393,14 @@ class ImageLoader:
         finally:
             items.close()
 
-    def _wait_begins(self) -> None:
-        """(Consumer) a mark on its CUDA stream as it waits, while the decoder choice watches for starvation."""
-        if self._idle is not None and self._decoder.watching_starvation:
-            self._idle.start()
-
     def _starved(self, waited: float) -> float:
-        """The part of a wait in ``next()`` that left the GPU idle, for the decoder choice (:class:`IdleTimer`;
-        a CPU device: all of it)."""
-        if waited <= 0.0 or not self._decoder.watching_starvation or self._idle is None:
+        """The part of a wait in ``next()`` that left the GPU idle, for the decoder choice: all of it when the
+        consumer's stream had nothing left to run as the batch arrived (a CPU device: always), else none."""
+        if waited <= 0.0 or not self._decoder.watching_starvation or self.device.type != "cuda":
             return waited
-        return self._idle.idle_s(waited)
+        if self._consumer is None:
+            self._consumer = CurrentStream(self.device)
+        return waited if self._consumer().query() else 0.0
 
     def _holds(self) -> bool:
         """Whether ``next()`` waits for the GPU's last step: few hardware queues and the hardware decoder in use."""

@@ -794,27 +794,26 @@ def test_step_hold_follows_the_hardware_queues_and_decoder(shards, monkeypatch, 
 
 
 def test_only_a_wait_that_leaves_the_gpu_idle_counts_as_starved():
-    """The decoder choice judges waits in next() by the part the consumer's stream had nothing left to run."""
+    """The decoder choice judges waits in next() by whether the consumer's stream had nothing left to run."""
     from types import SimpleNamespace
 
     from loaders.images.loader import ImageLoader
 
-    class Idle:  # an IdleTimer whose GPU finished its queued work ``ran_dry_s`` before the batch came
-        def __init__(self, ran_dry_s):
-            self.ran_dry_s = ran_dry_s
+    class Stream:
+        def __init__(self, idle):
+            self.idle = idle
 
-        def idle_s(self, waited):
-            return min(waited, self.ran_dry_s)
+        def query(self):
+            return self.idle
 
-    def fake(device, ran_dry_s, judging=True):
+    def fake(device, idle, judging=True):
         return SimpleNamespace(device=torch.device(device), _decoder=SimpleNamespace(watching_starvation=judging),
-                               _idle=Idle(ran_dry_s) if device == "cuda" else None)
+                               _consumer=lambda: Stream(idle))
 
-    assert ImageLoader._starved(fake("cuda", ran_dry_s=1.0), 0.02) == 0.02  # the GPU ran dry before it waited
-    assert ImageLoader._starved(fake("cuda", ran_dry_s=0.003), 0.02) == 0.003  # CUDA graphs: the wait's end
-    assert ImageLoader._starved(fake("cuda", ran_dry_s=0.0), 0.02) == 0.0  # ran ahead: the GPU still had work
-    assert ImageLoader._starved(fake("cpu", ran_dry_s=0.0), 0.02) == 0.02  # no GPU: every wait starves the loop
-    assert ImageLoader._starved(fake("cuda", ran_dry_s=0.0, judging=False), 0.02) == 0.02  # not judged: as waited
+    assert ImageLoader._starved(fake("cuda", idle=True), 0.02) == 0.02  # the GPU ran dry while it waited
+    assert ImageLoader._starved(fake("cuda", idle=False), 0.02) == 0.0  # ran ahead: the GPU still had work
+    assert ImageLoader._starved(fake("cpu", idle=False), 0.02) == 0.02  # no GPU: every wait starves the loop
+    assert ImageLoader._starved(fake("cuda", idle=False, judging=False), 0.02) == 0.02  # not judged: as waited
 
 
 @pytest.mark.gpu
