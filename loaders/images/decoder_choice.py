@@ -22,9 +22,9 @@ faster:
   slowly than in the window that moved it, the loader moves back to the CUDA decoder. Either way the
   choice is then final. Measured on the H200 (``bench/results/ceiling.json``, ``cuda_graphs_trial`` and
   ``fast_model_probe``): under CUDA graphs the trial took the move back in 4 of 5 rows (one kept it, 0.81);
-  with ResNet-18 it kept it each time. Once per process, the hardware decoder's first batch takes 2-3 s and,
+  with ResNet-18 it kept it each time. Once per process, the hardware decoder's first batch takes 1.7-3 s and,
   under CUDA graphs, the CUDA pipeline's first batch after a move back ~5 s: a 200-step row that pays them
-  reads 0.54, one after them 0.87, against 0.92-0.94 on the CUDA decoder throughout.
+  reads 0.53-0.54, one after them 0.87, against 0.92-0.94 on the CUDA decoder throughout.
 
 ``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
 (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder alone, moving
@@ -38,7 +38,7 @@ CUDA decoder's Huffman stage is CPU-bound: 8 threads capped it at ~5.4k images/s
 loop 0.905).
 
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
-repeating nothing; about half a second). Few cores
+repeating nothing; about 0.3 s). Few cores
 (fewer than ``MIN_CORES`` for this process) start on the hardware decoder. The images the two
 decoders make differ in their low bits: pass a number for bit-identical reruns.
 """
@@ -55,7 +55,7 @@ WINDOW = 30
 EARLY = 8
 THRESHOLD = 0.02  # starved share of the time that moves to the hardware decoder, on wide queues (it costs nothing)
 EARLY_THRESHOLD = 0.10
-FEW_QUEUES_THRESHOLD = 0.15  # on few queues the hardware decoder costs the step itself 3-19% (see the module)
+FEW_QUEUES_THRESHOLD = 0.15  # on few queues the hardware decoder costs the step itself 2-14% (see the module)
 FEW_QUEUES_EARLY_THRESHOLD = 0.30
 
 
