@@ -68,16 +68,22 @@ def _ranges(sizes: list[int], block: int) -> list[tuple[int, int, int]]:
     return [(i, off, min(block, size - off)) for i, size in enumerate(sizes) for off in range(0, size, block)]
 
 
+def _warm(seconds: float) -> None:
+    """(A worker process) this module and its imports loaded, then a pause that keeps the other workers starting."""
+    time.sleep(seconds)
+
+
 def _read_worker(store: Store, ranges, deadline: float, start_at: float = 0.0, lock=None,
                  repeat: bool = False) -> dict:
-    """Read ``ranges`` (a list, or a shared iterator with ``lock``) until done (or, ``repeat``: ``deadline``)."""
+    """Read ``ranges`` (a list, or a shared iterator with ``lock``) until done (or, ``repeat``: ``deadline``);
+    at least one range, so that a worker that started late (a loaded machine) still measures something."""
     while time.monotonic() < start_at:
         time.sleep(0.001)
     nbytes, lat, done = 0, [], []
     it = itertools.cycle(ranges) if repeat and lock is None else iter(ranges)
     t_first = time.monotonic()
     try:
-        while time.monotonic() < deadline:
+        while not lat or time.monotonic() < deadline:
             if lock is not None:
                 with lock:
                     item = next(it, None)
@@ -113,7 +119,7 @@ def measure_reads(store: Store, sizes: list[int], *, block: int, concurrency: in
         import multiprocessing as mp
 
         with concurrent.futures.ProcessPoolExecutor(concurrency, mp_context=mp.get_context("spawn")) as pool:
-            list(pool.map(time.sleep, [0.2] * concurrency))  # start the workers before timing
+            list(pool.map(_warm, [0.2] * concurrency))  # start the workers (and their imports) before timing
             start_at = time.monotonic() + 0.05
             deadline = start_at + seconds
             futures = [pool.submit(_read_worker, store, ranges[i::concurrency] or ranges[:1], deadline, start_at,

@@ -24,3 +24,13 @@ def test_stream_counts_every_sample_and_shard(shard_dir):
     assert r["samples"] == 110 and r["files"] == 3
     assert 0 < r["bytes"] <= sum(os.path.getsize(u) for u in urls)  # tar bytes parsed (end blocks need no read)
     assert r["latency_ms_is"] == "per sample" and r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
+
+
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_a_worker_that_starts_after_the_deadline_still_measures_a_read(shard_dir, mode):
+    """A loaded machine can start a worker after the timed window closed: it reads once, never reports 0 MB/s."""
+    urls = sorted(os.path.join(shard_dir, f) for f in os.listdir(shard_dir) if f.endswith(".tar"))
+    store = Store(urls)
+    sizes = [store.size(u) for u in urls]
+    r = measure_reads(store, sizes, block=5000, concurrency=2, seconds=-10.0, mode=mode)  # closed before it opened
+    assert 2 <= r["requests"] and 0 < r["bytes"] <= 2 * 5000
