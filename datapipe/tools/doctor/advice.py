@@ -108,10 +108,12 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                          f"uses all {cores} cores: move work off the CPU (GPU decode, pre-decoded or smaller data)",
             wait_fraction=wait, num_workers=workers, cores=cores)
     elif wait > WAIT_HIGH and kind.endswith(".ImageLoader"):
+        gpu_way = (f", or the GPU's hardware JPEG decoder with CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} set before "
+                   "CUDA starts (docs/performance.md)") if cuda else (": on the CPU, decoding is the limit; a GPU "
+                                                                      "decodes with device='cuda'")
         add("input_bound", f"the loop waited for data {wait:.0%} of the time: ImageLoader is the bottleneck; give "
-                           "DALI more CPU threads (ImageLoader(..., decode=DecodeOptions(num_threads=...))), or the "
-                           f"GPU's hardware JPEG decoder with CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} set before CUDA "
-                           "starts (docs/performance.md)", wait_fraction=wait)
+                           f"DALI more CPU threads (ImageLoader(..., decode=DecodeOptions(num_threads=...))){gpu_way}",
+            wait_fraction=wait)
     elif wait > WAIT_HIGH:
         add("input_bound", f"the loop waited for data {wait:.0%} of the time: the input pipeline is the bottleneck "
                            "(its worker count is unknown to the doctor: wrap the DataLoader itself to see it)",

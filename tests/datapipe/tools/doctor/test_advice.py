@@ -109,10 +109,12 @@ def test_no_steps_gets_no_advice_about_the_model():
 
 
 def test_an_input_bound_image_loader_is_told_about_its_own_settings():
-    m = _m(wait=0.3, workers=None)
+    m = _m(wait=0.3, workers=None, cuda=True)
     m["loader"]["type"] = "loaders.images.loader.ImageLoader"
     (a,) = [a for a in advise(m) if a["id"] == "input_bound"]
     assert "num_threads" in a["advice"] and "CUDA_DEVICE_MAX_CONNECTIONS=32" in a["advice"]
+    (cpu,) = [a for a in advise({**m, "cuda": False}) if a["id"] == "input_bound"]  # no GPU: no GPU decoder to advise
+    assert "num_threads" in cpu["advice"] and "CUDA_DEVICE_MAX_CONNECTIONS" not in cpu["advice"]
     assert "wrap the DataLoader" not in a["advice"]  # ImageLoader has no DataLoader to wrap
     plain = [a for a in advise(_m(wait=0.3, workers=None)) if a["id"] == "input_bound"][0]
     assert "wrap the DataLoader" in plain["advice"]
