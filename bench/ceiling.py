@@ -376,6 +376,8 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.quick:
+        print("--quick: a smoke check of the harness at tiny sizes; its ratios mean nothing", file=sys.stderr)
     t0 = time.perf_counter()
     if args.device.type == "cuda":
         torch.backends.cudnn.benchmark = True

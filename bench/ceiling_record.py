@@ -13,8 +13,7 @@ def decoder_choice(loader) -> dict:
     s = loader.stats() if callable(getattr(loader, "stats", None)) else {}
     if not isinstance(s, dict) or "decoder" not in s:
         return {}
-    keep = ("hw_decoder_load", "threads", "switchable", "switched_after_batches", "switches", "batches_per_s", "trial")
-    return {"decoder": {k: s["decoder"][k] for k in keep}, "step_hold": s["step_hold"]["active"]}
+    return {"decoder": dict(s["decoder"]), "step_hold": s["step_hold"]["active"]}
 
 
 def summary(rows: list[dict]) -> list[dict]:
