@@ -56,7 +56,8 @@ def _decoder(name: str, d: dict, connections) -> str:
     elif trial == "kept":
         line += f"; {tried} and kept it, no slower there ({rates} batches/s)"
     elif trial in ("moving back", "taken back"):
-        line += f"; {tried} and {'moves' if trial == 'moving back' else 'moved'} back, slower there ({rates} batches/s)"
+        line += (f"; {tried} and {'moves' if trial == 'moving back' else 'moved'} back, slower there ({rates} "
+                 "batches/s; DecodeOptions(hw_decoder_load=0.0) skips the try and its one-off seconds)")
     elif d.get("switchable"):
         line += "; moves there by itself if the loop starves"
     queues = connections or "unset (8 queues)"
