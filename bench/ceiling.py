@@ -3,6 +3,8 @@
 One process, one GPU. Loaders (``--loaders``):
 
 - ``imageloader``: ``loaders.ImageLoader`` with its defaults;
+- ``imageloader_cuda`` (not run unless named): ImageLoader on nvJPEG's CUDA decoder throughout
+  (``DecodeOptions(hw_decoder_load=0.0)``: no move to the hardware decoder, the setting advised under CUDA graphs);
 - ``dali``: the DALI loop a user writes by hand (``readers.webdataset`` + ``decoders.image_random_crop``
   mixed + ``resize`` + ``crop_mirror_normalize``, ``pipe.run()`` in the training thread, outputs copied on
   its stream: ``datapipe.tools.bench.baselines.DaliBaseline``);
@@ -26,12 +28,14 @@ every loader and loop style once per round, the order reversed every other round
 ``--profile``: one ``runs_ahead`` window under the torch profiler for the ceiling, ImageLoader and
 the hand DALI loop: per CUDA stream the kernels and copies, the loader's own work (streams other
 than the training one), and how much longer the training stream's kernels ran than in the ceiling.
-``--compile [MODE]``: ImageLoader and the hand loop again, ResNet-50 under ``torch.compile`` (``MODE``, default
+``--compile [MODE]``: the image loaders again, ResNet-50 under ``torch.compile`` (``MODE``, default
 ``default``; ``reduce-overhead`` for CUDA graphs; the max-autotune modes autotune for minutes), runs_ahead;
 such rows say ``step: "compiled"`` and their ``compile_mode`` (``--rounds 0``: only those).
 
     python bench/ceiling.py                      # the H200 run: bench/results/ceiling.json
     python bench/ceiling.py --loaders imageloader,dali --rounds 1 --profile
+    python bench/ceiling.py --loaders imageloader,imageloader_cuda,dali --rounds 0 --compile reduce-overhead \
+        --steps 200 --out /tmp/c          # CUDA graphs: the default's move and trial against the CUDA decoder
     python bench/ceiling.py --quick --device cpu --out /tmp/x   # smoke check of the harness (tiny sizes)
 """
 from __future__ import annotations
@@ -57,9 +61,10 @@ from datapipe.tools.bench.baselines import DaliBaseline, close, endless, replay 
 
 CONNECTIONS = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")  # recorded per row: it decides DALI's queues (docs)
 LOOPS = {"runs_ahead": 50, "waits_each_step": 1}  # loop style -> wait for the GPU every this many steps
-LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader")
+LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader", "imageloader_cuda")
+DEFAULT_LOADERS = LOADER_NAMES[:5]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-FORMAT = {"imageloader": "images", "dali": "images", "dataloader": "uint8", "torch_dataloader": "uint8",
+FORMAT = {"imageloader": "images", "imageloader_cuda": "images", "dali": "images", "dataloader": "uint8", "torch_dataloader": "uint8",
           "tokenloader": "tokens"}  # rows of one format share a step and its cached batch
 
 
@@ -122,10 +127,12 @@ def torch_idiom(loader, device):
 def make_feed(name: str, args, data: dict):
     """(batches, closer) of loader ``name``: a fresh loader, epoch after epoch."""
     dev = args.device
-    if name == "imageloader":
-        from loaders import ImageLoader
+    if name in ("imageloader", "imageloader_cuda"):
+        from loaders import DecodeOptions, ImageLoader
 
-        loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev)
+        decode = DecodeOptions(hw_decoder_load=0.0) if name == "imageloader_cuda" else None
+        loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev,
+                             decode=decode)
         return endless(loader), loader
     if name == "dali":
         dali = DaliBaseline(data["images"], batch_size=args.batch_size, image_size=args.image_size,
@@ -305,7 +312,7 @@ def prepare_data(args) -> dict:
     from bench.images import ensure_dataset
 
     data = {}
-    if set(args.loaders) & {"imageloader", "dali"}:
+    if any(FORMAT[name] == "images" for name in args.loaders):
         per_shard = 16 if args.quick else 256
         data["images"], _ = ensure_dataset(args.data, args.num_images, workers=os.cpu_count() or 1,
                                            per_shard=per_shard)
@@ -320,7 +327,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the training step runs (default: cuda when there is one)")
-    p.add_argument("--loaders", default=",".join(LOADER_NAMES), help="comma list of " + ", ".join(LOADER_NAMES))
+    p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS), help="comma list of " + ", ".join(LOADER_NAMES) + " (default: all but imageloader_cuda)")
     p.add_argument("--loops", default=",".join(LOOPS), help="comma list of " + ", ".join(LOOPS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a row per loader and loop each)")
     p.add_argument("--steps", type=int, default=100, help="timed steps per row (a multiple of 50 for runs_ahead)")
@@ -403,8 +410,8 @@ def main(argv=None) -> dict:
     if args.compile:
         first = next_round(bench.rows, "compiled")
         for r in range(first, first + max(1, min(2, args.rounds))):
-            for name in ("imageloader", "dali"):
-                if name in args.loaders:
+            for name in args.loaders:
+                if FORMAT[name] == "images":
                     bench.row(name, "runs_ahead", r, compiled=True)
     if args.profile and args.device.type == "cuda" and "images" in bench.cached:
         import tempfile

@@ -18,7 +18,7 @@ def test_quick_cpu_run_writes_a_row_per_loader_and_loop(tmp_path):
     done = {(r["loader"], r["loop"]) for r in saved["rows"] if "ceiling_ratio" in r}
     errors = [r for r in saved["rows"] if "error" in r]
     assert not errors, errors
-    assert done == {(n, loop) for n in ceiling.LOADER_NAMES for loop in ceiling.LOOPS}
+    assert done == {(n, loop) for n in ceiling.DEFAULT_LOADERS for loop in ceiling.LOOPS}
     for r in saved["rows"]:
         assert r["ceiling_ratio"] > 0 and 0 <= r["wait_fraction"] < 1
         assert r["ceiling"] == pytest.approx((r["ceiling_before"] + r["ceiling_after"]) / 2, abs=0.1)
@@ -106,3 +106,18 @@ def test_compile_rows_alone(tmp_path):
     assert (row["loader"], row["loop"], row["step"], row["compile_mode"]) == (
         "imageloader", "runs_ahead", "compiled", "default")
     assert row["ceiling_ratio"] > 0 and [s["step"] for s in out["summary"]] == ["compiled"]
+
+
+def test_imageloader_cuda_keeps_the_cuda_decoder_and_is_not_run_by_default(tmp_path):
+    """``imageloader_cuda``: ImageLoader with ``hw_decoder_load=0.0`` (no move), only when named."""
+    pytest.importorskip("nvidia.dali")
+    assert "imageloader_cuda" not in ceiling.parse([]).loaders
+    args = ceiling.parse(["--quick", "--device", "cpu", "--loaders", "imageloader_cuda", "--data",
+                          str(tmp_path / "images")])
+    data = ceiling.prepare_data(args)
+    feed, owner = ceiling.make_feed("imageloader_cuda", args, data)
+    try:
+        assert owner.decode.hw_decoder_load == 0.0 and not owner.stats()["decoder"]["switchable"]
+        assert next(feed)[0].shape[0] == args.batch_size
+    finally:
+        ceiling.close_feed(feed, owner)
