@@ -19,7 +19,9 @@ faster:
   it, and a wait after which the GPU is idle counts whole: the judge over-counts there and moves;
 - on the hardware decoder, past the batches the old pipeline had queued and ``SKIP`` more, a trial of
   ``WINDOW`` batches (added up over iterations, each one's first ``SKIP`` left out): handed out more
-  slowly than in the window that moved it, the loader moves back to the CUDA decoder. Either way the
+  slowly than in the window that moved it (on few queues: less than 10% faster, ``FEW_QUEUES_KEEP``; the
+  one measured move kept wrongly had run 6% faster than a window slowed by something else, the right keeps
+  28-45%), the loader moves back to the CUDA decoder. Either way the
   choice is then final. Measured on the H200 (``bench/results/ceiling.json``, ``cuda_graphs_trial`` and
   ``fast_model_probe``): under CUDA graphs the trial took the move back in 4 of 5 rows (one kept it, 0.81);
   with ResNet-18 it kept it each time. Once per process, the hardware decoder's first batch takes 1.7-3 s and,
@@ -57,6 +59,7 @@ THRESHOLD = 0.02  # starved share of the time that moves to the hardware decoder
 EARLY_THRESHOLD = 0.10
 FEW_QUEUES_THRESHOLD = 0.15  # on few queues the hardware decoder costs the step itself 2-14% (see the module)
 FEW_QUEUES_EARLY_THRESHOLD = 0.30
+FEW_QUEUES_KEEP = 1.10  # on few queues a move is kept only if the trial is 10% faster (see the module)
 
 
 def cores_per_process() -> int:
@@ -98,6 +101,7 @@ class DecoderChoice:
         few_queues = cuda and _few_queues(queues)
         self.threshold = FEW_QUEUES_THRESHOLD if few_queues else THRESHOLD
         self.early_threshold = FEW_QUEUES_EARLY_THRESHOLD if few_queues else EARLY_THRESHOLD
+        self.keep = FEW_QUEUES_KEEP if few_queues else 1.0  # the trial's rate / the window's that moved it, to keep
         if not cuda:  # a CPU pipeline: no GPU decoder at all (a share the user gave is kept, unused)
             self.load = 0.0 if setting in (None, "auto") else float(setting)
         elif setting is None:
@@ -178,7 +182,7 @@ class DecoderChoice:
             if self._batches >= WINDOW:
                 self.rates.append(self._batches / elapsed)
                 self.settled = True
-                self.due = self.rates[-1] < self.rates[0]  # slower than before the move: back
+                self.due = self.rates[-1] < self.keep * self.rates[0]  # not faster enough than before: back
             return
         starving = self._wait / elapsed
         early = self._batches >= EARLY and starving > self.early_threshold
