@@ -64,8 +64,8 @@ LOOPS = {"runs_ahead": 50, "waits_each_step": 1}  # loop style -> wait for the G
 LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader", "imageloader_cuda")
 DEFAULT_LOADERS = LOADER_NAMES[:5]
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-FORMAT = {"imageloader": "images", "imageloader_cuda": "images", "dali": "images", "dataloader": "uint8", "torch_dataloader": "uint8",
-          "tokenloader": "tokens"}  # rows of one format share a step and its cached batch
+FORMAT = {"imageloader": "images", "imageloader_cuda": "images", "dali": "images", "dataloader": "uint8",
+          "torch_dataloader": "uint8", "tokenloader": "tokens"}  # rows of one format share a step and its cached batch
 
 
 # ---- the loop -------------------------------------------------------------------------------------------
@@ -327,7 +327,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the training step runs (default: cuda when there is one)")
-    p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS), help="comma list of " + ", ".join(LOADER_NAMES) + " (default: all but imageloader_cuda)")
+    p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS),
+                   help="comma list of " + ", ".join(LOADER_NAMES) + " (default: all but imageloader_cuda)")
     p.add_argument("--loops", default=",".join(LOOPS), help="comma list of " + ", ".join(LOOPS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a row per loader and loop each)")
     p.add_argument("--steps", type=int, default=100, help="timed steps per row (a multiple of 50 for runs_ahead)")
@@ -360,8 +361,8 @@ def parse(argv=None):
     p.add_argument("--out", default=None, help="results directory (default bench/results: a full run replaces "
                                                "ceiling.json there unless --append)")
     p.add_argument("--append", action="store_true",
-                   help="add this run's rows to the ceiling.json already in --out, numbering its rounds on and keeping the "
-                        "file's other keys (the same GPU only)")
+                   help="add this run's rows to the ceiling.json already in --out, numbering its rounds on and "
+                        "keeping the file's other keys (the same GPU only)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_images, args.batch_size, args.image_size, args.arch = 64, 4, 32, "resnet18"

@@ -48,6 +48,8 @@ SHUFFLE_BUFFER = 2000  # the sample shuffle buffer of a stream the loader builds
 
 log = logging.getLogger("loaders.images")
 watch_cuda_start()  # the hardware queues CUDA starts with, whatever the variable says later
+
+
 @functools.lru_cache(maxsize=2)
 def advise_hardware_queues(hardware_decoder: bool = True) -> bool:
     """Say once per process what CUDA's hardware queues mean for decoding when there are fewer than 32.
