@@ -36,14 +36,42 @@ def _split_name(name: str) -> tuple[str, str]:
     return name[:dot], name[dot + 1:]
 
 
-def index_lines(fileobj) -> list[str]:
-    """The index text (lines without newlines) of the tar stream ``fileobj``, header line first."""
+_KINDS = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link", tarfile.CHRTYPE: "a character device",
+          tarfile.BLKTYPE: "a block device", tarfile.FIFOTYPE: "a FIFO"}
+
+
+def _refusal(member: tarfile.TarInfo) -> str | None:
+    """Why ``member`` cannot be indexed (the words ShardStream uses for sparse members), or None.
+
+    Regular files are indexed and directory entries without data are skipped (as wds2idx does);
+    anything else (sparse files, links, devices, FIFOs, directories or unknown types with data)
+    has no plain bytes at ``offset_data`` that DALI could read."""
+    if member.issparse():
+        return f"sparse tar members are not supported (member {member.name!r})"
+    if member.isreg() or (member.isdir() and member.size == 0):
+        return None
+    kind = _KINDS.get(member.type) or ("a directory" if member.isdir() else f"of tar type {member.type!r}")
+    return (f"member {member.name!r} is {kind}, not a regular file: DALI's reader would find no data for it "
+            "(write the shard from the files' contents, e.g. with datapipe.ShardWriter or `datapipe shard`)")
+
+
+def index_lines(fileobj, *, size: int | None = None) -> list[str]:
+    """The index text (lines without newlines) of the tar stream ``fileobj``, header line first.
+
+    Raises ``ValueError`` naming a member that is not a regular file (sparse, link, device...) or
+    whose data runs past ``size`` (the shard's length, where known)."""
     samples: list[list[tuple[str, int, int, str]]] = []
     last = None
     with tarfile.open(fileobj=fileobj, mode="r|") as tar:
         for member in tar:
+            why = _refusal(member)
+            if why is not None:
+                raise ValueError(why)
             if not member.isreg():
                 continue
+            if size is not None and member.offset_data + member.size > size:
+                raise ValueError(f"member {member.name!r} of {member.size} bytes at byte {member.offset_data} runs "
+                                 f"past the end of the shard ({size} bytes): the shard is truncated")
             basename, ext = _split_name(member.name)
             if not basename or basename.endswith("/"):  # hidden files (names starting with a dot)
                 continue
@@ -76,9 +104,10 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
     head = b""
     try:
         with fsspec.open(tar_path_or_url, "rb", **options) as f:
+            size = getattr(f, "size", None)
             head = f.read(512)
             f.seek(0)
-            lines = index_lines(f)
+            lines = index_lines(f, size=size if isinstance(size, int) else None)
     except (OSError, tarfile.TarError, ValueError, EOFError) as e:
         from datapipe.tar.headers import is_tar_header, looks_like
 

@@ -186,3 +186,88 @@ def test_indexing_a_file_that_is_no_tar_says_what_it_looks_like(tmp_path):
         with pytest.raises(DataError) as e:
             write_dali_index(str(tmp_path / name))
         assert f"not a tar file: {words}" in str(e.value), (name, str(e.value))
+
+
+def _gnu_sparse_tar(path, *, real_size=1 << 20):
+    """A tar whose ``k001.bin`` is a GNU sparse member (typeflag 'S': 1024 bytes of data stored for a file of
+    ``real_size`` bytes), between two regular samples. tarfile cannot write one: its header is patched."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for name, payload in [("k000.cls", b"0"), ("k001.bin", b"s" * 1024), ("k002.cls", b"2")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            t.addfile(info, io.BytesIO(payload))
+    data = bytearray(buf.getvalue())
+    at = next(m.offset for m in tarfile.open(fileobj=io.BytesIO(bytes(data))) if m.name == "k001.bin")
+    header = bytearray(data[at:at + 512])
+    header[156:157] = b"S"
+    header[386:398] = b"%011o\0" % 0          # sparse map, entry 0: offset 0,
+    header[398:410] = b"%011o\0" % 1024       # 1024 bytes
+    header[482] = 0                           # no extension blocks
+    header[483:495] = b"%011o\0" % real_size  # the file's real size
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    data[at:at + 512] = header
+    with open(path, "wb") as f:
+        f.write(data)
+    assert [m.issparse() for m in tarfile.open(path)] == [False, True, False], "the crafted member reads as sparse"
+    return str(path)
+
+
+def test_index_refuses_a_gnu_sparse_member_by_name_as_shardstream_does(tmp_path, caplog):
+    from datapipe import ShardStream
+
+    tar = _gnu_sparse_tar(tmp_path / "shard-000000.tar")
+    with pytest.raises(DataError, match=r"sparse tar members are not supported \(member 'k001\.bin'\)") as e:
+        write_dali_index(tar)
+    assert "shard-000000.tar" in str(e.value)
+    assert not os.path.exists(default_index_path(tar))
+    with pytest.raises(DataError, match=r"sparse tar members are not supported \(member 'k001\.bin'\)"):
+        list(ShardStream(tar))  # the same words
+    for extra in ([], ["--no-counts"]):
+        with caplog.at_level(logging.ERROR):
+            assert cli_main(["index", tar, *extra]) != 0
+        assert "k001.bin" in caplog.text and not os.path.exists(default_index_path(tar))
+        caplog.clear()
+
+
+NON_REGULAR = {
+    "symlink": (tarfile.SYMTYPE, "a symbolic link", {"linkname": "k000.jpg"}),
+    "hardlink": (tarfile.LNKTYPE, "a hard link", {"linkname": "k000.jpg"}),
+    "chardev": (tarfile.CHRTYPE, "a character device", {}),
+    "blockdev": (tarfile.BLKTYPE, "a block device", {}),
+    "fifo": (tarfile.FIFOTYPE, "a FIFO", {}),
+    "dir_with_data": (tarfile.DIRTYPE, "a directory", {"size": 512, "payload": b"d" * 512}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NON_REGULAR))
+def test_index_refuses_non_regular_members_by_name(tmp_path, kind):
+    info_type, words, extra = NON_REGULAR[kind]
+    tar = str(tmp_path / "shard-000000.tar")
+    with tarfile.open(tar, "w") as t:
+        for name, payload in [("k000.jpg", b"j" * 10), ("k000.cls", b"0")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            t.addfile(info, io.BytesIO(payload))
+        info = tarfile.TarInfo("k001.jpg")
+        info.type, info.linkname, info.size = info_type, extra.get("linkname", ""), extra.get("size", 0)
+        t.addfile(info, io.BytesIO(extra["payload"]) if "payload" in extra else None)
+        info = tarfile.TarInfo("k001.cls")
+        info.size = 1
+        t.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(DataError, match=f"member 'k001.jpg' is {words}, not a regular file") as e:
+        write_dali_index(tar)
+    assert "shard-000000.tar" in str(e.value)
+    assert index_command([tar], counts=False) == 1 and not os.path.exists(default_index_path(tar))
+
+
+def test_index_refuses_a_member_that_runs_past_the_end_of_the_shard(tmp_path):
+    tar = _write_tar(tmp_path / "shard-000000.tar", _samples(3))
+    data = open(tar, "rb").read()
+    cut = tmp_path / "cut.tar"
+    last = [m for m in tarfile.open(tar)][-1]
+    cut.write_bytes(data[:last.offset_data + last.size // 2])
+    with pytest.raises(DataError, match=f"member '{last.name}' of {last.size} bytes .* runs past the end") as e:
+        write_dali_index(str(cut))
+    assert "cut.tar" in str(e.value)
