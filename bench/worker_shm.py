@@ -1,4 +1,4 @@
-"""Worker batches in recycled shared memory (``loaders.dataloader_shm``, ``loaders.dataloader_rawshm``) against torch.
+"""Worker batches in recycled shared memory (``loaders.dataloader.shm``, ``loaders.dataloader.rawshm``) against torch.
 
 Two modes (``--mode``, default both, one JSON). ``raw``: raw samples as a ``ShardStream`` yields them
 (``__key__``, ``__url__``, a ``jpg`` of up to ``--raw-bytes`` (~107 KB, sizes varying) and a ``cls``,
@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader as TorchLoader, Dataset, IterableDataset
 from torch.utils.data import get_worker_info  # noqa: E402
 
 from bench.common import table, write_result  # noqa: E402
-from loaders.dataloader_returns import SegmentReturns  # noqa: E402
-from loaders.dataloader_shm import PooledCollate  # noqa: E402
+from loaders.dataloader.returns import SegmentReturns  # noqa: E402
+from loaders.dataloader.shm import PooledCollate  # noqa: E402
 
 
 class Frames(Dataset):

@@ -9,8 +9,8 @@ _EXPORTS = {
     "AugmentOptions": "loaders.images.options",
     "DecodeOptions": "loaders.images.options",
     "ReadOptions": "loaders.images.options",
-    "DocumentOptions": "loaders.token_options",
-    "PackOptions": "loaders.token_options",
+    "DocumentOptions": "loaders.tokens.options",
+    "PackOptions": "loaders.tokens.options",
 }
 
 __all__ = sorted(_EXPORTS)

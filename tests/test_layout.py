@@ -264,3 +264,12 @@ def test_a_command_without_its_extra_says_which_to_install(tmp_path):
                                                    "datapipe bench) needs the extra synthetic: "
                                                    "pip install 'datapipe[synthetic]'")
     assert "Traceback" not in out.stderr
+
+
+def test_loaders_are_three_sibling_packages():
+    """DESIGN.md: loaders/ holds dataloader/, images/ and tokens/ (plus the source both read through), no flat
+    loader modules beside them."""
+    packages = sorted(p.parent.name for p in (ROOT / "loaders").glob("*/__init__.py"))
+    assert packages == ["dataloader", "images", "tokens"]
+    flat = sorted(p.name for p in (ROOT / "loaders").glob("*.py"))
+    assert flat == ["__init__.py", "source.py"], f"flat modules beside the loader packages: {flat}"

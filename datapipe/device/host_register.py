@@ -3,7 +3,7 @@
 Memory registered this way is pinned memory to CUDA and to torch (``Tensor.is_pinned()`` is true,
 ``Tensor.pin_memory()`` returns the tensor itself, a ``non_blocking`` copy from it is asynchronous):
 a buffer that lives long, such as a worker's recycled shared-memory segment
-(:mod:`loaders.dataloader_shm`), is copied to the device without first being copied into pinned
+(:mod:`loaders.dataloader.shm`), is copied to the device without first being copied into pinned
 memory. Its owner must keep it mapped while registered, and unregister it only once no copy still
 reads it.
 

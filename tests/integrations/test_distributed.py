@@ -143,6 +143,6 @@ def test_lightning_ddp_gives_each_rank_a_disjoint_half(ddp):
 
 def test_lightning_recreates_our_loader_with_our_arguments(ddp):
     for r in ddp:
-        assert r["loader"] == {"type": "loaders.dataloader.DataLoader", "ours": True,
+        assert r["loader"] == {"type": "loaders.dataloader.loader.DataLoader", "ours": True,
                                "sampler": "DistributedSampler", "seed": 3, "prefetch_depth": 3,
                                "has_stats": True}

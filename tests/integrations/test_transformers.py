@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from datapipe import ShardWriter  # noqa: E402
 from loaders import TokenLoader  # noqa: E402
-from loaders.token_options import PackOptions  # noqa: E402
+from loaders.tokens.options import PackOptions  # noqa: E402
 from packing.batch import hf_inputs  # noqa: E402
 
 VOCAB = 48

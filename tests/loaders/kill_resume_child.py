@@ -50,7 +50,7 @@ def build(cfg):
         from loaders import TokenLoader
 
         from datapipe import ShardStream
-        from loaders.token_options import PackOptions
+        from loaders.tokens.options import PackOptions
 
         loader = TokenLoader(ShardStream(cfg["urls"], shuffle=True, shuffle_buffer=8, seed=4), seq_len=64, batch_size=2,
                              packing=PackOptions(buffer_size=16))

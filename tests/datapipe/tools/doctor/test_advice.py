@@ -52,7 +52,7 @@ def test_recycled_workers_advice_for_torchs_loader_waited_on_with_workers():
     assert "recycled_workers" not in _ids(m(wait=0.05))  # not waiting: nothing to gain
     assert "recycled_workers" not in _ids(m(workers=0))  # no worker processes, no shared memory
     assert "recycled_workers" not in _ids(m(cuda=False))  # the recycling needs the GPU path
-    assert "recycled_workers" not in _ids(m(kind="loaders.dataloader.DataLoader"))  # ours already
+    assert "recycled_workers" not in _ids(m(kind="loaders.dataloader.loader.DataLoader"))  # ours already
     assert "recycled_workers" not in _ids(m(host=0))  # batches already on the device
 
 

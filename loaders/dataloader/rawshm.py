@@ -4,7 +4,7 @@ torch sends a worker's batch to the main process by pickling it through a pipe: 
 samples of ~107 KB is ~27 MB written, read and rebuilt there, in the one main process, which caps
 every worker count near 5k samples/s. Here the worker copies the batch's large ``bytes``,
 ``bytearray`` and numpy-array leaves (inside dicts, lists, tuples and namedtuples, at any depth) into
-one segment of its :class:`loaders.dataloader_shm.SegmentPool`, and sends the batch with each such
+one segment of its :class:`loaders.dataloader.shm.SegmentPool`, and sends the batch with each such
 leaf replaced by its slot number, plus the segment. The main process (:class:`RawCopies`) copies
 every leaf out of the segment into an ordinary object of the same type (``bytes`` stay ``bytes``; an
 array keeps its dtype, shape and C/Fortran order, writable) and hands the segment back to its worker
@@ -36,7 +36,7 @@ import collections
 import numpy as np
 import torch
 
-from loaders.dataloader_shm import (_LEAVES, FREE, HEADER, SegmentPool, _STATE, _movable, _segment_header,
+from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, SegmentPool, _STATE, _movable, _segment_header,
                                     _shared_storages, map_leaves)
 
 __all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "pack_raw", "unpacked"]

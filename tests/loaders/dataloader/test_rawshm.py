@@ -1,4 +1,4 @@
-"""loaders.dataloader_rawshm: workers' raw samples (bytes, numpy arrays) travel in recycled shared memory and
+"""loaders.dataloader.rawshm: workers' raw samples (bytes, numpy arrays) travel in recycled shared memory and
 come out of the loader as ordinary objects, exact, whatever the consumer does with them."""
 import collections
 import pickle
@@ -12,8 +12,8 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from datapipe import ShardStream
 from loaders import DataLoader
-from loaders.dataloader_rawshm import MIN_BYTES, MIN_LEAF, Packed, RawCopies, pack_raw
-from loaders.dataloader_shm import BUSY, FREE, HEADER, SegmentPool, recycling_available
+from loaders.dataloader.rawshm import MIN_BYTES, MIN_LEAF, Packed, RawCopies, pack_raw
+from loaders.dataloader.shm import BUSY, FREE, HEADER, SegmentPool, recycling_available
 from tests.resume import assert_resumes_identically
 
 pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
@@ -173,7 +173,7 @@ def test_a_worker_error_reaches_the_consumer_and_the_loader_goes_on():
 
 
 def test_without_file_descriptor_sharing_batches_are_pickled(monkeypatch):
-    import loaders.dataloader as dataloader
+    import loaders.dataloader.loader as dataloader
 
     monkeypatch.setattr(dataloader, "recycling_available", lambda: False)
     dl = DataLoader(Raw(64), batch_size=32, num_workers=1, collate_fn=as_list)

@@ -2,13 +2,13 @@
 ``global_state_dict``, and how a pass takes a pending resume back.
 
 A mixin of :class:`loaders.dataloader.DataLoader` (it reads and sets the loader's attributes); the
-state's shape, its checks and the map-style replay are in :mod:`loaders.dataloader_resume`.
+state's shape, its checks and the map-style replay are in :mod:`loaders.dataloader.resume`.
 """
 from __future__ import annotations
 
 from datapipe.order import elastic
-from loaders.dataloader_progress import Progress
-from loaders.dataloader_resume import (as_loadable, check_local, fresh_state, from_global, pass_state, rank_world,
+from loaders.dataloader.progress import Progress
+from loaders.dataloader.resume import (as_loadable, check_local, fresh_state, from_global, pass_state, rank_world,
                                        record_order)
 
 __all__ = ["LoaderState"]
@@ -52,7 +52,7 @@ class LoaderState:
             self.dataset.load_state_dict(ds)
 
     def state_dict(self) -> dict:
-        """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader_resume`):
+        """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader.resume`):
         ``{"kind", "epoch", "batches", "num_workers", "generator_state", "rng_state",
         "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``."""
         if self._pending is not None:

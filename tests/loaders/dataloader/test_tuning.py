@@ -1,9 +1,9 @@
-"""loaders.dataloader_tuning: the choices of num_workers="auto" and prefetch_depth="auto"."""
+"""loaders.dataloader.tuning: the choices of num_workers="auto" and prefetch_depth="auto"."""
 import types
 
 import pytest
 
-from loaders.dataloader_tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
+from loaders.dataloader.tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
 
 
 def _stats(**kw):

@@ -1,4 +1,4 @@
-"""The main process's side of ``loaders.DataLoader``'s recycled shared memory (:mod:`loaders.dataloader_shm`):
+"""The main process's side of ``loaders.DataLoader``'s recycled shared memory (:mod:`loaders.dataloader.shm`):
 segments given back to their workers once a batch is pinned, and kept mapped (and page-locked) meanwhile."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import torch
 
 from datapipe.device import host_register
-from loaders.dataloader_shm import _STATE, FREE, _segment_header, _tensors
+from loaders.dataloader.shm import _STATE, FREE, _segment_header, _tensors
 
 __all__ = ["SegmentReturns"]
 

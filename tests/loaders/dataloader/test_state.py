@@ -1,4 +1,4 @@
-"""loaders.DataLoader's epochs and state (loaders/dataloader_state.py): seed + epoch, exact resume (map-style,
+"""loaders.DataLoader's epochs and state (loaders/dataloader/state.py): seed + epoch, exact resume (map-style,
 plain iterable and worker-state protocol datasets), the state's kind."""
 import pytest
 import torch

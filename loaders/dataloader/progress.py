@@ -9,8 +9,8 @@ import torch
 
 from datapipe.device import autotune
 from datapipe.device.prefetch import first_tensor
-from loaders.dataloader_resume import RngRecord
-from loaders.dataloader_workers import WorkerStates
+from loaders.dataloader.resume import RngRecord
+from loaders.dataloader.workers import WorkerStates
 
 __all__ = ["Progress", "PassStats", "count_samples", "stats"]
 

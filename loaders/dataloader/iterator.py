@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data._utils.fetch import _IterableDatasetFetcher
 
-from loaders.dataloader_progress import Progress, count_samples
+from loaders.dataloader.progress import Progress, count_samples
 
 __all__ = ["Failed", "EpochSource", "LoaderIterator", "fast_fetch", "pinned", "pins_for_cuda", "tagged_batches",
            "shutdown"]
@@ -91,7 +91,7 @@ def pinned(stream, device: str | None = None, *, returns=None, keep: bool = Fals
     Here the unpinned batch is kept until the producer asks for the next one, so it is dropped at the
     producer's paced point, mid-step, whatever the pinning took. A batch whose pinning raises becomes a
     ``Failed`` (as in torch's pin thread: that batch raises, the pass goes on). ``returns`` (a
-    :class:`loaders.dataloader_returns.SegmentReturns`): each batch's recycled shared-memory segments go back
+    :class:`loaders.dataloader.returns.SegmentReturns`): each batch's recycled shared-memory segments go back
     to their workers once it is pinned (or failed), and are dropped at the pass's end unless ``keep``
     (persistent workers reuse them). With ``returns.register``, segments registered for CUDA are not
     copied: the batch goes out in them, and they go back once the copy the consumer (the

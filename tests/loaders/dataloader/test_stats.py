@@ -1,4 +1,4 @@
-"""loaders.DataLoader's stats() (loaders/dataloader_stats.py)."""
+"""loaders.DataLoader's stats() (loaders/dataloader/stats.py)."""
 import pytest
 import torch
 

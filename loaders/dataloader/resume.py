@@ -14,7 +14,7 @@ A loader state is ``{"kind": "DataLoader", "epoch", "batches", "num_workers", "g
   is restored. Per-sample randomness inside workers is not replayed: after a resume batch ``n``
   runs on worker 0, not on worker ``n % num_workers``.
 - iterable datasets with the worker-state protocol: ``dataset`` holds the merged worker states
-  (:mod:`loaders.dataloader_workers`), or a global state (:mod:`datapipe.order.elastic`).
+  (:mod:`loaders.dataloader.workers`), or a global state (:mod:`datapipe.order.elastic`).
 - other iterable datasets: ``dataset`` is None; the consumed batches are produced again and dropped
   (exact only for a dataset that replays the same stream for the same epoch and worker count).
 

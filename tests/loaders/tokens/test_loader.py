@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from datapipe import DataError, ShardStream, ShardWriter
 from loaders import TokenLoader
-from loaders.token_options import DocumentOptions, PackOptions
+from loaders.tokens.options import DocumentOptions, PackOptions
 from tests.resume import assert_resumes_identically
 
 STREAM = ("shuffle", "seed", "shuffle_buffer", "rank", "world_size", "on_error")

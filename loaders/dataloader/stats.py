@@ -1,11 +1,11 @@
-"""``stats()`` of ``loaders.DataLoader``: the pass's figures (:mod:`loaders.dataloader_progress`), the autotune
+"""``stats()`` of ``loaders.DataLoader``: the pass's figures (:mod:`loaders.dataloader.progress`), the autotune
 choices, the dataset's losses and the workers' shared memory in use.
 
 A mixin of :class:`loaders.dataloader.DataLoader` (it reads the loader's attributes).
 """
 from __future__ import annotations
 
-from loaders.dataloader_progress import stats as pass_stats
+from loaders.dataloader.progress import stats as pass_stats
 
 __all__ = ["LoaderStats"]
 

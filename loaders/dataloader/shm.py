@@ -9,7 +9,7 @@ in the producer"). Here each worker keeps a small pool of shared-memory segments
 batches' tensors into free ones; the main process keeps the segments mapped (torch's receiving
 side finds a segment it still holds in its cache and does not map it again) and hands each
 segment back as soon as the batch has been pinned. Used where that moment is known: where a thread of
-the loader pins (:func:`loaders.dataloader_iter.pinned`: the prefetch thread with ``device="cuda"``, a
+the loader pins (:func:`loaders.dataloader.iterator.pinned`: the prefetch thread with ``device="cuda"``, a
 pin thread in torch's place with ``pin_memory=True`` and ``device=None``) and torch's
 ``file_descriptor`` sharing strategy (Linux's default).
 
@@ -159,7 +159,7 @@ class PooledCollate:
     ``batches``: how many batches one worker may have in flight (torch's prefetch factor + 2), so the
     pool's cap is that many times the tensors in a batch. ``tensors=False``: tensors travel as torch
     sends them. ``pack(batch, pool)``: applied to each collated batch first, with the pool (e.g.
-    :func:`loaders.dataloader_rawshm.pack_raw`, the raw leaves copied into a segment).
+    :func:`loaders.dataloader.rawshm.pack_raw`, the raw leaves copied into a segment).
     """
 
     def __init__(self, collate_fn: Callable, mark: bytes, batches: int, passes: torch.Tensor | None = None, *,

@@ -14,20 +14,20 @@ Resume (``state_dict()`` / ``load_state_dict()``): exact mid-epoch. Map-style da
 pass's sampler order and skip the consumed batches; iterable datasets with the worker-state
 protocol take their merged worker states back; other iterable datasets produce the consumed
 batches again and drop them. The state's shape and the map-style replay:
-:mod:`loaders.dataloader_resume`; the worker-state protocol: :mod:`loaders.dataloader_workers`.
+:mod:`loaders.dataloader.resume`; the worker-state protocol: :mod:`loaders.dataloader.workers`.
 
 Epochs: a finished pass advances the loader's epoch; a dataset with ``set_epoch`` (``ShardStream``)
 is told the new epoch before the next pass unless someone else changed its ``epoch`` meanwhile.
 Samplers are left alone, as torch does (call ``sampler.set_epoch`` yourself, or ``dl.set_epoch``).
 
 The parts: this module is the loader (torch's hooks, the pass, its end, ``close()``);
-:mod:`loaders.dataloader_state` the epoch and state methods; :mod:`loaders.dataloader_stats` ``stats()``;
-:mod:`loaders.dataloader_iter` the pass's stream and the consumer-side iterator;
-:mod:`loaders.dataloader_progress` a pass's position and timing;
-:mod:`loaders.dataloader_tuning` the "auto" choices; where the loader pins
+:mod:`loaders.dataloader.state` the epoch and state methods; :mod:`loaders.dataloader.stats` ``stats()``;
+:mod:`loaders.dataloader.iterator` the pass's stream and the consumer-side iterator;
+:mod:`loaders.dataloader.progress` a pass's position and timing;
+:mod:`loaders.dataloader.tuning` the "auto" choices; where the loader pins
 (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers: in a thread of its own, in place of
-torch's pin thread), :mod:`loaders.dataloader_shm` the workers' recycled shared memory; with workers,
-:mod:`loaders.dataloader_rawshm` their raw samples in it.
+torch's pin thread), :mod:`loaders.dataloader.shm` the workers' recycled shared memory; with workers,
+:mod:`loaders.dataloader.rawshm` their raw samples in it.
 """
 from __future__ import annotations
 
@@ -44,17 +44,17 @@ from torch.utils.data import IterableDataset
 from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
-from loaders.dataloader_iter import (EpochSource, LoaderIterator, fast_fetch, pinned, pins_for_cuda, shutdown,
+from loaders.dataloader.iterator import (EpochSource, LoaderIterator, fast_fetch, pinned, pins_for_cuda, shutdown,
                                     tagged_batches)
-from loaders.dataloader_progress import Progress
-from loaders.dataloader_rawshm import RawCopies, pack_raw, unpacked
-from loaders.dataloader_returns import SegmentReturns
-from loaders.dataloader_shm import PooledCollate, recycling_available
-from loaders.dataloader_resume import IndexSampler, Plan
-from loaders.dataloader_state import LoaderState
-from loaders.dataloader_stats import LoaderStats
-from loaders.dataloader_tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
-from loaders.dataloader_workers import StatefulCollate, has_protocol
+from loaders.dataloader.progress import Progress
+from loaders.dataloader.rawshm import RawCopies, pack_raw, unpacked
+from loaders.dataloader.returns import SegmentReturns
+from loaders.dataloader.shm import PooledCollate, recycling_available
+from loaders.dataloader.resume import IndexSampler, Plan
+from loaders.dataloader.state import LoaderState
+from loaders.dataloader.stats import LoaderStats
+from loaders.dataloader.tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
+from loaders.dataloader.workers import StatefulCollate, has_protocol
 
 __all__ = ["DataLoader"]
 
@@ -77,10 +77,10 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     Pinning: with ``device="cuda"`` the prefetch thread pins and copies; with ``pin_memory=True``, no
     ``device`` and worker processes (torch's idiom, a GPU present) a thread of this loader pins in place
     of torch's pin-memory thread, ``prefetch_depth`` batches ahead. Either way the workers' batches
-    travel in recycled shared memory (:mod:`loaders.dataloader_shm`), with ``device="cuda"`` copied to
+    travel in recycled shared memory (:mod:`loaders.dataloader.shm`), with ``device="cuda"`` copied to
     the GPU in place. With any ``device``, workers' raw samples (``bytes``, numpy arrays, in dicts, lists and
     tuples) travel in recycled shared memory and are copied out as they arrive
-    (:mod:`loaders.dataloader_rawshm`), not pickled through a pipe; where no thread of this loader pins,
+    (:mod:`loaders.dataloader.rawshm`), not pickled through a pipe; where no thread of this loader pins,
     a batch's tensors travel in one block of shared memory and come out as views of it (a list of
     decoded images: one socket round trip a batch instead of one a tensor). With ``device`` set, a pin
     thread or persistent workers, one pass runs at a time:
@@ -113,20 +113,20 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
         self._pass_pins = False  # whether a thread of ours pins this pass's batches (_pins_here)
-        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader_shm), with
+        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader.shm), with
         # device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory per batch
         self._returns: SegmentReturns | None = SegmentReturns(
             os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2,
             register=dev is not None and dev.type == "cuda")
         # workers' raw samples (bytes, numpy arrays) in recycled shared memory, copied out as they arrive
-        # (loaders.dataloader_rawshm); None: pickled through torch's pipe
+        # (loaders.dataloader.rawshm); None: pickled through torch's pipe
         self._raw: RawCopies | None = RawCopies(self._returns.mark, workers=0, batches=self._returns.batches)
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
         self._auto_workers_mode = auto
         self._iterable = isinstance(dataset, IterableDataset)
-        self._protocol = has_protocol(dataset)  # the worker-state protocol (loaders.dataloader_workers)
+        self._protocol = has_protocol(dataset)  # the worker-state protocol (loaders.dataloader.workers)
         self._plan = Plan()
         self._index_wrapper: IndexSampler | None = None
         self._epoch = 0
@@ -203,7 +203,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         return it
 
     def _pins_here(self, workers: int) -> bool:
-        """Whether a thread of this loader pins a pass's batches (:func:`loaders.dataloader_iter.pinned`), not
+        """Whether a thread of this loader pins a pass's batches (:func:`loaders.dataloader.iterator.pinned`), not
         torch: the prefetch thread with ``device="cuda"``; with ``device=None`` and ``pin_memory=True`` (for a
         CUDA device) and worker processes, a pin thread of ours in place of torch's. Without workers torch
         pins in the training thread, the dataset running there too, and so it stays."""
@@ -213,12 +213,12 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                 and (workers > 0 or self._auto_workers_mode))
 
     def _recycles(self, workers: int) -> bool:
-        """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader_shm):
+        """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader.shm):
         our own thread pins, so it knows when a batch is done with."""
         return self._returns is not None and workers > 0 and recycling_available() and self._pass_pins
 
     def _packs(self, workers: int) -> bool:
-        """Whether this pass's workers send raw samples in recycled shared memory (loaders.dataloader_rawshm):
+        """Whether this pass's workers send raw samples in recycled shared memory (loaders.dataloader.rawshm):
         copied out as they arrive, so whoever consumes the batch."""
         return self._raw is not None and self._returns is not None and workers > 0 and recycling_available()
 

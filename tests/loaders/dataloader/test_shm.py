@@ -1,4 +1,4 @@
-"""loaders.dataloader_shm: worker batches in recycled shared memory, handed back once copied out."""
+"""loaders.dataloader.shm: worker batches in recycled shared memory, handed back once copied out."""
 import collections
 import dataclasses
 import os
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from loaders.dataloader_returns import SegmentReturns
-from loaders.dataloader_shm import (BUSY, FREE, HEADER, PooledCollate, SegmentPool,
+from loaders.dataloader.returns import SegmentReturns
+from loaders.dataloader.shm import (BUSY, FREE, HEADER, PooledCollate, SegmentPool,
                                     recycling_available)
 
 pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
@@ -185,7 +185,7 @@ def test_default_collate_inside_a_custom_collate_stacks_into_segments_and_the_ma
 
 
 def test_a_raising_collate_leaves_torchs_map_as_it_was(monkeypatch):
-    import loaders.dataloader_shm as shm
+    import loaders.dataloader.shm as shm
     from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
     def broken(samples):
@@ -198,7 +198,7 @@ def test_a_raising_collate_leaves_torchs_map_as_it_was(monkeypatch):
 
 
 def test_a_collate_that_raises_after_stacking_gives_its_segments_back(monkeypatch):
-    import loaders.dataloader_shm as shm
+    import loaders.dataloader.shm as shm
     from torch.utils.data import default_collate
 
     def half_done(samples):
@@ -218,7 +218,7 @@ class Tagged(dict):
 
 
 def test_moved_containers_keep_their_types_and_untouched_ones_stay_the_same_object():
-    from loaders.dataloader_shm import _moved
+    from loaders.dataloader.shm import _moved
 
     pool = SegmentPool(MARK, cap=8)
     batch = Tagged(x=torch.arange(6.0).reshape(2, 3), names=["a", "b"])
@@ -234,7 +234,7 @@ def test_moved_containers_keep_their_types_and_untouched_ones_stay_the_same_obje
 
 
 def test_a_pool_that_cannot_get_shared_memory_leaves_the_batch_to_torch(monkeypatch):
-    import loaders.dataloader_shm as shm
+    import loaders.dataloader.shm as shm
     from torch.utils.data import default_collate
 
     def no_room(cls, size):
@@ -292,7 +292,7 @@ def test_settle_frees_what_the_batch_does_not_send():
 
 def fake_registry(monkeypatch, refuse=()):
     """host_register stood in for (no GPU here): which pointers are registered, and the calls."""
-    import loaders.dataloader_returns as returns_module
+    import loaders.dataloader.returns as returns_module
 
     calls = []
 

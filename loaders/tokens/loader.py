@@ -17,7 +17,7 @@ from datapipe.order.ranks import rank_world
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
 from loaders.source import as_stream, check_positive_int, option_group
-from loaders.token_options import DocumentOptions, PackOptions
+from loaders.tokens.options import DocumentOptions, PackOptions
 
 log = logging.getLogger("datapipe.tokens")
 
@@ -62,8 +62,8 @@ class TokenLoader:
         batch_size: rows per batch (``"dynamic"``: at most this many).
         device: where batches go (``None``: stay on the CPU).
         tokenizer: ``str -> list[int]`` for samples that hold text instead of token ids.
-        packing: :class:`~loaders.token_options.PackOptions` (batching, buffer, algorithm, ``eos_id``...).
-        documents: :class:`~loaders.token_options.DocumentOptions` (which entries hold tokens or text).
+        packing: :class:`~loaders.tokens.options.PackOptions` (batching, buffer, algorithm, ``eos_id``...).
+        documents: :class:`~loaders.tokens.options.DocumentOptions` (which entries hold tokens or text).
         prefetch_depth: batches prepared ahead of the training loop.
         sync_ranks: stop every rank together (see above).
     """

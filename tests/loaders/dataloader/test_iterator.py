@@ -1,7 +1,7 @@
-"""loaders.dataloader_iter: the producer-side stream of a loaders.DataLoader pass."""
+"""loaders.dataloader.iterator: the producer-side stream of a loaders.DataLoader pass."""
 import threading
 
-from loaders.dataloader_iter import Failed, pinned
+from loaders.dataloader.iterator import Failed, pinned
 
 
 class Batch:
@@ -94,7 +94,7 @@ def test_a_batch_whose_pinning_raises_becomes_a_failure_and_the_stream_goes_on()
 
 
 class Returns:
-    """Stands in for loaders.dataloader_returns.SegmentReturns: records what was given back, and when."""
+    """Stands in for loaders.dataloader.returns.SegmentReturns: records what was given back, and when."""
 
     def __init__(self):
         self.released = []

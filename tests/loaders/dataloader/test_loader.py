@@ -1,5 +1,5 @@
 """loaders.DataLoader: torch parity, autotune bounds, pinning in a thread of its own, clean failure without
-orphaned workers or threads. Its state: test_dataloader_state.py; its stats(): test_dataloader_stats.py."""
+orphaned workers or threads. Its state: test_state.py; its stats(): test_stats.py."""
 import gc
 import logging
 import threading
@@ -240,7 +240,7 @@ def test_bad_arguments():
 def _fake_pinning(monkeypatch):
     """A CPU machine cannot pin: the loader is told it can, and a copy stands in for pinning. Returns
     the names of the threads that pinned."""
-    import loaders.dataloader as module
+    import loaders.dataloader.loader as module
     from torch.utils.data._utils import pin_memory as torch_pin
 
     from datapipe.device.prefetch import map_tensors
