@@ -137,3 +137,18 @@ def test_an_http_folder_is_read_as_shardstream_reads_it(out, capsys):
         assert main(["inspect", base + "/"]) == 0
     text = capsys.readouterr().out
     assert "3 shards, 12 samples" in text and "manifest: yes" in text
+
+
+def test_a_pattern_that_covers_part_of_the_manifest_says_how_much(out, capsys):
+    """The README's flow lost a shard in silence: a pattern of 2 of the 3 shards must say so (issue 44)."""
+    assert main(["inspect", str(out / "shard-{000000..000001}.tar")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "2 shards, 10 samples" in first and "manifest: 2 of its 3 shards (10 of 12 samples) match this pattern" \
+        in first and "manifest: yes" not in first
+    report = inspect_shards(str(out / "shard-{000000..000001}.tar"))
+    assert report["manifest"] is False and report["manifest_lists"] == 2
+    assert (report["manifest_shards"], report["manifest_samples"]) == (3, 12)
+    for target in (str(out), str(out / "shard-{000000..000002}.tar")):
+        main(["inspect", target])
+        assert "manifest: yes, all 3 of its shards (12 samples)" in capsys.readouterr().out
+        assert inspect_shards(target)["manifest"] is True

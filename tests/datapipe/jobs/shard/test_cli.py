@@ -5,7 +5,7 @@ import os
 import pytest
 
 from datapipe.jobs.shard.cli import _size
-from tests.datapipe.jobs.shard.test_job import run_shard, images, run_cli  # noqa: F401 (fixture)
+from tests.datapipe.jobs.shard.test_job import run_shard, images, read_all, run_cli  # noqa: F401 (fixture)
 
 
 def test_sizes():
@@ -121,3 +121,51 @@ def test_a_file_whose_kind_cannot_be_told_from_its_name_is_a_usage_error(tmp_pat
         err = capsys.readouterr().err
         assert "cannot tell what" in err and words in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+# ---- what the job says it wrote, and its own usage (issue 44) --------------------------------
+
+def test_the_job_ends_by_printing_the_pattern_that_reads_all_it_wrote(images, tmp_path, capsys):
+    from datapipe import ShardStream
+
+    root, files = images
+    out = tmp_path / "out"
+    assert run_cli(root, out, "--workers", "1", "--max-count", "5") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    manifest = json.load(open(out / "manifest.json"))
+    n = len(manifest["shards"])
+    assert n == 5
+    pattern = f"{out}/shard-{{000000..{n - 1:06d}}}.tar"
+    assert lines[-1] == f"wrote {len(files)} samples in {n} shards: read them all as {out}/ or {pattern}"
+    assert len(ShardStream(pattern)) == len(files) == len(ShardStream(f"{out}/"))
+    # a job that finds its output complete says the same
+    assert run_cli(root, out, "--workers", "1", "--max-count", "5") == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == lines[-1]
+    # one shard: its name, no braces; other patterns too
+    assert run_cli(root, tmp_path / "one", "--workers", "1", "--pattern", "part-%d.tar") == 0
+    assert capsys.readouterr().out.strip().endswith(f"as {tmp_path / 'one'}/ or {tmp_path / 'one'}/part-0.tar")
+    assert run_cli(root, tmp_path / "few", "--workers", "1", "--pattern", "p%03d.tar", "--max-count", "10") == 0
+    assert capsys.readouterr().out.strip().endswith(f"{tmp_path / 'few'}/p{{000..002}}.tar")
+
+
+def test_shuffle_is_the_default_and_no_shuffle_keeps_the_input_order(images, tmp_path):
+    root, files = images
+    orders = {}
+    for name, flags in {"default": [], "alias": ["--shuffle"], "plain": ["--no-shuffle"]}.items():
+        assert run_cli(root, tmp_path / name, "--workers", "1", *flags) == 0
+        orders[name] = [s["__key__"] for s in read_all(str(tmp_path / name))]
+    listed = [rel[: -len(".jpg")].replace(".", "_") for rel in sorted(files)]
+    assert orders["plain"] == listed
+    assert orders["default"] == orders["alias"] != listed and sorted(orders["default"]) == sorted(listed)
+
+
+def test_a_misspelt_option_prints_the_shard_usage_and_exits_2(tmp_path, capsys):
+    from datapipe.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["shard", str(tmp_path / "a"), str(tmp_path / "b"), "--max-cout", "5"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: datapipe shard ") and "--max-count" in err
+    assert "unrecognized arguments: --max-cout 5" in err and "COMMAND" not in err
+    assert not (tmp_path / "b").exists()

@@ -252,7 +252,7 @@ def test_sigkill_and_rerun_matches_uninterrupted(tmp_path):
     root = tmp_path / "imgs"
     make_image_folder(str(root), n=150, classes=("a", "b", "c", "d"), size=(96, 72))
     args = [str(root), "--resize", "40", "--max-count", "4", "--partition-size", "6", "--workers", "1",
-            "--no-progress", "--shuffle", "--seed", "5"]
+            "--no-progress", "--seed", "5"]  # shuffled by default
     cmd = [sys.executable, "-m", "datapipe", "shard"]
     out = tmp_path / "out"
     done_dir = out / ".datapipe-job" / "done"
@@ -433,3 +433,51 @@ def test_a_truncated_input_tar_counts_the_samples_lost_after_its_cut(tmp_path, c
     assert run_cli(tmp_path / "in", tmp_path / "out2", "--workers", "1") == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert ("samples never read after the cut of a truncated input tar" in line) is with_manifest
+
+
+# ---- shuffled by default, full shards (issue 44) ----------------------------------------------
+
+def _counts(out):
+    return [s["count"] for s in json.load(open(os.path.join(out, "manifest.json")))["shards"]]
+
+
+def _full_but_one(counts, max_count):
+    """Every shard holds max_count samples but at most one."""
+    return sum(c != max_count for c in counts) <= 1 and max(counts) == max_count
+
+
+def test_every_shard_of_a_class_folder_holds_every_class_by_default(tmp_path):
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=240, classes=("astronaut", "cat", "coffee"), size=(24, 16))
+    run_shard(str(root), str(tmp_path / "out"), max_count=40, workers=2)
+    per_shard = {}
+    for s in webdataset.WebDataset(str(tmp_path / "out" / "shard-{000000..000005}.tar"), shardshuffle=False):
+        per_shard.setdefault(s["__url__"], set()).add(int(s["cls"]))
+    assert len(per_shard) == 6 and all(classes == {0, 1, 2} for classes in per_shard.values()), per_shard
+    plain = run_shard(str(root), str(tmp_path / "plain"), max_count=40, shuffle=False)
+    assert plain["samples"] == 240
+    first = next(iter(webdataset.WebDataset(str(tmp_path / "plain" / "shard-000000.tar"), shardshuffle=False
+                                             ).batched(40, partial=True)))
+    assert set(int(c) for c in first["cls"]) == {0}  # input order: the first shard is one class
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_shards_hold_max_count_but_at_most_one(tmp_path, workers):
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=300, classes=("a", "b", "c"), size=(24, 16))
+    resized = run_shard(str(root), str(tmp_path / "resized"), max_count=100, resize=8, workers=workers)
+    assert resized["samples"] == 300 and _counts(tmp_path / "resized") == [100] * 3
+    for i in range(3):  # broken files make partitions of one shard's items write fewer samples
+        (root / "a" / f"broken{i}.jpg").write_bytes(BROKEN)
+    for name, kw in {"copy": {}, "copy-plain": dict(shuffle=False), "resize": dict(resize=8)}.items():
+        report = run_shard(str(root), str(tmp_path / name), max_count=100, workers=workers, **kw)
+        assert report["samples"] == 300 and report["num_skipped"] == 3, name
+        assert _counts(tmp_path / name) == [100] * 3, (name, _counts(tmp_path / name))
+    urls, _ = write_shards(tmp_path / "tars", [10, 3, 0, 8, 5, 12, 7], manifest=False)
+    run_shard(str(tmp_path / "tars"), str(tmp_path / "resharded"), max_count=6, workers=workers)
+    counts = _counts(tmp_path / "resharded")
+    assert sum(counts) == 45 and _full_but_one(counts, 6), counts
+    write_jsonl(tmp_path / "docs.jsonl", [f"document {i}" for i in range(40)], bad_line=False)
+    run_shard(str(tmp_path / "docs.jsonl"), str(tmp_path / "text"), partition_bytes=300, max_count=8, workers=workers)
+    counts = _counts(tmp_path / "text")
+    assert sum(counts) == 40 and counts == [8] * 5, counts
