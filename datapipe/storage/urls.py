@@ -1,4 +1,4 @@
-"""Shard URL specs: brace expansion, ``::`` joins, folders that stand for their dataset, and (re-exported from
+"""Shard URL specs: brace expansion, globs, ``::`` joins, folders that stand for their dataset, and (re-exported from
 ``datapipe.storage.locations``) scheme checks and credential redaction."""
 from __future__ import annotations
 
@@ -17,17 +17,21 @@ __all__ = ["expand_urls", "is_local", "local_path", "redact_text", "redact_url",
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_GLOB = re.compile(r"[*?\[]")
+_HTTP_GLOB = re.compile(r"[*\[]")
 
 
 def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = False,
                 storage_options: dict | None = None) -> list[str]:
     """Expand a shard spec into a list of URLs.
 
-    ``spec`` is a string (brace ranges ``{000..127}``, lists ``{a,b}``, several specs joined by
-    ``::``) or a list of such strings. A folder (local, or any fsspec URL; an ``http(s)`` one ends
-    in ``/``) stands for its dataset: the shards its ``manifest.json`` lists, else its ``.tar``
-    files in name order. ``pipe:`` URLs run shell commands and are refused unless ``allow_pipe=True``.
-    ``storage_options`` are passed to fsspec where a remote folder is listed.
+    ``spec`` is a string (brace ranges ``{000..127}``, lists ``{a,b}``, globs ``*`` ``?`` ``[...]``, several
+    specs joined by ``::``) or a list of such strings. A glob expands through fsspec to the files it matches,
+    in name order (in an ``http(s)`` URL ``?`` starts the query, not a glob); one that matches nothing is a
+    ``DataError``. A folder (local, or any fsspec URL, with or without its trailing ``/``) stands for its
+    dataset: the shards its ``manifest.json`` lists, else its ``.tar`` files in name order. ``pipe:`` URLs
+    run shell commands and are refused unless ``allow_pipe=True``. ``storage_options`` are passed to
+    fsspec where a remote folder or glob is listed.
     """
     if isinstance(spec, (list, tuple)):
         parts = list(spec)
@@ -52,7 +56,9 @@ def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = F
                 raise ValueError(
                     f"pipe: URLs run shell commands and are refused: {redact_url(url)!r}; pass allow_pipe=True to allow them"
                 )
-            if _is_folder(url, single=len(expanded) == 1, storage_options=storage_options):
+            if _is_glob(url):
+                urls += glob_urls(url, storage_options=storage_options)
+            elif _is_folder(url, single=len(expanded) == 1, storage_options=storage_options):
                 urls += folder_urls(url, storage_options=storage_options)
             else:
                 urls.append(url)
@@ -74,15 +80,55 @@ def _is_folder(url: str, *, single: bool, storage_options: dict | None) -> bool:
     name = _shard_name(url)
     if not single or name.endswith(SHARD_SUFFIXES + _COMPRESSED):
         return False
-    if url_scheme(url) in ("http", "https"):
-        return url.split("?", 1)[0].endswith("/")  # a GET is the only way to ask, and a file would come whole
     try:
         from datapipe.storage.files import filesystem
 
         fs, path = filesystem(url, storage_options)
+        if url_scheme(url) in ("http", "https"):
+            if url.split("?", 1)[0].endswith("/"):
+                return True
+            # HEAD (redirects followed): a folder answers with its listing page, a shard with its bytes
+            return fs.info(path).get("mimetype") in ("text/html", "application/xhtml+xml")
         return bool(fs.isdir(path))
     except Exception:  # not listable (or no access): reading it as a shard says what is wrong
         return False
+
+
+def _is_glob(url: str) -> bool:
+    """Whether ``url`` holds a glob character (``*``, ``?``, ``[``): in an http(s) URL's path only, and ``?``
+    not at all there (it starts the query); a local path that exists as written is no glob."""
+    if url.startswith("pipe:"):
+        return False
+    if url_scheme(url) in ("http", "https"):
+        return bool(_HTTP_GLOB.search(url.split("?", 1)[0]))
+    if not _GLOB.search(url):
+        return False
+    return not (is_local(url) and os.path.exists(local_path(url)))
+
+
+def glob_urls(url: str, *, storage_options: dict | None = None) -> list[str]:
+    """The files that the glob ``url`` matches (through fsspec; local paths keep their form), in name order."""
+    if is_local(url):
+        import glob
+
+        prefix = "file://" if url.startswith("file://") else ""
+        found = [prefix + p for p in glob.glob(local_path(url)) if not os.path.isdir(p)]
+    else:
+        from datapipe.storage.files import filesystem
+
+        try:
+            fs, path = filesystem(url, storage_options)
+            matches = [p for p, info in fs.glob(path, detail=True).items() if info.get("type") != "directory"]
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot list the files that the glob pattern matches: {type(e).__name__}: {e}",
+                            url=redact_url(url), what="glob") from e
+        stripped = fs._strip_protocol(url)
+        head = url[:-len(stripped)] if stripped and url.endswith(stripped) else None
+        found = [p if "://" in p else (head + p if head is not None else fs.unstrip_protocol(p)) for p in matches]
+    if not found:
+        raise DataError("the glob pattern matches no file: check the folder and the pattern (a folder URL reads "
+                        "all the shards of its folder, e.g. 'data/shards/')", url=redact_url(url), what="glob")
+    return sorted(found)
 
 
 def folder_urls(url: str, *, storage_options: dict | None = None) -> list[str]:
@@ -102,6 +148,8 @@ def folder_urls(url: str, *, storage_options: dict | None = None) -> list[str]:
                 found = os.listdir(local_path(base))
             else:
                 fs, path = filesystem(url, storage_options)
+                if url_scheme(url) in ("http", "https") and not path.split("?", 1)[0].endswith("/"):
+                    path += "/"  # the listing page's links are relative to the folder itself
                 found = [_shard_name(p) for p in fs.ls(path, detail=False)]
         except OSError as e:
             raise DataError(f"cannot list the folder: {type(e).__name__}: {e}", url=redact_url(url),

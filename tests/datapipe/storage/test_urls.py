@@ -125,3 +125,95 @@ def test_redact_text_hides_credentials_of_every_url_in_any_text():
     assert "https://h/x-{000..001}.tar?token=***) end" in out
     assert redact_text(ValueError("plain http://h/a.tar and /local/path")) == "plain http://h/a.tar and /local/path"
     assert redact_text(out) == out
+
+
+# ---- globs and folder URLs --------------------------------------------------------------------
+
+def test_a_glob_expands_to_the_files_it_matches_in_name_order(tmp_path, monkeypatch):
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "shards", [2, 3, 1, 2])
+    assert expand_urls(f"{tmp_path}/shards/*.tar") == sorted(urls)
+    assert expand_urls(f"{tmp_path}/shards/shard-00000?.tar") == sorted(urls)
+    assert expand_urls(f"{tmp_path}/shards/shard-00000[13].tar") == [urls[1], urls[3]]
+    assert expand_urls(f"file://{tmp_path}/shards/shard-*[02].tar") == [f"file://{urls[0]}", f"file://{urls[2]}"]
+    assert expand_urls(f"{tmp_path}/shards/shard-{{000000..000001}}*.tar") == urls[:2]  # braces, then globs
+    monkeypatch.chdir(tmp_path)
+    assert expand_urls("shards/*.tar") == [f"shards/shard-00000{i}.tar" for i in range(4)]  # relative stays relative
+
+
+def test_a_stream_reads_a_glob(tmp_path):
+    from datapipe import ShardStream
+    from tests.shards import write_shards
+
+    _, samples = write_shards(tmp_path / "shards", [2, 3])
+    assert [s["__key__"] for s in ShardStream(f"{tmp_path}/shards/*.tar")] == [s["__key__"] for s in samples]
+
+
+def test_a_glob_that_matches_nothing_is_a_clear_error(tmp_path):
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(DataError, match=r"glob pattern matches no file.*glob .*shards/\*\.tar"):
+        expand_urls(f"{tmp_path}/shards/*.tar")
+
+
+def test_a_local_file_whose_name_holds_glob_characters_is_read_as_written(tmp_path):
+    (tmp_path / "odd[1].tar").write_bytes(b"")
+    assert expand_urls(f"{tmp_path}/odd[1].tar") == [f"{tmp_path}/odd[1].tar"]
+
+
+def test_a_glob_over_an_fsspec_store():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for name in ("b.tar", "a.tar", "c.json"):
+        fs.pipe(f"/globbed/{name}", b"x")
+    assert expand_urls("memory://globbed/*.tar") == ["memory://globbed/a.tar", "memory://globbed/b.tar"]
+    with pytest.raises(DataError, match="matches no file"):
+        expand_urls("memory://globbed/*.tgz")
+
+
+def test_globs_and_folders_over_http(tmp_path):
+    from datapipe import ShardStream
+    from tests.servers import plain_http_server
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "a", [2, 3, 1])
+    _, plain = write_shards(tmp_path / "b", [2, 1], manifest=False)
+    with plain_http_server(str(tmp_path)) as (base, _):
+        want = [f"{base}/a/shard-00000{i}.tar" for i in range(3)]
+        assert expand_urls(f"{base}/a/*.tar") == want
+        assert expand_urls(f"{base}/a/shard-00000[02].tar") == [want[0], want[2]]
+        for folder in (f"{base}/a", f"{base}/a/"):  # with or without the slash
+            assert expand_urls(folder) == want
+        for folder in (f"{base}/b", f"{base}/b/"):  # no manifest: the listing's tars
+            assert expand_urls(folder) == [f"{base}/b/shard-00000{i}.tar" for i in range(2)]
+            assert [s["__key__"] for s in ShardStream(folder)] == [s["__key__"] for s in plain]
+        with pytest.raises(DataError, match="matches no file"):
+            expand_urls(f"{base}/a/*.tgz")
+
+
+def test_a_question_mark_in_an_http_url_starts_its_query():
+    assert expand_urls("https://h/p/shard-1.tar?sig=abc") == ["https://h/p/shard-1.tar?sig=abc"]
+
+
+def test_a_glob_and_a_folder_over_s3(tmp_path):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    from datapipe import ShardStream
+    from tests.servers import s3_server
+    from tests.shards import write_shards
+
+    _, samples = write_shards(tmp_path / "src", [2, 3])
+    with s3_server() as endpoint:
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s",
+                              region_name="us-east-1")
+        client.create_bucket(Bucket="bucket")
+        for name in os.listdir(tmp_path / "src"):
+            client.upload_file(str(tmp_path / "src" / name), "bucket", f"data/{name}")
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        want = ["s3://bucket/data/shard-000000.tar", "s3://bucket/data/shard-000001.tar"]
+        assert expand_urls("s3://bucket/data/*.tar", storage_options=options) == want
+        assert expand_urls("s3://bucket/data", storage_options=options) == want
+        stream = ShardStream("s3://bucket/data/shard-*.tar", storage_options=options)
+        assert [s["__key__"] for s in stream] == [s["__key__"] for s in samples]
