@@ -39,6 +39,7 @@ from loaders.images.stream_reader import StreamReader
 
 
 _FAILED_SAMPLE = re.compile(r"Failed to decode sample #\d+ : (.+):\d+:([^:]+?)\s*$")
+_GIF_COMPONENT = re.compile(r"(?:^|\s)gif \d+ \d+ (\S+)", re.MULTILINE)  # <ext> <offset> <size> <member name>
 _MEMBER = re.compile(r"^((?:.*/|)[^./]+)[.][^/]*$")  # webdataset's key of a member name: up to the basename's first dot
 
 
@@ -91,6 +92,19 @@ def index_paths(paths: list[str], index_dir: str | None) -> list[str]:
             write_dali_index(path, target)
         out.append(target)
     return out
+
+
+def gif_member(paths: list[str], index_dir: str | None) -> tuple[str, str] | None:
+    """The first GIF entry (DALI cannot decode GIF) in the index files of local shards: ``(path, member)``, or None.
+
+    Makes the index files DALI's reader would make (they are reused by it).
+    """
+    for path, index_file in zip(paths, index_paths(paths, index_dir)):
+        with open(index_file, encoding="utf-8") as f:
+            m = _GIF_COMPONENT.search(f.read())
+        if m:
+            return path, m.group(1)
+    return None
 
 
 class SampleNumbers:

@@ -13,28 +13,44 @@ import numpy as np
 import torch
 
 from datapipe.errors import DataError, ErrorPolicy, OnError, remember
-from datapipe.image_bytes import truncation
+from datapipe.image_bytes import GIF_STARTS, image_format, truncation
 
 log = logging.getLogger("loaders.images")
-
-# signatures of the formats DALI decodes (JPEG, PNG, BMP, TIFF, WebP, PNM, JPEG 2000)
-_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*", b"\x00\x00\x00\x0cjP  ",
-          b"\xff\x4f\xff\x51", b"P1", b"P2", b"P3", b"P4", b"P5", b"P6")
 
 
 def image_problem(data) -> str | None:
     """What is wrong with an image entry that a cheap look can tell, before DALI sees it; None if nothing.
 
-    Empty entries, a missing or unknown file signature (text, garbage), and truncation of the two
-    common formats (:func:`datapipe.image_bytes.truncation`): a JPEG without its end-of-image marker,
-    a PNG without its IEND chunk.
+    Empty entries, a missing or unknown file signature (text, garbage), and truncation
+    (:func:`datapipe.image_bytes.truncation`): a JPEG without its end-of-image marker, a PNG without
+    its IEND chunk, a WebP shorter than its header says.
     """
     if len(data) == 0:
         return "empty file"
-    head = bytes(data[:16])  # data may be a zero-copy memoryview
-    if len(data) < 16 or not (head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")):
+    if image_format(data) is None:
         return "not an image (unknown or missing file signature)"
     return truncation(data)
+
+
+def dali_readable(data):
+    """``data`` as DALI can decode it: as it is, except a GIF (which DALI cannot decode), re-encoded as PNG.
+
+    The first frame, in RGB (PIL); a GIF PIL cannot read raises ``ValueError`` saying why.
+    """
+    if bytes(data[:6]) not in GIF_STARTS:
+        return data
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as im:
+            rgb = im.convert("RGB")
+    except Exception as e:  # PIL raises many types for damaged files
+        raise ValueError(f"cannot read the GIF: {type(e).__name__}: {e}") from e
+    out = io.BytesIO()
+    rgb.save(out, format="PNG", compress_level=1)
+    return out.getvalue()
 
 
 def parse_label(data: bytes) -> int:
@@ -95,6 +111,10 @@ def iter_raw_batches(
             problem = image_problem(data)
             if problem is not None:
                 raise DataError(f"image entry: {problem}", url=url, key=key)
+            try:
+                data = dali_readable(data)
+            except ValueError as e:
+                raise DataError(f"image entry: {e}", url=url, key=key) from e
             if label_key not in sample:
                 raise DataError(f"sample has no {label_key!r} entry", url=url, key=key)
             try:

@@ -208,8 +208,31 @@ class ImageLoader:
                              "use reader='stream'")
         if reader == "auto":  # DALI's reader: faster and less GIL work than feeding DALI from Python
             plain = not (self.read.label_key.startswith("__") or self.read.read_workers)
-            return "dali" if dali_ok and plain else "stream"
+            reader = "dali" if dali_ok and plain else "stream"
+            if reader == "dali" and self._gif is not None:
+                log.info("these shards hold GIF images, which DALI's reader cannot decode: ImageLoader reads them "
+                         "with the stream reader (which re-encodes GIFs as PNG)")
+                return "stream"
+            return reader
+        if reader == "dali" and self._gif is not None:
+            path, member = self._gif
+            raise ValueError(f"reader='dali': DALI cannot decode GIF images and {path} holds one ({member!r}); "
+                             "use reader='stream' or 'auto' (they re-encode GIFs as PNG)")
         return reader
+
+    @functools.cached_property
+    def _gif(self):
+        """``(shard path, member)`` of a GIF among the local shards' image entries (DALI's reader case), or None."""
+        from datapipe.storage.urls import local_path
+        from loaders.images.dali_reader import gif_member
+
+        if "gif" not in self.read.image_exts:
+            return None
+        try:
+            counts = self.stream.counts
+            return gif_member([local_path(u) for u, c in zip(self.stream.urls, counts) if c > 0], self.read.index_dir)
+        except Exception:  # an unreadable shard: DALI's reader names it when it reads
+            return None
 
     @property
     def _dali_cuda(self) -> bool:

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from datapipe.image_bytes import IMAGE_ENTRIES
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -127,7 +129,10 @@ class ReadOptions:
         label_key: the entry holding the label (default ``"cls"``: an ASCII int); ``"__key__"`` with
             ``label_decoder=int`` labels samples by their keys.
         label_decoder: ``bytes -> int`` (default: parse an ASCII int).
-        image_exts: the entries that hold the image (the first one present is decoded).
+        image_exts: the entries that hold the image, in the order they are looked for (the first one
+            present is decoded); ``"jpg;png"`` as in webdataset works too. Default: every image type
+            ``datapipe shard`` writes (:data:`datapipe.image_bytes.IMAGE_ENTRIES`: JPEG, PNG, WebP, BMP,
+            TIFF, GIF, PNM). DALI decodes all but GIF, which the stream reader re-encodes as PNG first.
         read_workers: > 0 reads and batches in that many processes (stream reader).
         prefetch_queue_depth: finished batches made ahead of the training loop.
         drop_last: drop the last partial batch (default ``None``: the loader's ``train``).
@@ -137,7 +142,7 @@ class ReadOptions:
     reader: str = "auto"
     label_key: str = "cls"
     label_decoder: Callable[[bytes], int] | None = None
-    image_exts: tuple[str, ...] = ("jpg", "jpeg", "png")
+    image_exts: tuple[str, ...] = IMAGE_ENTRIES
     read_workers: int = 0
     prefetch_queue_depth: int = 2
     drop_last: bool | None = None

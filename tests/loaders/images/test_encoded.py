@@ -86,3 +86,24 @@ def test_encoded_batches_report_new_skips_with_each_batch():
     assert [b["skipped"] for b in out] == [1, 1]  # label 1, then image 3 (the stream counts its own loss: its ledger)
     assert [len(b["errors"]) for b in out] == [1, 1]
     assert "cannot decode label" in out[0]["errors"][0] and "no image" in out[1]["errors"][0]
+
+
+def test_gifs_are_reencoded_as_png_and_other_images_pass_as_they_are():
+    import io
+
+    from PIL import Image
+
+    from loaders.images.encoded import dali_readable
+
+    buf = io.BytesIO()
+    Image.new("RGB", (5, 4), (200, 10, 30)).save(buf, format="GIF")
+    png = dali_readable(buf.getvalue())
+    assert png.startswith(b"\x89PNG") and Image.open(io.BytesIO(png)).convert("RGB").getpixel((2, 2)) == (200, 10, 30)
+    jpeg = b"\xff\xd8\xff\xe0" + b"\0" * 40 + b"\xff\xd9"
+    assert dali_readable(jpeg) is jpeg
+    with pytest.raises(ValueError, match="cannot read the GIF"):
+        dali_readable(buf.getvalue()[:14])
+    gif = {"__key__": "g", "__url__": "u", "gif": buf.getvalue(), "cls": b"3"}
+    (batch,) = iter_raw_batches(iter([gif]), batch_size=2, drop_last=False, image_exts=("jpg", "gif"),
+                                label_key="cls", label_decoder=int, on_error="raise", stats=None)
+    assert bytes(batch.arrays[0][:4]) == b"\x89PNG" and batch.labels == [3]
