@@ -6,6 +6,7 @@ the last part of their extension (``"seg.png"`` decodes as ``png``): images (``j
 ``webp``, ...) as PIL RGB images (``"pil"``), numpy ``uint8`` HWC arrays (``"rgb8"``) or ``uint8`` CHW
 tensors (``"torch"``); always ``cls`` / ``cls2`` / ``index`` / ``id`` -> ``int``, ``txt`` -> ``str``,
 ``json`` -> the decoded object, ``npy`` -> a numpy array. Other values stay bytes.
+:func:`image_of` takes a sample's image whatever its extension (``jpg``, ``png``, ``webp``, ...).
 :class:`Map` applies a user function. :func:`run_steps` runs a chain of them on one sample and turns
 a failure into a ``DataError`` naming the shard and key, which the stream hands to its ``on_error``.
 """
@@ -16,9 +17,10 @@ import json
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from datapipe.errors import DataError
+from datapipe.image_bytes import IMAGE_ENTRIES
 from datapipe.storage.urls import redact_url
 
-IMAGE_EXTENSIONS = frozenset("jpg jpeg png webp bmp gif ppm pgm pbm pnm tif tiff".split())
+IMAGE_EXTENSIONS = frozenset(IMAGE_ENTRIES)
 INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "id"})
 IMAGE_FORMATS = ("pil", "rgb8", "torch")
 
@@ -69,6 +71,22 @@ def decode_value(extension: str, value: Any, *, images: str = "pil") -> Any:
     if ext == "npy":
         return _npy(value)
     return value
+
+
+def image_of(sample: dict, exts: str | Sequence[str] = IMAGE_ENTRIES) -> Any:
+    """The sample's image, whatever its extension: the value of the first entry of ``exts`` it has.
+
+    Decoded or not (use it after ``.decode()`` or on raw samples). ``exts``: entry names in the order they
+    are tried, a sequence or webdataset's ``"jpg;png;webp"``; default: every image type ``datapipe shard``
+    writes (:data:`datapipe.image_bytes.IMAGE_ENTRIES`). A sample with none of them raises ``ValueError``
+    naming the entries it has (inside ``.map()``: a ``DataError`` naming its shard and key, under ``on_error``).
+    """
+    names = exts.split(";") if isinstance(exts, str) else exts
+    for name in names:
+        if name in sample:
+            return sample[name]
+    raise ValueError(f"the sample has no image entry ({';'.join(names)}); its entries are "
+                     f"{sorted(k for k in sample if not k.startswith('__'))}")
 
 
 class Decode:

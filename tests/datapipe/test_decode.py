@@ -11,7 +11,7 @@ from PIL import Image
 
 import loaders
 from datapipe import DataError, ShardStream
-from datapipe.decode import Decode, decode_value
+from datapipe.decode import Decode, decode_value, image_of
 from tests.resume import assert_resumes_identically
 from tests.shards import write_shards
 
@@ -138,3 +138,27 @@ def test_cpu_training_example(tmp_path):
         loss = torch.nn.functional.cross_entropy(model(images), labels)
         opt.zero_grad(), loss.backward(), opt.step()
     assert loader.stats()["samples"] == 16 and torch.isfinite(loss)
+
+
+def _image_and_class(sample):
+    return image_of(sample).size, sample["cls"]
+
+
+def test_image_of_takes_the_image_whatever_its_extension(tmp_path):
+    """jpg, png and webp samples in one shard: `.decode("pil").map(...)` with image_of reads them all."""
+    path = str(tmp_path / "mixed.tar")
+    with webdataset.TarWriter(path) as w:
+        for i, fmt in enumerate(["JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF"]):
+            ext = {"JPEG": "jpg", "TIFF": "tiff"}.get(fmt, fmt.lower())
+            w.write({"__key__": f"{i:03d}", ext: _image_bytes(i, fmt), "cls": str(i).encode()})
+    got = list(ShardStream(path).decode("pil").map(_image_and_class))
+    assert got == [((8 + i % 3, 6), i) for i in range(6)]
+    raw = next(iter(ShardStream(path)))
+    assert bytes(image_of(raw)) == bytes(raw["jpg"])  # raw samples too
+    sample = {"__key__": "k", "png": 1, "webp": 2, "cls": 0}
+    assert image_of(sample) == 1 and image_of(sample, "webp;png") == 2 and image_of(sample, ["webp"]) == 2
+    with pytest.raises(ValueError, match=r"no image entry \(jpg;jpeg\); its entries are \['cls', 'png', 'webp'\]"):
+        image_of(sample, "jpg;jpeg")
+    with pytest.raises(DataError, match="no image entry") as e:  # inside map: named, under on_error
+        list(ShardStream(path).map(lambda s: image_of(s, "jpg")))
+    assert e.value.key == "001"
