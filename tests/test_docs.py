@@ -210,6 +210,14 @@ def test_pages_have_examples():
     assert len([b for b in readme if b.skip is None]) >= 4, [b.id for b in readme]
 
 
+def test_index_names_every_command():
+    """docs/index.md, the map of the docs, names every `datapipe` command (doctor and bench were missing)."""
+    from datapipe.cli import COMMANDS
+
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert not [c for c in COMMANDS if f"`datapipe {c}" not in index]
+
+
 def test_parser(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(

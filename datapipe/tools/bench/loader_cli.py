@@ -79,7 +79,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="what", metavar="WHAT")
-    s = sub.add_parser("storage", help="raw read, ShardStream and a concurrency x block-size sweep of shards")
+    s = sub.add_parser("storage", help="raw read, ShardStream and a concurrency x block-size sweep of shards",
+                       description="How fast your storage serves shards: raw reads, ShardStream reads and a "
+                                   "concurrency x block-size sweep (threads, and processes with --processes), then "
+                                   "what to set (how many workers read in parallel). Warns when the data set is too "
+                                   "small to measure.")
     s.add_argument("urls", nargs="+", help="shard files, brace specs or directories (local or any fsspec URL)")
     s.add_argument("--concurrency", default="1,2,4,8", help="readers in parallel (default 1,2,4,8)")
     s.add_argument("--block-size", default="1M,4M,16M", help="bytes per request (default 1M,4M,16M)")
