@@ -47,6 +47,16 @@ def _accept_verbose(parser: argparse.ArgumentParser) -> None:
                 _accept_verbose(child)
 
 
+def chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest sub-command parser that ``args`` went through (``parser`` itself when none)."""
+    while True:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, action.dest, None) if action is not None else None
+        if name not in (action.choices if action is not None else ()):
+            return parser
+        parser = action.choices[name]
+
+
 OWN_LOGGERS = ("datapipe", "loaders", "packing")
 
 
@@ -74,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the usage of the (sub)command they were given to, not the top level's
+        chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(verbose=args.verbose)
     if args.command is None:
         parser.print_help(sys.stderr)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import posixpath
 import sys
 from collections import Counter
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import fsspec
 
 from datapipe.errors import DataError
-from datapipe.tar.manifest import counts_from_manifests
+from datapipe.tar.manifest import read_manifest
 from datapipe.storage.files import describe, is_permanent, open_shard, secrets_of
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
@@ -47,11 +48,13 @@ def shard_urls(target: str, *, storage_options: dict | None = None) -> list[str]
 def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | None = None) -> dict[str, Any]:
     """Walk every shard fully; report counts per shard, extensions, sizes, problems and a preview.
 
-    ``manifest``: whether a manifest beside the shards lists every one of them (``manifest_lists``: how many it
-    lists), by the rule ShardStream counts them by; a shard whose sample count differs from its entry is a problem.
+    ``manifest``: whether the manifests beside the shards list every one of them and the shards cover every
+    shard they list (``manifest_lists``: how many of the shards they list, by the rule ShardStream counts them
+    by; ``manifest_shards`` / ``manifest_samples``: how many shards and samples those manifests list in all). A
+    shard whose sample count differs from its entry is a problem.
     """
     urls = shard_urls(target, storage_options=storage_options)
-    expected = counts_from_manifests(urls, storage_options=storage_options)
+    expected, listed = _manifest_counts(urls, storage_options=storage_options)
     report: dict[str, Any] = {"target": redact_url(target), "shards": [], "samples": 0, "bytes": 0,
                               "extensions": Counter(), "problems": [], "preview": []}
     for url in urls:
@@ -75,20 +78,58 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
                 f.close()
         except (DataError, TarFormatError) as e:
             report["problems"].append(f"{redact_url(url)}: {redact_text(e)}")
+        if url in expected:
+            entry["expected"] = expected[url]
         if url in expected and expected[url] != entry["samples"]:
             report["problems"].append(f"{redact_url(url)}: {entry['samples']} samples, manifest says {expected[url]}")
         report["shards"].append(entry)
         report["samples"] += entry["samples"]
         report["bytes"] += entry["bytes"]
     report["extensions"] = dict(report["extensions"])
-    report["manifest"] = bool(urls) and len(expected) == len(urls)
     report["manifest_lists"] = len(expected)
+    report["manifest_shards"] = len(listed)
+    report["manifest_samples"] = sum(listed.values())
+    report["manifest"] = bool(urls) and len(expected) == len(urls) == len(listed)
     return report
 
 
+def _manifest_counts(urls: list[str], *, storage_options: dict | None) -> tuple[dict[str, int], dict[str, int]]:
+    """The sample counts of those of ``urls`` that a manifest beside them lists, and of every shard those
+    manifests list (by URL)."""
+    by_dir: dict[str, list[str]] = {}
+    for url in urls:
+        by_dir.setdefault(posixpath.dirname(url), []).append(url)
+    expected: dict[str, int] = {}
+    listed: dict[str, int] = {}
+    for directory, dir_urls in by_dir.items():
+        manifest = read_manifest(directory, storage_options=storage_options)
+        if manifest is None:
+            continue
+        known = {s["name"]: int(s["count"]) for s in manifest["shards"]}
+        listed.update({posixpath.join(directory, name): n for name, n in known.items()})
+        for url in dir_urls:
+            name = posixpath.basename(url)
+            if name in known:
+                expected[url] = known[name]
+    return expected, listed
+
+
 def _manifest_line(report: dict) -> str:
-    listed, total = report["manifest_lists"], len(report["shards"])
-    return "yes" if report["manifest"] else ("no" if not listed else f"lists {listed} of {total} shards")
+    """``yes, all 5 of its shards (400 samples)``; ``4 of its 5 shards (397 of 400 samples) match this pattern``;
+    ``lists 2 of 3 shards`` (the others are counted by the stream); ``no``."""
+    lists, total = report["manifest_lists"], len(report["shards"])
+    shards, samples = report["manifest_shards"], report["manifest_samples"]
+    if not lists:
+        return "no"
+    if report["manifest"]:
+        return f"yes, all {shards} of its shards ({samples} samples)"
+    parts = []
+    if lists < shards:
+        covered = sum(s["expected"] for s in report["shards"] if "expected" in s)
+        parts.append(f"{lists} of its {shards} shards ({covered} of {samples} samples) match this pattern")
+    if lists < total:
+        parts.append(f"lists {lists} of {total} shards")
+    return "; ".join(parts)
 
 
 def _preview(value: Any) -> Any:

@@ -12,7 +12,7 @@ import sys
 from datapipe.errors import DataError
 from datapipe.storage.urls import redact_text
 from datapipe.units import parse_size
-from datapipe.jobs.shard.job import shard
+from datapipe.jobs.shard.job import reads_all, shard
 from datapipe.jobs.shard.lock import LockedError
 from datapipe.jobs.shard.options import CHECKS, ENGINES, ImageOptions, ShardOptions, TextOptions, UsageError
 from datapipe.jobs.shard.sources import KINDS
@@ -34,8 +34,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=_size, default=1 << 30, help="shard size limit (default 1G)")
     parser.add_argument("--max-count", type=int, default=100_000, help="samples per shard limit (default 100000)")
     parser.add_argument("--pattern", default="shard-%06d.tar", help="shard file names (default shard-%%06d.tar)")
-    parser.add_argument("--shuffle", action="store_true", help="shuffle samples (seeded, deterministic)")
-    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    parser.add_argument("--no-shuffle", dest="shuffle", action="store_false", default=True,
+                        help="keep the input order (default: samples shuffled across the input, seeded)")
+    parser.add_argument("--shuffle", dest="shuffle", action="store_true",
+                        help="shuffle the samples: the default (accepted for older scripts)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0): the same seed, the same shards")
     parser.add_argument("--resize", type=int, metavar="SHORT_SIDE", help="shrink images to this shorter side")
     parser.add_argument("--quality", type=int, metavar="Q", help="re-encode images as JPEG of this quality")
     parser.add_argument("--check-images", nargs="?", const="decode", default="open", choices=CHECKS,
@@ -92,4 +95,7 @@ def run_command(args: argparse.Namespace) -> int:
           + (f"(input items listed in report.json) and {lost} samples never read after the cut of a truncated "
              "input tar " if lost else "") +
           f"({report['samples_per_s']} samples/s, {report['mb_per_s']} MB/s)")
+    folder, pattern = report.get("read_as") or reads_all(report["out"], args.pattern, report["shards"])
+    print(redact_text(f"wrote {report['samples']} samples in {report['shards']} shards: read them all as {folder} "
+                      f"or {pattern}"))
     return 0

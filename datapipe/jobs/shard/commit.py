@@ -1,6 +1,7 @@
 """The commit of ``datapipe shard``: part shards become the final, densely numbered shards.
 
-The small last shards of partitions (under half the limits) are merged, in order, into full shards;
+The last shards of partitions that are not full are merged, in order, into full shards (so at most one
+shard of a job is short);
 the plan of renames is written to ``commit.json`` before any rename, so a commit interrupted half
 way is replayed exactly; every final shard is then verified (present, its size and sha256 as
 written) before ``manifest.json`` and ``classes.json`` are written. Also: finding, verifying and
@@ -22,6 +23,16 @@ from datapipe.jobs.shard.journal import JOB_DIR, join_url, read_json, write_json
 
 def _final_glob(pattern: str) -> str:
     return re.sub(r"%0?\d*d", "*", pattern)
+
+
+def brace_pattern(pattern: str, count: int) -> str:
+    """The brace pattern naming the ``count`` shards ``pattern`` numbers from 0: ``shard-{000000..000004}.tar``
+    (one shard: its name), as :func:`datapipe.expand_urls` reads it."""
+    if count <= 1:
+        return pattern % 0
+    spec = re.search(r"%0?\d*d", pattern)
+    return pattern[:spec.start()] + "{" + spec.group() % 0 + ".." + spec.group() % (count - 1) + "}" + \
+        pattern[spec.end():]
 
 
 def existing_outputs(out: str, pattern: str, opts: dict) -> list[str]:
@@ -163,8 +174,17 @@ def _merge_tails(job: dict, tails: list[dict]) -> list[dict]:
     return merged
 
 
+def full(shard: dict, *, max_count: int, max_bytes: int) -> bool:
+    """Whether a shard (a manifest entry) is full: it holds ``max_count`` samples, or one more sample of its mean
+    size would pass ``max_bytes``."""
+    count, size = shard["count"], shard["bytes"]
+    return count >= max_count or size + size / max(1, count) > max_bytes
+
+
 def commit(job: dict, markers: list[dict], *, skipped: int = 0, ignored: int = 0) -> dict:
-    """Merge small tails, rename parts to dense final names, write the manifest; idempotent.
+    """Merge the tails (every partition's last shard that is not :func:`full`), in order, into full shards placed
+    after the others, so that at most one shard is short; rename parts to dense final names, write the
+    manifest; idempotent.
 
     ``skipped``: input items left out as unreadable; ``ignored``: input files the source kind does not
     read (the manifest records the counts; report.json lists them).
@@ -176,12 +196,10 @@ def commit(job: dict, markers: list[dict], *, skipped: int = 0, ignored: int = 0
         keep, tails = [], []
         for m in markers:
             for i, s in enumerate(m["shards"]):
-                small = s["count"] < job["max_count"] / 2 and s["bytes"] < job["max_bytes"] / 2
-                (tails if i == len(m["shards"]) - 1 and small else keep).append((m["partition"], i, dict(s, dir="parts")))
-        if len(tails) >= 2:
-            ordered = [s for _, _, s in keep] + _merge_tails(job, [s for _, _, s in tails])
-        else:
-            ordered = [s for _, _, s in sorted(keep + tails, key=lambda t: t[:2])]
+                tail = i == len(m["shards"]) - 1 and not full(s, max_count=job["max_count"], max_bytes=job["max_bytes"])
+                (tails if tail else keep).append((m["partition"], i, dict(s, dir="parts")))
+        ordered = [s for _, _, s in keep]  # partition order; the short shard last
+        ordered += _merge_tails(job, [s for _, _, s in tails]) if len(tails) >= 2 else [s for _, _, s in tails]
         plan = [dict(s, src=join_url(s.pop("dir"), s["name"]), name=job["pattern"] % i) for i, s in enumerate(ordered)]
         write_json(join_url(job["job_dir"], "commit.json"), plan, opts)
     jpath = filesystem(job["job_dir"], opts)[1]

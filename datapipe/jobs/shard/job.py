@@ -14,10 +14,11 @@ How a job runs (the same for ``engine="local"`` and ``engine="ray"``):
    (each written atomically by :class:`datapipe.ShardWriter`). Then the worker writes its *done
    marker* ``OUT/.datapipe-job/done/p<p>.json`` (shard entries, skipped items), atomically
    (:mod:`datapipe.jobs.shard.partition`).
-3. Commit: the small last shards of partitions (under half the limits) are merged, in order, into
-   full shards; the plan of renames is written to ``commit.json``; parts are renamed to the dense
-   final names ``shard-000000.tar ...``; then ``manifest.json``, ``classes.json`` (image classes)
-   and ``report.json`` are written and the journal's bulk is removed (:mod:`datapipe.jobs.shard.commit`).
+3. Commit: the last shards of partitions that are not full are merged, in order, into full shards
+   placed after the others (at most one shard of the job is short, the last); the plan of renames is
+   written to ``commit.json``; parts are renamed to the dense final names ``shard-000000.tar ...``;
+   then ``manifest.json``, ``classes.json`` (image classes) and ``report.json`` are written and the
+   journal's bulk is removed (:mod:`datapipe.jobs.shard.commit`).
 
 Ownership: a job holds an exclusive lock on OUT while it runs (:mod:`datapipe.jobs.shard.lock`);
 a second job on the same OUT fails at once, naming the holder. The commit verifies every final
@@ -45,7 +46,7 @@ import uuid
 from datapipe.errors import DataError
 from datapipe.storage.files import filesystem
 from datapipe.storage.locations import is_local
-from datapipe.jobs.shard.commit import commit, existing_outputs, remove_outputs, verify_shards
+from datapipe.jobs.shard.commit import brace_pattern, commit, existing_outputs, remove_outputs, verify_shards
 from datapipe.jobs.shard.journal import JOB_DIR, clean_partition, join_url, marker_url, read_json, write_json
 from datapipe.jobs.shard.listing import ONE_IMAGE, image_ext
 from datapipe.jobs.shard.local_engine import run_local
@@ -55,7 +56,7 @@ from datapipe.jobs.shard.sources import open_source
 
 log = logging.getLogger("datapipe.jobs.shard.job")
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: whole-shard partitions and every partition's short last shard merged (issue 44)
 SEED_RULE = 2  # shuffled orders from datapipe.order.seeds.derive_seed (1: ad-hoc seeds, before #16)
 
 
@@ -239,6 +240,7 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
     report = {
         "status": "ok", "src": src, "out": out, "kind": source.kind, "engine": engine, "workers": workers,
         "samples": manifest["num_samples"], "shards": len(manifest["shards"]), "bytes": manifest["num_bytes"],
+        "read_as": reads_all(out, o.pattern, len(manifest["shards"])),
         "value_bytes": written, "partitions": len(source.partitions), "resumed_partitions": resumed,
         "num_skipped": len(skipped), "num_lost_samples": sum(s.get("lost", 0) for s in skipped),
         "skipped": skipped, "num_ignored": len(source.ignored),
@@ -258,6 +260,11 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
                     f", and {lost} samples never read after the cut of a truncated tar" if lost else "",
                     join_url(out, "report.json"))
     return report
+
+
+def reads_all(out: str, pattern: str, shards: int) -> list[str]:
+    """What reads every shard a job wrote to ``out``: the folder (its manifest lists them) and their brace pattern."""
+    return [out.rstrip("/") + "/", join_url(out, brace_pattern(pattern, shards))]
 
 
 def _verify_output(out: str, opts: dict) -> list[str]:

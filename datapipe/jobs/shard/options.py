@@ -85,7 +85,8 @@ class ShardOptions:
         kind: what the input is: ``"auto"`` (guess), ``"images"``, ``"list"``, ``"text"``, ``"tar"``.
         pattern: shard file names, one integer placeholder (``"shard-%06d.tar"``).
         max_bytes / max_count: a shard ends before it passes either limit.
-        shuffle / seed: shuffle the samples (seeded, deterministic for a given seed).
+        shuffle / seed: shuffle the samples across the input (the default; seeded, deterministic for a given
+            seed); ``shuffle=False`` keeps the input order.
         index: also write DALI index files (``.idx``) beside the shards.
         strict: fail on the first unreadable input item (otherwise skip it and list it in the report).
         overwrite: replace the shards of an earlier job in OUT (without it they are an error).
@@ -99,7 +100,7 @@ class ShardOptions:
     pattern: str = "shard-%06d.tar"
     max_bytes: int = 1 << 30
     max_count: int = 100_000
-    shuffle: bool = False
+    shuffle: bool = True
     seed: int = 0
     index: bool = False
     strict: bool = False

@@ -62,11 +62,18 @@ def _chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+WHOLE_SHARD_PARTITIONS = 16  # from this many shards' worth of input on, a partition is one or two whole shards
+
+
 def _auto_partition_items(sizes: list[int], max_bytes: int, max_count: int) -> int:
-    """Items per partition: about two shards' worth (from input sizes), fewer when that gives under 64 partitions;
-    always within [64, 20000] items. A partition writes its own shards, so a shard never holds more."""
+    """Items per partition. An input of many shards' worth (by input sizes) is cut into whole shards' worth: one
+    or two shards' items a partition, so that a partition's last shard is full too (but for skipped items);
+    a smaller input into at least 64 partitions of 64 to 20000 items, whose shards the commit merges into
+    full shards. A partition writes its own shards, so a shard never holds more."""
     mean = max(1.0, sum(sizes) / max(1, len(sizes)))
     per_shard = min(max_count, max(1, int(max_bytes / (mean + 1024))))
+    if len(sizes) >= WHOLE_SHARD_PARTITIONS * per_shard:
+        return per_shard * max(1, min(2, len(sizes) // (64 * per_shard)))
     return max(64, min(20000, 2 * per_shard, len(sizes) // 64))
 
 
