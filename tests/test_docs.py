@@ -33,6 +33,7 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 DATA = {
     "shards/shard-{000000..000003}.tar": "64 ImageNet-like JPEGs, 16 a shard: jpg, cls (10 classes); manifest.json",
+    "more-shards/shard-{000000..000001}.tar": "32 more such JPEGs, 16 a shard; manifest.json",
     "tokens/shard-{000000..000001}.tar": "40 token documents of 5-300 int32 tokens (npy); manifest.json",
     "photos/{cat,dog}/*.jpg": "an image folder, 6 JPEGs per class sub-folder",
     "text.jsonl": '20 lines {"text": ...}',
@@ -134,6 +135,8 @@ def doc_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("doc-data")
     make_image_dataset(str(root / "shards"), num_images=64, num_classes=10, shard_max_count=16, size=(96, 72),
                        progress=False)
+    make_image_dataset(str(root / "more-shards"), num_images=32, num_classes=10, shard_max_count=16, size=(96, 72),
+                       seed=1, progress=False)
     _write_npy_docs(root / "tokens")
     _write_photos(root / "photos")
     with open(root / "text.jsonl", "w") as f:
