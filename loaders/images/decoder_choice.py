@@ -7,16 +7,17 @@ hardware decoder once the consumer is seen starved of batches, and keeps it only
 faster:
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
-- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the waits in
-  ``next()`` after which its GPU stream had nothing left to run, whole (a loop that runs ahead of the GPU also
-  blocks in ``next()``, harmlessly, while the GPU still works through queued steps: such a wait, still queued
-  when the batch arrives, counts nothing). Above the threshold the loader is starving the loop; above the
-  early threshold after ``EARLY`` batches of a window it switches without waiting for the window's end. The
-  thresholds follow the hardware decoder's own cost: none on wide queues (``THRESHOLD``, 2%); on few queues
-  it slows the step itself (``FEW_QUEUES_THRESHOLD``, 15%; H200, 8 queues: ResNet-50 0.96 against the CUDA
-  decoder's 0.984; under CUDA graphs 0.81 against 0.92-0.94; ResNet-18, which the CUDA decoder starves, 0.85
-  against 0.60). Under CUDA graphs the host waits most of each step in ``next()`` while the GPU still runs
-  it, and a wait after which the GPU is idle counts whole: the judge over-counts there and moves;
+- then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the part of
+  each wait in ``next()`` during which its GPU stream had nothing left to run
+  (:class:`datapipe.device.idle_watch.IdleWatch`). A loop that runs ahead of the GPU, and one under CUDA graphs
+  whose host waits most of each step in ``next()`` while the GPU still runs it, starve nothing while the GPU
+  works through queued steps. (The judge before counted a wait whole when the stream was idle as the batch
+  came: under CUDA graphs that over-counted and moved every time.) Above the threshold the loader is starving
+  the loop; above the early threshold after ``EARLY`` batches of a window it switches without waiting for the
+  window's end. The thresholds follow the hardware decoder's own cost: none on wide queues (``THRESHOLD``,
+  2%); on few queues it slows the step itself (``FEW_QUEUES_THRESHOLD``, 15%; H200, 8 queues: ResNet-50 0.96
+  against the CUDA decoder's 0.984; under CUDA graphs 0.81 against 0.92-0.94; ResNet-18, which the CUDA
+  decoder starves, 0.85 against 0.60);
 - on the hardware decoder, past the batches the old pipeline had queued and ``SKIP`` more, a trial of
   ``WINDOW`` batches (added up over iterations, each one's first ``SKIP`` left out): handed out more
   slowly than in the window that moved it (on few queues: less than 10% faster, ``FEW_QUEUES_KEEP``; the
@@ -70,11 +71,17 @@ def cores_per_process() -> int:
     return max(1, min(usable_cores(), (os.cpu_count() or 1) // local))
 
 
+def _queues() -> int:
+    from datapipe.device.queues import hardware_queues
+
+    return hardware_queues()
+
+
 def _few_queues(queues: int | None) -> bool:
     """Fewer CUDA hardware queues than the hardware decoder needs to run beside the step without slowing it."""
-    from datapipe.device.queues import WIDE_QUEUES, hardware_queues
+    from datapipe.device.queues import WIDE_QUEUES
 
-    return (hardware_queues() if queues is None else queues) < WIDE_QUEUES
+    return (_queues() if queues is None else queues) < WIDE_QUEUES
 
 
 class DecoderChoice:
@@ -102,16 +109,23 @@ class DecoderChoice:
         self.threshold = FEW_QUEUES_THRESHOLD if few_queues else THRESHOLD
         self.early_threshold = FEW_QUEUES_EARLY_THRESHOLD if few_queues else EARLY_THRESHOLD
         self.keep = FEW_QUEUES_KEEP if few_queues else 1.0  # the trial's rate / the window's that moved it, to keep
+        # why: "cpu" (no GPU decoder), "set" (a share the user gave), "few_queues" (the CUDA decoder: the hardware
+        # decoder stalls beside training), "wide_queues" (the hardware decoder runs beside it), "few_cores"
         if not cuda:  # a CPU pipeline: no GPU decoder at all (a share the user gave is kept, unused)
             self.load = 0.0 if setting in (None, "auto") else float(setting)
+            self.why = "cpu"
         elif setting is None:
             self.load = 0.0 if few_queues and cores >= MIN_CORES else HARDWARE_LOAD
             self.switchable = self.load == 0.0  # the CUDA decoder it chose, unless that starves the loop
+            self.why = "wide_queues" if not few_queues else "few_queues" if self.switchable else "few_cores"
         elif self.auto and cores >= MIN_CORES:
             self.load = 0.0
+            self.why = "set"
         else:
             self.load = HARDWARE_LOAD if setting == "auto" else float(setting)
             self.switchable = False  # already on the hardware decoder (too few cores), or a share the user gave
+            self.why = "few_cores" if self.auto else "set"
+        self.queues = (queues if queues is not None else _queues()) if cuda else None
         self.due = False  # set by the consumer: the producer should switch before its next batch
         self.settled = False  # the move was tried (kept or taken back): no more judging
         self.switched_after: int | None = None  # batches handed out when the switch was asked for
@@ -119,6 +133,7 @@ class DecoderChoice:
         self.rebuild_s = 0.0  # the producer's time spent rebuilding them
         self.rates: list[float] = []  # batches/s of the window that moved it, then of the trial window
         self.handed = 0
+        self.starved: float | None = None  # the starved share of the last window judged on the CUDA decoder
         self._reset(SKIP)
 
     @property
@@ -185,6 +200,7 @@ class DecoderChoice:
                 self.due = self.rates[-1] < self.keep * self.rates[0]  # not faster enough than before: back
             return
         starving = self._wait / elapsed
+        self.starved = starving
         early = self._batches >= EARLY and starving > self.early_threshold
         if starving > self.threshold and (self._batches >= WINDOW or early):
             self.due = True
@@ -213,7 +229,8 @@ class DecoderChoice:
                 "threads": self.threads,
                 "switched_after_batches": self.switched_after, "switches": self.switches,
                 "rebuild_s": round(self.rebuild_s, 3), "batches_per_s": [round(r, 2) for r in self.rates],
-                "trial": self.trial}
+                "trial": self.trial, "starved": None if self.starved is None else round(self.starved, 4),
+                "threshold": self.threshold, "why": self.why, "queues": self.queues}
 
     @property
     def trial(self) -> str | None:

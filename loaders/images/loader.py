@@ -27,6 +27,7 @@ import torch
 
 from datapipe.errors import LAST_ERRORS, ErrorPolicy
 from datapipe.device.handoff import CurrentStream, ProducerMeter, close_last
+from datapipe.device.idle_watch import IdleWatch
 from datapipe.device.pacing import IMAGE_PACE
 from datapipe.device.queues import WIDE_QUEUES, StepHold, hardware_queues, watch_cuda_start
 from datapipe.device.side_stream import on_side_stream
@@ -160,6 +161,7 @@ class ImageLoader:
         self._hold = StepHold(self.device, decodes_on_gpu=self._dali_cuda)  # few queues + hardware decoder
         self._last_pass = None  # weakref to the latest pass's iterator
         self._consumer = None  # CUDA: the consumer's current stream (CurrentStream), made when first asked
+        self._idle = None  # CUDA: the IdleWatch timing the starved part of next()'s waits, while it is judged
         self._producer = ProducerMeter()  # the producer thread's CPU time, all epochs
 
         stream = as_stream(source, shuffle=self.train, shuffle_buffer=SHUFFLE_BUFFER)
@@ -403,6 +405,9 @@ class ImageLoader:
                 t0 = time.perf_counter()
                 if self._holds():
                     self._hold()
+                watch = self._idle_watch()
+                if watch is not None:
+                    watch.begin()
                 try:
                     (images, labels), position = next(items)
                 except StopIteration:
@@ -410,22 +415,30 @@ class ImageLoader:
                 finally:
                     t1 = time.perf_counter()
                     seconds["wait"] += t1 - t0
-                decoder.took(self._starved(t1 - t0), t1)
+                    starved = watch.end() if watch is not None else t1 - t0
+                decoder.took(starved, t1)
                 self._stats["batches"] += 1
                 self._stats["samples"] += len(labels)
                 self._source.handed(position)
                 yield images, labels
         finally:
             items.close()
+            if self._idle is not None:
+                self._idle.close()
+                self._idle = None
 
-    def _starved(self, waited: float) -> float:
-        """The part of a wait in ``next()`` that left the GPU idle, for the decoder choice: all of it when the
-        consumer's stream had nothing left to run as the batch arrived (a CPU device: always), else none."""
-        if waited <= 0.0 or not self._decoder.watching_starvation or self.device.type != "cuda":
-            return waited
-        if self._consumer is None:
-            self._consumer = CurrentStream(self.device)
-        return waited if self._consumer().query() else 0.0
+    def _idle_watch(self) -> IdleWatch | None:
+        """What times the starved part of each wait in ``next()`` for the decoder choice: on CUDA, while it watches
+        for starvation, the time the consumer's stream had nothing left to run (:class:`IdleWatch`; a host that
+        waits while its GPU still runs queued steps, as under CUDA graphs, starves nothing). None otherwise: the
+        wait counts whole (a CPU device) or is not judged."""
+        if self.device.type != "cuda" or not self._decoder.watching_starvation:
+            return None
+        if self._idle is None:
+            if self._consumer is None:
+                self._consumer = CurrentStream(self.device)
+            self._idle = IdleWatch(self._consumer)
+        return self._idle
 
     def _holds(self) -> bool:
         """Whether ``next()`` waits for the GPU's last step: few hardware queues and the hardware decoder in use."""

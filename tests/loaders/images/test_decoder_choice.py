@@ -3,7 +3,7 @@ does not wait, the hardware decoder once it does."""
 import pytest
 
 from loaders.images import decoder_choice
-from loaders.images.decoder_choice import EARLY, HARDWARE_LOAD, SKIP, WINDOW, DecoderChoice
+from loaders.images.decoder_choice import EARLY, HARDWARE_LOAD, SKIP, THRESHOLD, WINDOW, DecoderChoice
 
 
 def auto(cores=16, threads=None, cuda=True, queues=32):
@@ -87,8 +87,10 @@ def test_a_steady_shortfall_switches_at_the_end_of_a_window():
     c.switched(2.5)
     stats = c.stats()
     assert stats.pop("batches_per_s") == [pytest.approx(1 / 0.0525, abs=0.01)]  # the window that moved it
+    assert stats.pop("starved") == pytest.approx(0.05 * 0.05 / 0.0525, abs=1e-3)  # the share that moved it
     assert stats == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "threads": 8,
-                     "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5, "trial": "on"}
+                     "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5, "trial": "on",
+                     "threshold": THRESHOLD, "why": "set", "queues": 32}
 
 
 def moved(wait_before: float) -> DecoderChoice:
@@ -213,3 +215,15 @@ def test_on_few_queues_a_move_is_kept_only_when_clearly_faster(queues, faster, k
     feed(c, SKIP + WINDOW, step_s=0.05 / faster)
     assert c.settled and c.trial == ("kept" if kept else "moving back")
     assert c.stats()["batches_per_s"][1] == pytest.approx(faster * c.stats()["batches_per_s"][0], rel=1e-6)
+
+
+@pytest.mark.parametrize("setting, queues, cores, cuda, why", [
+    (None, 8, 16, True, "few_queues"), (None, 32, 16, True, "wide_queues"), (None, 8, 4, True, "few_cores"),
+    ("auto", 8, 4, True, "few_cores"), ("auto", 8, 16, True, "set"), (0.3, 8, 16, True, "set"),
+    (None, 8, 16, False, "cpu")])
+def test_the_choice_says_why_it_was_made(setting, queues, cores, cuda, why):
+    """What the doctor prints: the reason for the decoder the loader starts on, and the queues it went by."""
+    c = DecoderChoice(setting, cuda=cuda, threads=None, hardware_threads=8, cores=cores, queues=queues)
+    assert c.stats()["why"] == why
+    assert c.stats()["queues"] == (queues if cuda else None)
+

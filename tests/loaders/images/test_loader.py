@@ -793,27 +793,24 @@ def test_step_hold_follows_the_hardware_queues_and_decoder(shards, monkeypatch, 
     assert len(y) == lo.stats()["samples"] > 0
 
 
-def test_only_a_wait_that_leaves_the_gpu_idle_counts_as_starved():
-    """The decoder choice judges waits in next() by whether the consumer's stream had nothing left to run."""
+def test_only_the_part_of_a_wait_that_leaves_the_gpu_idle_counts_as_starved():
+    """The decoder choice judges waits in next() by the time the consumer's stream had nothing left to run
+    (datapipe.device.idle_watch): a host that waits while its GPU still runs queued steps (CUDA graphs) starves
+    nothing. A CPU device counts every wait whole; a choice that no longer watches needs no watch."""
     from types import SimpleNamespace
 
+    from datapipe.device.idle_watch import IdleWatch
     from loaders.images.loader import ImageLoader
 
-    class Stream:
-        def __init__(self, idle):
-            self.idle = idle
-
-        def query(self):
-            return self.idle
-
-    def fake(device, idle, judging=True):
+    def fake(device, judging=True):
         return SimpleNamespace(device=torch.device(device), _decoder=SimpleNamespace(watching_starvation=judging),
-                               _consumer=lambda: Stream(idle))
+                               _consumer=lambda: None, _idle=None)
 
-    assert ImageLoader._starved(fake("cuda", idle=True), 0.02) == 0.02  # the GPU ran dry while it waited
-    assert ImageLoader._starved(fake("cuda", idle=False), 0.02) == 0.0  # ran ahead: the GPU still had work
-    assert ImageLoader._starved(fake("cpu", idle=False), 0.02) == 0.02  # no GPU: every wait starves the loop
-    assert ImageLoader._starved(fake("cuda", idle=False, judging=False), 0.02) == 0.02  # not judged: as waited
+    on_gpu = fake("cuda")
+    watch = ImageLoader._idle_watch(on_gpu)
+    assert isinstance(watch, IdleWatch) and ImageLoader._idle_watch(on_gpu) is watch  # one per pass
+    assert ImageLoader._idle_watch(fake("cpu")) is None  # no GPU: every wait starves the loop
+    assert ImageLoader._idle_watch(fake("cuda", judging=False)) is None  # not judged: nothing to time
 
 
 @pytest.mark.gpu
