@@ -44,3 +44,12 @@ def test_existing_and_removed_outputs(tmp_path):
     remove_outputs(str(out), "shard-%06d.tar", {})
     assert os.listdir(out) == ["notes.txt"]  # what the job did not write stays
     assert existing_outputs(str(tmp_path / "missing"), "shard-%06d.tar", {}) == []
+
+
+def test_brace_pattern_and_full_shards():
+    assert commit.brace_pattern("shard-%06d.tar", 5) == "shard-{000000..000004}.tar"
+    assert commit.brace_pattern("p%d.tar", 12) == "p{0..11}.tar" and commit.brace_pattern("p%03d.tar", 1) == "p000.tar"
+    assert commit.full({"count": 10, "bytes": 50}, max_count=10, max_bytes=1000)
+    assert not commit.full({"count": 9, "bytes": 50}, max_count=10, max_bytes=1000)
+    assert commit.full({"count": 9, "bytes": 950}, max_count=10, max_bytes=1000)  # one more mean sample passes it
+    assert not commit.full({"count": 9, "bytes": 850}, max_count=10, max_bytes=1000)
