@@ -35,6 +35,7 @@ from datapipe.device.autotune import usable_cores
 from datapipe.tools.doctor.advice import _torch, advise, inspect_batch
 from datapipe.tools.doctor.ceiling import CeilingReplay, ceiling_meaning
 from datapipe.tools.doctor.report_text import format_report
+from datapipe.tools.doctor.step_kind import step_kind
 from datapipe.tools.doctor.timed import TimedIteration, WrappedLoader
 from datapipe.units import percentiles
 
@@ -321,7 +322,7 @@ class Doctor(CeilingReplay):
             "loader": self._loader_summary(max(self._loaders, key=lambda e: e["wait_s"])) if self._loaders else {},
             "cores": usable_cores(), "cuda": cuda, "cuda_device_max_connections": _max_connections(),
             "gpu": torch.cuda.get_device_name() if cuda else "none", "cuda_sync": self._sync(),
-            "timeline": self._timeline(),
+            "timeline": self._timeline(), "step": step_kind(),
         }
         out.update(self._ceiling_report())
         out["advice"] = advise(out)

@@ -23,7 +23,8 @@ def format_report(rep: dict) -> str:
                          f"  (start-up {e['startup_wait_s']:.2f} s; after it {e['steady_wait_fraction']:.1%})")
     for e in rep["loaders"]:
         if rep.get("cuda") and isinstance(e.get("decoder"), dict):
-            lines.append(_decoder(e["type"].rsplit(".", 1)[-1], e["decoder"], rep.get("cuda_device_max_connections")))
+            lines.append(_decoder(e["type"].rsplit(".", 1)[-1], e["decoder"], rep.get("cuda_device_max_connections"),
+                                  rep.get("step")))
         if any(e.get("losses", {}).values()):
             lines.append(f"  losses: {e['type'].rsplit('.', 1)[-1]} {_losses(e['losses'])} (since it was made)")
     if rep.get("ceiling_ratio") is not None:
@@ -43,9 +44,18 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _decoder(name: str, d: dict, connections) -> str:
-    """One line on an ImageLoader's JPEG decoding: the hardware decoder's share, threads, and a move (kept or taken
-    back after its trial) if any."""
+_WHY = {  # DecoderChoice.stats()["why"] -> why the loader started on that decoder
+    "few_queues": "nvJPEG's CUDA decoder, since with {queues} hardware queues the hardware decoder stalls beside "
+                  "a training step",
+    "wide_queues": "{queues} hardware queues let the hardware decoder run beside the step",
+    "few_cores": "too few cores for the CUDA decoder's Huffman stage",
+    "set": "the decoder share you set",
+}
+
+
+def _decoder(name: str, d: dict, connections, step: str | None = None) -> str:
+    """One line on an ImageLoader's JPEG decoding: the step the doctor saw, the hardware decoder's share and DALI's
+    threads, why (the queues, the cores, or the user's setting), and a move (kept or taken back) if any."""
     line = (f"  decoder: {name} {d.get('hw_decoder_load', 0):.0%} of JPEGs on the hardware decoder, "
             f"{d.get('threads')} DALI threads")
     rates = " -> ".join(f"{r:g}" for r in d.get("batches_per_s") or [])
@@ -60,6 +70,14 @@ def _decoder(name: str, d: dict, connections) -> str:
                  "batches/s; DecodeOptions(hw_decoder_load=0.0) skips the try and its one-off seconds)")
     elif d.get("switchable"):
         line += "; moves there by itself if the loop starves"
+        if d.get("starved") is not None and d.get("threshold") is not None:
+            line += (f" (its GPU idled {d['starved']:.1%} of the last window for want of a batch; the move needs "
+                     f"over {d['threshold']:.0%})")
+    if step:
+        line += f"; step: {step}"
+    why = _WHY.get(d.get("why"))
+    if why:
+        line += "; why: " + why.format(queues=d.get("queues"))
     queues = connections or "unset (8 queues)"
     return line + f" (CUDA_DEVICE_MAX_CONNECTIONS {queues})"
 
