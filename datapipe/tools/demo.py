@@ -3,7 +3,8 @@
 Makes a small real dataset (ImageNet-like JPEG photographs in WebDataset shards, plus token
 shards from real text), streams it through the library's loaders and prints throughput:
 ShardStream (raw samples), loaders.DataLoader (workers + collate), loaders.ImageLoader (DALI
-decode + augment; CPU operators without a GPU) and loaders.TokenLoader (packed LLM batches).
+decode + augment; CPU operators without a GPU) and loaders.TokenLoader (packed LLM batches). The table
+has one unit per column (batches, samples, seconds, samples/s, tokens/s); its last lines say what to try next.
 """
 from __future__ import annotations
 
@@ -17,23 +18,27 @@ from datapipe.storage.urls import redact_text
 log = logging.getLogger("datapipe.demo")  # the CLI lives in datapipe; the demo needs the loaders
 
 
-def _timed(name: str, iterable, count) -> dict:
-    """``items``: what the stage yields (batches, or samples for a bare stream), ``units``: what its rate counts."""
+def _timed(name: str, iterable, samples, *, batched: bool = True, tokens=None) -> dict:
+    """One stage timed: ``batches`` (None for a stage that yields samples), ``samples`` (``samples(item)`` each)
+    and, with ``tokens``, the real tokens (``tokens(item)``)."""
     start = time.perf_counter()
-    items = units = 0
-    for batch in iterable:
-        items += 1
-        units += count(batch)
+    batches = count = n_tokens = 0
+    for item in iterable:
+        batches += 1
+        count += samples(item)
+        if tokens is not None:
+            n_tokens += tokens(item)
     secs = time.perf_counter() - start
-    return {"stage": name, "items": items, "units": units, "seconds": secs, "rate": units / secs if secs else 0.0}
+    return {"stage": name, "batches": batches if batched else None, "samples": count, "seconds": secs,
+            "tokens": n_tokens if tokens is not None else None}
 
 
 def stage_stream(shards: list[str]) -> dict:
     from datapipe import ShardStream
 
     stream = ShardStream(shards, shuffle=True, shuffle_buffer=500, seed=0)
-    row = _timed("ShardStream (raw samples)", stream, lambda s: 1)
-    row["unit"] = "samples/s"
+    row = _timed("ShardStream (raw samples)", stream, lambda s: 1, batched=False)
+    row["note"] = "yields samples, not batches"
     return row
 
 
@@ -52,7 +57,6 @@ def stage_dataloader(shards: list[str], workers: int) -> dict:
                         num_workers=workers, collate_fn=_collate_jpeg_sizes)
     row = _timed(f"loaders.DataLoader ({workers} workers)", loader, lambda b: len(b["label"]))
     stats = loader.stats()
-    row["unit"] = "samples/s"
     row["note"] = f"consumer waited {stats['wait_fraction']:.0%} of the time (the demo has no training step)"
     return row
 
@@ -62,7 +66,7 @@ def stage_images(shards: list[str], device: str) -> dict:
 
     loader = ImageLoader(shards, batch_size=64, image_size=224, train=True, device=device)
     row = _timed(f"loaders.ImageLoader (DALI, {device})", loader, lambda b: b[0].shape[0])
-    row["unit"] = "images/s"
+    row["note"] = "decoded, cropped to 224, flipped, normalised; the last partial batch dropped"
     return row
 
 
@@ -70,11 +74,44 @@ def stage_tokens(token_shards: list[str], device: str | None) -> dict:
     from loaders import TokenLoader
 
     loader = TokenLoader(token_shards, seq_len=2048, batch_size=8, device=device)
-    row = _timed("loaders.TokenLoader (packed, 2048)", loader, lambda b: int((b["labels"] != -100).sum()))
+    row = _timed("loaders.TokenLoader (packed, 2048)", loader, lambda b: int(b["input_ids"].shape[0]),
+                 tokens=lambda b: int((b["labels"] != -100).sum()))
     stats = loader.stats()
-    row["unit"] = "tokens/s"
-    row["note"] = f"packing efficiency {stats.get('efficiency', 0):.1%}"
+    row["note"] = f"a sample is a packed row of 2048 tokens; packing efficiency {stats.get('efficiency', 0):.1%}"
     return row
+
+
+COLUMNS = ("stage", "batches", "samples", "seconds", "samples/s", "tokens/s", "note")
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The demo's table, one unit per column: batches, samples, seconds, samples/s, tokens/s ("-": not counted)."""
+    def rate(n, secs):
+        return f"{n / secs:,.0f}" if n is not None and secs > 0 else "-"
+
+    lines = [f"{COLUMNS[0]:38s} {COLUMNS[1]:>8s} {COLUMNS[2]:>8s} {COLUMNS[3]:>8s} {COLUMNS[4]:>10s} "
+             f"{COLUMNS[5]:>11s}  {COLUMNS[6]}"]
+    for r in rows:
+        batches = "-" if r["batches"] is None else f"{r['batches']:,d}"
+        lines.append(f"{r['stage']:38s} {batches:>8s} {r['samples']:>8,d} {r['seconds']:>8.2f} "
+                     f"{rate(r['samples'], r['seconds']):>10s} {rate(r['tokens'], r['seconds']):>11s}  "
+                     f"{r.get('note', '')}".rstrip())
+    return lines
+
+
+def next_steps(data_dir: str, device: str = "cpu") -> list[str]:
+    """What to try after the demo: the README's commands, on the demo's data and on your own."""
+    images = os.path.join(data_dir, "images")
+    steps = [
+        (f"datapipe inspect {images}", "what the demo's shards hold"),
+        (f"datapipe bench loader {images} --device {device}", "torch, webdataset, DALI and datapipe side by side"),
+        ("datapipe shard photos/ shards/", "your images, one sub-folder per class -> shards"),
+        ("datapipe bench storage shards/", "how fast your storage serves them"),
+        ("datapipe doctor -- python train.py", "does your training wait for data, and what to change"),
+    ]
+    width = max(len(command) for command, _ in steps)
+    return ["", "Next (README.md, 'Usage', has the Python side):"] + [
+        f"  {command:{width}s}  # {what}" for command, what in steps]
 
 
 def make_token_shards(out_dir: str, *, max_docs: int = 3000) -> list[str]:
@@ -147,11 +184,8 @@ def run_command(args: argparse.Namespace) -> int:
         except Exception:
             log.exception("the %s stage failed", name)
             failed += 1
-    print(f"{'stage':40s} {'rate':>14s}  {'yielded':>13s}  {'seconds':>7s}  note")
-    for r in rows:
-        what = "samples" if r["unit"].startswith("samples") and r["items"] == r["units"] else "batches"
-        print(f"{r['stage']:40s} {r['rate']:>10,.0f} {r['unit'].split('/')[0]:>3s}/s  {r['items']:>5d} {what:7s}  "
-              f"{r['seconds']:>7.2f}  {r.get('note', '')}")
+    for line in table(rows) + next_steps(args.data, device):
+        print(line)
     return 1 if failed else 0
 
 

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 import webdataset
 from PIL import Image
 
@@ -48,7 +49,7 @@ def write_shard(path, exts, *, per_ext=3, start=0):
 
 def read_all(source, **read):
     """Every (label, mean RGB) of one eval epoch, uint8 pixels, on the CPU; and the loader."""
-    dl = ImageLoader(source, batch_size=4, image_size=S, train=False, device="cpu", dtype=__import__("torch").uint8,
+    dl = ImageLoader(source, batch_size=4, image_size=S, train=False, device="cpu", dtype=torch.uint8,
                      read=ReadOptions(**read))
     out = {}
     for images, labels in dl:
@@ -125,7 +126,8 @@ def test_broken_gif_and_truncated_webp_are_named_and_counted(tmp_path):
         w.write({"__key__": "cutgif", "gif": gif[:14], "cls": b"1"})
         w.write({"__key__": "cutwebp", "webp": webp[: len(webp) // 2], "cls": b"2"})
     with pytest.raises(DataError, match="cutgif"):
-        list(ImageLoader(path, batch_size=4, image_size=S, train=False, device="cpu", read=ReadOptions(reader="stream")))
+        list(ImageLoader(path, batch_size=4, image_size=S, train=False, device="cpu",
+                         read=ReadOptions(reader="stream")))
     dl = ImageLoader(ShardStream(path, on_error="skip"), batch_size=4, image_size=S, train=False, device="cpu")
     assert sum(len(y) for _, y in dl) == 1 and dl.stats()["skipped"] == 2
     errors = " ".join(dl.stats()["last_errors"])
