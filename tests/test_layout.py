@@ -106,6 +106,14 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def test_only_the_entry_point_imports_the_cli():
+    # the CLI dispatches to every job and tool by name, so a job or tool that calls the CLI closes a circle
+    # (the cycle test above lets datapipe.cli through for its dispatch): call the job's own function instead
+    callers = [p.relative_to(ROOT).as_posix() for p in _files()
+               if "datapipe.cli" in _imports(p) and p.relative_to(ROOT).as_posix() != "datapipe/__main__.py"]
+    assert not callers, "modules that import the CLI entry point:\n" + "\n".join(callers)
+
+
 def test_the_layout_test_sees_lazy_and_by_name_imports(tmp_path):
     mod = tmp_path / "m.py"
     mod.write_text("def f():\n    import datapipe.tools.demo\n    return __import__('importlib').import_module('loaders.tokens')\n")

@@ -1,13 +1,18 @@
 """The peers benchmark's readers: the image folder every system writes from, and each system's documented
 loader over its own format (:func:`open_loader`), handing out ``(keys, values, labels)`` batches of raw bytes
-or of decoded, cropped images. :mod:`datapipe.tools.bench.peers` times them."""
+or of decoded, cropped images; :func:`describe` says what each one does. :mod:`datapipe.tools.bench.peers`
+times them."""
 from __future__ import annotations
 
 import os
+import pickle
+import random
 import time
 from typing import Callable
 
-SYSTEMS = ("torch", "webdataset", "datapipe", "litdata", "mosaicml")
+SYSTEMS = ("torch", "webdataset", "datapipe", "litdata", "mosaicml", "spdl", "grain", "energon")
+ENERGON_SHUFFLE = 1000  # Energon's sample shuffle buffer (webdataset's here too)
+ENERGON_SEQUENCE = 100  # Energon's max_samples_per_sequence (its quickstart's)
 
 
 def list_images(folder: str) -> list[tuple[str, str, int]]:
@@ -78,6 +83,10 @@ def _dict_tuple(s: dict):
     return s["key"], s["image"], int(s["cls"])
 
 
+def _identity(x):
+    return x
+
+
 class _Then:
     """``second(first(x))`` (picklable, for worker processes)."""
 
@@ -98,15 +107,160 @@ def _mosaic_dataset(data: str, *, batch_size: int, seed: int, fn: Callable):
     return Mapped(local=data, shuffle=True, shuffle_seed=seed, batch_size=batch_size)
 
 
+def _pickle_tuple(record: bytes):
+    return _dict_tuple(pickle.loads(record))
+
+
+class SpdlLoader:
+    """SPDL's ``spdl.dataloader.DataLoader`` (a thread pipeline) over the image files, made per epoch over a
+    seeded shuffle of the paths (its documented source: an iterable of paths); ``threads`` read (and decode)."""
+
+    def __init__(self, folder: str, *, batch_size: int, threads: int, seed: int, fn: Callable):
+        self.items, self.batch_size, self.threads, self.seed, self.fn = list_images(folder), batch_size, threads, seed, fn
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        from spdl.dataloader import DataLoader
+
+        order = list(self.items)
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        yield from DataLoader(order, preprocessor=self.fn, batch_size=self.batch_size, aggregator=raw_collate,
+                              num_threads=self.threads)
+
+
+class _ReadFile:
+    """``(path, key, label)`` -> ``fn((key, bytes, label))`` (SPDL's preprocessor)."""
+
+    def __init__(self, fn: Callable | None):
+        self.fn = fn
+
+    def __call__(self, item):
+        s = read_item(item)
+        out = (s["key"], s["image"], s["cls"])
+        return self.fn(out) if self.fn else out
+
+
+class GrainLoader:
+    """Grain: ``MapDataset.source(ArrayRecordDataSource)`` -> ``shuffle`` -> ``repeat`` (epoch ``e`` is its slice
+    ``[e*n, (e+1)*n)``) -> ``map`` -> ``batch`` -> ``to_iter_dataset()`` (default ReadOptions) ->
+    ``mp_prefetch(MultiprocessingOptions(num_workers))`` with workers; resumes with the iterator's
+    ``get_state`` / ``set_state``."""
+
+    def __init__(self, data: str, *, batch_size: int, workers: int, seed: int, fn: Callable):
+        import grain
+
+        paths = sorted(os.path.join(data, f) for f in os.listdir(data) if f.endswith(".array_record"))
+        self.source = grain.sources.ArrayRecordDataSource(paths)
+        self.batch_size, self.workers, self.seed, self.fn = batch_size, workers, seed, fn
+        self.epoch, self._it, self._state = 0, None, None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def state_dict(self):
+        return self._it.get_state()
+
+    def load_state_dict(self, state) -> None:
+        self._state = state
+
+    def __iter__(self):
+        import grain
+
+        n, e = len(self.source), self.epoch
+        ds = grain.MapDataset.source(self.source).shuffle(seed=self.seed).repeat(e + 1)[e * n:(e + 1) * n]
+        ds = ds.map(self.fn).batch(self.batch_size, batch_fn=raw_collate).to_iter_dataset()
+        if self.workers:
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
+        it = self._it = iter(ds)
+        if self._state is not None:
+            it.set_state(self._state)
+            self._state = None
+        try:
+            yield from it
+        finally:
+            close = getattr(it, "close", None)
+            if callable(close):
+                close()
+
+
+def _energon_encoder(fn: Callable):
+    from megatron.energon import DefaultTaskEncoder
+
+    class RawEncoder(DefaultTaskEncoder):
+        decoder = None  # Energon's documented switch: payloads stay bytes
+
+        def encode_sample(self, sample):
+            return fn((sample.__key__, sample.image, int(sample.label)))
+
+        def batch(self, samples):
+            return raw_collate(samples)
+
+    return RawEncoder()
+
+
+class EnergonLoader:
+    """Megatron-Energon: ``get_train_dataset`` over the prepared WebDataset (a task encoder that keeps the bytes,
+    ``decoder = None``) -> ``get_savable_loader``; ``repeat=False`` makes each pass one epoch, ``repeat=True``
+    (the default, as in its save/restore guide) an endless stream; resumes with ``save_state_rank`` /
+    ``restore_state_rank``."""
+
+    def __init__(self, data: str, *, batch_size: int, workers: int, seed: int, fn: Callable, repeat: bool = False):
+        from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+        config = WorkerConfig(rank=0, world_size=1, num_workers=workers, seed_offset=seed)
+        ds = get_train_dataset(data, batch_size=batch_size, shuffle_buffer_size=ENERGON_SHUFFLE,
+                               max_samples_per_sequence=ENERGON_SEQUENCE, worker_config=config,
+                               task_encoder=_energon_encoder(fn), repeat=repeat)
+        self.loader = get_savable_loader(ds)
+
+    def state_dict(self):
+        return self.loader.save_state_rank()
+
+    def load_state_dict(self, state) -> None:
+        self.loader.restore_state_rank(state)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+def describe(system: str, workers: int) -> str:
+    """What ``system``'s loader does with ``workers`` (the words every row carries)."""
+    procs = f"{workers} worker processes" if workers else "in the main process"
+    return {
+        "torch": f"torch DataLoader over a files Dataset, shuffle=True, {procs}",
+        "webdataset": f"webdataset.WebDataset (shardshuffle, .shuffle(1000)) in torch's DataLoader, {procs}",
+        "datapipe": f"loaders.DataLoader over ShardStream(shuffle=True, shuffle_buffer=200), {procs}",
+        "litdata": f"litdata StreamingDataset(shuffle=True) + StreamingDataLoader, {procs}",
+        "mosaicml": f"streaming.StreamingDataset(shuffle=True) + StreamingDataLoader, {procs}",
+        "spdl": f"spdl.dataloader.DataLoader over the shuffled file paths, {max(1, workers)} threads, one process",
+        "grain": "grain MapDataset(ArrayRecordDataSource).shuffle.map.batch.to_iter_dataset (ReadOptions default: "
+                 "16 threads)" + (f".mp_prefetch({workers} worker processes)" if workers else ", one process"),
+        "energon": f"megatron.energon get_train_dataset (shuffle buffer {ENERGON_SHUFFLE}, "
+                   f"max_samples_per_sequence {ENERGON_SEQUENCE}) + get_savable_loader, {procs}",
+    }[system]
+
+
 def open_loader(system: str, data: str, *, batch_size: int, workers: int, seed: int = 0,
-                decode_size: int | None = None, cache_dir: str | None = None):
+                decode_size: int | None = None, cache_dir: str | None = None, endless: bool = False):
     """``system``'s documented loader over its own written ``data``: batches of ``(keys, values, labels)``.
 
     Values are the encoded bytes, or with ``decode_size`` the decoded, augmented image tensors.
+    ``endless``: Energon's default endless stream (its save/restore path) instead of one epoch per pass.
     """
     import torch.utils.data
 
     decode = Decode(decode_size) if decode_size else None
+    if system == "spdl":
+        return SpdlLoader(data, batch_size=batch_size, threads=max(1, workers), seed=seed, fn=_ReadFile(decode))
+    if system == "grain":
+        return GrainLoader(data, batch_size=batch_size, workers=workers, seed=seed,
+                           fn=_Then(_pickle_tuple, decode) if decode else _pickle_tuple)
+    if system == "energon":
+        return EnergonLoader(data, batch_size=batch_size, workers=workers, seed=seed, repeat=endless,
+                             fn=decode or _identity)
     extra = {"prefetch_factor": 2, "persistent_workers": False} if workers else {}
     if system == "torch":
         ds = FilesDataset(data, decode)
@@ -152,17 +306,29 @@ def set_epoch_of(loader, epoch: int) -> None:
             return
 
 
-def one_epoch(loader) -> dict:
-    """One epoch: samples, bytes, seconds, first batch time."""
+def one_epoch(loader, *, cap_s: float | None = None) -> dict:
+    """One epoch: samples, bytes, seconds, first batch time; with ``cap_s``, cut after that many seconds
+    (``capped``: the epoch was not read to its end; the rate is over what was read)."""
+    from datapipe.tools.bench.baselines import close
+
     n = nbytes = 0
     t0 = time.perf_counter()
-    first = None
-    for keys, values, _ in loader:
-        if first is None:
-            first = time.perf_counter() - t0
-        n += len(keys)
-        nbytes += sum(len(v) for v in values)
+    first, capped = None, False
+    it = iter(loader)
+    try:
+        for keys, values, _ in it:
+            if first is None:
+                first = time.perf_counter() - t0
+            n += len(keys)
+            nbytes += sum(len(v) for v in values)
+            if cap_s is not None and time.perf_counter() - t0 >= cap_s:
+                capped = True
+                break
+    finally:
+        if capped:
+            close(it)
     seconds = time.perf_counter() - t0
-    return {"samples": n, "seconds": round(seconds, 3), "samples_per_s": round(n / seconds, 1) if seconds else None,
-            "mb_per_s": round(nbytes / seconds / 1e6, 1) if seconds else None,
-            "first_batch_s": round(first, 3) if first is not None else None}
+    out = {"samples": n, "seconds": round(seconds, 3), "samples_per_s": round(n / seconds, 1) if seconds else None,
+           "mb_per_s": round(nbytes / seconds / 1e6, 1) if seconds else None,
+           "first_batch_s": round(first, 3) if first is not None else None}
+    return {**out, "capped": True} if capped else out

@@ -2,7 +2,9 @@
 printed under it (:mod:`datapipe.tools.bench.peers` measures them)."""
 from __future__ import annotations
 
-__all__ = ["run_notes", "summary", "table_rows"]
+from typing import Any, Callable
+
+__all__ = ["how_lines", "run_notes", "summary", "table_rows"]
 
 
 def _get(d: dict, *path):
@@ -16,17 +18,23 @@ def _get(d: dict, *path):
 def summary(result: dict) -> list[dict]:
     """One row per measurement, one column per system: the figures the docs and the README quote."""
     systems = result["systems"]
+    settings = result["settings"]
     rows: list[tuple[str, Callable[[dict], Any]]] = [("write, images/s", lambda e: _get(e, "write", "images_per_s"))]
-    for w in result["settings"]["workers"]:
+    for w in settings["workers"]:
         for ep in (1, 2):
             rows.append((f"raw bytes, {w} workers, epoch {ep}, samples/s",
                          lambda e, w=w, ep=ep: _get(e, "raw", str(w), f"epoch{ep}", "samples_per_s")))
-    dw = result["settings"]["decode_workers"]
+    w0 = min(settings["workers"]) if settings["workers"] else None
+    if w0 is not None:
+        rows.append((f"construct + first batch, {w0} workers (s)",
+                     lambda e: _get(e, "raw", str(w0), "construct_first_batch_s")))
+    rw, dw = settings.get("resume_workers"), settings["decode_workers"]
     rows += [
+        (f"mid-epoch resume, {rw} workers, first batch after load (s)", lambda e: _get(e, "resume", "first_batch_s")),
+        ("mid-epoch resume, exact rest", lambda e: _get(e, "resume", "exact")),
+        ("mid-epoch resume, same continuation", lambda e: _get(e, "resume", "same_order")),
         (f"PIL decode + crop, {dw} workers, steady samples/s", lambda e: _get(e, "decode", "steady_samples_per_s")),
         ("same, first batch (s)", lambda e: _get(e, "decode", "first_batch_s")),
-        ("mid-epoch resume, first batch after load (s)", lambda e: _get(e, "resume", "first_batch_s")),
-        ("mid-epoch resume, exact rest", lambda e: _get(e, "resume", "exact")),
         (f"peak PSS with {dw} decode workers (MB)", lambda e: _get(e, "decode", "peak_pss_mb")),
     ]
     out = []
@@ -39,10 +47,33 @@ def summary(result: dict) -> list[dict]:
 
 
 def run_notes(result: dict) -> list[str]:
-    """Lines to print under the table: the run's notes, and each system that was not measured, with why."""
+    """Lines to print under the table: the run's notes, each system that was not measured and each row that
+    failed, with why, and the epochs that were cut at ``epoch_cap_s``."""
     lines = [f"note: {n}" for n in result.get("notes", [])]
-    lines += [f"{system}: not measured: {entry['error']}" for system, entry in result["systems"].items()
-              if entry.get("error")]
+    for system, entry in result["systems"].items():
+        if entry.get("error"):
+            lines.append(f"{system}: not measured: {entry['error']}")
+            continue
+        named = [("write", entry.get("write")), ("resume", entry.get("resume")), ("decode", entry.get("decode"))]
+        named += [(f"raw bytes, {w} workers", r) for w, r in (entry.get("raw") or {}).items()]
+        for name, r in named:
+            if isinstance(r, dict) and r.get("error") and r["error"] != "no mid-epoch resume":
+                lines.append(f"{system}: {name}: {r['error']}")
+        capped = [f"{w} workers epoch {ep}" for w, r in (entry.get("raw") or {}).items() for ep in (1, 2)
+                  if _get(r, f"epoch{ep}", "capped")]
+        if capped:
+            lines.append(f"{system}: cut at {result['settings'].get('epoch_cap_s')} s (rate over what was read): "
+                         + ", ".join(capped))
+    return lines
+
+
+def how_lines(result: dict) -> list[str]:
+    """What each system did: its format and writer, and its loader at each worker count."""
+    lines = []
+    for system, entry in result["systems"].items():
+        how = entry.get("how") or {}
+        if how:
+            lines.append(f"{system}: " + "; ".join(f"{k}: {v}" for k, v in how.items()))
     return lines
 
 

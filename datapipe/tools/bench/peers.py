@@ -1,47 +1,53 @@
-"""Peers side by side: torch (loose files), webdataset, datapipe, litdata and MosaicML Streaming on the same images.
+"""Peers side by side: torch (loose files), webdataset, datapipe, litdata, MosaicML Streaming, SPDL, Grain and
+Megatron-Energon on the same images.
 
-Each system writes the same image folder (class sub-folders of JPEGs) in its own native format with
-its own writer (torch: a copy of the files; webdataset: ``wds.ShardWriter``; datapipe: ``datapipe shard``;
-litdata: ``litdata.optimize`` over a function; MosaicML: ``streaming.MDSWriter``) and reads it with its
-documented loader (torch's ``DataLoader`` over a files ``Dataset``, ``webdataset.WebDataset`` in torch's
-``DataLoader``, ``loaders.DataLoader`` over a ``ShardStream``, ``litdata.StreamingDataset`` +
-``StreamingDataLoader``, ``streaming.StreamingDataset`` + ``StreamingDataLoader``), shuffle on.
+Each system writes the same image folder (class sub-folders of JPEGs) in its own native format with its own
+writer (:mod:`~datapipe.tools.bench.peer_writers`: torch a copy of the files; webdataset ``wds.ShardWriter``;
+datapipe ``datapipe shard``'s job; litdata ``litdata.optimize``; MosaicML ``streaming.MDSWriter``; Grain
+ArrayRecord files; Energon WebDataset tars + ``energon prepare``; SPDL, which has no format, reads the files
+where they are) and reads it with its documented loader, shuffle on (:mod:`~datapipe.tools.bench.peer_readers`,
+whose :func:`~datapipe.tools.bench.peer_readers.describe` words go into every row as ``did``).
 
-Rows (every row a fresh process, so that a first epoch is a first epoch):
+Rows, run phase by phase over all systems (writes, raw bytes, resume, decode), every row in a fresh process
+forked from a per-system process that has only imported that system (:mod:`~datapipe.tools.bench.peer_process`;
+import time reported apart), so that a first epoch is a first epoch:
 
 - ``write``: images/s of the writer, end to end;
-- ``raw``: samples/s of raw bytes (no decode) at each of ``workers`` (epoch 1 in the fresh process, then epoch 2);
-- ``decode``: PIL decode + random-resized-crop + flip + normalise (:class:`~datapipe.tools.bench.baselines.PilTrain`)
-  in ``decode_workers`` workers: steady samples/s after the first batch, the first batch's time, and the
-  peak PSS (proportional set size, MB) of the process and its workers;
-- ``resume``: a state taken half-way through an epoch in one process, loaded in a fresh one: time to the
-  first batch after loading, and whether the rest is exactly the samples the first process went on to
-  read (``exact``: the same samples, each once; ``same_order``: also in the same order).
+- ``raw``: samples/s of raw bytes (no decode) at each of ``workers``: epoch 1 in the fresh process, then epoch 2,
+  and the time to construct the loader and take its first batch;
+- ``resume``: a state taken half-way through an epoch (``resume_workers`` workers), loaded in a fresh process:
+  time to the first batch after loading; ``exact``: the rest is exactly the samples not yet read, each once;
+  ``same_order``: its first batches are the ones the first process went on to read (Energon, whose documented
+  save/restore runs an endless stream, is checked for that only);
+- ``decode``: PIL decode + random-resized-crop + flip + normalise
+  (:class:`~datapipe.tools.bench.baselines.PilTrain`) in ``decode_workers`` workers: the first batch's time, the
+  steady rate over the next ``decode_seconds``, and the peak PSS (MB) of the process tree.
 
-litdata and MosaicML rows need the ``peers`` extra (``pip install 'datapipe[peers]'``); a system that
-is not installed is reported as such, not measured.
+``epoch_cap_s`` cuts an epoch that runs longer (the epoch is marked ``capped``); ``budget_s`` starts no row after
+that many seconds (the rows left are marked as not run). Peers need the ``peers`` extra; a system that is not
+installed is reported as such, not measured.
 """
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
-import pickle
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from importlib import metadata
 from typing import Any, Callable
 
-from datapipe.tools.bench.peer_readers import SYSTEMS, one_epoch, set_epoch_of, list_images, open_loader, read_item
+from datapipe.tools.bench.peer_readers import SYSTEMS, describe, list_images, one_epoch, open_loader, set_epoch_of
 from datapipe.tools.bench.peer_table import run_notes, summary, table_rows  # noqa: F401 (the table's names here too)
 
-RESUMABLE = ("datapipe", "litdata", "mosaicml")
+RESUMABLE = ("datapipe", "litdata", "mosaicml", "grain", "energon")
+ENDLESS = ("energon",)  # resumed over its default endless stream (its save/restore guide's way)
 DISTRIBUTIONS = {"torch": "torch", "webdataset": "webdataset", "datapipe": "datapipe", "litdata": "litdata",
-                 "mosaicml": "mosaicml-streaming"}
-MODULES = {"litdata": "litdata", "mosaicml": "streaming"}
+                 "mosaicml": "mosaicml-streaming", "spdl": "spdl", "grain": "grain", "energon": "megatron-energon"}
+MODULES = {"litdata": "litdata", "mosaicml": "streaming", "spdl": "spdl.dataloader", "grain": "grain",
+           "energon": "megatron.energon"}
+SHORT_EPOCH_S = 3.0  # epochs shorter than this are named in the notes (the run of record wants longer ones)
 
 
 # ---- which systems ----------------------------------------------------------------------------------------
@@ -49,9 +55,10 @@ def version(system: str) -> str | None:
     """The installed version of ``system``'s distribution, ``None`` when it cannot be imported."""
     module = MODULES.get(system)
     if module is not None:
-        import importlib.util
-
-        if importlib.util.find_spec(module) is None:
+        try:
+            if importlib.util.find_spec(module) is None:
+                return None
+        except ImportError:  # a parent package that is not there
             return None
     try:
         return metadata.version(DISTRIBUTIONS[system])
@@ -60,18 +67,55 @@ def version(system: str) -> str | None:
 
 
 # ---- the source: an image folder ---------------------------------------------------------------------------
-def make_image_folder(folder: str, *, num_images: int, num_classes: int = 10, size: tuple[int, int] = (500, 375),
-                      seed: int = 0) -> str:
-    """ImageNet-like JPEGs in ``folder/<class>/<key>.jpg`` (made once; an existing folder is kept)."""
+def _render(args: tuple) -> list[tuple[bytes, int]]:
     from datapipe.tools.synthetic import iter_image_samples
+
+    start, count, kwargs = args
+    return [(s["jpg"], int(s["cls"])) for s in iter_image_samples(count, start=start, **kwargs)]
+
+
+def _with_comment(jpg: bytes, text: str) -> bytes:
+    """``jpg`` with a JPEG comment segment (COM) after its start marker: other bytes, the same pixels."""
+    payload = text.encode("ascii")
+    return jpg[:2] + b"\xff\xfe" + (len(payload) + 2).to_bytes(2, "big") + payload + jpg[2:]
+
+
+def make_image_folder(folder: str, *, num_images: int, num_classes: int = 10, size: tuple[int, int] = (500, 375),
+                      seed: int = 0, distinct: int = 2000, workers: int | None = None) -> str:
+    """ImageNet-like JPEGs in ``folder/<class>/<key>.jpg`` (made once; an existing folder is kept).
+
+    Up to ``distinct`` images are rendered (in ``workers`` processes, default the usable cores); image ``i``
+    past them is render ``i % distinct`` with a JPEG comment naming ``i``: every file differs, and decoding
+    costs what decoding a render costs.
+    """
+    from datapipe.device.autotune import usable_cores
 
     if os.path.isdir(folder) and list_images(folder):
         return folder
-    for s in iter_image_samples(num_images, seed=seed, num_classes=num_classes, size=size):
-        d = os.path.join(folder, f"class{int(s['cls']):04d}")
+    if num_images < 1 or distinct < 1:
+        raise ValueError(f"num_images and distinct must be >= 1, got {num_images} and {distinct}")
+    renders = min(num_images, distinct)
+    procs = max(1, min(workers or usable_cores(), renders // 50 or 1))
+    kwargs = {"seed": seed, "num_classes": num_classes, "size": size}
+    step = -(-renders // procs)
+    chunks = [(start, min(step, renders - start), kwargs) for start in range(0, renders, step)]
+    if procs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(procs) as pool:
+            pool_out = pool.map(_render, chunks)
+    else:
+        pool_out = [_render(c) for c in chunks]
+    rendered = [r for chunk in pool_out for r in chunk]
+    tmp = folder.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for i in range(num_images):
+        jpg, label = rendered[i % renders]
+        d = os.path.join(tmp, f"class{label:04d}")
         os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, s["__key__"] + ".jpg"), "wb") as f:
-            f.write(s["jpg"])
+        with open(os.path.join(d, f"{i:08d}.jpg"), "wb") as f:
+            f.write(jpg if i < renders else _with_comment(jpg, f"datapipe peers image {i}"))
+    os.rename(tmp, folder)
     return folder
 
 
@@ -88,211 +132,159 @@ def folder_from_shards(shards: list[str], folder: str) -> str:
     return folder
 
 
-# ---- writers ------------------------------------------------------------------------------------------------
-def write(system: str, source: str, out: str, *, workers: int) -> dict:
-    """Write ``source`` in ``system``'s native format into ``out`` (which must not exist)."""
-    items = list_images(source)
-    t0 = time.perf_counter()
-    if system == "torch":
-        shutil.copytree(source, out)
-    elif system == "webdataset":
-        import webdataset as wds
-
-        os.makedirs(out)
-        with wds.ShardWriter(os.path.join(out, "shard-%06d.tar"), maxsize=1 << 30, maxcount=100_000,
-                             verbose=0) as sink:
-            for item in items:
-                s = read_item(item)
-                sink.write({"__key__": s["key"].replace("/", "_"), "jpg": s["image"], "cls": s["cls"]})
-    elif system == "datapipe":
-        from datapipe.cli import main
-
-        rc = main(["shard", source, out, "--no-progress", "--shuffle", "--workers", str(max(1, workers))])  # classes mixed
-        if rc != 0:
-            raise RuntimeError(f"datapipe shard exited {rc}")
-    elif system == "litdata":
-        from litdata import optimize
-
-        optimize(fn=read_item, inputs=items, output_dir=out, chunk_bytes="64MB", num_workers=max(1, workers),
-                 verbose=False)
-    elif system == "mosaicml":
-        from streaming import MDSWriter
-
-        with MDSWriter(out=out, columns={"key": "str", "image": "bytes", "cls": "int"}) as sink:
-            for item in items:
-                sink.write(read_item(item))
-    else:
-        raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
-    seconds = time.perf_counter() - t0
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
-    return {"images": len(items), "seconds": round(seconds, 3), "images_per_s": round(len(items) / seconds, 1),
-            "bytes": size}
-
-
 # ---- rows (each run in a fresh process by run_peers) ---------------------------------------------------------
-def row_raw(system: str, data: str, *, batch_size: int, workers: int, seed: int, cache_dir: str | None) -> dict:
+def row_raw(system: str, data: str, *, batch_size: int, workers: int, seed: int, cache_dir: str | None,
+            cap_s: float | None = None) -> dict:
+    t0 = time.perf_counter()
     loader = open_loader(system, data, batch_size=batch_size, workers=workers, seed=seed, cache_dir=cache_dir)
-    first = one_epoch(loader)
+    construct = time.perf_counter() - t0
+    first = one_epoch(loader, cap_s=cap_s)
     set_epoch_of(loader, 1)
-    second = one_epoch(loader)
-    return {"epoch1": first, "epoch2": second}
+    second = one_epoch(loader, cap_s=cap_s)
+    fb = first["first_batch_s"]
+    return {"construct_s": round(construct, 3), "epoch1": first, "epoch2": second,
+            "construct_first_batch_s": round(construct + fb, 3) if fb is not None else None}
 
 
 def row_decode(system: str, data: str, *, batch_size: int, workers: int, seed: int, image_size: int,
-               cache_dir: str | None) -> dict:
+               cache_dir: str | None, seconds: float | None = None) -> dict:
+    """The first batch's time, then the steady rate over the batches of the next ``seconds`` (or the epoch)."""
+    from datapipe.tools.bench.baselines import close
+
     t0 = time.perf_counter()
     loader = open_loader(system, data, batch_size=batch_size, workers=workers, seed=seed, decode_size=image_size,
                          cache_dir=cache_dir)
     it = iter(loader)
-    keys, _, _ = next(it)
+    next(it)
     first = time.perf_counter() - t0
     n, t1 = 0, time.perf_counter()
-    for keys, _, _ in it:
-        n += len(keys)
-    seconds = time.perf_counter() - t1
-    return {"first_batch_s": round(first, 3), "steady_samples": n,
-            "steady_samples_per_s": round(n / seconds, 1) if n and seconds else None}
+    try:
+        for keys, _, _ in it:
+            n += len(keys)
+            if seconds is not None and time.perf_counter() - t1 >= seconds:
+                break
+    finally:
+        close(it)
+    took = time.perf_counter() - t1
+    return {"first_batch_s": round(first, 3), "steady_samples": n, "steady_seconds": round(took, 3),
+            "steady_samples_per_s": round(n / took, 1) if n and took else None}
 
 
 def row_resume_save(system: str, data: str, *, batch_size: int, workers: int, seed: int, state_path: str,
-                    stop_after: int, cache_dir: str | None) -> dict:
-    """``stop_after`` batches, the loader's state there, then the rest of the epoch it reads (saved for the load)."""
-    loader = open_loader(system, data, batch_size=batch_size, workers=workers, seed=seed, cache_dir=cache_dir)
+                    stop_after: int, verify_batches: int, cache_dir: str | None) -> dict:
+    """``stop_after`` batches, the loader's state there, then the next ``verify_batches`` (saved for the load)."""
+    import pickle
+
+    from datapipe.tools.bench.baselines import close
+
+    loader = open_loader(system, data, batch_size=batch_size, workers=workers, seed=seed, cache_dir=cache_dir,
+                         endless=system in ENDLESS)
     it = iter(loader)
-    seen = []
-    for _ in range(stop_after):
-        seen += next(it)[0]
-    state = loader.state_dict()
-    rest = [k for keys, _, _ in it for k in keys]
+    seen, following = [], []
+    try:
+        for _ in range(stop_after):
+            seen += next(it)[0]
+        state = loader.state_dict()
+        for _, (keys, _, _) in zip(range(verify_batches), it):
+            following += keys
+    finally:
+        close(it)
     with open(state_path, "wb") as f:
-        pickle.dump({"state": state, "seen": seen, "rest": rest}, f)
-    return {"stopped_after_batches": stop_after, "seen_samples": len(seen), "rest_samples": len(rest)}
+        pickle.dump({"state": state, "seen": seen, "following": following}, f)
+    return {"stopped_after_batches": stop_after, "seen_samples": len(seen), "following_samples": len(following)}
 
 
 def row_resume_load(system: str, data: str, *, batch_size: int, workers: int, seed: int, state_path: str,
-                    cache_dir: str | None) -> dict:
+                    total: int, cache_dir: str | None) -> dict:
+    """Load the saved state in this fresh process: time to the first batch, then the rest (of the epoch, or
+    for an endless stream as many samples as the first process read after its state) checked."""
+    import pickle
+
+    from datapipe.tools.bench.baselines import close
+
     with open(state_path, "rb") as f:
         saved = pickle.load(f)
+    endless = system in ENDLESS
     t0 = time.perf_counter()
-    loader = open_loader(system, data, batch_size=batch_size, workers=workers, seed=seed, cache_dir=cache_dir)
+    loader = open_loader(system, data, batch_size=batch_size, workers=workers, seed=seed, cache_dir=cache_dir,
+                         endless=endless)
     loader.load_state_dict(saved["state"])
     got, first = [], None
-    for keys, _, _ in loader:
-        if first is None:
-            first = time.perf_counter() - t0
-        got += keys
-    exact = sorted(got) == sorted(saved["rest"]) and len(set(got)) == len(got) and not set(got) & set(saved["seen"])
-    return {"first_batch_s": round(first, 3) if first is not None else None, "exact": exact,
-            "same_order": got == saved["rest"], "resumed_samples": len(got), "expected_samples": len(saved["rest"])}
+    it = iter(loader)
+    try:
+        for keys, _, _ in it:
+            if first is None:
+                first = time.perf_counter() - t0
+            got += keys
+            if endless and len(got) >= len(saved["following"]):
+                break
+    finally:
+        close(it)
+    following = saved["following"]
+    out = {"first_batch_s": round(first, 3) if first is not None else None,
+           "same_order": got[:len(following)] == following, "resumed_samples": len(got)}
+    if endless:
+        return {**out, "exact": None, "endless": True}
+    seen = saved["seen"]
+    exact = len(set(got)) == len(got) and not set(got) & set(seen) and len(got) + len(seen) == total
+    return {**out, "exact": exact, "expected_samples": total - len(seen)}
 
 
 ROWS = {"raw": row_raw, "decode": row_decode, "resume_save": row_resume_save, "resume_load": row_resume_load}
 
-
 IMPORTS = {"torch": ("torch.utils.data",), "webdataset": ("torch.utils.data", "webdataset"),
            # datapipe and loaders export lazily: name the modules that hold what the rows use
-           "datapipe": ("torch.utils.data", "datapipe.stream", "loaders.dataloader", "datapipe.jobs.shard.cli"),
-           "litdata": ("torch.utils.data", "litdata"), "mosaicml": ("torch.utils.data", "streaming")}
+           "datapipe": ("torch.utils.data", "datapipe.stream", "loaders.dataloader", "datapipe.jobs.shard.job"),
+           "litdata": ("torch.utils.data", "litdata"), "mosaicml": ("torch.utils.data", "streaming"),
+           "spdl": ("torch.utils.data", "spdl.dataloader"),
+           "grain": ("torch.utils.data", "grain", "array_record.python.array_record_module"),
+           "energon": ("torch.utils.data", "webdataset", "megatron.energon")}
+COMMON_IMPORTS = ("PIL.Image", "datapipe.tools.bench.peers", "datapipe.tools.bench.peer_writers")
 
 
-def _row_main(spec: dict) -> dict:
-    """One row in this (fresh) process: the system's modules are imported first, their time reported apart."""
-    import importlib
-
-    t0 = time.perf_counter()
-    for module in IMPORTS[spec["system"]] + ("PIL.Image",):
-        importlib.import_module(module)
-    imported = round(time.perf_counter() - t0, 3)
+def row_main(spec: dict) -> dict:
+    """One row in this (fresh) process."""
+    spec = dict(spec)
     kind = spec.pop("row")
     if kind == "write":
-        out = write(spec["system"], spec["source"], spec["out"], workers=spec["workers"])
-    else:
-        system, data = spec.pop("system"), spec.pop("data")
-        out = ROWS[kind](system, data, **spec)
-    return {**out, "import_s": imported}
+        from datapipe.tools.bench.peer_writers import write
 
-
-# ---- PSS of a process tree -------------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def tree_pss_mb(pid: int) -> float | None:
-    """PSS of ``pid`` and all its descendants, MB (``None`` where /proc has no smaps_rollup)."""
-    total, todo, seen = 0, [pid], set()
-    found = False
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1])
-                        found = True
-                        break
-        except OSError:
-            continue
-        todo += _children(p)
-    return round(total / 1024, 1) if found else None
-
-
-def run_row(spec: dict, *, timeout: float) -> dict:
-    """Run one row in a fresh Python process; its result, wall time and peak PSS of its process tree."""
-    cmd = [sys.executable, "-c", "import json, sys; from datapipe.tools.bench.peers import _row_main; "
-           "print('\\n' + json.dumps(_row_main(json.loads(sys.argv[1]))))", json.dumps(spec)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak: list[float] = [0.0]
-    done = threading.Event()
-
-    def sample():
-        while not done.wait(0.1):
-            v = tree_pss_mb(proc.pid)
-            if v is not None:
-                peak[0] = max(peak[0], v)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        proc.communicate()
-        return {"error": f"timed out after {timeout:.0f} s"}
-    finally:
-        done.set()
-        sampler.join()
-    wall = round(time.perf_counter() - t0, 2)
-    if proc.returncode != 0:
-        tail = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["no output"]
-        return {"error": f"exit {proc.returncode}: {tail[0][:300]}", "process_s": wall}
-    result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "process_s": wall, "peak_pss_mb": peak[0] or None}
-
-
-def _kill_tree(proc) -> None:
-    for pid in [proc.pid] + _children(proc.pid):
-        try:
-            os.kill(pid, 9)
-        except OSError:
-            pass
+        return write(spec["system"], spec["source"], spec["out"], workers=spec["workers"])
+    system, data = spec.pop("system"), spec.pop("data")
+    return ROWS[kind](system, data, **spec)
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
+class _Clock:
+    """The run's budget: no row starts after it, and a row's timeout ends with it."""
+
+    def __init__(self, budget_s: float | None, timeout: float):
+        self.end = None if budget_s is None else time.monotonic() + budget_s
+        self.budget_s, self.timeout = budget_s, timeout
+
+    def timeout_now(self) -> float | None:
+        if self.end is None:
+            return self.timeout
+        left = self.end - time.monotonic()
+        return None if left <= 1.0 else min(self.timeout, left)
+
+
+def _short_epochs(result: dict) -> list[str]:
+    out = []
+    for system, entry in result["systems"].items():
+        for w, row in (entry.get("raw") or {}).items():
+            for ep in ("epoch1", "epoch2"):
+                e = row.get(ep) or {}
+                if e.get("seconds") is not None and e["seconds"] < SHORT_EPOCH_S and not e.get("capped"):
+                    out.append(f"{system} {w} workers {ep} ({e['seconds']} s)")
+    return out
+
+
 def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | None = None, batch_size: int = 256,
-              workers: tuple[int, ...] = (0, 4, 8), decode_workers: int | None = None, resume_workers: int = 0,
+              workers: tuple[int, ...] = (0, 4, 8), decode_workers: int | None = None, resume_workers: int = 4,
               image_size: int = 224, write_workers: int | None = None, seed: int = 0, timeout: float = 600.0,
-              progress: bool = True, on_system: Callable[[dict], None] | None = None) -> dict[str, Any]:
+              epoch_cap_s: float | None = None, decode_seconds: float | None = 3.0, budget_s: float | None = None,
+              progress: bool = True, on_row: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Every row for every installed system, on the images of ``source`` (a class-folder tree).
 
     Args:
@@ -300,18 +292,24 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         work_dir: where each system writes its format (default: a temporary folder, removed after).
         systems: which of :data:`SYSTEMS` (default all; those not installed are listed as such).
         batch_size: samples per batch in every loader.
-        workers: worker processes of the raw-bytes rows.
+        workers: worker processes (SPDL: threads) of the raw-bytes rows.
         decode_workers: worker processes of the decode row (default: the usable cores).
         resume_workers: worker processes of the resume rows.
         image_size: crop size of the decode row.
-        write_workers: processes of the writers that take them (``datapipe shard``, ``litdata.optimize``).
+        write_workers: processes of the writers that take them (``datapipe shard``, ``litdata.optimize``,
+            ``energon prepare``).
         seed: the shuffle seed of every loader.
         timeout: seconds per row (a row over it is reported as timed out).
+        epoch_cap_s: cut a raw-bytes epoch after this many seconds (``None``: read every epoch to its end).
+        decode_seconds: seconds of steady decoding timed after the first batch (``None``: the rest of the epoch).
+        budget_s: start no row after this many seconds; the rows left say so (``None``: no budget).
         progress: a line on stderr per row.
-        on_system: called with the result so far (its table included) after each system's rows, so that a run
+        on_row: called with the result so far (its table included, ``partial``) after every row, so that a run
             cut short still leaves what it measured.
     """
     from datapipe.device.autotune import usable_cores
+    from datapipe.tools.bench.peer_process import RowRunner
+    from datapipe.tools.bench.peer_writers import FORMATS
 
     chosen = list(systems or SYSTEMS)
     unknown = [s for s in chosen if s not in SYSTEMS]
@@ -319,6 +317,9 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         raise ValueError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
     if batch_size < 1 or any(w < 0 for w in workers) or resume_workers < 0:
         raise ValueError("batch_size must be >= 1 and worker counts >= 0")
+    for name, v in (("epoch_cap_s", epoch_cap_s), ("decode_seconds", decode_seconds), ("budget_s", budget_s)):
+        if v is not None and v <= 0:
+            raise ValueError(f"{name} must be > 0 seconds or None, got {v}")
     images = list_images(source)
     if not images:
         raise ValueError(f"{source} holds no class folders of JPEGs: make one with make_image_folder")
@@ -331,65 +332,112 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         notes.append(f"{len(images)} images make {len(images) // batch_size} batch(es) of {batch_size}: batches of "
                      f"{smaller} instead, so that the decode and mid-epoch resume rows have batches to time")
         batch_size = smaller
-    over = sorted({w for w in (*workers, decode_workers) if w > cores})
+    over = sorted({w for w in (*workers, decode_workers, resume_workers) if w > cores})
     if over:
         notes.append(f"worker counts {over} exceed the {cores} usable cores here: those rows share cores")
     own_tmp = work_dir is None
     work_dir = work_dir or tempfile.mkdtemp(prefix="datapipe-peers-")
+    os.makedirs(work_dir, exist_ok=True)
     source_bytes = sum(os.path.getsize(p) for p, _, _ in images)
     result: dict[str, Any] = {
         "source": {"images": len(images), "bytes": source_bytes, "mean_kb": round(source_bytes / len(images) / 1e3, 1)},
         "settings": {"batch_size": batch_size, "workers": list(workers), "decode_workers": decode_workers,
                      "resume_workers": resume_workers, "image_size": image_size, "write_workers": write_workers,
-                     "seed": seed, "shuffle": True, "timeout_s": timeout},
+                     "seed": seed, "shuffle": True, "timeout_s": timeout, "epoch_cap_s": epoch_cap_s,
+                     "decode_seconds": decode_seconds, "budget_s": budget_s,
+                     "processes": "every row a fresh process, forked from a per-system process that has only "
+                                  "imported the system (import_s)"},
         "notes": notes, "systems": {}}
+    clock = _Clock(budget_s, timeout)
 
     def say(text):
         if progress:
             print(f"bench peers: {text}", file=sys.stderr, flush=True)
 
+    def saved():
+        if on_row is not None:
+            on_row({**result, "table": summary(result), "partial": True})
+
+    runners: dict[str, RowRunner] = {}
+    live = []
+    for system in chosen:
+        v = version(system)
+        result["systems"][system] = entry = {"version": v, "how": {"format": FORMATS[system]}}
+        if v is None:
+            entry["error"] = "not installed (pip install 'datapipe[peers]', or see bench/peers.py --help)"
+            say(f"{system}: not installed")
+            continue
+        entry["how"].update({f"{w} workers": describe(system, w) for w in sorted({*workers, resume_workers,
+                                                                                  decode_workers})})
+        runners[system] = RowRunner(list(IMPORTS[system] + COMMON_IMPORTS), target="datapipe.tools.bench.peers.row_main")
+        live.append(system)
+
+    def row(system: str, spec: dict, label: str) -> dict:
+        limit = clock.timeout_now()
+        if limit is None:
+            return {"error": f"not run: the run's budget of {budget_s:.0f} s was spent"}
+        say(f"{system}: {label}")
+        out = runners[system].run({**spec, "system": system}, timeout=limit)
+        if "did" not in out and spec["row"] != "write":
+            out["did"] = describe(system, spec["workers"])
+        return out
+
     try:
-        for system in chosen:
-            v = version(system)
-            entry: dict[str, Any] = {"version": v}
-            result["systems"][system] = entry
-            if v is None:
-                entry["error"] = f"not installed (pip install 'datapipe[peers]' for litdata and MosaicML)"
-                say(f"{system}: not installed")
-                continue
-            data = os.path.join(work_dir, system)
-            cache = os.path.join(work_dir, f"{system}-cache")
-            if os.path.exists(data):
-                shutil.rmtree(data)
-            say(f"{system}: write")
-            entry["write"] = run_row({"row": "write", "system": system, "source": source, "out": data,
-                                      "workers": write_workers}, timeout=timeout)
+        for system in list(live):  # the imports, all started at once above: wait for each
+            try:
+                result["systems"][system]["import_s"] = runners[system].wait()
+            except RuntimeError as e:
+                result["systems"][system]["error"] = str(e)
+                live.remove(system)
+        data = {s: source if s == "spdl" else os.path.join(work_dir, s) for s in live}
+        for system in list(live):
+            if system != "spdl" and os.path.exists(data[system]):
+                shutil.rmtree(data[system])
+            entry = result["systems"][system]
+            entry["write"] = row(system, {"row": "write", "source": source, "out": data[system],
+                                          "workers": write_workers}, "write")
             if "error" in entry["write"]:
-                continue
-            common = {"system": system, "data": data, "batch_size": batch_size, "seed": seed, "cache_dir": cache}
-            entry["raw"] = {}
-            for w in workers:
-                say(f"{system}: raw bytes, {w} workers")
-                entry["raw"][str(w)] = run_row({"row": "raw", **common, "workers": w}, timeout=timeout)
-            say(f"{system}: decode, {decode_workers} workers")
-            entry["decode"] = run_row({"row": "decode", **common, "workers": decode_workers,
-                                       "image_size": image_size}, timeout=timeout)
-            if system in RESUMABLE:
-                say(f"{system}: resume")
-                state = os.path.join(work_dir, f"{system}-state.pkl")
-                half = max(1, -(-len(images) // batch_size) // 2)
-                saved = run_row({"row": "resume_save", **common, "workers": resume_workers, "state_path": state,
-                                 "stop_after": half}, timeout=timeout)
-                entry["resume"] = saved if "error" in saved else {
-                    **run_row({"row": "resume_load", **common, "workers": resume_workers, "state_path": state},
-                              timeout=timeout), "saved": saved}
-            else:
+                live.remove(system)
+            saved()
+
+        def common(system):
+            return {"data": data[system], "batch_size": batch_size, "seed": seed,
+                    "cache_dir": os.path.join(work_dir, f"{system}-cache")}
+
+        for w in workers:
+            for system in live:
+                entry = result["systems"][system]
+                entry.setdefault("raw", {})[str(w)] = row(system, {"row": "raw", **common(system), "workers": w,
+                                                                   "cap_s": epoch_cap_s}, f"raw bytes, {w} workers")
+                saved()
+        half = max(1, -(-len(images) // batch_size) // 2)
+        for system in live:
+            entry = result["systems"][system]
+            if system not in RESUMABLE:
                 entry["resume"] = {"error": "no mid-epoch resume"}
-            if on_system is not None:
-                on_system({**result, "table": summary(result), "partial": True})
+                continue
+            state = os.path.join(work_dir, f"{system}-state.pkl")
+            save = row(system, {"row": "resume_save", **common(system), "workers": resume_workers,
+                                "state_path": state, "stop_after": half, "verify_batches": 4},
+                       f"resume (save), {resume_workers} workers")
+            entry["resume"] = save if "error" in save else {
+                **row(system, {"row": "resume_load", **common(system), "workers": resume_workers,
+                               "state_path": state, "total": len(images)}, f"resume (load), {resume_workers} workers"),
+                "saved": save}
+            saved()
+        for system in live:
+            result["systems"][system]["decode"] = row(
+                system, {"row": "decode", **common(system), "workers": decode_workers, "image_size": image_size,
+                         "seconds": decode_seconds}, f"decode, {decode_workers} workers")
+            saved()
     finally:
+        for r in runners.values():
+            r.close()
         if own_tmp:
             shutil.rmtree(work_dir, ignore_errors=True)
+    short = _short_epochs(result)
+    if short:
+        result["notes"].append(f"epochs under {SHORT_EPOCH_S:.0f} s (more images make them longer): "
+                               + ", ".join(short))
     result["table"] = summary(result)
     return result
-
