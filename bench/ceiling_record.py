@@ -17,18 +17,19 @@ def decoder_choice(loader) -> dict:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per loader, loop style, step and ``CUDA_DEVICE_MAX_CONNECTIONS``: rows, mean / min / max ceiling ratio,
-    mean wait fraction."""
+    """Per config (step, compile mode, arch), loader, loop style and ``CUDA_DEVICE_MAX_CONNECTIONS``: rows, mean /
+    min / max ceiling ratio, mean wait fraction and rate."""
     groups: dict = {}
     for r in rows:
         if "ceiling_ratio" in r:
-            key = (r["loader"], r["loop"], r["step"], r.get("cuda_device_max_connections"))
+            key = (r.get("config"), r["loader"], r["loop"], r["step"], r.get("compile_mode"), r.get("arch"),
+                   r.get("cuda_device_max_connections"))
             groups.setdefault(key, []).append(r)
     out = []
-    for (loader, loop, step, connections), rs in groups.items():
+    for (config, loader, loop, step, mode, arch, connections), rs in groups.items():
         ratios = [r["ceiling_ratio"] for r in rs]
-        out.append({"loader": loader, "loop": loop, "step": step, "connections": connections or "default",
-                    "rows": len(rs),
+        out.append({"config": config, "loader": loader, "loop": loop, "step": step, "compile_mode": mode, "arch": arch,
+                    "connections": connections or "default", "rows": len(rs),
                     "ceiling_ratio": round(statistics.mean(ratios), 4), "min": min(ratios), "max": max(ratios),
                     "wait_fraction": round(statistics.mean(r["wait_fraction"] for r in rs), 4),
                     "rate": round(statistics.mean(r["rate"] for r in rs), 1)})
@@ -58,6 +59,7 @@ def appended(earlier: dict, run: dict) -> dict:
     return out
 
 
-def next_round(rows: list[dict], step: str) -> int:
-    """The round number after the last of ``rows`` with this ``step`` ("eager" or "compiled"): --append goes on."""
-    return 1 + max((r.get("round", -1) for r in rows if r.get("step") == step), default=-1)
+def next_round(rows: list[dict], step: str | None = None) -> int:
+    """The round number after the last of ``rows`` (of this ``step``, "eager" or "compiled", if given): --append
+    goes on."""
+    return 1 + max((r.get("round", -1) for r in rows if step is None or r.get("step") == step), default=-1)

@@ -76,10 +76,11 @@ class PackedLM(nn.Module):
 class ImageStep:
     """One SGD step of ``arch`` (torchvision, random init; a tiny CNN without torchvision), bf16 autocast on
     CUDA, channels_last. ``compile``: the model under ``torch.compile`` (True, or a mode such as
-    ``"max-autotune-no-cudagraphs"``). ``(images, labels)`` in: float
+    ``"reduce-overhead"``); ``backend``: another dynamo backend instead of inductor and a mode. ``(images, labels)`` in: float
     NCHW images as they are, uint8 NCHW or NHWC normalised here with the ImageNet mean/std."""
 
-    def __init__(self, device: torch.device, arch: str = "resnet50", num_classes: int = 1000, compile: bool | str = False):
+    def __init__(self, device: torch.device, arch: str = "resnet50", num_classes: int = 1000, compile: bool | str = False,
+                 backend: str | None = None):
         try:
             import torchvision
 
@@ -91,7 +92,10 @@ class ImageStep:
         self.model = model.to(device, memory_format=torch.channels_last)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         mode = None if compile in (True, "default") else compile
-        self.forward = torch.compile(self.model, mode=mode) if compile else self.model
+        if compile and backend:  # another dynamo backend (e.g. "eager": a smoke check without inductor), no mode
+            self.forward = torch.compile(self.model, backend=backend)
+        else:
+            self.forward = torch.compile(self.model, mode=mode) if compile else self.model
         self.loss_fn = nn.CrossEntropyLoss()
         self.mean = torch.tensor([m * 255 for m in MEAN], device=device).view(1, 3, 1, 1)
         self.std = torch.tensor([s * 255 for s in STD], device=device).view(1, 3, 1, 1)

@@ -23,6 +23,12 @@ def test_quick_cpu_run_writes_a_row_per_loader_and_loop(tmp_path):
         assert r["ceiling_ratio"] > 0 and 0 <= r["wait_fraction"] < 1
         assert r["ceiling"] == pytest.approx((r["ceiling_before"] + r["ceiling_after"]) / 2, abs=0.1)
     assert {(s["loader"], s["loop"]) for s in saved["summary"]} == done
+    sets = {(r["config"], r["step"], r["compile_mode"], r["arch"]) for r in saved["rows"] if r["loader"] == "dali"}
+    assert sets == {("eager", "eager", None, "resnet18"), ("compiled", "compiled", "default", "resnet18"),
+                    ("cuda_graphs", "compiled", "reduce-overhead", "resnet18"), ("resnet18", "eager", None, "resnet18")}
+    for r in saved["rows"]:
+        assert {"loader", "loop", "step", "compile_mode", "arch", "round", "ceiling_ratio"} <= set(r)
+    assert {r["arch"] for r in saved["rows"] if r["loader"] == "tokenloader"} == {"llama-162m"}
 
 
 def test_unknown_loader_or_loop_is_refused():
@@ -87,25 +93,29 @@ def test_append_keeps_the_files_keys_and_numbers_rounds_on():
         ceiling.appended(earlier, {**run, "gpu": "other"})
 
 
-def test_compile_takes_an_optional_mode():
-    assert ceiling.parse([]).compile is None
-    assert ceiling.parse(["--compile"]).compile == "default"
-    assert ceiling.parse(["--compile", "reduce-overhead"]).compile == "reduce-overhead"
+def test_the_main_run_plans_every_row_set_and_configs_pick_some():
+    args = ceiling.parse([])
+    assert (args.steps, args.warmup, args.rounds) == (300, 40, 3)  # the first 300 steps after 40 of a fresh loader
+    rows = ceiling.plan(args)
+    assert [c for c, _, _ in rows] == ["eager"] * 10 + ["compiled"] * 2 + ["cuda_graphs"] * 2 + ["resnet18"] * 2
+    assert {(n, loop) for c, n, loop in rows if c != "eager"} == {("imageloader", "runs_ahead"), ("dali", "runs_ahead")}
+    assert {(n, loop) for c, n, loop in rows if c == "eager"} == {
+        (n, loop) for n in ceiling.DEFAULT_LOADERS for loop in ceiling.LOOPS}
+    some = ceiling.plan(ceiling.parse(["--configs", "cuda_graphs,eager", "--loaders", "imageloader,tokenloader",
+                                       "--loops", "runs_ahead"]))
+    assert some == [("cuda_graphs", "imageloader", "runs_ahead"), ("eager", "imageloader", "runs_ahead"),
+                    ("eager", "tokenloader", "runs_ahead")]
     with pytest.raises(SystemExit):
-        ceiling.parse(["--compile", "fastest"])
+        ceiling.parse(["--configs", "fastest"])
 
 
-@pytest.mark.slow
-def test_compile_rows_alone(tmp_path):
-    """``--rounds 0 --compile``: only the rows under torch.compile, on any device."""
-    pytest.importorskip("nvidia.dali")
-    out = ceiling.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--data", str(tmp_path / "images"),
-                        "--tokens-dir", str(tmp_path / "tokens"), "--loaders", "imageloader", "--rounds", "0",
-                        "--compile", "default"])
-    (row,) = out["rows"]
-    assert (row["loader"], row["loop"], row["step"], row["compile_mode"]) == (
-        "imageloader", "runs_ahead", "compiled", "default")
-    assert row["ceiling_ratio"] > 0 and [s["step"] for s in out["summary"]] == ["compiled"]
+def test_rows_of_another_step_are_summarised_apart():
+    rows = [{"config": c, "loader": "a", "loop": "runs_ahead", "step": s, "compile_mode": m, "arch": "resnet50",
+             "ceiling_ratio": r, "wait_fraction": 0.0, "rate": 1.0}
+            for c, s, m, r in (("compiled", "compiled", "default", 0.9), ("cuda_graphs", "compiled", "reduce-overhead", 0.8))]
+    by = {s["config"]: s for s in ceiling.summary(rows)}
+    assert by["compiled"]["ceiling_ratio"] == 0.9 and by["cuda_graphs"]["compile_mode"] == "reduce-overhead"
+    assert ceiling.next_round(rows) == 0 and ceiling.next_round([{**rows[0], "round": 2}]) == 3
 
 
 def test_imageloader_cuda_keeps_the_cuda_decoder_and_is_not_run_by_default(tmp_path):
