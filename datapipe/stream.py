@@ -18,6 +18,7 @@ import os
 from numbers import Integral
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch.utils.data
 
 from datapipe.decode import Decode, Map, stepped
@@ -34,7 +35,7 @@ from datapipe.read.segments import LOST, SegmentReader
 from datapipe.read.shards import Shards
 from datapipe.state import check_identity, check_state
 from datapipe.storage.cache import ShardCache
-from datapipe.storage.urls import expand_urls
+from datapipe.storage.urls import shard_urls
 
 log = logging.getLogger("datapipe.stream")
 
@@ -104,7 +105,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             raise ValueError("cache_limit needs cache_dir: give the local directory to cache remote shards in")
         self.storage = storage = storage if storage is not None else StorageOptions()
         self.storage_options = storage_options = storage_options or {}
-        self.urls = expand_urls(urls, allow_pipe=storage.allow_pipe, storage_options=storage_options)
+        self.urls = shard_urls(urls, allow_pipe=storage.allow_pipe, storage_options=storage_options)
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
@@ -176,6 +177,14 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
     def counts(self) -> list[int]:
         """Samples per shard: given, else from the manifest, else from the count cache, else counted once."""
         return self._shards.counts
+
+    def _counts_array(self) -> np.ndarray:
+        """The counts as an int64 array (made once: the plan's arithmetic runs on it)."""
+        counts = self.counts
+        cached = self.__dict__.get("_counts_np")
+        if cached is None or cached[0] is not counts:
+            cached = self._counts_np = (counts, np.asarray(counts, dtype=np.int64))
+        return cached[1]
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch."""
@@ -323,8 +332,8 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         self._num_workers = num_workers
         self._epoch_plan = ({"epoch": self.epoch, "base": elastic.pack_ranges(base), "generation": generation}
                             if generation else None)
-        counts = self.counts
-        self._total = sum(counts)
+        counts = self._counts_array()
+        self._total = int(counts.sum())
         plan = worker_plan(counts, shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
                                                epoch=self.epoch),
                            rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers), base=base)

@@ -10,9 +10,10 @@ rank also yields the same number of batches.
 from __future__ import annotations
 
 import bisect
-import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
+
+import numpy as np
 
 from datapipe.order.seeds import derive_seed
 
@@ -31,22 +32,55 @@ class Segment:
         return self.stop - self.start
 
 
+class Segments(Sequence[Segment]):
+    """A plan's segments, held as three integer arrays (shard, start, stop); ``Segment`` objects are made
+    only as they are read, so a plan over a million shards costs arrays, not objects."""
+
+    __slots__ = ("shard", "start", "stop")
+
+    def __init__(self, shard: np.ndarray, start: np.ndarray, stop: np.ndarray):
+        self.shard, self.start, self.stop = shard, start, stop
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        return Segment(int(self.shard[i]), int(self.start[i]), int(self.stop[i]))
+
+    def __iter__(self) -> Iterator[Segment]:
+        for lo in range(0, len(self.shard), 4096):  # Python ints, made a block at a time
+            block = zip(self.shard[lo:lo + 4096].tolist(), self.start[lo:lo + 4096].tolist(),
+                        self.stop[lo:lo + 4096].tolist())
+            for shard, start, stop in block:
+                yield Segment(shard, start, stop)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"Segments({len(self)} segments)"
+
+
 @dataclass(frozen=True)
 class WorkerPlan:
-    segments: tuple[Segment, ...]
+    segments: Sequence[Segment]
     padded: int  # how many of this worker's samples repeat samples of other ranks
     ranges: tuple[tuple[int, int], ...] = ()  # the global sample numbers read, in reading order
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self.segments)
+        segments = self.segments
+        if isinstance(segments, Segments):
+            return int((segments.stop - segments.start).sum())
+        return sum(len(s) for s in segments)
 
 
-
-def shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
-    order = list(range(num_shards))
-    if shuffle:
-        random.Random(derive_seed(seed, epoch)).shuffle(order)
-    return order
+def shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's shard order (URL indexes, int64): a seeded permutation when ``shuffle``, else URL order."""
+    if not shuffle:
+        return np.arange(num_shards, dtype=np.int64)
+    return np.random.Generator(np.random.PCG64(derive_seed(seed, epoch))).permutation(num_shards)
 
 
 def samples_per_rank(total: int, world_size: int) -> int:
@@ -60,11 +94,12 @@ def worker_plan(counts: list[int], order: list[int], *, rank: int, world_size: i
     ``base``: the global sample numbers to plan over, as sorted ``(start, stop)`` ranges (default
     the whole epoch ``0..N-1``); an elastic resume plans the epoch's undelivered samples this way.
     """
-    total = sum(counts)
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
     if base is None:
         base = ((0, total),) if total else ()
     ranges, padded = run_ranges(base, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers)
-    return WorkerPlan(tuple(_segments(counts, order, ranges)), padded, tuple(ranges))
+    return WorkerPlan(_segments(counts, order, ranges), padded, tuple(ranges))
 
 
 def run_ranges(base: Ranges, *, rank: int, world_size: int, worker: int,
@@ -111,27 +146,37 @@ def take(base: Ranges, first: int, length: int) -> list[tuple[int, int]]:
     return out
 
 
-def _segments(counts: list[int], order: list[int], ranges: list[tuple[int, int]]) -> list[Segment]:
-    """Segments covering the global sample numbers of ``ranges``, in that order."""
-    starts, shards, pos = [], [], 0
-    for shard in order:
-        if counts[shard]:
-            starts.append(pos)
-            shards.append(shard)
-            pos += counts[shard]
-    out: list[Segment] = []
+def _segments(counts: Sequence[int], order: Sequence[int], ranges: list[tuple[int, int]]) -> Segments:
+    """Segments covering the global sample numbers of ``ranges``, in that order (array arithmetic: a
+    search per range end, no loop over the shards)."""
+    ordered = np.asarray(order, dtype=np.int64)
+    sizes = np.asarray(counts, dtype=np.int64)[ordered] if len(ordered) else np.zeros(0, np.int64)
+    keep = sizes > 0
+    shards, sizes = ordered[keep], sizes[keep]
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    parts_shard, parts_start, parts_stop = [], [], []
     for g, stop in ranges:
-        while g < stop:
-            i = bisect.bisect_right(starts, g) - 1
-            shard, lo = shards[i], starts[i]
-            n = min(stop, lo + counts[shard]) - g
-            start = g - lo
-            if out and out[-1].shard == shard and out[-1].stop == start:
-                out[-1] = Segment(shard, out[-1].start, start + n)
-            else:
-                out.append(Segment(shard, start, start + n))
-            g += n
-    return out
+        if stop <= g:
+            continue
+        i0 = int(np.searchsorted(starts, g, side="right")) - 1
+        i1 = int(np.searchsorted(starts, stop - 1, side="right")) - 1
+        seg_start = np.zeros(i1 - i0 + 1, dtype=np.int64)
+        seg_stop = sizes[i0:i1 + 1].copy()
+        seg_start[0] = g - starts[i0]
+        seg_stop[-1] = stop - starts[i1]
+        seg_shard = shards[i0:i1 + 1]
+        if parts_shard and parts_shard[-1][-1] == seg_shard[0] and parts_stop[-1][-1] == seg_start[0]:
+            parts_stop[-1] = parts_stop[-1].copy()
+            parts_stop[-1][-1] = seg_stop[0]  # the run goes on in the same shard: one segment
+            seg_shard, seg_start, seg_stop = seg_shard[1:], seg_start[1:], seg_stop[1:]
+        parts_shard.append(seg_shard)
+        parts_start.append(seg_start)
+        parts_stop.append(seg_stop)
+    if not parts_shard:
+        empty = np.zeros(0, dtype=np.int64)
+        return Segments(empty, empty, empty)
+    return Segments(np.concatenate(parts_shard), np.concatenate(parts_start), np.concatenate(parts_stop))
 
 
 # ---- sets of global sample numbers, as sorted disjoint (start, stop) ranges ----------------------

@@ -93,6 +93,8 @@ class Shards:
     @property
     def counts(self) -> list[int]:
         """Samples per shard: given, else from the manifest, else from the count cache, else counted once (and cached)."""
+        if self._counts is None and getattr(self.urls, "counts", None) is not None:
+            self._counts = self.urls.counts  # a folder's ShardList: its manifest's counts, read once
         if self._counts is None:
             known = {u: int(e["count"]) for u, e in self.entries().items()}
             missing = [u for u in self.urls if u not in known and not u.startswith("pipe:")]
@@ -131,9 +133,12 @@ class Shards:
     def identity(self) -> str:
         """What a checkpoint records of these shards: their number, samples and :func:`fingerprint` (computed once)."""
         if self._identity is None:
-            entries = {} if self._given else self.entries()  # given counts: no manifest is read
-            digest = fingerprint(self.urls, self.counts,
-                                 [(entries.get(u) or {}).get("sha256") or None for u in self.urls])
+            quick = getattr(self.urls, "fingerprint", None)  # a folder's ShardList: a block at a time
+            digest = quick(self.counts) if quick is not None and not self._given else None
+            if digest is None:
+                entries = {} if self._given else self.entries()  # given counts: no manifest is read
+                digest = fingerprint(self.urls, self.counts,
+                                     [(entries.get(u) or {}).get("sha256") or None for u in self.urls])
             self._identity = f"{len(self.urls)} shards, {sum(self.counts)} samples, {digest}"
         return self._identity
 

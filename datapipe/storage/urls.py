@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+from typing import Sequence
 
 import braceexpand
 
@@ -33,6 +34,13 @@ def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = F
     run shell commands and are refused unless ``allow_pipe=True``. ``storage_options`` are passed to
     fsspec where a remote folder or glob is listed.
     """
+    return list(shard_urls(spec, allow_pipe=allow_pipe, storage_options=storage_options))
+
+
+def shard_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = False,
+               storage_options: dict | None = None) -> Sequence[str]:
+    """:func:`expand_urls`'s URLs, where a lone folder with a manifest stays a compact
+    :class:`~datapipe.storage.shard_list.ShardList` (carrying the manifest's counts) instead of a list."""
     if isinstance(spec, (list, tuple)):
         parts = list(spec)
     elif isinstance(spec, (str, os.PathLike)):
@@ -49,7 +57,7 @@ def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = F
         if not part:
             raise ValueError(f"empty shard spec in {redact_url(str(spec))!r}: give a path or URL, e.g. 'data/shard-{{000..009}}.tar'")
         _check_braces(part)
-        expanded = list(braceexpand.braceexpand(part))
+        expanded = _brace_expand(part)
         _check_padding(part, expanded)
         for url in expanded:
             if url.startswith("pipe:") and not allow_pipe:
@@ -59,7 +67,10 @@ def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = F
             if _is_glob(url):
                 urls += glob_urls(url, storage_options=storage_options)
             elif _is_folder(url, single=len(expanded) == 1, storage_options=storage_options):
-                urls += folder_urls(url, storage_options=storage_options)
+                found = folder_urls(url, storage_options=storage_options)
+                if len(parts) == 1 and len(expanded) == 1:
+                    return found  # a folder alone: its compact list
+                urls += found
             else:
                 urls.append(url)
     if not urls:
@@ -71,13 +82,30 @@ def _shard_name(url: str) -> str:
     return url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
+def _brace_expand(part: str) -> list[str]:
+    """``braceexpand``'s list; a pattern whose only braces are one numeric range is made directly (a million
+    URLs in a fraction of a second)."""
+    m = _RANGE.search(part)
+    if m is not None and "{" not in part[:m.start()] + part[m.end():] and "}" not in part[:m.start()] + part[m.end():]:
+        lo, hi = m.group(1), m.group(2)
+        padded = lo.startswith("0") and len(lo) > 1 or hi.startswith("0") and len(hi) > 1
+        if len(lo) == len(hi) or not padded:
+            width = len(lo) if padded else 0
+            head, tail = part[:m.start()], part[m.end():]
+            return [f"{head}{i:0{width}d}{tail}" for i in range(int(lo), int(hi) + 1)]
+    return list(braceexpand.braceexpand(part))
+
+
 def _is_folder(url: str, *, single: bool, storage_options: dict | None) -> bool:
-    """Whether ``url`` names a folder: a local stat; remotely one listing, only for a spec's single URL."""
+    """Whether ``url`` names a folder: a local stat; remotely one listing, only for a spec's single URL. A name
+    with a shard's suffix in a spec of many URLs is taken for a shard, unlisted."""
     if url.startswith("pipe:"):
+        return False
+    name = _shard_name(url)
+    if not single and name.endswith(SHARD_SUFFIXES + _COMPRESSED):
         return False
     if is_local(url):
         return os.path.isdir(local_path(url))
-    name = _shard_name(url)
     if not single or name.endswith(SHARD_SUFFIXES + _COMPRESSED):
         return False
     try:
@@ -131,17 +159,19 @@ def glob_urls(url: str, *, storage_options: dict | None = None) -> list[str]:
     return sorted(found)
 
 
-def folder_urls(url: str, *, storage_options: dict | None = None) -> list[str]:
-    """The shards of the folder ``url``: its manifest's, else its ``.tar`` files in name order."""
+def folder_urls(url: str, *, storage_options: dict | None = None) -> Sequence[str]:
+    """The shards of the folder ``url``: its manifest's (a :class:`ShardList` with their counts), else its
+    ``.tar`` files in name order."""
     from datapipe.storage.files import filesystem
-    from datapipe.tar.manifest import MANIFEST_NAME, read_manifest
+    from datapipe.storage.shard_list import ShardList
+    from datapipe.tar.manifest import MANIFEST_NAME, read_columns
 
     base = url.rstrip("/") or url
-    manifest = read_manifest(base, storage_options=storage_options)
-    if manifest is not None:
-        names = [str(s["name"]) for s in manifest["shards"]]
-        if not names:
+    columns = read_columns(base, storage_options=storage_options)
+    if columns is not None:
+        if not columns.counts:
             raise DataError(f"the folder's {MANIFEST_NAME} lists no shards", url=redact_url(url), what="folder")
+        return ShardList(base, columns.names, columns.starts, counts=columns.counts, checksums=columns.checksums)
     else:
         try:
             if is_local(url):

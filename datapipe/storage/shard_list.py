@@ -1,0 +1,103 @@
+"""``ShardList``: the shard URLs of one folder, held compactly (one string of names and an offset array), with the
+counts and checksums its manifest gives. A million URLs cost ~30 MB this way instead of ~100 MB of strings."""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator, Sequence
+
+import numpy as np
+
+_BLOCK = 65536
+
+
+class ShardList(Sequence[str]):
+    """``base/<name>`` for each name, in order; compares equal to a list of the same URLs.
+
+    Args:
+        base: the folder URL (no trailing ``/``).
+        names: the shard names, one string joined by ``"\\n"``.
+        starts: where each name starts in ``names`` (int64, one more entry than names: ``len(names) + 1``).
+        counts: samples per shard (the manifest's), or None.
+        checksums: sha256 per shard (``""`` where none), or None where the manifest has none.
+    """
+
+    def __init__(self, base: str, names: str, starts: np.ndarray, *, counts: list[int] | None = None,
+                 checksums: list[str] | None = None):
+        self.base = base
+        self.names = names
+        self.starts = starts
+        self.counts = counts
+        self.checksums = checksums
+
+    @classmethod
+    def of(cls, base: str, names: Sequence[str], **kwargs) -> "ShardList":
+        lengths = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
+        starts = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(lengths + 1, out=starts[1:])
+        return cls(base, "\n".join(names), starts, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def name(self, i: int) -> str:
+        return self.names[self.starts[i]:self.starts[i + 1] - 1]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("shard index out of range")
+        return self._prefix() + self.name(i)
+
+    def iter_names(self) -> Iterator[str]:
+        """The names, a block at a time (a ``split`` where no name holds a newline)."""
+        n = len(self)
+        for lo in range(0, n, _BLOCK):
+            hi = min(n, lo + _BLOCK)
+            block = self.names[self.starts[lo]:self.starts[hi] - 1].split("\n")
+            if len(block) != hi - lo:  # a name with a newline in it
+                block = [self.name(i) for i in range(lo, hi)]
+            yield from block
+
+    def _prefix(self) -> str:
+        return self.base if self.base.endswith("/") else self.base + "/"
+
+    def __iter__(self) -> Iterator[str]:
+        prefix = self._prefix()
+        for name in self.iter_names():
+            yield prefix + name
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ShardList):
+            return self.base == other.base and self.names == other.names
+        return isinstance(other, Sequence) and not isinstance(other, str) and len(other) == len(self) \
+            and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"ShardList({self.base!r}, {len(self)} shards)"
+
+    def fingerprint(self, counts: Sequence[int]) -> str | None:
+        """``datapipe.read.shards.fingerprint`` of these URLs, computed a block at a time; None when a name holds
+        a ``/`` (its basename is not the name: compute it the long way)."""
+        if "/" in self.names:
+            return None
+        digest = hashlib.sha1()
+        checksums = self.checksums
+        n, lo = len(self), 0
+        names = self.iter_names()
+        while lo < n:
+            hi = min(n, lo + _BLOCK)
+            block = [next(names) for _ in range(hi - lo)]
+            if checksums is None:
+                text = "|".join(map("{}:{}".format, block, counts[lo:hi]))
+            else:
+                text = "|".join(f"{a}:{c}" + (f":{h}" if h else "")
+                                for a, c, h in zip(block, counts[lo:hi], checksums[lo:hi]))
+            digest.update(((("|" if lo else "") + text)).encode())
+            lo = hi
+        return digest.hexdigest()[:16]
