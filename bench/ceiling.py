@@ -423,7 +423,7 @@ def main(argv=None) -> dict:
     earlier = earlier_record(args) if args.append else {}
     if earlier:
         out = appended(earlier, out)
-    first = next_round(bench.rows)
+    first = next_round([r for r in bench.rows if r.get("config") in args.configs])  # --append: these sets go on
     order = plan(args)
     skipped = 0
     for r in range(first, first + args.rounds):

@@ -1,6 +1,8 @@
 """IdleWatch: the part of a consumer's wait during which its stream had nothing left to run."""
 import threading
 
+import pytest
+
 from datapipe.device.idle_watch import IdleWatch
 
 
@@ -115,3 +117,27 @@ def test_no_thread_starts_while_every_wait_begins_dry():
         w.end()
     assert w._thread is None
     w.close()
+
+
+@pytest.mark.gpu
+def test_gpu_a_wait_behind_queued_work_starves_only_from_when_the_stream_ran_dry():
+    import time
+
+    import torch
+
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(1_000_000)  # warm the sleep kernel up
+    stream.synchronize()
+    w = IdleWatch(lambda: stream)
+    try:
+        torch.cuda._sleep(100_000_000)  # tens of ms of queued work: the host waits behind it
+        t0 = time.perf_counter()
+        w.begin()
+        stream.synchronize()
+        busy = time.perf_counter() - t0
+        threading.Event().wait(0.05)  # then the stream has nothing to run while the wait goes on
+        starved = w.end()
+        wait = time.perf_counter() - t0
+    finally:
+        w.close()
+    assert 0.0 < starved < wait - busy / 2  # the part after the queued work, not the whole wait
