@@ -23,11 +23,17 @@ class Faults:
         self.hangs = 0           # the next N data requests hang hang_s before sending anything
         self.body_hangs = 0      # the next N data requests send half the body, then hang hang_s
         self.hang_s = 30.0
+        self.stall_after: int | None = None  # every data request sends this many body bytes, then hangs hang_s
+        self.released = threading.Event()    # set when the server stops: hangs end then
         self.corruptions = 0     # the next N data requests get a body with one byte flipped (right length)
         self.access_key = None   # proxy: answer 403 (S3's InvalidAccessKeyId) unless the request is signed with it
         self.requests = 0
         self.paths: list[str] = []  # path of every request, in order
         self.ranges: list[str | None] = []  # the Range header of every request, in order
+
+    def hang(self) -> None:
+        """Wait ``hang_s`` seconds, or until the server stops."""
+        self.released.wait(self.hang_s)
 
     def take(self, name: str) -> bool:
         with self.lock:
@@ -63,7 +69,7 @@ def _handler(root: str, faults: Faults):
             if faults.stall_s:
                 time.sleep(faults.stall_s)
             if body and faults.take("hangs"):
-                time.sleep(faults.hang_s)
+                faults.hang()
                 self.close_connection = True
                 return
             path = self._target()
@@ -113,7 +119,13 @@ def _handler(root: str, faults: Faults):
             if faults.take("body_hangs"):
                 self.wfile.write(data[: len(data) // 2])
                 self.wfile.flush()
-                time.sleep(faults.hang_s)
+                faults.hang()
+                self.close_connection = True
+                return
+            if faults.stall_after is not None and len(data) > faults.stall_after:
+                self.wfile.write(data[: faults.stall_after])
+                self.wfile.flush()
+                faults.hang()
                 self.close_connection = True
                 return
             self.wfile.write(data)
@@ -140,8 +152,11 @@ def _serving(handler):
 def http_server(root: str):
     """Serve ``root`` on 127.0.0.1 (a free port); yields ``(base_url, faults)``."""
     faults = Faults()
-    with _serving(_handler(os.path.realpath(root), faults)) as base:
-        yield base, faults
+    try:
+        with _serving(_handler(os.path.realpath(root), faults)) as base:
+            yield base, faults
+    finally:
+        faults.released.set()
 
 
 def _proxy_handler(upstream: str, faults: Faults, is_data):
@@ -174,7 +189,7 @@ def _proxy_handler(upstream: str, faults: Faults, is_data):
                 return
             data_request = self.command == "GET" and is_data(self.path)
             if data_request and faults.take("hangs"):
-                time.sleep(faults.hang_s)
+                faults.hang()
                 self.close_connection = True
                 return
             if data_request and faults.take("errors_5xx"):
@@ -214,7 +229,7 @@ def _proxy_handler(upstream: str, faults: Faults, is_data):
             if data_request and payload and faults.take("body_hangs"):
                 self.wfile.write(payload[: len(payload) // 2])
                 self.wfile.flush()
-                time.sleep(faults.hang_s)
+                faults.hang()
                 self.close_connection = True
                 return
             self.wfile.write(payload)
@@ -263,8 +278,11 @@ def fault_proxy(upstream: str, *, is_data=lambda path: True):
     """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``) that injects ``Faults``
     into GET requests for which ``is_data(path)`` holds; yields ``(base_url, faults)``."""
     faults = Faults()
-    with _serving(_proxy_handler(upstream, faults, is_data)) as base:
-        yield base, faults
+    try:
+        with _serving(_proxy_handler(upstream, faults, is_data)) as base:
+            yield base, faults
+    finally:
+        faults.released.set()
 
 
 @contextlib.contextmanager

@@ -161,6 +161,39 @@ class StorageError(Exception):
     """A storage failure whose message had credentials in it: the same text, scrubbed."""
 
 
+_CONNECT_TIMEOUTS = ("ConnectionTimeoutError", "ConnectTimeoutError")
+_READ_TIMEOUTS = ("SocketTimeoutError", "ReadTimeoutError", "ReadTimeout")
+
+
+def timeout_kind(e: BaseException) -> str | None:
+    """What timed out in ``e`` (or its causes): ``"read"`` (the server went quiet), ``"connect"``, ``"other"``
+    (a timeout of unknown kind), or None when nothing did."""
+    kind = None
+    for cause in _chain(e):
+        if _is_named(cause, _READ_TIMEOUTS):
+            return "read"
+        if _is_named(cause, _CONNECT_TIMEOUTS):
+            return "connect"
+        if isinstance(cause, TimeoutError) or _is_named(cause, ("ServerTimeoutError",)):
+            kind = "other"
+    return kind
+
+
+def read_timeout(url: str, storage_options: dict | None) -> float | None:
+    """The read timeout that ``storage_options`` give ``url``'s client (as :func:`with_timeouts` sets it), or None."""
+    options = storage_options or {}
+    scheme = url_scheme(url)
+    if scheme in ("http", "https"):
+        timeout = (options.get("client_kwargs") or {}).get("timeout")
+        values = [getattr(timeout, name, None) for name in ("sock_read", "total")]
+    elif scheme in ("s3", "s3a"):
+        values = [(options.get("config_kwargs") or {}).get("read_timeout")]
+    else:
+        return None
+    return next((float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+                None)
+
+
 def describe(e: BaseException, secrets: list[str]) -> tuple[str, BaseException]:
     """``"Type: message"`` of ``e`` without credentials, and the exception to chain from.
 
@@ -169,8 +202,11 @@ def describe(e: BaseException, secrets: list[str]) -> tuple[str, BaseException]:
     """
     text = scrub(f"{type(e).__name__}: {e}", secrets)
     for cause in _chain(e):
-        if isinstance(cause, (ConnectionError, TimeoutError)) or _is_named(cause, _CONNECTION_ERRORS):
-            text = scrub(f"cannot connect: {type(cause).__name__}: {cause}", secrets)  # not "file not found"
+        kind = timeout_kind(cause)
+        if kind or isinstance(cause, ConnectionError) or _is_named(cause, _CONNECTION_ERRORS):
+            detail = next((c for c in _chain(cause) if str(c)), cause) if kind else cause  # the one that says why
+            words = {"read": "no answer within the timeout", "other": "timed out"}.get(kind, "cannot connect")
+            text = scrub(f"{words}: {type(detail).__name__}: {detail}", secrets)  # not "file not found"
             break
         if _is_named(cause, _CREDENTIAL_ERRORS):
             text = scrub(f"{type(cause).__name__}: {cause} (pass credentials in storage_options, e.g. "
@@ -209,11 +245,15 @@ def retry_call(fn, url: str, *, retries: int = 5, backoff: float = 0.2, max_back
 
 
 class RetryingFile:
-    """A read-only remote file that survives transient failures.
+    """A read-only remote file that survives transient failures, within a bound.
 
     On a read error (5xx, connection reset, timeout) or a body shorter than the file's size, it
     reopens the URL, seeks to the byte it had reached and reads on, with exponential backoff.
-    Bytes are never returned twice. After ``retries`` failures in a row it raises ``DataError``.
+    Bytes are never returned twice. It gives up with ``DataError`` after ``retries`` + 1 failures in
+    a row with no byte between them, or once the time lost to failures (the failed attempts and the
+    waits between them) exceeds ``(retries + 1) * timeout`` plus the time spent receiving bytes: a
+    stall costs a timeout, and every ``timeout`` seconds of reading earns one back. ``timeout``
+    defaults to the read timeout of ``storage_options`` (see :func:`with_timeouts`), else 60 s.
 
     HTTP(S) is read as one streaming GET: a resume (after a cut) or a long skip asks for
     ``Range: bytes=N-``; a server that ignores Range (``python -m http.server``) answers with the
@@ -223,15 +263,21 @@ class RetryingFile:
     SKIP_BY_READING = REMOTE_BLOCK  # a streaming read skips up to this many bytes by reading them
 
     def __init__(self, url: str, *, storage_options: dict | None = None, retries: int = 5,
-                 backoff: float = 0.2, max_backoff: float = 5.0, block_size: int = REMOTE_BLOCK):
+                 backoff: float = 0.2, max_backoff: float = 5.0, block_size: int = REMOTE_BLOCK,
+                 timeout: float | None = None):
         self.url = url
         self.storage_options = storage_options or {}
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
         self.block_size = block_size
+        self.timeout = timeout or read_timeout(url, self.storage_options) or DEFAULT_TIMEOUT
         self.pos = 0
         self.retried = 0
+        self._streak = 0           # failures since the last byte came
+        self._lost_s = 0.0         # seconds lost to failures: failed attempts, reopens, backoff
+        self._reading_s = 0.0      # seconds spent in reads that returned bytes
+        self._body = 0             # bytes the open response has given so far
         self._secrets = secrets_of(url, self.storage_options)
         self._fs, self._path = filesystem(url, self.storage_options)
         self._f = None
@@ -259,7 +305,7 @@ class RetryingFile:
         if ask:
             headers["Range"] = f"bytes={self.pos}-"
         f = self._fs.open(self._path, "rb", block_size=0, size=self.size, headers=headers)
-        self._f, self._at = f, 0
+        self._f, self._at, self._body = f, 0, 0
         response = getattr(f, "r", None)
         if ask and getattr(response, "status", 200) == 206:
             content_range = response.headers.get("Content-Range", "")
@@ -280,6 +326,7 @@ class RetryingFile:
             if not data:
                 raise EOFError(f"body ended at byte {self._at} of {self.size}")
             self._at += len(data)
+            self._body += len(data)
 
     def _open(self):
         self._close_current()
@@ -291,28 +338,59 @@ class RetryingFile:
             self.size = int(size) if isinstance(size, int) else None
         if self.pos:
             f.seek(self.pos)
-        self._f = f
+        self._f, self._body = f, 0
 
     def _call(self, fn, *args):
-        failures = 0
+        reopen = False
         while True:
+            started = time.monotonic()
             try:
-                if failures:
+                if reopen:
                     self._open()  # reopen at ``pos`` after a failure
-                return fn(*args)
+                opened = time.monotonic()
+                result = fn(*args)
             except Exception as e:  # transient: network errors, 5xx, timeouts, truncated bodies
-                if is_permanent(e):
-                    text, cause = describe(e, self._secrets)
-                    raise DataError(f"cannot read shard: {text}", url=redact_url(self.url)) from cause
-                failures += 1
-                self.retried += 1
-                text, cause = describe(e, self._secrets)
-                if failures > self.retries:
-                    raise DataError(f"cannot read shard after {self.retries} retries at byte {self.pos}: {text}",
-                                    url=redact_url(self.url)) from cause
-                delay = min(self.max_backoff, self.backoff * 2 ** (failures - 1))
-                log.warning("retrying %s at byte %d in %.2fs after %s", redact_url(self.url), self.pos, delay, text)
-                time.sleep(delay)
+                self._failed(e, time.monotonic() - started)
+                reopen = True
+                continue
+            self._lost_s += opened - started  # a reopen is part of what a failure cost
+            if isinstance(result, bytes) and result:
+                self._reading_s += time.monotonic() - opened
+                self._streak = 0
+            return result
+
+    def _failed(self, e: Exception, spent: float) -> None:
+        """Count a failed attempt that took ``spent`` seconds; raise ``DataError`` past the bound, else back off."""
+        text, cause = describe(e, self._secrets)
+        if is_permanent(e):
+            raise DataError(f"cannot read shard: {text}", url=redact_url(self.url)) from cause
+        text = self._what_happened(e, text, spent)
+        self._streak += 1
+        self.retried += 1
+        self._lost_s += spent
+        allowed = (self.retries + 1) * self.timeout + self._reading_s
+        if self._streak > self.retries:
+            raise DataError(f"cannot read shard after {self.retries} retries at byte {self.pos}: {text}",
+                            url=redact_url(self.url)) from cause
+        if self._lost_s >= allowed:
+            raise DataError(f"cannot read shard: giving up at byte {self.pos} after {self.retried} failures that "
+                            f"lost {self._lost_s:.1f} s, more than (retries + 1) x timeout = "
+                            f"{(self.retries + 1) * self.timeout:g} s plus the {self._reading_s:.1f} s spent "
+                            f"receiving bytes; last: {text}", url=redact_url(self.url)) from cause
+        delay = min(self.max_backoff, self.backoff * 2 ** (self._streak - 1))
+        log.warning("retrying %s at byte %d in %.2fs after %s", redact_url(self.url), self.pos, delay, text)
+        time.sleep(delay)
+        self._lost_s += delay
+
+    def _what_happened(self, e: Exception, text: str, spent: float) -> str:
+        """``text`` in words that say where the read failed: a stall or a cut mid-body, or no answer."""
+        if isinstance(e, EOFError) or self._f is None:
+            return text
+        if not self._streaming:  # every read is a request of its own
+            return f"stalled reading (no byte for {spent:.1f} s)" if timeout_kind(e) else text
+        if timeout_kind(e):
+            return f"stalled mid-body after {self._body} bytes of the response (no byte for {spent:.1f} s)"
+        return f"cut mid-body after {self._body} bytes of the response: {text.removeprefix('cannot connect: ')}"
 
     def _read_once(self, n: int) -> bytes:
         if self._f is None:
@@ -327,6 +405,7 @@ class RetryingFile:
             self._f = None
             raise EOFError(f"body ended at byte {self.pos} of {self.size}")
         self._at += len(data)
+        self._body += len(data)
         return data
 
     def read(self, n: int = -1) -> bytes:

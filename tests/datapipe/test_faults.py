@@ -86,6 +86,41 @@ def test_http_persistent_fault_is_a_data_error_soon(web, fault):
     assert list(skip) == [] and skip.stats()["skipped"] == 15
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_error", ["raise", "skip", "warn"])
+def test_http_server_that_stalls_after_16kb_of_every_response_ends_within_the_bound(tmp_path, caplog, on_error):
+    """Each response gives 16 KB, then stalls: progress must not restart the retry count forever (#44)."""
+    import time
+
+    from datapipe.tar.manifest import make_manifest, write_manifest
+
+    urls, samples = _big_shards(str(tmp_path / "web"), [24], 16000)  # 24 samples, 24 responses' worth
+    write_manifest(str(tmp_path / "web"), make_manifest([{"name": "shard-000000.tar", "count": 24,
+                                                          "bytes": os.path.getsize(urls[0]), "sha256": ""}]))
+    timeout, retries = 0.75, 2
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        stream = ShardStream(f"{base}/shard-000000.tar", on_error=on_error,
+                             storage=StorageOptions(timeout=timeout, retries=retries, backoff=0.02))
+        assert stream.counts == [24]
+        faults.stall_after, faults.hang_s = 16384, 30.0
+        got = []
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="datapipe"):
+            if on_error == "raise":
+                with pytest.raises(DataError, match="shard-000000.tar") as info:
+                    got += [s["__key__"] for s in stream]
+                assert "stalled mid-body after 16384 bytes" in str(info.value)
+            else:
+                got += [s["__key__"] for s in stream]
+        elapsed = time.monotonic() - start
+    assert elapsed < 3 * (retries + 1) * timeout, f"{elapsed:.1f} s: past the bound"
+    assert got == [s["__key__"] for s in samples[:len(got)]], "in order, none twice"
+    assert "stalled mid-body after 16384 bytes of the response" in caplog.text and "cannot connect" not in caplog.text
+    if on_error != "raise":
+        stats = stream.stats()
+        assert stats["errors"] == 1 and stats["skipped"] == 24 - len(got) > 0 and stats["retries"] >= retries
+
+
 @pytest.mark.timeout(30)
 def test_http_credentials_never_shown(web, caplog):
     remote, samples, faults = web

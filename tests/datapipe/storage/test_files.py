@@ -63,3 +63,118 @@ def test_connection_refused_reads_as_a_connection_error_not_a_missing_file(caplo
                     storage=StorageOptions(retries=2, backoff=0.01)).counts
     assert "cannot connect" in str(info.value) and "FileNotFoundError" not in str(info.value)
     assert "in 0.01s" in caplog.text and "in 0.20s" not in caplog.text  # backoff= honoured by the manifest read
+
+
+class _Clock:
+    """Stands in for the ``time`` module inside datapipe.storage.files: time moves only when told."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def monotonic(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+class _StallingFile:
+    """A response from byte ``pos`` on that gives ``every`` bytes (each read taking ``read_s``), then stalls:
+    the next read waits ``timeout`` and raises a timeout."""
+
+    def __init__(self, data, pos, *, every, read_s, timeout, clock):
+        self.data, self.pos, self.left = data, pos, every
+        self.read_s, self.timeout, self.clock = read_s, timeout, clock
+        self.size = len(data)
+
+    def seek(self, pos):
+        self.pos = pos
+
+    def read(self, n):
+        if self.pos < self.size and self.left == 0:
+            self.clock.t += self.timeout
+            raise TimeoutError("no byte within the timeout")
+        n = min(n, self.left, self.size - self.pos)
+        self.clock.t += self.read_s
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        self.left -= n
+        return out
+
+    def close(self):
+        pass
+
+
+def _stalling(monkeypatch, data, *, every, read_s, timeout=1.0, retries=2):
+    """A RetryingFile over a fake store whose every response stalls after ``every`` bytes, on a fake clock."""
+    from datapipe.storage import files
+
+    clock = _Clock()
+
+    class Store:
+        def open(self, path, mode, **kwargs):
+            return _StallingFile(data, 0, every=every, read_s=read_s, timeout=timeout, clock=clock)
+
+    monkeypatch.setattr(files, "time", clock)
+    monkeypatch.setattr(files, "filesystem", lambda url, options=None: (Store(), "/shard.tar"))
+    options = {"config_kwargs": {"read_timeout": timeout}}  # as with_timeouts sets it: the file takes it from there
+    return files.RetryingFile("s3://bucket/shard.tar", storage_options=options, retries=retries, backoff=0.0), clock
+
+
+def _read_all(f):
+    out = b""
+    while True:
+        chunk = f.read(4096)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_a_store_that_stalls_after_every_16kb_gives_up_after_retries_plus_one_stalls(monkeypatch):
+    import pytest
+
+    from datapipe.errors import DataError
+
+    data = bytes(range(256)) * 4096  # 1 MiB: 64 responses of 16 KiB
+    f, clock = _stalling(monkeypatch, data, every=16384, read_s=0.0, timeout=1.0, retries=2)
+    with pytest.raises(DataError, match="shard.tar") as info:
+        _read_all(f)
+    assert f.retried == 3 and f.pos == 3 * 16384, "progress earned no retry back: it took no time"
+    assert clock.t == pytest.approx(3.0), "(retries + 1) x timeout"
+    assert "lost 3.0 s" in str(info.value)
+
+
+def test_reading_earns_a_retry_back_per_timeout_of_reading(monkeypatch):
+    import pytest
+
+    from datapipe.errors import DataError
+
+    data = bytes(range(256)) * 4096
+    # each response: 4 reads of 4 KiB taking 1.5 timeouts in all, then a stall of one timeout: it gains
+    f, clock = _stalling(monkeypatch, data, every=16384, read_s=0.375, timeout=1.0, retries=2)
+    assert _read_all(f) == data, "every byte once, in order"
+    assert f.retried == 63
+    # half a timeout of reading per stall: each stall costs half a retry, so 2 x (retries + 1) stalls end it
+    f, clock = _stalling(monkeypatch, data, every=16384, read_s=0.125, timeout=1.0, retries=2)
+    with pytest.raises(DataError, match="giving up at byte") as info:
+        _read_all(f)
+    assert f.retried == 6 and f.pos == 6 * 16384
+    assert "stalled reading (no byte for 1.0 s)" in str(info.value)
+
+
+def test_a_timeout_says_no_answer_not_cannot_connect():
+    import aiohttp
+    from fsspec.exceptions import FSTimeoutError
+
+    from datapipe.storage.files import describe, read_timeout, with_timeouts
+
+    text, _ = describe(raised(FSTimeoutError(), aiohttp.SocketTimeoutError("Timeout on reading data from socket")), [])
+    assert text == "no answer within the timeout: SocketTimeoutError: Timeout on reading data from socket"
+    text, _ = describe(raised(FSTimeoutError(), aiohttp.ConnectionTimeoutError("Connection timeout")), [])
+    assert text == "cannot connect: ConnectionTimeoutError: Connection timeout"
+    text, _ = describe(raised(OSError("x"), ConnectionRefusedError("refused")), [])
+    assert text.startswith("cannot connect: ConnectionRefusedError")
+    url = "http://127.0.0.1:1/shard.tar"
+    assert read_timeout(url, with_timeouts(url, {}, 7.5)) == 7.5
+    assert read_timeout("s3://b/shard.tar", with_timeouts("s3://b/shard.tar", {}, 3)) == 3.0
+    assert read_timeout(url, {}) is None
