@@ -3,7 +3,8 @@
 Two modes (``--mode``, default both, one JSON). ``raw``: raw samples as a ``ShardStream`` yields them
 (``__key__``, ``__url__``, a ``jpg`` of up to ``--raw-bytes`` (~107 KB, sizes varying) and a ``cls``,
 made by the workers as fast as they can), batches of ``--raw-batch-size`` (256) with a list-returning
-collate (``list``) or ``default_collate`` (``default``: a dict of lists), no device; samples per second
+collate (``list``), ``default_collate`` (``default``: a dict of lists) or a list of samples whose ``jpg`` is a
+uint8 tensor of its own (``tensors``: decoded images of varying sizes), no device; samples per second
 (median of the rounds, variants interleaved) of ``torch`` (torch's DataLoader: every batch pickled
 through a pipe) and ``ours`` (``loaders.DataLoader``: the raw leaves in recycled shared memory, copied
 out in the main process). The consumer reads every sample's length.
@@ -83,6 +84,12 @@ class RawSamples(IterableDataset):
 def as_list(samples):
     """A list-returning collate: the batch is the list of samples."""
     return list(samples)
+
+
+def as_tensors(samples):
+    """A list-returning collate of decoded samples: each ``jpg`` as a uint8 tensor of its own (a list of
+    decoded images of varying sizes: the batch's tensors travel in one block and come out one storage each)."""
+    return [{**s, "jpg": torch.frombuffer(bytearray(s["jpg"]), dtype=torch.uint8)} for s in samples]
 
 
 def read_lengths(batch) -> int:
@@ -219,7 +226,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--spin-ms", default="0,30", help="comma list: the cases' CPU work per batch in a worker")
     ap.add_argument("--raw-batch-size", type=int, default=256)
     ap.add_argument("--raw-bytes", type=int, default=107_000, help="raw mode: a sample's jpg size (at most)")
-    ap.add_argument("--collates", default="list,default", help="raw mode: comma list of list, default")
+    ap.add_argument("--collates", default="list,default,tensors",
+                    help="raw mode: comma list of list, default, tensors")
     ap.add_argument("--quick", action="store_true", help="smoke check: tiny images, few batches")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--plot", action="store_true", help="also draw the rates beside the JSON (worker_shm.png)")
@@ -255,11 +263,11 @@ def main(argv=None) -> dict:
 
 def raw_samples(args) -> list[dict]:
     """The raw-samples rows: per collate and variant, samples per second (median of the rounds) and vs torch."""
-    collates = {"list": as_list, "default": default_collate}
+    collates = {"list": as_list, "default": default_collate, "tensors": as_tensors}
     rows = []
     for name in [c for c in args.collates.split(",") if c]:
         if name not in collates:
-            raise ValueError(f"--collates {args.collates!r}: pass a comma list of list, default")
+            raise ValueError(f"--collates {args.collates!r}: pass a comma list of list, default, tensors")
         rates = interleaved(raw_variants(args, collates[name]), args.rounds, label=f"raw {name}", unit="samples/s",
                             scale=args.raw_batch_size, digits=1)
         rows += rows_vs_torch(rates, {"collate": name}, name="variant", value="samples_per_s", digits=1)

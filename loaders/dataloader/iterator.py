@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data._utils.fetch import _IterableDatasetFetcher
 
+from loaders.dataloader.deaths import death, fatal, watch
 from loaders.dataloader.progress import Progress, count_samples
 
 __all__ = ["Failed", "EpochSource", "LoaderIterator", "fast_fetch", "pinned", "pins_for_cuda", "tagged_batches",
@@ -53,7 +54,9 @@ class Failed:
 
 def tagged_batches(torch_it, *, protocol: bool):
     """Torch's batches as ``(batch, meta)`` (``meta``: the worker state with the worker-state
-    protocol, else None); a batch that raises becomes ``(None, Failed)``."""
+    protocol, else None); a batch that raises becomes ``(None, Failed)``. A worker that died ends the
+    stream with torch's error (:mod:`loaders.dataloader.deaths`)."""
+    watch(torch_it)
     box: list = []  # no local keeps the exception: its traceback holds this frame (a cycle)
     while True:
         try:
@@ -63,7 +66,17 @@ def tagged_batches(torch_it, *, protocol: bool):
         except Exception as e:  # noqa: BLE001 - re-raised by the consumer, the pass goes on
             box.append(e)
         if box:
-            yield None, Failed(box.pop())
+            exc = box.pop()
+            died = exc if fatal(exc) else death(torch_it, exc)
+            if died is not None:  # torch would go on without the dead worker's batches: the pass ends
+                try:
+                    if died is exc:
+                        raise exc
+                    raise died from exc
+                finally:
+                    exc = died = None
+            yield None, Failed(exc)
+            exc = None
             continue
         yield item if protocol else (item, None)
         item = None

@@ -44,6 +44,7 @@ from torch.utils.data import IterableDataset
 from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
+from loaders.dataloader.deaths import fatal
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, fast_fetch, pinned, pins_for_cuda, shutdown,
                                     tagged_batches)
 from loaders.dataloader.progress import Progress
@@ -114,13 +115,15 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self.device = dev
         self._pass_pins = False  # whether a thread of ours pins this pass's batches (_pins_here)
         # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader.shm), with
-        # device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory per batch
+        # device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory per batch.
+        # The latest pass's: every set of workers has its own (mark, pools, segments; see _transport)
         self._returns: SegmentReturns | None = SegmentReturns(
             os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2,
             register=dev is not None and dev.type == "cuda")
         # workers' raw samples (bytes, numpy arrays) in recycled shared memory, copied out as they arrive
         # (loaders.dataloader.rawshm); None: pickled through torch's pipe
         self._raw: RawCopies | None = RawCopies(self._returns.mark, workers=0, batches=self._returns.batches)
+        self._transport_used = False  # whether a pass got the current _returns / _raw (then a new pass makes new)
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
@@ -136,8 +139,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._progress: Progress | None = None
         self._losses_before: dict = {}  # the dataset's loss totals when the current pass began
         self._active = None  # weakref to the latest LoaderIterator
+        self._live: weakref.WeakSet = weakref.WeakSet()  # every LoaderIterator not yet collected (close())
         self._prefetcher: DevicePrefetcher | None = None
-        self._source = EpochSource()
         self._auto: dict = {"num_workers": None, "prefetch_depth": None, "history": []}
         self._auto_workers: int | None = None if auto else num_workers
         self.num_workers = self._auto_workers or 0
@@ -155,8 +158,35 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             w = self._index_wrapper = IndexSampler(self, inner)
         return w
 
-    def _torch_iter(self, workers: int, p: Progress, *, skip: int = 0, replay: bool = False):
-        """One of torch's iterators (``super().__iter__``: persistent workers reused as torch does)."""
+    def _transport(self):
+        """The recycled shared memory of a new pass (``SegmentReturns``, ``RawCopies``, either may be None).
+
+        Ownership is per set of workers: a pass that starts new workers gets a mark of its own, and its
+        workers' pools, whose segments only its own stream sets ``FREE`` (once that exact delivery is copied
+        out, pinned or copied to the GPU); passes alive at the same time share nothing. Persistent workers
+        keep theirs across passes: one pass runs at a time there, and the new pass frees what torch dropped
+        unread from the last (``SegmentReturns.next_pass``)."""
+        old_r, old_c = self._returns, self._raw
+        again = self.persistent_workers and self._iterator is not None
+        if again or not self._transport_used:  # the persistent workers' own, or the first pass's
+            if again and old_r is not None:
+                old_r.next_pass()
+            self._transport_used = True
+            return old_r, old_c
+        mark = os.urandom(8)
+        r = c = None
+        if old_r is not None:
+            r = SegmentReturns(mark, workers=0, batches=old_r.batches, register=old_r.register)
+            r.released = old_r.released  # stats() counts over the loader's life
+        if old_c is not None:
+            c = RawCopies(mark, workers=0, batches=old_c.batches)
+            c.copied = old_c.copied
+        self._returns, self._raw = r, c
+        return r, c
+
+    def _torch_iter(self, workers: int, p: Progress, transport, *, skip: int = 0, replay: bool = False):
+        """One of torch's iterators (``super().__iter__``: persistent workers reused as torch does), its
+        workers writing into ``transport`` (this pass's ``(SegmentReturns, RawCopies)``)."""
         self.num_workers = workers
         rng = p.rng
         self._plan = Plan(skip, rng.sampler_rng if replay else None, rng)
@@ -164,15 +194,17 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             self.generator.set_state(rng.generator_state)
         collate, pin = self.collate_fn, self.pin_memory
         inner = collate
-        tensors, raw = self._recycles(workers), self._packs(workers)
+        returns, copies = transport
+        tensors, raw = self._recycles(workers, returns), self._packs(workers, returns, copies)
         if tensors or raw:
-            returns = self._returns
             if tensors:
                 returns.workers = workers
             if raw:
-                self._raw.workers = workers
+                copies.workers = workers
+            # persistent workers outlive a pass: a pass counter of their own frees what torch dropped unread
+            passes = returns.pass_counter() if self.persistent_workers else None
             # the batch's tensors travel in the raw segment unless recycled on their own (a thread of ours pins)
-            inner = PooledCollate(collate, returns.mark, returns.batches, returns.pass_counter(), tensors=tensors,
+            inner = PooledCollate(collate, returns.mark, returns.batches, passes, tensors=tensors,
                                   pack=functools.partial(pack_raw, tensors=not tensors) if raw else None)
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
@@ -212,15 +244,15 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         return (bool(self.pin_memory) and pins_for_cuda(self.pin_memory_device)
                 and (workers > 0 or self._auto_workers_mode))
 
-    def _recycles(self, workers: int) -> bool:
+    def _recycles(self, workers: int, returns) -> bool:
         """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader.shm):
         our own thread pins, so it knows when a batch is done with."""
-        return self._returns is not None and workers > 0 and recycling_available() and self._pass_pins
+        return returns is not None and workers > 0 and recycling_available() and self._pass_pins
 
-    def _packs(self, workers: int) -> bool:
+    def _packs(self, workers: int, returns, copies) -> bool:
         """Whether this pass's workers send raw samples in recycled shared memory (loaders.dataloader.rawshm):
         copied out as they arrive, so whoever consumes the batch."""
-        return self._raw is not None and self._returns is not None and workers > 0 and recycling_available()
+        return copies is not None and returns is not None and workers > 0 and recycling_available()
 
     def _dataset_hook(self, name: str):
         """The dataset's method ``name`` for the loader (``open_ledger``, ``share_epoch``), or its ``stream``'s."""
@@ -232,9 +264,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             self._iterator = None
 
     # ---- the epoch stream (runs in the prefetch thread when device is set) --------------------
-    def _epoch_stream(self, p: Progress, first, start: int):
+    def _epoch_stream(self, p: Progress, first, start: int, transport):
         """The pass's batches from position ``start``, as ``(batch, meta)``. ``first``: the torch
-        iterator, made in the main thread (see __iter__)."""
+        iterator, made in the main thread (see __iter__); ``transport``: the pass's shared memory."""
         torch_it, completed = first, False
         try:
             if not self._iterable and self._auto_workers is None:
@@ -251,13 +283,17 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                 torch_it = None
                 self._decide_workers(times, p)
                 p.num_workers = self._auto_workers
-                torch_it = self._torch_iter(p.num_workers, p, skip=skip, replay=True)
+                torch_it = self._torch_iter(p.num_workers, p, transport, skip=skip, replay=True)
             elif self._iterable and not self._protocol:
                 for _ in range(start):  # replay: no way to skip without producing
                     if next(torch_it, _END) is _END:
                         break
             yield from tagged_batches(torch_it, protocol=self._protocol)
             completed = True
+        except RuntimeError as e:
+            if fatal(e) and torch_it is not None and torch_it is self._iterator:  # persistent workers, one dead:
+                self._iterator = None  # all go (below), the next pass starts new ones
+            raise
         finally:
             if not completed and torch_it is not None and torch_it is not self._iterator:
                 shutdown(torch_it)
@@ -287,31 +323,35 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         # thread of a CUDA process can abort on CUDA objects they inherit)
         skip = p.batches if not self._iterable else 0
         pins_here = self._pass_pins = self._pins_here(workers)
-        if pins_here or self.persistent_workers or self.device is not None:
+        if self.persistent_workers:
             # the last pass's thread stops first: it would go on pulling from the persistent workers' one
-            # torch iterator, share the one prefetcher's source, or give back segments this pass's copies read
+            # torch iterator (torch: a new iter() resets it). Other passes run side by side, each with its
+            # own workers and shared memory (_transport)
             self._close_active()
-        if self._returns is not None:
-            self._returns.next_pass()  # persistent workers free what the last pass left in flight
-        first = self._torch_iter(workers, p, skip=skip, replay=resume is not None)
+        transport = self._transport()
+        returns, copies = transport
+        first = self._torch_iter(workers, p, transport, skip=skip, replay=resume is not None)
         if resume is not None and workers and callable(getattr(self.dataset, "forget_resume", None)):
             self.dataset.forget_resume()  # the workers took it: a later pass over this dataset is a whole epoch
-        stream = self._epoch_stream(p, first, p.batches)
-        if self._raw is not None:
-            stream = unpacked(stream, self._raw, keep=self.persistent_workers)
+        stream = self._epoch_stream(p, first, p.batches, transport)
+        if copies is not None:
+            stream = unpacked(stream, copies, keep=self.persistent_workers)
         if self.device is not None and self._prefetcher is None:
-            self._prefetcher = DevicePrefetcher(self._source, device=self.device, depth=self._depth)
+            self._prefetcher = DevicePrefetcher(EpochSource(), device=self.device, depth=self._depth)
         if pins_here:
-            stream = pinned(stream, self.pin_memory_device or None, returns=self._returns,
+            stream = pinned(stream, self.pin_memory_device or None, returns=returns,
                             keep=self.persistent_workers, copy_stream=getattr(self._prefetcher, "stream", None))
         if self.device is not None:
             self._prefetcher.depth = self._depth
-            self._source.stream = stream
+            source = EpochSource()  # this pass's own: its producer thread takes it (passes may overlap)
+            source.stream = stream
+            self._prefetcher.iterable = source
             stream = iter(self._prefetcher)
         elif pins_here:  # in torch's place: a thread that pins, ``prefetch_depth`` batches ahead
             stream = threaded(stream, depth=self._depth, name="datapipe-pin-memory")
         it = LoaderIterator(self, stream, p)
         self._active = weakref.ref(it)
+        self._live.add(it)
         return it
 
     def _choose_iterable_workers(self) -> None:
@@ -354,6 +394,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+        for it in list(self._live):  # other passes still running side by side
+            it.close()
         if self._returns is not None:  # the prefetch thread has stopped: the workers' segments go
             self._returns.clear()
         if self._raw is not None:

@@ -162,6 +162,16 @@ def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape, strid
     return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), start // size, tuple(shape), tuple(stride))
 
 
+def _own_view(block: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
+    """A tensor over bytes ``offset`` to ``offset + n`` of ``block``, on a storage of its own: a slice of the
+    block's storage, which keeps the block alive but saves, pickles and shares as those ``n`` bytes alone
+    (views of the one block would each carry the whole block, and ``torch.save`` refuses tensors of
+    different dtypes over one storage)."""
+    storage = block.untyped_storage()
+    start = block.storage_offset() + offset
+    return torch.empty(0, dtype=dtype).set_(storage[start:start + n], 0, tuple(shape), tuple(stride))
+
+
 def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     flat = np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
@@ -183,7 +193,7 @@ def _unpack(packed: Packed):
             out.append(bytearray(view[offset:offset + n]))
         elif kind == "t":
             dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
-            out.append(_tensor_at(block, offset, dtype, shape, stride))
+            out.append(_own_view(block, offset, n, dtype, shape, stride))
             arrays += 1
         else:
             src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)

@@ -39,5 +39,5 @@ def test_quick_raw_run_reports_torch_and_ours_per_collate(tmp_path):
     result = main(["--quick", "--mode", "raw", "--workers", "2", "--out", str(tmp_path)])
     assert result["rows"] == []
     rows = {(r["collate"], r["variant"]): r for r in result["raw_rows"]}
-    assert set(rows) == {(c, v) for c in ("list", "default") for v in ("torch", "ours")}
+    assert set(rows) == {(c, v) for c in ("list", "default", "tensors") for v in ("torch", "ours")}
     assert all(r["samples_per_s"] > 0 for r in rows.values()) and rows[("list", "torch")]["vs_torch"] == 1.0

@@ -230,7 +230,7 @@ def tensor_leaves():
     return packed, kept
 
 
-def test_tensors_travel_in_one_block_and_come_out_equal_as_views_of_it():
+def test_tensors_travel_in_one_block_and_come_out_equal_each_on_its_own_storage_in_it():
     packed_leaves, kept = tensor_leaves()
     batch = {"images": [torch.full((3, 8, 8), float(i)) for i in range(6)], **packed_leaves, "kept": kept,
              "keys": [f"{i:04d}" for i in range(6)], "jpg": payload(3)}
@@ -245,7 +245,9 @@ def test_tensors_travel_in_one_block_and_come_out_equal_as_views_of_it():
     for name, t in {**packed_leaves, **{f"image{i}": t for i, t in enumerate(batch["images"])}}.items():
         got = out[name] if name in out else out["images"][int(name[5:])]
         assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride(), name
-        assert torch.equal(got, t) and got.untyped_storage().data_ptr() == block.data_ptr(), name  # a view
+        own = got.untyped_storage()  # its own bytes of the block: saves and pickles as those alone
+        assert torch.equal(got, t) and own.nbytes() == t.numel() * t.element_size(), name
+        assert block.data_ptr() <= own.data_ptr() < block.data_ptr() + block.nbytes(), name
     assert out["nhwc"].is_contiguous(memory_format=torch.channels_last) and out["keys"] == batch["keys"]
     assert out["jpg"] == payload(3) and segment_state(packed) == FREE
     packed[1].fill_(0)  # the worker writes its next batch into the segment: what was handed out stays
@@ -291,7 +293,7 @@ def as_lists(samples):
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_worker_batches_of_tensor_lists_come_out_exact_in_one_segment_each(context):
+def test_worker_batches_of_tensor_lists_come_out_exact_in_one_block_each(context):
     reference = list(DataLoader(Images(), batch_size=16, num_workers=0, collate_fn=as_lists))
     dl = DataLoader(Images(), batch_size=16, num_workers=2, collate_fn=as_lists, multiprocessing_context=context)
     got = list(dl)
@@ -299,7 +301,10 @@ def test_worker_batches_of_tensor_lists_come_out_exact_in_one_segment_each(conte
     for (keys, images, labels), (rkeys, rimages, rlabels) in zip(got, reference):
         assert keys == rkeys and labels == rlabels
         assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(images, rimages))
-        assert len({t.untyped_storage().data_ptr() for t in images}) == 1  # one block (torch: one storage each)
+        storages = [t.untyped_storage() for t in images]  # one each (as torch), side by side in one block
+        assert [s.nbytes() for s in storages] == [t.numel() * t.element_size() for t in images]
+        ptrs = sorted(s.data_ptr() for s in storages)
+        assert len(set(ptrs)) == len(images) and ptrs[-1] - ptrs[0] < sum(s.nbytes() + 64 for s in storages)
     assert dl.stats()["raw_shared_memory"]["batches"] == 4
 
 

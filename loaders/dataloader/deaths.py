@@ -1,0 +1,61 @@
+"""A worker process of ``loaders.DataLoader`` that dies: torch's error, soon, from whichever thread reads torch's pipe.
+
+torch finds a dead worker two ways: its SIGCHLD handler raises in the main thread, and its iterator,
+waiting for a batch, looks at its workers every ``MP_STATUS_CHECK_INTERVAL`` (5 s). Where the loader
+reads torch's iterator in a thread of its own (``device=``, a pin thread), only the second reaches that
+thread, 5 s late, and the main thread then waits on it. :func:`watch` makes the iterator look every
+:data:`POLL_S` when it waits without a user ``timeout``. A batch whose shared memory the main process
+was fetching from the worker as it died fails with ``ConnectionResetError`` or ``EOFError`` (its socket
+closed), before the worker counts as dead: :func:`death` waits up to :data:`GRACE_S` for it to, and
+gives torch's message instead. A dead worker ends the pass (:func:`fatal`): torch's iterator would go on
+without the dead worker's batches.
+"""
+from __future__ import annotations
+
+import time
+
+__all__ = ["GRACE_S", "POLL_S", "death", "fatal", "watch"]
+
+POLL_S = 0.2  # how often a waiting iterator looks at its workers
+GRACE_S = 1.0  # how long a broken connection waits for its worker to count as dead
+_BROKEN = (ConnectionError, EOFError)
+_TORCH = "DataLoader worker (pid"  # every torch message about a worker that died starts so
+
+
+def watch(torch_it) -> None:
+    """Make ``torch_it`` (torch's multi-process iterator) look at its workers every :data:`POLL_S` while it
+    waits for a batch without a user ``timeout`` (torch: every 5 s)."""
+    try_get = getattr(torch_it, "_try_get_data", None)
+    if try_get is None or getattr(try_get, "_datapipe_watch", False):
+        return
+
+    def polled(timeout=None):
+        return try_get(POLL_S if timeout is None else timeout)
+
+    polled._datapipe_watch = True
+    torch_it._try_get_data = polled
+
+
+def _dead(torch_it) -> list:
+    workers = getattr(torch_it, "_workers", None) or []
+    status = getattr(torch_it, "_workers_status", None) or []
+    return [w for i, w in enumerate(workers) if i < len(status) and status[i] and not w.is_alive()]
+
+
+def fatal(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's error for a worker that died."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith(_TORCH)
+
+
+def death(torch_it, exc: BaseException) -> RuntimeError | None:
+    """torch's error for a worker of ``torch_it`` that died, if one did, given ``exc`` raised by ``next()``;
+    a broken connection waits up to :data:`GRACE_S` for its worker to count as dead."""
+    end = time.monotonic() + (GRACE_S if isinstance(exc, _BROKEN) else 0.0)
+    while True:
+        dead = _dead(torch_it)
+        if dead:
+            pids = ", ".join(str(w.pid) for w in dead)
+            return RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly")
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.01)
