@@ -374,9 +374,9 @@ class RetryingFile:
                             url=redact_url(self.url)) from cause
         if self._lost_s >= allowed:
             raise DataError(f"cannot read shard: giving up at byte {self.pos} after {self.retried} failures that "
-                            f"lost {self._lost_s:.1f} s, more than (retries + 1) x timeout = "
-                            f"{(self.retries + 1) * self.timeout:g} s plus the {self._reading_s:.1f} s spent "
-                            f"receiving bytes; last: {text}", url=redact_url(self.url)) from cause
+                            f"lost {self._lost_s:.1f} s, the most a shard may lose ((retries + 1) x timeout = "
+                            f"{(self.retries + 1) * self.timeout:g} s, plus the {self._reading_s:.1f} s spent "
+                            f"receiving bytes); last: {text}", url=redact_url(self.url)) from cause
         delay = min(self.max_backoff, self.backoff * 2 ** (self._streak - 1))
         log.warning("retrying %s at byte %d in %.2fs after %s", redact_url(self.url), self.pos, delay, text)
         time.sleep(delay)
