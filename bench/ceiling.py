@@ -387,6 +387,9 @@ def parse(argv=None):
     p.add_argument("--append", action="store_true",
                    help="add this run's rows to the ceiling.json already in --out, numbering its rounds on (the "
                         "same GPU only): a run of record split over two processes")
+    p.add_argument("--first-round", type=int, default=None,
+                   help="number of this run's first round (default: 0, or with --append the next of its row sets; "
+                        "give it when one round is split over several runs)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_images, args.batch_size, args.image_size, args.arch = 64, 4, 32, "resnet18"
@@ -423,7 +426,9 @@ def main(argv=None) -> dict:
     earlier = earlier_record(args) if args.append else {}
     if earlier:
         out = appended(earlier, out)
-    first = next_round([r for r in bench.rows if r.get("config") in args.configs])  # --append: these sets go on
+    first = args.first_round
+    if first is None:  # --append: these row sets' rounds go on
+        first = next_round([r for r in bench.rows if r.get("config") in args.configs])
     order = plan(args)
     skipped = 0
     for r in range(first, first + args.rounds):
