@@ -151,8 +151,10 @@ def _segments(counts: Sequence[int], order: Sequence[int], ranges: list[tuple[in
     search per range end, no loop over the shards)."""
     ordered = np.asarray(order, dtype=np.int64)
     sizes = np.asarray(counts, dtype=np.int64)[ordered] if len(ordered) else np.zeros(0, np.int64)
-    keep = sizes > 0
-    shards, sizes = ordered[keep], sizes[keep]
+    shards = ordered
+    if not sizes.all():  # empty shards take no slot
+        keep = sizes > 0
+        shards, sizes = ordered[keep], sizes[keep]
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=starts[1:])
     parts_shard, parts_start, parts_stop = [], [], []

@@ -19,15 +19,17 @@ class ShardList(Sequence[str]):
         starts: where each name starts in ``names`` (int64, one more entry than names: ``len(names) + 1``).
         counts: samples per shard (the manifest's), or None.
         checksums: sha256 per shard (``""`` where none), or None where the manifest has none.
+        known_fingerprint: :meth:`fingerprint` of ``counts``, where already known.
     """
 
     def __init__(self, base: str, names: str, starts: np.ndarray, *, counts: list[int] | None = None,
-                 checksums: list[str] | None = None):
+                 checksums: Sequence[str] | None = None, known_fingerprint: str | None = None):
         self.base = base
         self.names = names
         self.starts = starts
         self.counts = counts
         self.checksums = checksums
+        self.known_fingerprint = known_fingerprint  # the fingerprint of ``counts``, where the manifest's copy has it
 
     @classmethod
     def of(cls, base: str, names: Sequence[str], **kwargs) -> "ShardList":
@@ -84,6 +86,8 @@ class ShardList(Sequence[str]):
     def fingerprint(self, counts: Sequence[int]) -> str | None:
         """``datapipe.read.shards.fingerprint`` of these URLs, computed a block at a time; None when a name holds
         a ``/`` (its basename is not the name: compute it the long way)."""
+        if counts is self.counts and self.known_fingerprint is not None:
+            return self.known_fingerprint
         if "/" in self.names:
             return None
         digest = hashlib.sha1()

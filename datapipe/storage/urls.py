@@ -59,6 +59,9 @@ def shard_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = Fa
         _check_braces(part)
         expanded = _brace_expand(part)
         _check_padding(part, expanded)
+        if len(expanded) > 1 and _all_shards(part, expanded):
+            urls += expanded  # one numeric range over shard names: nothing to ask of each URL
+            continue
         for url in expanded:
             if url.startswith("pipe:") and not allow_pipe:
                 raise ValueError(
@@ -94,6 +97,21 @@ def _brace_expand(part: str) -> list[str]:
             head, tail = part[:m.start()], part[m.end():]
             return [f"{head}{i:0{width}d}{tail}" for i in range(int(lo), int(hi) + 1)]
     return list(braceexpand.braceexpand(part))
+
+
+def _all_shards(part: str, expanded: list[str]) -> bool:
+    """Whether every URL of ``part``'s numeric range is a plain shard name (no pipe, glob or folder): the range is
+    the pattern's only brace, and the first and last URL end in a shard suffix (only digits vary)."""
+    m = _RANGE.search(part)
+    if m is None or "{" in part[m.end():] or "{" in part[:m.start()] or expanded[0].startswith("pipe:"):
+        return False
+    if (_HTTP_GLOB if url_scheme(part) in ("http", "https") else _GLOB).search(part.split("?", 1)[0]
+                                                                             if url_scheme(part) in ("http", "https")
+                                                                             else part):
+        return False
+    suffixes = SHARD_SUFFIXES + _COMPRESSED
+    return _shard_name(expanded[0]).endswith(suffixes) and _shard_name(expanded[-1]).endswith(suffixes) \
+        and "/" not in part[m.end():].split("?", 1)[0]
 
 
 def _is_folder(url: str, *, single: bool, storage_options: dict | None) -> bool:
@@ -171,7 +189,8 @@ def folder_urls(url: str, *, storage_options: dict | None = None) -> Sequence[st
     if columns is not None:
         if not columns.counts:
             raise DataError(f"the folder's {MANIFEST_NAME} lists no shards", url=redact_url(url), what="folder")
-        return ShardList(base, columns.names, columns.starts, counts=columns.counts, checksums=columns.checksums)
+        return ShardList(base, columns.names, columns.starts, counts=columns.counts, checksums=columns.checksums,
+                         known_fingerprint=columns.fingerprint)
     else:
         try:
             if is_local(url):

@@ -57,15 +57,63 @@ def read_manifest(directory: str, *, storage_options: dict | None = None, retrie
 
 
 def read_columns(directory: str, *, storage_options: dict | None = None, retries: int = 5,
-                 backoff: float = 0.2) -> ManifestColumns | None:
+                 backoff: float = 0.2, cache_dir: str | None = None) -> ManifestColumns | None:
     """What :func:`read_manifest` reads, as columns: the shard names, counts and checksums, without a dict per
     shard. The ``shards`` list is parsed a chunk of entries at a time, so a million-shard manifest needs tens
-    of MB, not the ~300 MB its dicts would take; the other keys come whole (``ManifestColumns.head``)."""
+    of MB, not the ~300 MB its dicts would take; the other keys come whole (``ManifestColumns.head``). A large
+    manifest's columns are also kept in a local copy (:mod:`datapipe.tar.manifest_cache`, in ``cache_dir``)
+    that later reads of the unchanged manifest take instead of its JSON."""
+    from datapipe.tar import manifest_cache
 
-    def load(f):
-        return _parse_columns(f)
+    cache_dir = cache_dir or manifest_cache.DEFAULT_DIR
+    url = manifest_url(directory)
+    mark = None
+    try:
+        from datapipe.tar.counts import stamp
 
-    return _read(directory, load, "rb", storage_options=storage_options, retries=retries, backoff=backoff)
+        mark = stamp(url, storage_options)
+    except Exception:  # no manifest, or no access: the read below says which
+        mark = None
+    if mark is not None and (mark.get("size") or 0) >= manifest_cache.MIN_BYTES and mark.get("version"):
+        columns = manifest_cache.load(url, mark, cache_dir)
+        if columns is not None:
+            return columns
+    else:
+        mark = None
+    columns = _read(directory, _parse_columns, "rb", storage_options=storage_options, retries=retries,
+                    backoff=backoff)
+    if columns is not None and mark is not None:
+        manifest_cache.store(url, mark, columns, cache_dir)
+    return columns
+
+
+class Checksums:
+    """Checksums of one width in one string (``""`` kept as spaces): a list's indexing, a fraction of its memory."""
+
+    def __init__(self, blob: str, width: int):
+        self.blob, self.width = blob, width
+
+    def __len__(self) -> int:
+        return len(self.blob) // self.width
+
+    def __getitem__(self, i):
+        w = self.width
+        if isinstance(i, slice):
+            lo, hi, _ = i.indices(len(self))
+            text = self.blob[lo * w:hi * w]
+            return [text[j:j + w].strip() for j in range(0, len(text), w)]
+        if i < 0:
+            i += len(self)
+        return self.blob[i * w:(i + 1) * w].strip()
+
+
+def _checksums(values: list) -> Checksums | list[str] | None:
+    if not any(values):
+        return None
+    width = max(len(v) for v in values if v)
+    if all(isinstance(v, str) and (not v or len(v) == width) and " " not in v for v in values if v):
+        return Checksums("".join(v or " " * width for v in values), width)
+    return [v or "" for v in values]
 
 
 @dataclass
@@ -74,7 +122,8 @@ class ManifestColumns:
     names: str  # the shard names joined by "\n"
     starts: np.ndarray  # where each name starts in ``names`` (int64; len(counts) + 1 entries)
     counts: list[int]
-    checksums: list[str] | None  # None: no shard has one
+    checksums: Checksums | list[str] | None  # None: no shard has one
+    fingerprint: str | None = None  # the shards' identity (``datapipe.read.shards.fingerprint``), where known
 
     @classmethod
     def of(cls, head: dict, names: list[tuple[str, np.ndarray]], counts: list[int],
@@ -83,8 +132,7 @@ class ManifestColumns:
         starts = np.zeros(len(counts) + 1, dtype=np.int64)
         if names:
             np.cumsum(np.concatenate([lengths for _, lengths in names]) + 1, out=starts[1:])
-        return cls(head, "\n".join(joined for joined, _ in names), starts, counts,
-                   [c or "" for c in checksums] if any(checksums) else None)
+        return cls(head, "\n".join(joined for joined, _ in names), starts, counts, _checksums(checksums))
 
 
 def _read(directory: str, load, mode: str, *, storage_options, retries, backoff):

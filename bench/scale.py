@@ -1,0 +1,229 @@
+"""Cost at many shards: ShardStream construct, counts, the rank x worker plan, first sample and resume at 10k-1M shards.
+
+Each size gets a folder whose ``manifest.json`` lists N shards ``shard-0000000.tar``... of ``--per-shard`` tiny
+samples. Writing a million real tars is slow and takes gigabytes, so the names are symlinks to 16 real tars
+(written once with webdataset's writer, each holding ``--per-shard`` samples): every shard opens and reads like
+a real one, and the manifest is what a real million-shard set's would be. The folders are made once under
+``--root`` and reused.
+
+Each step runs in a fresh Python process (imports included), over the folder URL, ``shuffle=True``, rank 0 of 8:
+
+- ``expand``: ``expand_urls`` of the N-URL brace pattern ``shard-{0000000..N-1}.tar`` (seconds, RSS growth);
+- ``cold``: construct, counts, the first sample, then the plans of all 8 ranks x 2 workers (seconds each, and
+  the process's peak RSS), on the first open ever: the manifest's JSON is parsed;
+- ``stream``: the same on a restart, where the manifest's compact local copy (``datapipe.tar.manifest_cache``,
+  kept for manifests of 4 MB and more) is read instead;
+- ``resume``: construct, ``load_state_dict`` of a state taken mid-epoch (by another process), first sample;
+  ``resume_extra_s`` is its time past a fresh stream's construct + counts + first sample;
+- ``loader``: ``loaders.DataLoader(stream, batch_size=32, num_workers=2)``'s first batch.
+
+``growth`` gives each step's time at the largest size over its time at 10x fewer shards (linear: ~10).
+
+    python bench/scale.py              # 10k, 100k, 1M shards: bench/results/scale.json
+    python bench/scale.py --sizes 100000 --steps stream
+    python bench/scale.py --quick      # smoke check (1k and 10k shards, nothing written to results/)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REAL = 16  # real tars behind the symlinks
+STEPS = ("expand", "cold", "stream", "resume", "loader")
+GOALS = {"total_s": 2.0, "peak_rss_mb": 300.0, "resume_extra_s": 0.2, "expand_s": 1.0, "growth": 11.0}
+
+
+def make_dataset(root: str, n: int, per_shard: int) -> str:
+    """``root/<n>/``: a manifest of ``n`` shards (symlinks to ``REAL`` real tars); made once, then reused."""
+    import webdataset
+
+    from datapipe.tar.manifest import make_manifest, write_manifest
+
+    folder = os.path.join(root, f"{n}x{per_shard}")
+    if os.path.exists(os.path.join(folder, "manifest.json")):
+        return folder
+    real = os.path.join(root, f"real-{per_shard}")
+    os.makedirs(real, exist_ok=True)
+    sizes = []
+    for r in range(REAL):
+        path = os.path.join(real, f"r{r:02d}.tar")
+        if not os.path.exists(path):
+            with webdataset.TarWriter(path + ".tmp") as w:
+                for i in range(per_shard):
+                    w.write({"__key__": f"r{r:02d}-{i:04d}", "bin": bytes([r, i % 256]) * 8, "cls": b"%d" % (i % 7)})
+            os.replace(path + ".tmp", path)
+        sizes.append(os.path.getsize(path))
+    os.makedirs(folder, exist_ok=True)
+    entries = []
+    for i in range(n):
+        name = f"shard-{i:07d}.tar"
+        link = os.path.join(folder, name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(real, f"r{i % REAL:02d}.tar"), link)
+        entries.append({"name": name, "count": per_shard, "bytes": sizes[i % REAL], "sha256": ""})
+    from datapipe.tar.manifest import MANIFEST_NAME  # noqa: F401  (written last: its presence marks the folder done)
+
+    write_manifest(folder, make_manifest(entries))
+    return folder
+
+
+def _rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def child(step: str, folder: str, n: int, state_path: str) -> dict:
+    """One step, timed in this (fresh) process."""
+    t0 = time.perf_counter()
+    out: dict = {}
+    from datapipe.tar import manifest_cache
+
+    if step == "cold":  # no copy of the manifest yet: its JSON is parsed
+        import atexit
+        import shutil
+
+        manifest_cache.DEFAULT_DIR = tempfile.mkdtemp(prefix="scale-cold-")
+        atexit.register(shutil.rmtree, manifest_cache.DEFAULT_DIR, True)
+    else:
+        manifest_cache.DEFAULT_DIR = os.path.join(folder, ".manifest-cache")
+    if step == "expand":
+        import datapipe
+
+        base = _current_rss_mb()
+        t = time.perf_counter()
+        urls = datapipe.expand_urls(os.path.join(folder, f"shard-{{0000000..{n - 1:07d}}}.tar"))
+        out["expand_s"] = time.perf_counter() - t
+        assert len(urls) == n and urls[-1].endswith(f"{n - 1:07d}.tar")
+        out["expand_rss_mb"] = _current_rss_mb() - base
+        return out
+    from datapipe import ShardStream
+
+    out["import_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    stream = ShardStream(folder, shuffle=True, rank=0, world_size=8)
+    out["construct_s"] = time.perf_counter() - t
+    if step == "state":
+        it = iter(stream)
+        for _ in range(5):
+            next(it)
+        with open(state_path, "w") as f:
+            json.dump(stream.state_dict(), f)
+        return out
+    if step == "resume":
+        with open(state_path) as f:
+            state = json.load(f)
+        t = time.perf_counter()
+        stream.load_state_dict(state)
+        out["load_state_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    total = sum(stream.counts)
+    out["counts_s"] = time.perf_counter() - t
+    assert total == n * stream.counts[0]
+    if step == "loader":
+        from loaders import DataLoader
+
+        t = time.perf_counter()
+        next(iter(DataLoader(stream, batch_size=32, num_workers=2, collate_fn=list)))
+        out["first_batch_s"] = time.perf_counter() - t
+        out["total_s"] = time.perf_counter() - t0 - out["import_s"]
+        return out
+    t = time.perf_counter()
+    next(iter(stream))
+    out["first_sample_s"] = time.perf_counter() - t
+    out["fresh_s"] = time.perf_counter() - t0 - out["import_s"]
+    if step in ("stream", "cold"):
+        from datapipe.order.plan import shard_order, worker_plan
+
+        import numpy as np
+
+        t = time.perf_counter()
+        counts = np.asarray(stream.counts)  # once per process, as the stream does
+        order = shard_order(len(counts), shuffle=True, seed=0, epoch=0)  # the same for every rank
+        for rank in range(8):
+            for worker in range(2):
+                plan = worker_plan(counts, order, rank=rank, world_size=8, worker=worker, num_workers=2)
+                assert len(plan) == total // 16
+        out["plan_8x2_s"] = time.perf_counter() - t
+        out["total_s"] = time.perf_counter() - t0 - out["import_s"]
+    out["peak_rss_mb"] = _rss_mb()
+    return out
+
+
+def run_child(step: str, folder: str, n: int, state_path: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", step, "--folder", folder, "--n", str(n),
+           "--state", state_path]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{step} at {n} shards failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000], help="shard counts")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
+    parser.add_argument("--per-shard", type=int, default=4, help="samples per shard")
+    parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "datapipe-scale"),
+                        help="where the shard folders are made (once) and reused")
+    parser.add_argument("--out", default=None, help="results directory (default bench/results)")
+    parser.add_argument("--quick", action="store_true", help="smoke check: 1k and 10k shards, results not written "
+                        "unless --out is given")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.folder, args.n, args.state)))
+        return 0
+    sizes = [1_000, 10_000] if args.quick else sorted(args.sizes)
+    rows = []
+    for n in sizes:
+        t = time.perf_counter()
+        folder = make_dataset(args.root, n, args.per_shard)
+        row = {"shards": n, "samples": n * args.per_shard, "make_s": round(time.perf_counter() - t, 2)}
+        state_path = os.path.join(folder, "state.json")
+        run_child("state", folder, n, state_path)  # also makes the manifest's local copy that restarts read
+        for step in args.steps:
+            if step == "resume":
+                fresh = row.get("stream_fresh_s") or run_child("stream", folder, n, state_path)["fresh_s"]
+                got = run_child("resume", folder, n, state_path)
+                got["resume_extra_s"] = got["fresh_s"] - fresh
+            else:
+                got = run_child(step, folder, n, state_path)
+            row.update({f"{step}_{k}": round(v, 4) for k, v in got.items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    growth = {}
+    for small, big in zip(rows, rows[1:]):
+        if big["shards"] == 10 * small["shards"]:
+            growth[f"{big['shards']}/{small['shards']}"] = {
+                k: round(big[k] / small[k], 1) for k in big
+                if k.endswith("_s") and k in small and small[k] > 0.005 and not k.startswith(("make", "resume_resume"))}
+    result = {"what": "bench/scale.py: ShardStream costs over a manifest of N tiny shards (symlinks to 16 real tars), "
+                      "each step in a fresh process, shuffle=True, rank 0 of 8",
+              "per_shard": args.per_shard, "goals_at_1M": GOALS, "rows": rows, "growth": growth}
+    print(json.dumps(growth, indent=1))
+    if args.out or not args.quick:
+        from bench.common import write_result
+
+        print("wrote", write_result("scale", result, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""A compact local copy of a large manifest's columns (names, counts, checksums), so that a job that restarts
+reads a million-shard manifest in milliseconds instead of parsing its JSON again.
+
+The copy lives in ``~/.cache/datapipe/manifests`` (one ``.npz`` per manifest URL, no pickles), stamped with the
+manifest's size and modification time (or ETag): a manifest that changed is parsed again. Only manifests
+of at least ``MIN_BYTES`` are copied; a copy that cannot be read or written only means parsing the JSON.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import numpy as np
+
+log = logging.getLogger("datapipe.tar.manifest")
+
+DEFAULT_DIR = "~/.cache/datapipe/manifests"
+MIN_BYTES = 4 << 20  # ~45k shards: below it the JSON parses in well under 0.1 s
+
+
+def _path(url: str, cache_dir: str) -> str:
+    return os.path.join(os.path.expanduser(cache_dir), hashlib.sha256(url.encode()).hexdigest()[:24] + ".npz")
+
+
+def load(url: str, mark: dict, cache_dir: str = DEFAULT_DIR):
+    """The cached ``ManifestColumns`` of ``url`` if its stamp is ``mark``, else None."""
+    from datapipe.tar.manifest import Checksums, ManifestColumns
+
+    path = _path(url, cache_dir)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if meta.get("url") != url or meta.get("stamp") != mark:
+                return None
+            checksums = None
+            if "checksums" in z:
+                checksums = Checksums(bytes(z["checksums"]).decode("ascii"), int(meta["checksum_width"]))
+            return ManifestColumns(meta["head"], bytes(z["names"]).decode(), z["starts"], z["counts"].tolist(),
+                                   checksums, meta.get("fingerprint"))
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # unreadable or foreign: parse the manifest instead
+        log.debug("manifest copy %s not used: %s", path, e)
+        return None
+
+
+def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
+    """Keep ``columns`` of the manifest ``url`` (stamp ``mark``); failures are logged at debug level only."""
+    from datapipe.tar.manifest import Checksums
+
+    from datapipe.storage.shard_list import ShardList
+
+    path = _path(url, cache_dir)
+    shards = ShardList("", columns.names, columns.starts, checksums=columns.checksums)
+    meta = {"url": url, "stamp": mark, "head": columns.head, "fingerprint": shards.fingerprint(columns.counts)}
+    arrays = {"names": np.frombuffer(columns.names.encode(), dtype=np.uint8), "starts": columns.starts,
+              "counts": np.asarray(columns.counts, dtype=np.int64)}
+    if isinstance(columns.checksums, Checksums):
+        arrays["checksums"] = np.frombuffer(columns.checksums.blob.encode("ascii"), dtype=np.uint8)
+        meta["checksum_width"] = columns.checksums.width
+    elif columns.checksums is not None:
+        return  # checksums of uneven widths: not worth a copy
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}.npz"
+        np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+        os.replace(tmp, path)
+    except Exception as e:  # a read-only home, a full disk: the next start parses the JSON again
+        log.debug("cannot keep a copy of manifest %s in %s: %s", url, path, e)

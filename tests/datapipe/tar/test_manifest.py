@@ -1,0 +1,124 @@
+"""manifest.json read as columns (a chunk of entries at a time), and its compact local copy."""
+import json
+
+import pytest
+
+from datapipe import DataError
+from datapipe.read.shards import fingerprint
+from datapipe.storage.shard_list import ShardList
+from datapipe.tar import manifest, manifest_cache
+from datapipe.tar.manifest import make_manifest, read_columns, read_manifest, write_manifest
+
+
+def _entries(n, *, sha=True):
+    return [{"name": f"shard-{i:06d}.tar", "count": i % 5, "bytes": 100 + i,
+             "sha256": (f"{i:064x}" if sha and i % 3 else "")} for i in range(n)]
+
+
+def _same(columns, whole):
+    shards = whole["shards"]
+    names = ShardList("d", columns.names, columns.starts)
+    assert list(names.iter_names()) == [s["name"] for s in shards]
+    assert columns.counts == [s["count"] for s in shards]
+    want = [s.get("sha256") or "" for s in shards]
+    assert (columns.checksums is None and not any(want)) or list(columns.checksums[0:len(want)]) == want
+    assert {k: v for k, v in columns.head.items() if k != "shards"} == {k: v for k, v in whole.items()
+                                                                        if k != "shards"}
+
+
+@pytest.mark.parametrize("chunk", [64, 1000, 4 << 20])
+@pytest.mark.parametrize("layout", ["writer", "compact", "shards_first", "nested"])
+def test_columns_match_the_whole_manifest_at_any_chunk_size(tmp_path, monkeypatch, chunk, layout):
+    monkeypatch.setattr(manifest, "CHUNK", chunk)
+    doc = make_manifest(_entries(300), source={"note": "}, ], {", "deep": {"a": [1, {"b": 2}]}})
+    if layout == "shards_first":
+        doc = {"shards": doc["shards"], **{k: v for k, v in doc.items() if k != "shards"}}
+    if layout == "nested":  # entries holding objects and names holding the cut characters
+        for i, s in enumerate(doc["shards"]):
+            s["meta"] = {"keys": {"x": i}, "tags": ["}", "]"]}
+            s["name"] = f"we}}ird, ]{i:04d}.tar"
+    (tmp_path / "manifest.json").write_text(json.dumps(doc, indent=None if layout == "compact" else 1))
+    _same(read_columns(str(tmp_path)), read_manifest(str(tmp_path)))
+
+
+def test_an_empty_or_missing_manifest(tmp_path):
+    assert read_columns(str(tmp_path)) is None
+    write_manifest(str(tmp_path), make_manifest([]))
+    assert read_columns(str(tmp_path)).counts == []
+
+
+@pytest.mark.parametrize("text", ['{"shards": [{"name": "a.tar"}]}', '{"shards": [{"count": 1}]}', '[1, 2]',
+                                  '{"shards": [{"name": "a.tar", "count": 1}', "not json"])
+def test_a_broken_manifest_is_a_data_error_naming_it(tmp_path, text):
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(DataError, match="manifest .*manifest.json"):
+        read_columns(str(tmp_path))
+
+
+def test_a_large_manifest_is_read_from_its_copy_until_it_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1)
+    cache = str(tmp_path / "cache")
+    (tmp_path / "d").mkdir()
+    write_manifest(str(tmp_path / "d"), make_manifest(_entries(50)))
+    first = read_columns(str(tmp_path / "d"), cache_dir=cache)
+    parse = manifest._parse_columns
+    monkeypatch.setattr(manifest, "_parse_columns", lambda f: pytest.fail("parsed although a copy is kept"))
+    again = read_columns(str(tmp_path / "d"), cache_dir=cache)
+    assert (again.names, again.counts, list(again.checksums[0:50])) == (first.names, first.counts,
+                                                                        list(first.checksums[0:50]))
+    monkeypatch.setattr(manifest, "_parse_columns", parse)
+    changed = _entries(51)
+    changed[0]["count"] = 99
+    write_manifest(str(tmp_path / "d"), make_manifest(changed))
+    assert read_columns(str(tmp_path / "d"), cache_dir=cache).counts[0] == 99
+
+
+def test_a_copy_that_cannot_be_written_or_read_only_means_parsing(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1)
+    (tmp_path / "ro").write_text("a file, not a folder")
+    (tmp_path / "d").mkdir()
+    write_manifest(str(tmp_path / "d"), make_manifest(_entries(20)))
+    assert read_columns(str(tmp_path / "d"), cache_dir=str(tmp_path / "ro")).counts[:3] == [0, 1, 2]
+    cache = tmp_path / "c"
+    read_columns(str(tmp_path / "d"), cache_dir=str(cache))
+    for f in cache.iterdir():
+        f.write_bytes(b"garbage")
+    assert read_columns(str(tmp_path / "d"), cache_dir=str(cache)).counts[:3] == [0, 1, 2]
+
+
+def test_a_shard_list_reads_like_the_list_of_its_urls():
+    names = ["a.tar", "b\nc.tar", "d.tar"]  # a name may hold a newline
+    urls = ShardList.of("s3://b/p", names, counts=[1, 2, 3])
+    want = ["s3://b/p/a.tar", "s3://b/p/b\nc.tar", "s3://b/p/d.tar"]
+    assert urls == want and list(urls) == want and urls[-1] == want[-1] and urls[1:] == want[1:]
+    assert len(urls) == 3 and urls != want[:2] and urls != "s3://b/p/a.tar"
+    with pytest.raises(IndexError):
+        urls[3]
+
+
+@pytest.mark.parametrize("sha", [True, False])
+def test_a_shard_lists_fingerprint_is_the_lists(tmp_path, sha):
+    from datapipe import ShardStream
+
+    entries = _entries(70_000 if sha else 300, sha=sha)  # more than one block
+    write_manifest(str(tmp_path), make_manifest(entries))
+    columns = read_columns(str(tmp_path))
+    urls = ShardList(str(tmp_path), columns.names, columns.starts, counts=columns.counts,
+                     checksums=columns.checksums)
+    want = fingerprint([str(tmp_path / e["name"]) for e in entries], [e["count"] for e in entries],
+                       [e["sha256"] or None for e in entries])
+    assert urls.fingerprint(columns.counts) == want
+    assert want in ShardStream(str(tmp_path)).state_dict()["shards"]
+
+
+def test_the_copy_keeps_the_fingerprint(tmp_path, monkeypatch):
+    from datapipe import ShardStream
+    from datapipe.storage.urls import shard_urls
+
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1)
+    monkeypatch.setattr(manifest_cache, "DEFAULT_DIR", str(tmp_path / "cache"))
+    write_manifest(str(tmp_path), make_manifest(_entries(40)))
+    want = ShardStream(str(tmp_path)).state_dict()["shards"]  # parsed, and copied
+    urls = shard_urls(str(tmp_path))
+    assert urls.known_fingerprint is not None and urls.known_fingerprint in want
+    assert ShardStream(str(tmp_path)).state_dict()["shards"] == want
