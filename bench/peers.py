@@ -1,53 +1,72 @@
-"""Peers side by side: datapipe against torch (loose files), webdataset, litdata and MosaicML Streaming.
+"""Peers side by side: datapipe against torch (loose files), webdataset, litdata, MosaicML Streaming, SPDL, Grain
+and Megatron-Energon.
 
-The same JPEGs, written by each system in its own format with its own writer and read with its
-documented loader, shuffle on, every row in a fresh process (``datapipe.tools.bench.peers``): write
-throughput; raw bytes at each ``--workers`` (epoch 1 in the fresh process, epoch 2); PIL decode +
-random-resized-crop in ``--decode-workers`` workers (steady rate, first batch, peak PSS); mid-epoch resume
-(time to the first batch after loading a state, and whether the rest is exact). Writes
-``bench/results/peers.json`` and ``peers.png`` (the H200 host's run is kept beside it as ``peers_h200.json``);
-the table goes to stdout.
+The same JPEGs, written by each system in its own format with its own writer and read with its documented
+loader, shuffle on, every row in a fresh process (``datapipe.tools.bench.peers``): write throughput; raw bytes
+at each ``--workers`` (epoch 1 in the fresh process, epoch 2, construct + first batch); mid-epoch resume in
+``--resume-workers`` workers (time to the first batch after loading a state, and whether the rest is exact);
+PIL decode + random-resized-crop in ``--decode-workers`` workers (first batch, steady rate, peak PSS). Every
+row says what the system did (format, API, workers or threads). The results are written after every row to
+``bench/results/peers.json`` (``--name``), the PNG and the table at the end.
 
-litdata and MosaicML rows need them installed: ``pip install -c constraints.txt -e '.[peers]'``
-(where pip refuses their pins beside the rest, install them into a folder of their own with
-``pip install --target DIR litdata mosaicml-streaming`` and run with ``PYTHONPATH=DIR``). Systems not
-installed are listed as such.
+The peers need installing: ``pip install -c constraints.txt spdl grain megatron-energon`` and
+``pip install --no-deps litdata==0.2.76 obstore==0.12.1`` (scripts/setup-venv.sh does both; MosaicML
+Streaming 0.13 pins numpy<2.2: install it into a folder of its own with ``pip install --target DIR`` and run
+with ``PYTHONPATH=DIR``). Systems not installed are listed as such.
 
-The H200 run (16 cores, 20k ImageNet-like JPEGs of ~110 KB, batch 256, data in the page cache):
+The run of record (the H200 host, 16 cores; 50,000 ImageNet-like JPEGs of ~100 KB, batch 256, in the page cache;
+a 420 s budget so that it ends within 8 minutes, epochs cut at 3 s where slower peers take longer):
 
-    python bench/peers.py --num-images 20000 --batch-size 256 --workers 0,4,8 --decode-workers 14
+    python bench/peers.py --num-images 50000 --batch-size 256 --workers 0,4,8 --resume-workers 4 \
+        --decode-workers 14 --epoch-cap-s 3 --budget-s 420 --name peers_h200
 
 The 2-core machine (a few minutes):
 
-    python bench/peers.py --num-images 600 --batch-size 64 --workers 0,2 --decode-workers 2
+    python bench/peers.py --num-images 600 --batch-size 64 --workers 0,2 --resume-workers 2 --decode-workers 2
 
-``--source DIR`` measures your own images (a folder of class folders of JPEGs) instead.
+``--quick`` is a smoke run on tiny images (what CI runs); ``--source DIR`` measures your own images (a folder
+of class folders of JPEGs) instead.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import table, write_result  # noqa: E402
 
 
+def _save(name: str, result: dict, directory: str | None) -> str:
+    """``write_result`` under a temporary name, then renamed: a run killed mid-write leaves the last whole file."""
+    tmp = write_result(f"{name}.partial", result, directory)
+    path = os.path.join(os.path.dirname(tmp), f"{name}.json")
+    os.replace(tmp, path)
+    return path
+
+
 def main(argv=None) -> dict:
+    from datapipe.tools.bench.peer_readers import SYSTEMS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default=None, help="class folders of JPEGs (default: made in --data)")
     p.add_argument("--data", default="/tmp/datapipe-bench-peers", help="where the made images and formats go")
-    p.add_argument("--num-images", type=int, default=20000, help="images to make when there is no --source")
-    p.add_argument("--systems", default="torch,webdataset,datapipe,litdata,mosaicml")
+    p.add_argument("--num-images", type=int, default=50000, help="images to make when there is no --source")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", default="0,4,8", help="worker processes of the raw-bytes rows (comma list)")
     p.add_argument("--decode-workers", type=int, default=None, help="workers of the decode row (default: cores)")
-    p.add_argument("--resume-workers", type=int, default=0, help="workers of the resume rows")
+    p.add_argument("--resume-workers", type=int, default=4, help="workers of the resume rows")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per row")
-    p.add_argument("--quick", action="store_true", help="a tiny smoke run (60 small images, batch 8)")
+    p.add_argument("--epoch-cap-s", type=float, default=None, help="cut raw-bytes epochs after this many seconds")
+    p.add_argument("--decode-seconds", type=float, default=3.0, help="seconds of steady decoding timed")
+    p.add_argument("--budget-s", type=float, default=None, help="start no row after this many seconds")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (24 small images, batch 8, 0 workers)")
     p.add_argument("--note", default=None, help="a sentence about this run, kept in the JSON")
+    p.add_argument("--name", default="peers", help="results file name (default peers: peers.json, peers.png)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
 
@@ -56,24 +75,31 @@ def main(argv=None) -> dict:
 
     size = (500, 375)
     if args.quick:
-        args.num_images, args.batch_size, args.workers, args.image_size = 60, 8, "0,2", 32
-        args.decode_workers, size = 2, (96, 72)
+        args.num_images, args.batch_size, args.workers, args.image_size = 24, 8, "0", 16
+        args.decode_workers, args.resume_workers, args.decode_seconds, size = 0, 0, None, (48, 36)
         args.data = args.data.rstrip("/") + "-quick"
+    t0 = time.perf_counter()
     source = args.source or peers.make_image_folder(os.path.join(args.data, f"images-{args.num_images}"),
-                                                    num_images=args.num_images, size=size)
+                                                    num_images=args.num_images, size=size,
+                                                    num_classes=3 if args.quick else 10)
+    made_s = round(time.perf_counter() - t0, 1)
+    command = "python bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    extra = {"command": command, "images_ready_s": made_s, **({"note": args.note} if args.note else {})}
     result = peers.run_peers(source, work_dir=os.path.join(args.data, "formats"),
                              systems=args.systems.split(","), batch_size=args.batch_size,
                              workers=tuple(int(w) for w in args.workers.split(",")),
                              decode_workers=args.decode_workers, resume_workers=args.resume_workers,
-                             image_size=args.image_size, timeout=args.timeout,
-                             on_system=lambda so_far: write_result("peers", so_far, args.out))
-    result["command"] = "python bench/peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.note:
-        result["note"] = args.note
-    path = write_result("peers", result, args.out)
-    plots.plot_peers(result, os.path.splitext(path)[0] + ".png")
+                             image_size=args.image_size, timeout=args.timeout, epoch_cap_s=args.epoch_cap_s,
+                             decode_seconds=args.decode_seconds, budget_s=args.budget_s,
+                             on_row=lambda so_far: _save(args.name, {**so_far, **extra}, args.out))
+    result.update(extra)
+    path = _save(args.name, result, args.out)
+    try:
+        plots.plot_peers(result, os.path.splitext(path)[0] + ".png")
+    except ImportError as e:  # matplotlib is the test extra's
+        print(f"no plot: {e}", file=sys.stderr)
     print(table(peers.table_rows(result), ["row"] + list(result["systems"])))
-    for line in peers.run_notes(result):
+    for line in peers.run_notes(result) + peers.how_lines(result):
         print(line)
     print(f"\nwrote {path}")
     return result

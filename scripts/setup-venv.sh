@@ -37,6 +37,13 @@ else
     { python -m pip install -q --no-deps "litdata==0.2.76" "obstore==0.12.1" && python -c "import litdata" >/dev/null 2>&1; } \
       || python -m pip uninstall -q -y litdata obstore >/dev/null 2>&1 || true
   fi
+  # SPDL, Grain and Megatron-Energon install beside the pins (constraints.txt pins what they pull in). A failure
+  # leaves their bench rows reported as not installed; it never fails the setup.
+  if ! python -c "import spdl.dataloader, grain, megatron.energon" >/dev/null 2>&1; then
+    _setup_step "installing SPDL, Grain and Megatron-Energon (optional: the peers' bench rows)"
+    python -m pip install -q -c constraints.txt "spdl==0.8.0" "grain==0.2.18" "megatron-energon==7.4.1" \
+      >/dev/null 2>&1 || _setup_step "SPDL, Grain or Energon did not install: their bench rows say not installed"
+  fi
   rm -f .venv/.setup-ok-*
   touch "$_setup_stamp"
   _setup_step "ready"

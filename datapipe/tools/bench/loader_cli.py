@@ -40,11 +40,11 @@ def _loader_command(args) -> int:
         except (DataError, OSError, ValueError) as e:
             print(f"datapipe bench loader --peers: {redact_text(e)}", file=sys.stderr)
             return 1
-        from datapipe.tools.bench.peer_table import run_notes, table_rows
+        from datapipe.tools.bench.peer_table import how_lines, run_notes, table_rows
 
         print()
         print(table(table_rows(result["peers"]), ["row"] + list(result["peers"]["systems"])))
-        for line in run_notes(result["peers"]):
+        for line in run_notes(result["peers"]) + how_lines(result["peers"]):
             print(line)
     _outputs(args, result, "loader")
     png = plot_path(args)
@@ -64,8 +64,9 @@ def _peers(args) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="datapipe-peers-") as tmp:
         source = peers.folder_from_shards(resolve([args.data]), f"{tmp}/images")
-        return peers.run_peers(source, work_dir=f"{tmp}/formats", batch_size=args.batch_size,
-                               workers=tuple(parse_list(args.peers_workers)), decode_workers=args.workers,
+        workers = tuple(parse_list(args.peers_workers))
+        return peers.run_peers(source, work_dir=f"{tmp}/formats", batch_size=args.batch_size, workers=workers,
+                               decode_workers=args.workers, resume_workers=min(4, max(workers)),
                                image_size=args.image_size, progress=not args.no_progress)
 
 
@@ -110,9 +111,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     lo.add_argument("--make-images", type=int, default=0, metavar="N",
                     help="if DATA is empty or missing, write N ImageNet-like JPEGs there first")
     lo.add_argument("--peers", action="store_true",
-                    help="also torch (loose files), webdataset, datapipe, litdata and MosaicML Streaming, each "
-                         "writing these images in its own format: write rate, raw bytes, decode, first batch, "
-                         "mid-epoch resume, peak PSS (litdata / MosaicML when installed: datapipe[peers])")
+                    help="also torch (loose files), webdataset, datapipe, litdata, MosaicML Streaming, SPDL, Grain "
+                         "and Megatron-Energon, each writing these images in its own format: write rate, raw "
+                         "bytes, first batch, mid-epoch resume, decode, peak PSS (the peers when installed: "
+                         "datapipe[peers])")
     lo.add_argument("--peers-workers", default="0,4,8", help="worker counts of the peers' raw-bytes rows")
     _common(lo)
     parser.set_defaults(_parser=parser)

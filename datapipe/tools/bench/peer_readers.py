@@ -235,7 +235,8 @@ def describe(system: str, workers: int) -> str:
         "datapipe": f"loaders.DataLoader over ShardStream(shuffle=True, shuffle_buffer=200), {procs}",
         "litdata": f"litdata StreamingDataset(shuffle=True) + StreamingDataLoader, {procs}",
         "mosaicml": f"streaming.StreamingDataset(shuffle=True) + StreamingDataLoader, {procs}",
-        "spdl": f"spdl.dataloader.DataLoader over the shuffled file paths, {max(1, workers)} threads, one process",
+        "spdl": f"spdl.dataloader.DataLoader over the shuffled file paths, "
+                f"{max(1, workers)} thread{'s' if workers > 1 else ''}, one process",
         "grain": "grain MapDataset(ArrayRecordDataSource).shuffle.map.batch.to_iter_dataset (ReadOptions default: "
                  "16 threads)" + (f".mp_prefetch({workers} worker processes)" if workers else ", one process"),
         "energon": f"megatron.energon get_train_dataset (shuffle buffer {ENERGON_SHUFFLE}, "

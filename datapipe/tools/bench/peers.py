@@ -39,7 +39,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 from datapipe.tools.bench.peer_readers import SYSTEMS, describe, list_images, one_epoch, open_loader, set_epoch_of
-from datapipe.tools.bench.peer_table import run_notes, summary, table_rows  # noqa: F401 (the table's names here too)
+from datapipe.tools.bench.peer_table import how_lines, run_notes, summary, table_rows  # noqa: F401 (here too)
 
 RESUMABLE = ("datapipe", "litdata", "mosaicml", "grain", "energon")
 ENDLESS = ("energon",)  # resumed over its default endless stream (its save/restore guide's way)
@@ -375,9 +375,11 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
     def row(system: str, spec: dict, label: str) -> dict:
         limit = clock.timeout_now()
         if limit is None:
-            return {"error": f"not run: the run's budget of {budget_s:.0f} s was spent"}
+            return {"error": f"not run: the run's budget of {budget_s:g} s was spent"}
         say(f"{system}: {label}")
         out = runners[system].run({**spec, "system": system}, timeout=limit)
+        if limit < timeout and str(out.get("error", "")).startswith("timed out"):
+            out["error"] = f"stopped at the run's budget of {budget_s:g} s"
         if "did" not in out and spec["row"] != "write":
             out["did"] = describe(system, spec["workers"])
         return out
@@ -437,7 +439,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
             shutil.rmtree(work_dir, ignore_errors=True)
     short = _short_epochs(result)
     if short:
-        result["notes"].append(f"epochs under {SHORT_EPOCH_S:.0f} s (more images make them longer): "
-                               + ", ".join(short))
+        result["notes"].append(f"{len(short)} epochs read to their end took under {SHORT_EPOCH_S:.0f} s (more "
+                               f"images make them longer): " + ", ".join(short[:6]) + (", ..." if len(short) > 6 else ""))
     result["table"] = summary(result)
     return result

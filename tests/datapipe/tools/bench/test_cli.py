@@ -156,7 +156,7 @@ def test_loader_peers_adds_the_peer_rows(image_dir, tmp_path, capsys):
     assert "mid-epoch resume, exact rest" in text
     res = json.loads(out.read_text())
     systems = res["peers"]["systems"]
-    assert set(systems) == {"torch", "webdataset", "datapipe", "litdata", "mosaicml"}
+    assert set(systems) == {"torch", "webdataset", "datapipe", "litdata", "mosaicml", "spdl", "grain", "energon"}
     assert systems["datapipe"]["resume"]["exact"] is True
     assert systems["datapipe"]["write"]["images"] == 24
     assert (tmp_path / "loader_peers.png").exists()

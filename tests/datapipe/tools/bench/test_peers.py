@@ -1,12 +1,11 @@
-"""datapipe.tools.bench.peers: every row for every installed system on tiny data (a smoke test, no timing)."""
+"""datapipe.tools.bench.peers: the rows on tiny data (a smoke test, no timing), the image folder, the budget."""
 import json
 import os
 
 import pytest
 
 from datapipe.tools.bench import peers
-
-PEERS = [s for s in ("litdata", "mosaicml") if peers.version(s) is not None]
+from datapipe.tools.bench.peer_readers import one_epoch
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +22,38 @@ def test_image_folder_lists_labels_by_sorted_class(source):
     assert len({key for _, key, _ in items}) == 24
 
 
+def test_images_past_the_distinct_renders_are_other_files_of_the_same_pixels(tmp_path):
+    import numpy as np
+
+    from datapipe.tools.bench.baselines import decode_image
+
+    folder = peers.make_image_folder(str(tmp_path / "img"), num_images=7, num_classes=2, size=(40, 30), distinct=3,
+                                     workers=1)
+    items = sorted(peers.list_images(folder), key=lambda x: x[1].split("/")[1])
+    assert len(items) == 7 and not os.path.exists(folder + ".partial")
+    data = [open(p, "rb").read() for p, _, _ in items]
+    assert len(set(data)) == 7  # every file differs
+    for i in range(3, 7):  # ... and decodes to its render's pixels, under its render's label
+        assert np.array_equal(np.asarray(decode_image(data[i])), np.asarray(decode_image(data[i % 3])))
+        assert items[i][2] == items[i % 3][2]
+    with pytest.raises(ValueError, match="distinct"):
+        peers.make_image_folder(str(tmp_path / "none"), num_images=3, distinct=0)
+
+
 def _check_system(entry, *, resumable):
-    assert entry["version"]
-    assert entry["write"]["images"] == 24 and entry["write"]["images_per_s"] > 0, entry["write"]
+    assert entry["version"] and entry["how"]["format"]
+    assert entry["write"]["images"] == 24, entry["write"]
     for epochs in entry["raw"].values():
         assert "error" not in epochs, epochs
         assert epochs["epoch1"]["samples"] == 24 and epochs["epoch2"]["samples"] == 24
+        assert epochs["construct_first_batch_s"] >= epochs["epoch1"]["first_batch_s"] > 0
     dec = entry["decode"]
     assert "error" not in dec, dec
     assert dec["first_batch_s"] > 0 and dec["steady_samples"] == 24 - 6  # batches of 6 (see _run)
     if resumable:
         res = entry["resume"]
         assert "error" not in res, res
-        assert res["exact"] is True, res
+        assert res["exact"] is True and res["same_order"] is True, res
         assert res["resumed_samples"] == res["expected_samples"] == 24 - 6 * res["saved"]["stopped_after_batches"]
     else:
         assert entry["resume"] == {"error": "no mid-epoch resume"}
@@ -44,11 +62,12 @@ def _check_system(entry, *, resumable):
 def _run(source, tmp_path, systems):
     so_far = []
     res = peers.run_peers(source, work_dir=str(tmp_path / "work"), systems=systems, batch_size=8, workers=(0,),
-                          decode_workers=0, image_size=16, timeout=240, progress=False,
-                          on_system=lambda r: so_far.append((list(r["systems"]), r["partial"], len(r["table"]))))
+                          decode_workers=0, resume_workers=0, image_size=16, timeout=240, decode_seconds=None,
+                          progress=False, on_row=lambda r: so_far.append((r["partial"], len(r["table"]))))
     assert list(res["systems"]) == systems
-    # a run cut short keeps what it measured: the result so far after each system, marked partial
-    assert so_far == [(systems[:i + 1], True, len(res["table"])) for i in range(len(systems))]
+    # a run cut short keeps what it measured: the result so far after every row, marked partial
+    rows = len(systems) * 3 + len([s for s in systems if s in peers.RESUMABLE])  # write, raw, decode; resume
+    assert so_far == [(True, len(res["table"]))] * rows
     assert "partial" not in res
     for system in systems:
         _check_system(res["systems"][system], resumable=system in peers.RESUMABLE)
@@ -66,23 +85,32 @@ def test_every_row_for_torch_webdataset_and_datapipe(source, tmp_path):
     assert rows["mid-epoch resume, exact rest"] == {"row": "mid-epoch resume, exact rest", "torch": None,
                                                     "webdataset": None, "datapipe": True}
     assert all(rows["write, images/s"][s] > 0 for s in res["systems"])
+    assert all(isinstance(rows["construct + first batch, 0 workers (s)"][s], float) for s in res["systems"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("system", ["litdata", "mosaicml"])
-def test_every_row_for_a_peer_when_the_extra_is_installed(source, tmp_path, system):
-    if peers.version(system) is None:
-        pytest.skip(f"{system} is not installed (the peers extra: pip install 'datapipe[peers]')")
-    res = _run(source, tmp_path, ["datapipe", system])
-    assert res["systems"][system]["resume"]["exact"] is True
-
-
-@pytest.mark.skipif(PEERS, reason="the peers are installed here: the other test measures them")
-def test_a_peer_not_installed_is_listed_not_measured(source, tmp_path):
-    res = peers.run_peers(source, work_dir=str(tmp_path / "w"), systems=["litdata"], workers=(0,), progress=False)
-    entry = res["systems"]["litdata"]
+def test_a_peer_not_installed_is_listed_not_measured(source, tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "version", lambda system: None)
+    res = peers.run_peers(source, work_dir=str(tmp_path / "w"), systems=["grain"], workers=(0,), progress=False)
+    entry = res["systems"]["grain"]
     assert entry["version"] is None and "datapipe[peers]" in entry["error"]
-    assert peers.table_rows(res)[0]["litdata"] == "n/a"
+    assert peers.table_rows(res)[0]["grain"] == "n/a"
+
+
+def test_rows_past_the_budget_say_so_and_the_run_ends(source, tmp_path):
+    res = peers.run_peers(source, work_dir=str(tmp_path / "w"), systems=["torch"], workers=(0,), progress=False,
+                          budget_s=0.5)
+    entry = res["systems"]["torch"]
+    assert entry["write"] == {"error": "not run: the run's budget of 0.5 s was spent"}
+    assert "raw" not in entry and all(v is None for r in res["table"] for k, v in r.items() if k != "row")
+    assert any("budget" in line for line in peers.run_notes(res))
+
+
+def test_a_capped_epoch_stops_and_says_so():
+    batches = [(["a", "b"], [b"x", b"y"], [0, 0])] * 5
+    full = one_epoch(batches)
+    assert full["samples"] == 10 and "capped" not in full
+    cut = one_epoch(batches, cap_s=1e-9)
+    assert cut["samples"] == 2 and cut["capped"] is True
 
 
 def test_bad_arguments_say_what_to_choose(source):
@@ -90,6 +118,8 @@ def test_bad_arguments_say_what_to_choose(source):
         peers.run_peers(source, systems=["ffcv"])
     with pytest.raises(ValueError, match="no class folders"):
         peers.run_peers(source + "-missing")
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        peers.run_peers(source, budget_s=0)
 
 
 def test_plot_draws_the_numeric_rows(tmp_path):
@@ -114,6 +144,3 @@ def test_folder_from_shards_gives_every_system_the_same_images(tmp_path):
     urls = expand_urls(str(tmp_path / "shards"))
     folder = peers.folder_from_shards(urls, str(tmp_path / "images"))
     assert len(peers.list_images(folder)) == 10
-
-
-
