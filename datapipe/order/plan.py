@@ -76,11 +76,28 @@ class WorkerPlan:
         return sum(len(s) for s in segments)
 
 
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
 def shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
-    """The epoch's shard order (URL indexes, int64): a seeded permutation when ``shuffle``, else URL order."""
-    if not shuffle:
-        return np.arange(num_shards, dtype=np.int64)
-    return np.random.Generator(np.random.PCG64(derive_seed(seed, epoch))).permutation(num_shards)
+    """The epoch's shard order (URL indexes, int64): a seeded permutation when ``shuffle``, else URL order.
+
+    The permutation sorts the shards by splitmix64 keys of (seed, epoch, index): array arithmetic, no Python
+    loop and no ``numpy.random`` (whose import alone costs a first batch ~0.15 s).
+    """
+    index = np.arange(num_shards, dtype=np.int64)
+    if not shuffle or num_shards < 2:
+        return index
+    z = index.astype(np.uint64)
+    z += np.uint64(1)
+    z *= _GOLDEN
+    z += np.uint64(derive_seed(seed, epoch) & 0xFFFFFFFFFFFFFFFF)
+    z ^= z >> np.uint64(30)
+    z *= _MIX1
+    z ^= z >> np.uint64(27)
+    z *= _MIX2
+    z ^= z >> np.uint64(31)
+    return np.argsort(z, kind="stable")
 
 
 def samples_per_rank(total: int, world_size: int) -> int:
