@@ -179,11 +179,15 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         return self._shards.counts
 
     def _counts_array(self) -> np.ndarray:
-        """The counts as an int64 array (made once: the plan's arithmetic runs on it)."""
+        """The counts as an integer array (made once: the plan's arithmetic runs on it)."""
         counts = self.counts
         cached = self.__dict__.get("_counts_np")
         if cached is None or cached[0] is not counts:
-            cached = self._counts_np = (counts, np.asarray(counts, dtype=np.int64))
+            try:
+                array = np.array(counts, dtype=np.int32)  # half the memory of int64; the plan sums in int64
+            except OverflowError:
+                array = np.array(counts, dtype=np.int64)
+            cached = self._counts_np = (counts, array)
         return cached[1]
 
     def __len__(self) -> int:

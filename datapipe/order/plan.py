@@ -85,11 +85,9 @@ def shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> np.
     The permutation sorts the shards by splitmix64 keys of (seed, epoch, index): array arithmetic, no Python
     loop and no ``numpy.random`` (whose import alone costs a first batch ~0.15 s).
     """
-    index = np.arange(num_shards, dtype=np.int64)
     if not shuffle or num_shards < 2:
-        return index
-    z = index.astype(np.uint64)
-    z += np.uint64(1)
+        return np.arange(num_shards, dtype=np.int64)
+    z = np.arange(1, num_shards + 1, dtype=np.uint64)
     z *= _GOLDEN
     z += np.uint64(derive_seed(seed, epoch) & 0xFFFFFFFFFFFFFFFF)
     z ^= z >> np.uint64(30)
@@ -111,8 +109,10 @@ def worker_plan(counts: list[int], order: list[int], *, rank: int, world_size: i
     ``base``: the global sample numbers to plan over, as sorted ``(start, stop)`` ranges (default
     the whole epoch ``0..N-1``); an elastic resume plans the epoch's undelivered samples this way.
     """
-    counts = np.asarray(counts, dtype=np.int64)
-    total = int(counts.sum())
+    counts = np.asarray(counts)
+    if counts.dtype.kind not in "iu":
+        counts = counts.astype(np.int64)
+    total = int(counts.sum(dtype=np.int64))
     if base is None:
         base = ((0, total),) if total else ()
     ranges, padded = run_ranges(base, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers)
@@ -167,13 +167,13 @@ def _segments(counts: Sequence[int], order: Sequence[int], ranges: list[tuple[in
     """Segments covering the global sample numbers of ``ranges``, in that order (array arithmetic: a
     search per range end, no loop over the shards)."""
     ordered = np.asarray(order, dtype=np.int64)
-    sizes = np.asarray(counts, dtype=np.int64)[ordered] if len(ordered) else np.zeros(0, np.int64)
+    sizes = np.asarray(counts)[ordered] if len(ordered) else np.zeros(0, np.int64)
     shards = ordered
     if not sizes.all():  # empty shards take no slot
         keep = sizes > 0
         shards, sizes = ordered[keep], sizes[keep]
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=starts[1:])
+    np.cumsum(sizes, dtype=np.int64, out=starts[1:])
     parts_shard, parts_start, parts_stop = [], [], []
     for g, stop in ranges:
         if stop <= g:
@@ -181,7 +181,7 @@ def _segments(counts: Sequence[int], order: Sequence[int], ranges: list[tuple[in
         i0 = int(np.searchsorted(starts, g, side="right")) - 1
         i1 = int(np.searchsorted(starts, stop - 1, side="right")) - 1
         seg_start = np.zeros(i1 - i0 + 1, dtype=np.int64)
-        seg_stop = sizes[i0:i1 + 1].copy()
+        seg_stop = sizes[i0:i1 + 1].astype(np.int64)
         seg_start[0] = g - starts[i0]
         seg_stop[-1] = stop - starts[i1]
         seg_shard = shards[i0:i1 + 1]

@@ -37,8 +37,9 @@ def load(url: str, mark: dict, cache_dir: str = DEFAULT_DIR):
             checksums = None
             if "checksums" in z:
                 checksums = Checksums(bytes(z["checksums"]).decode("ascii"), int(meta["checksum_width"]))
-            return ManifestColumns(meta["head"], bytes(z["names"]).decode(), z["starts"], z["counts"].tolist(),
-                                   checksums, meta.get("fingerprint"))
+            names = str(memoryview(z["names"]), "utf-8")  # decoded from the array's buffer: no bytes copy
+            return ManifestColumns(meta["head"], names, z["starts"], z["counts"].tolist(), checksums,
+                                   meta.get("fingerprint"))
     except FileNotFoundError:
         return None
     except Exception as e:  # unreadable or foreign: parse the manifest instead
@@ -56,7 +57,7 @@ def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
     shards = ShardList("", columns.names, columns.starts, checksums=columns.checksums)
     meta = {"url": url, "stamp": mark, "head": columns.head, "fingerprint": shards.fingerprint(columns.counts)}
     arrays = {"names": np.frombuffer(columns.names.encode(), dtype=np.uint8), "starts": columns.starts,
-              "counts": np.asarray(columns.counts, dtype=np.int64)}
+              "counts": np.asarray(columns.counts, dtype=np.int64)}  # int64: counts past 2**31 stay exact
     if isinstance(columns.checksums, Checksums):
         arrays["checksums"] = np.frombuffer(columns.checksums.blob.encode("ascii"), dtype=np.uint8)
         meta["checksum_width"] = columns.checksums.width
