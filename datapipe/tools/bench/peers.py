@@ -47,6 +47,13 @@ DISTRIBUTIONS = {"torch": "torch", "webdataset": "webdataset", "datapipe": "data
                  "mosaicml": "mosaicml-streaming", "spdl": "spdl", "grain": "grain", "energon": "megatron-energon"}
 MODULES = {"litdata": "litdata", "mosaicml": "streaming", "spdl": "spdl.dataloader", "grain": "grain",
            "energon": "megatron.energon"}
+NOT_INSTALLED = {  # why a peer may be missing beside the project's pins, and what to do
+    "mosaicml": "not installed: MosaicML Streaming 0.13 pins numpy<2.2 and transformers<5, which the project's pins "
+                "do not meet: install it into a folder of its own (pip install --target DIR mosaicml-streaming) "
+                "and run with PYTHONPATH=DIR",
+    "litdata": "not installed: pip install --no-deps litdata==0.2.76 obstore==0.12.1 (datapipe[peers]; its "
+               "resolver would otherwise pull another torch)",
+}
 SHORT_EPOCH_S = 3.0  # epochs shorter than this are named in the notes (the run of record wants longer ones)
 
 
@@ -364,7 +371,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         v = version(system)
         result["systems"][system] = entry = {"version": v, "how": {"format": FORMATS[system]}}
         if v is None:
-            entry["error"] = "not installed (pip install 'datapipe[peers]', or see bench/peers.py --help)"
+            entry["error"] = NOT_INSTALLED.get(system, "not installed (pip install 'datapipe[peers]', "
+                                                       "or see bench/peers.py --help)")
             say(f"{system}: not installed")
             continue
         entry["how"].update({f"{w} workers": describe(system, w) for w in sorted({*workers, resume_workers,
