@@ -176,6 +176,11 @@ class MmapReader:
     (``read_view``) and values over ``MAX_READ`` come from a memory map of the file, made the first time one
     is asked for (a shard read by copy is never mapped).
 
+    Headers and small values come from a small window read ahead in one ``pread`` (``WINDOW`` bytes: a
+    sample's headers and its small members together, one system call for them instead of one each; it
+    doubles up to ``MAX_WINDOW`` while reads walk through whole windows, as shards of tiny samples do). A value
+    that does not lie inside the window is read on its own, straight into its ``bytes`` (never copied twice).
+
     Mapped pages behind the read position are let go every ``RELEASE_BYTES`` (``MADV_DONTNEED``: the kernel's
     page cache keeps them, this process no longer maps them), so a shard read through costs this process's
     memory (its RSS / PSS) no more than a few blocks; a zero-copy view into a released page reads it again
@@ -183,6 +188,8 @@ class MmapReader:
     """
 
     RELEASE_BYTES = 8 << 20
+    WINDOW = 2048
+    MAX_WINDOW = 256 << 10
 
     def __init__(self, f):
         self.f = f
@@ -193,6 +200,9 @@ class MmapReader:
         self.seekable = True
         self._released = 0  # bytes [0, _released) are no longer mapped in
         self._next_release = self.RELEASE_BYTES
+        self._win = b""  # the bytes of the file from offset _win_at on, read ahead
+        self._win_at = 0
+        self._win_size = self.WINDOW
 
     @property
     def mm(self):
@@ -216,21 +226,43 @@ class MmapReader:
                 pass
             self._released = end
 
+    def _window(self, n: int) -> bool:
+        """Read the window from ``offset`` on (at least ``n`` bytes); False where the file ends first."""
+        offset = self.offset
+        if offset == self._win_at + len(self._win) and len(self._win) >= self._win_size:
+            self._win_size = min(self._win_size * 2, self.MAX_WINDOW)  # walked through a whole window
+        want = min(max(n, self._win_size), self.size - offset)
+        if want < n:
+            return False
+        self._win, self._win_at = os.pread(self._fd, want, offset), offset
+        return len(self._win) >= n  # shorter: the file shrank under us, read as its end
+
     def peek(self, n: int) -> bytes | None:
-        if self.offset + n > self.size:
-            return None
-        data = os.pread(self._fd, n, self.offset)
-        return data if len(data) == n else None  # the file shrank under us: read as its end
+        at = self.offset - self._win_at
+        if at < 0 or at + n > len(self._win):
+            if not self._window(n):
+                return None
+            at = 0
+        return self._win[at:at + n]
 
     def read(self, n: int) -> bytes | None:
-        end = self.offset + n
-        if end > self.size:
+        offset = self.offset
+        end = offset + n
+        at = offset - self._win_at
+        if (at < 0 or at + n > len(self._win)) and n <= self.WINDOW and end <= self.size:
+            self._window(n)  # a small read (a header, a small value) outside the window: the window moves on
+            at = 0
+        if 0 <= at and at + n <= len(self._win):  # inside the window: a small value, copied from it
+            data = self._win[at:at + n]
+        elif end > self.size:
             self.offset = self.size
             return None
-        if n > MAX_READ:  # one pread may return less than asked past 2 GB: the mapping copies it whole
-            data = self.mm[self.offset:end]
+        elif n > MAX_READ:  # one pread may return less than asked past 2 GB: the mapping copies it whole
+            data = self.mm[offset:end]
         else:
-            data = os.pread(self._fd, n, self.offset) if n else b""
+            if 0 <= at < len(self._win):
+                self._win_size = self.WINDOW  # the window ended inside a large value: keep it small
+            data = os.pread(self._fd, n, offset) if n else b""
             if len(data) != n:  # the file shrank under us: read as its end
                 self.offset = self.size
                 return None

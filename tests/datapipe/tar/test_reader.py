@@ -154,3 +154,63 @@ def test_mmap_reader_maps_a_shard_only_for_views(tmp_path, monkeypatch):
         views = [e.sample["bin"] for e in iter_samples(reader, "u", zero_copy=True)]
         assert len(made) == 1 and [bytes(v) for v in views] == [bytes([i]) * 30_000 for i in range(4)]
         reader.close()
+
+
+def _count_preads(monkeypatch):
+    import os
+
+    calls = []
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: calls.append(n) or real(fd, n, offset))
+    return calls
+
+
+def test_mmap_reader_reads_a_samples_headers_and_small_values_in_one_call(tmp_path, monkeypatch):
+    """A shard of samples with a small and a large member: one system call reads a sample's headers and its small
+    value together, one more its large value (two per sample, not one per header and one per value)."""
+    members = []
+    for i in range(30):
+        members += [(f"s{i:03d}.cls", str(i).encode()), (f"s{i:03d}.jpg", bytes([i]) * (40_000 + i))]
+    path = tmp_path / "s.tar"
+    path.write_bytes(make_tar(members))
+    calls = _count_preads(monkeypatch)
+    with open(path, "rb", buffering=0) as f:
+        reader = MmapReader(f)
+        samples = [e.sample for e in iter_samples(reader, "u")]
+        reader.close()
+    assert [(s["cls"], s["jpg"]) for s in samples] == [(str(i).encode(), bytes([i]) * (40_000 + i)) for i in range(30)]
+    assert len(calls) <= 2 * 30 + 2
+    assert sorted(calls)[-30:] == sorted(40_000 + i for i in range(30))  # large values: read once, exactly
+
+
+def test_mmap_reader_reads_shards_of_tiny_samples_in_few_calls(tmp_path, monkeypatch):
+    """Tiny samples (three small members each): the read-ahead window grows, so a shard of 2,000 takes a few
+    dozen system calls, and every value is what ``tarfile`` reads."""
+    members = [(f"k{i:05d}.{ext}", f"{ext}{i}".encode() * (1 + i % 7)) for i in range(2000) for ext in ("a", "b", "c")]
+    path = tmp_path / "s.tar"
+    path.write_bytes(make_tar(members))
+    calls = _count_preads(monkeypatch)
+    with open(path, "rb", buffering=0) as f:
+        reader = MmapReader(f)
+        got = [(e.key, ext, e.sample[ext]) for e in iter_samples(reader, "u") for ext in "abc"]
+        reader.close()
+    assert got == [(name.split(".")[0], name.split(".")[1], data) for name, data in members]
+    assert len(calls) < 100
+
+
+@pytest.mark.parametrize("sizes", [[0, 1, 511, 512, 513], [1500, 2047, 2048, 2049, 1], [3000, 700, 100_000, 5]])
+def test_mmap_reader_values_across_window_edges(tmp_path, sizes):
+    """Values that end before, at and past the edge of the read-ahead window, and large ones after small ones,
+    read as ``tarfile`` reads them (the same through the block reader)."""
+    members = [(f"s{i:03d}.{j}", bytes([(i + j) % 251]) * size) for i in range(12) for j, size in enumerate(sizes)]
+    path = tmp_path / "s.tar"
+    path.write_bytes(make_tar(members))
+    expected = [(name.split(".")[0], name.split(".")[1], data) for name, data in members]
+    with open(path, "rb", buffering=0) as f:
+        reader = MmapReader(f)
+        got = [(e.key, ext, e.sample[ext]) for e in iter_samples(reader, "u") for ext in map(str, range(len(sizes)))]
+        reader.close()
+    assert got == expected
+    blocked = [(e.key, ext, e.sample[ext]) for e in iter_samples(BlockReader(io.BytesIO(path.read_bytes())), "u")
+               for ext in map(str, range(len(sizes)))]
+    assert blocked == expected
