@@ -82,10 +82,13 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     the GPU in place. With any ``device``, workers' raw samples (``bytes``, numpy arrays, in dicts, lists and
     tuples) travel in recycled shared memory and are copied out as they arrive
     (:mod:`loaders.dataloader.rawshm`), not pickled through a pipe; where no thread of this loader pins,
-    a batch's tensors travel in one block of shared memory and come out as views of it (a list of
-    decoded images: one socket round trip a batch instead of one a tensor). With ``device`` set, a pin
-    thread or persistent workers, one pass runs at a time:
-    ``iter()`` stops the last pass's iterator first (its ``next()`` ends).
+    a batch's tensors travel in one block of shared memory and come out each on a storage of its own in it
+    (a list of decoded images: one socket round trip a batch instead of one a tensor; a batch saves and
+    pickles at its own size). Every pass that starts workers has its own shared memory (its own mark,
+    pools and segments: :meth:`_transport`), so passes of non-persistent workers run side by side, with any
+    ``device``, as torch's do. Persistent workers serve one pass at a time, as torch's one iterator of them
+    does: ``iter()`` stops the last pass's iterator first (its ``next()`` ends). A worker that dies ends the
+    pass with torch's error (:mod:`loaders.dataloader.deaths`).
     """
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,

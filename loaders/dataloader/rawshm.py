@@ -13,13 +13,14 @@ however long. The segment stays mapped in the main process for the worker's next
 
 With ``tensors=True`` (where the loader does not recycle the batch's tensors itself: no pin thread of
 its own) the batch's CPU tensors travel together too, in one block of fresh shared memory per batch,
-and come out as views of it with their dtype, shape and strides, not copied. torch sends each tensor
+and come out over it with their dtype, shape and strides, not copied. torch sends each tensor
 in shared memory of its own, and the main process fetches every one's file descriptor from the
 worker over a socket (an authenticated connection each, answered by a thread of the worker that
 needs the worker's interpreter lock, held while it decodes): a batch of 256 decoded images as a
 list (variable sizes, or a collate that keeps samples apart) is 256 such round trips in the one main
-process. Packed, it is one. The block is freed when the last of the batch's tensors is, as a stacked
-batch is (one tensor kept keeps the block). Tensors already in shared memory (``default_collate``'s
+process. Packed, it is one. Each tensor comes out on a storage of its own, a slice of the block's (so it
+saves, pickles and travels as its own bytes, as torch's do, not as the whole block); the block is freed
+when the last of the batch's tensors is, as a stacked batch is (one tensor kept keeps the block). Tensors already in shared memory (``default_collate``'s
 stacks, made there) and tensors sharing a storage with another leaf keep torch's way, as do tensors
 it cannot rebuild densely (see :func:`_movable`).
 
@@ -179,7 +180,8 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
 
 
 def _unpack(packed: Packed):
-    """The batch ``packed`` carries, every packed leaf copied out of its segment (tensors: views of their block)."""
+    """The batch ``packed`` carries, every packed leaf copied out of its segment (tensors: over their block, each
+    on a storage of its own)."""
     body, data, spans, kinds, dtypes, shapes, block = packed
     buf = data.numpy() if data is not None else None
     view = memoryview(buf) if buf is not None else None

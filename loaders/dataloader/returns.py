@@ -21,8 +21,10 @@ class SegmentReturns:
     twice the segments the workers can hold are kept (``workers`` x ``batches`` in flight x the
     tensors of a batch), the least recently used dropped first. ``clear()`` drops them all.
 
-    ``next_pass()``: a pass starts; persistent workers then free the segments of batches the last pass
-    left in flight, which torch drops unread (see :meth:`SegmentPool.new_pass`).
+    One per set of workers (the loader makes one for each pass that starts workers): it only ever gives
+    back its own pass's deliveries. ``next_pass()``: a new pass over the same persistent workers starts;
+    they then free the segments of batches the last pass left in flight, which torch drops unread (see
+    :meth:`SegmentPool.new_pass`).
 
     ``register=True`` (the loader copies batches to a GPU itself): ``adopt(batch)``, before pinning,
     keeps the batch's segments and page-locks each for CUDA the first time it is seen
@@ -42,10 +44,10 @@ class SegmentReturns:
         self._copying: collections.Counter[int] = collections.Counter()  # segment -> batches a copy reads
         self._leaves = 1
         self._pid = os.getpid()
-        self.passes: torch.Tensor | None = None  # the pass counter the workers read (SegmentPool.new_pass)
+        self.passes: torch.Tensor | None = None  # persistent workers' pass counter (SegmentPool.new_pass)
 
     def pass_counter(self) -> torch.Tensor:
-        """The loader's pass counter in shared memory (made on first use), for the workers' collates."""
+        """The (persistent) workers' pass counter in shared memory (made on first use), for their collates."""
         if self.passes is None:
             self.passes = torch.zeros(1, dtype=torch.int64).share_memory_()
         return self.passes

@@ -90,9 +90,11 @@ class SegmentPool:
         self.pass_seen: int | None = None
 
     def new_pass(self, n: int) -> None:
-        """The loader's pass counter reads ``n``: when it moved on, every segment still ``BUSY`` is free
-        again. A persistent worker's pool outlives a pass, and a new pass starts only once the main
-        process has given back every batch of the last one it took; the batches still in flight as the
+        """The pass counter of this worker's set of persistent workers reads ``n``: when it moved on, every
+        segment still ``BUSY`` is free again (workers that serve one pass have no counter: a segment goes
+        back only as the main process gives that delivery back). A persistent worker's pool outlives a
+        pass, and a new pass over those workers starts only once the last one's thread has stopped and the
+        main process has given back every batch of it that it took; the batches still in flight as the
         last pass ended (left unfinished) torch drops unread when it starts the new one. A batch of the
         last pass this worker was still collating after the counter moved keeps its segment until the
         next move (the worker uses fresh shared memory meanwhile): it cannot be told from the new pass's."""
@@ -155,7 +157,8 @@ class PooledCollate:
 
     Where torch's ``default_collate`` stacks tensors (as the collate, or called by a custom one) it
     writes straight into a segment; the result's other movable tensors are copied into segments. In
-    the main process (no workers) it is the wrapped collate. ``mark``: the loader's 8 bytes;
+    the main process (no workers) it is the wrapped collate. ``mark``: the 8 bytes of the pass's workers;
+    ``passes``: the pass counter of persistent workers (else None);
     ``batches``: how many batches one worker may have in flight (torch's prefetch factor + 2), so the
     pool's cap is that many times the tensors in a batch. ``tensors=False``: tensors travel as torch
     sends them. ``pack(batch, pool)``: applied to each collated batch first, with the pool (e.g.
@@ -167,7 +170,7 @@ class PooledCollate:
         self.collate = collate_fn
         self.mark = mark
         self.batches = batches
-        self.passes = passes  # the loader's pass counter, in shared memory (see SegmentPool.new_pass)
+        self.passes = passes  # persistent workers' pass counter, in shared memory (see SegmentPool.new_pass)
         self.tensors = tensors
         self.pack = pack
         self._pool: SegmentPool | None = None

@@ -239,3 +239,80 @@ def test_batches_sent_to_another_process_arrive_exact(collate):
     child.join(30)
     assert sum(wrong(b, n) for n, b in enumerate(held)) == 0
     dl.close()
+
+
+# ---------------------------------------------------------------- GPU -------------------------------
+
+def gpu_loader(where, **kw):
+    """``where``: ``cuda`` (the loader copies to the GPU, from registered segments in place) or ``pin`` (torch's
+    idiom: ``pin_memory=True``, pinned in our thread, the loop moves the batch)."""
+    kw.setdefault("collate_fn", samples)
+    extra = dict(device="cuda") if where == "cuda" else dict(pin_memory=True)
+    return DataLoader(Stamped(), batch_size=B, num_workers=2, **extra, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["cuda", "pin"])
+@pytest.mark.parametrize("collate", ["samples", "nested"])
+def test_gpu_a_whole_pass_run_while_an_earlier_iterator_is_live_leaves_both_exact(where, collate):
+    dl = gpu_loader(where, collate_fn=COLLATES[collate])
+    it1 = iter(dl)
+    first = [next(it1) for _ in range(3)]
+    second = list(dl)
+    rest = list(it1)
+    assert len(first + rest) == len(second) == N // B
+    torch.cuda.synchronize()
+    assert sum(wrong(b, n) for n, b in [*enumerate(first + rest), *enumerate(second)]) == 0
+    dl.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["cuda", "pin"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gpu_three_live_iterators_interleaved_each_exact_and_whole(where, seed):
+    dl = gpu_loader(where)
+    its, got, live = [], [], []
+    order = random.Random(seed)
+    while live or len(its) < 3:
+        if len(its) < 3 and (not live or order.random() < 0.15):
+            its.append(iter(dl))
+            got.append([])
+            live.append(len(its) - 1)
+        k = order.choice(live)
+        try:
+            got[k].append(next(its[k]))
+        except StopIteration:
+            live.remove(k)
+    assert [len(g) for g in got] == [N // B] * 3
+    assert sum(wrong(b, n) for g in got for n, b in enumerate(g)) == 0
+    dl.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["cuda", "pin"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_batches_held_for_epochs_stay_exact(where, persistent):
+    dl = gpu_loader(where, persistent_workers=persistent, collate_fn=nested)
+    held = []
+    for _ in range(4):
+        it = iter(dl)
+        held += [(n, next(it)) for n in range(3)]  # a pass left unfinished: its segments in flight
+        held += list(enumerate(dl))
+    torch.cuda.synchronize()
+    assert sum(wrong(b, n) for n, b in held) == 0
+    for n, b in held[:6]:  # and they save and pickle as their own bytes
+        assert wrong(torch.load(io.BytesIO(_saved(b)), weights_only=False), n) == 0
+        assert wrong(pickle.loads(pickle.dumps(b)), n) == 0
+    dl.close()
+
+
+@pytest.mark.gpu
+def test_gpu_a_killed_worker_is_torchs_error_with_device_cuda(tmp_path):
+    from tests.loaders.dataloader import test_deaths as d
+
+    dl = DataLoader(d.Stamped(), batch_size=8, num_workers=2, collate_fn=samples, device="cuda",
+                    worker_init_fn=d.functools.partial(d._note_pid, str(tmp_path)))
+    _, it, n = d._run_until_a_worker_dies(dl, tmp_path, d._check_stamped)
+    d._the_pass_ends(it, n, d._check_stamped)
+    dl.close()
+    assert [p for p in d._pids(tmp_path) if not d._gone(p)] == []
