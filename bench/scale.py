@@ -21,7 +21,7 @@ Each step runs in a fresh Python process (imports included), over the folder URL
 
     python bench/scale.py              # 10k, 100k, 1M shards: bench/results/scale.json
     python bench/scale.py --sizes 100000 --steps stream
-    python bench/scale.py --quick      # smoke check (1k and 10k shards, nothing written to results/)
+    python bench/scale.py --quick      # smoke check (100 and 1k shards, nothing written to results/)
 """
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "datapipe-scale"),
                         help="where the shard folders are made (once) and reused")
     parser.add_argument("--out", default=None, help="results directory (default bench/results)")
-    parser.add_argument("--quick", action="store_true", help="smoke check: 1k and 10k shards, results not written "
+    parser.add_argument("--quick", action="store_true", help="smoke check: 100 and 1k shards, results not written "
                         "unless --out is given")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.folder, args.n, args.state)))
         return 0
-    sizes = [1_000, 10_000] if args.quick else sorted(args.sizes)
+    sizes = [100, 1_000] if args.quick else sorted(args.sizes)
     rows = []
     for n in sizes:
         t = time.perf_counter()

@@ -172,8 +172,10 @@ def _segments(counts: Sequence[int], order: Sequence[int], ranges: list[tuple[in
     if not sizes.all():  # empty shards take no slot
         keep = sizes > 0
         shards, sizes = ordered[keep], sizes[keep]
-    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, dtype=np.int64, out=starts[1:])
+    total = int(sizes.sum(dtype=np.int64))
+    wide = np.int32 if total < 2**31 else np.int64  # half the memory where the epoch's numbers fit
+    starts = np.zeros(len(sizes) + 1, dtype=wide)
+    np.cumsum(sizes, dtype=wide, out=starts[1:])
     parts_shard, parts_start, parts_stop = [], [], []
     for g, stop in ranges:
         if stop <= g:

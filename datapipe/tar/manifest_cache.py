@@ -57,7 +57,7 @@ def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
     shards = ShardList("", columns.names, columns.starts, checksums=columns.checksums)
     meta = {"url": url, "stamp": mark, "head": columns.head, "fingerprint": shards.fingerprint(columns.counts)}
     arrays = {"names": np.frombuffer(columns.names.encode(), dtype=np.uint8), "starts": columns.starts,
-              "counts": np.asarray(columns.counts, dtype=np.int64)}  # int64: counts past 2**31 stay exact
+              "counts": _smallest(columns.counts)}
     if isinstance(columns.checksums, Checksums):
         arrays["checksums"] = np.frombuffer(columns.checksums.blob.encode("ascii"), dtype=np.uint8)
         meta["checksum_width"] = columns.checksums.width
@@ -70,3 +70,11 @@ def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
         os.replace(tmp, path)
     except Exception as e:  # a read-only home, a full disk: the next start parses the JSON again
         log.debug("cannot keep a copy of manifest %s in %s: %s", url, path, e)
+
+
+def _smallest(values) -> np.ndarray:
+    """``values`` as int32 where they fit (half the memory when read back), else int64."""
+    try:
+        return np.array(values, dtype=np.int32)
+    except OverflowError:
+        return np.array(values, dtype=np.int64)
