@@ -23,11 +23,12 @@ faster:
   slowly than in the window that moved it (on few queues: less than 10% faster, ``FEW_QUEUES_KEEP``; the
   one measured move kept wrongly had run 6% faster than a window slowed by something else, the right keeps
   28-45%), the loader moves back to the CUDA decoder. Either way the choice is then final. Measured on
-  the H200 with the earlier bar (2% / 10%, no margin; ``bench/results/ceiling.json``, ``cuda_graphs_trial``
-  and ``fast_model_probe``): under CUDA graphs the trial took the move back in 4 of 5 rows (one kept it,
-  0.81); with ResNet-18 it kept it each time. Once per process, the hardware decoder's first batch takes 1.7-3 s and,
-  under CUDA graphs, the CUDA pipeline's first batch after a move back ~5 s: a 200-step row that pays them
-  reads 0.53-0.54, one after them 0.87, against 0.92-0.94 on the CUDA decoder throughout.
+  the H200 with the earlier bar and judge (2% / 10%, no margin; ``cuda_graphs_trial`` and
+  ``fast_model_probe`` in the earlier ceiling.json that git keeps): under CUDA graphs that judge moved every
+  time and the trial took the move back in 4 of 5 rows, at one-off costs (the hardware decoder's first batch
+  1.7-3 s, the CUDA pipeline's first batch after a move back ~5 s). With this judge (the run of record): no
+  move under CUDA graphs (3.5% starved; 0.894, the hand loop 0.793), a kept move with ResNet-18 (0.691 against
+  0.638).
 
 ``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
 (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder alone, moving
