@@ -144,13 +144,14 @@ def child(step: str, folder: str, n: int, state_path: str) -> dict:
     next(iter(stream))
     out["first_sample_s"] = time.perf_counter() - t
     out["fresh_s"] = time.perf_counter() - t0 - out["import_s"]
+    out["fresh_peak_rss_mb"] = _rss_mb()
     if step in ("stream", "cold"):
         from datapipe.order.plan import shard_order, worker_plan
 
         import numpy as np
 
         t = time.perf_counter()
-        counts = np.asarray(stream.counts)  # once per process, as the stream does
+        counts = np.array(stream.counts, dtype=np.int32)  # once per process, as the stream does
         order = shard_order(len(counts), shuffle=True, seed=0, epoch=0)  # the same for every rank
         for rank in range(8):
             for worker in range(2):
