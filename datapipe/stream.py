@@ -352,7 +352,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         else:
             seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
             items = shuffled(lambda first: reader.positions(plan, first), size=self.shuffle_buffer, seed=seed,
-                             length=len(plan), draws=draws)
+                             length=len(plan), draws=draws, read_items=lambda first: reader.items(plan, first))
         if self._steps:
             items = stepped(items, self._steps, lost=LOST, lose=reader.lose)
         try:

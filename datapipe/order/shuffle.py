@@ -33,20 +33,27 @@ class ShuffleBuffer:
 
     def run(self, source: Iterable[Any]) -> Iterator[Any]:
         slots, rng, size, start = self.slots, self.rng, self.size, self.start
-        for item in source:
+        source = iter(source)
+        for item in (source if len(slots) < size else ()):  # filling up
             self.pulled += 1
             n = len(slots)
-            if n < size:
-                slots.append(item)
-                if n + 1 < start or (start < size and self.pulled % 2):
-                    continue
-                if n + 1 == size and start == size:
-                    continue  # filled before its first draw: the first draw replaces with the next item
+            slots.append(item)
+            # no draw before ``start`` items, then one every second item; filled before its first draw
+            # (``start == size``): the first draw replaces with the next item
+            if not (n + 1 < start or (start < size and self.pulled % 2) or (n + 1 == size and start == size)):
                 j = rng.randrange(n + 1)
                 slots[j], slots[-1] = slots[-1], slots[j]
                 yield slots.pop()
-                continue
-            j = rng.randrange(size)
+            if len(slots) >= size:
+                break
+        # full: each item replaces a random slot's item; ``rng.randrange(size)``'s own draws (getrandbits of
+        # size's bit length until one is below size) without its Python-level argument checks
+        getrandbits, bits = rng.getrandbits, size.bit_length()
+        for item in source:
+            self.pulled += 1
+            j = getrandbits(bits)
+            while j >= size:
+                j = getrandbits(bits)
             out = slots[j]
             slots[j] = item
             yield out
@@ -70,13 +77,18 @@ def replay_positions(size: int, seed: int, length: int, draws: int) -> tuple[Shu
 
 
 def shuffled(read_positions: Callable[[int], Iterator[tuple[int, Any]]], *, size: int, seed: int, length: int,
-             draws: int) -> Iterator[Any]:
+             draws: int, read_items: Callable[[int], Iterator[Any]] | None = None) -> Iterator[Any]:
     """The shuffle-buffer stage: items of a run of ``length`` positions from draw ``draws`` on.
 
     ``read_positions(first)`` yields ``(position, item)`` from position ``first`` on. The buffer is
     rebuilt by replaying ``draws`` draws over positions; the items in its slots are read again.
+    ``read_items(first)``, if given, yields the items alone: an empty buffer to rebuild (a fresh epoch)
+    reads through it, with no position attached to every item.
     """
     buffer, pulled = replay_positions(size, seed, length, draws)
+    if not buffer.slots and read_items is not None:
+        yield from ShuffleBuffer(size, buffer.rng, start=START, pulled=pulled).run(read_items(pulled))
+        return
     source = read_positions(min(buffer.slots + [pulled]))
     wanted = {p: i for i, p in enumerate(buffer.slots)}
     slots = [None] * len(buffer.slots)

@@ -11,7 +11,7 @@ from datapipe.read.shards import Shards
 from datapipe.storage.urls import redact_url
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import TarFormatError
-from datapipe.tar.reader import iter_samples
+from datapipe.tar.reader import SampleEvent, walk_samples
 
 
 class _Lost:
@@ -124,16 +124,20 @@ class SegmentReader:
         expected, last_key = start, None  # the cursor, kept in locals on this hot path
         held = None  # a whole sample read, handed out once the next one is read (or anything else happens)
         try:
-            for event in iter_samples(reader, url, start=start, stop=past, resync=not errors.raises,
-                                      zero_copy=self.zero_copy):
+            g, events = walk_samples(reader, url, start=start, stop=past, resync=not errors.raises,
+                                     zero_copy=self.zero_copy)
+            for event in events:
+                if type(event) is dict:  # a whole sample (at g.ordinal)
+                    ordinal = g.ordinal
+                    if ordinal == expected and ordinal < stop:  # the common case
+                        last_key = g.key
+                        expected += 1
+                        if held is not None:
+                            yield held
+                        held = event
+                        continue
+                    event = SampleEvent(ordinal, g.key, event)
                 ordinal = event.ordinal
-                if ordinal == expected and event.sample is not None and ordinal < stop:  # the common case
-                    last_key = event.key
-                    expected += 1
-                    if held is not None:
-                        yield held
-                    held = event.sample
-                    continue
                 if held is not None:  # what follows (a loss, an error, the end) comes after it
                     sample, held = held, None
                     yield sample

@@ -145,8 +145,19 @@ def iter_samples(reader, url: str, *, start: int = 0, stop: int | None = None,
     return _walk(reader, _Grouping(url, start, stop), resync=resync, zero_copy=zero_copy)
 
 
-def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[SampleEvent]:
-    """``iter_samples`` over the grouping ``g`` (which the caller may read afterwards)."""
+def walk_samples(reader, url: str, *, start: int = 0, stop: int | None = None, resync: bool = False,
+                 zero_copy: bool = False) -> tuple[_Grouping, Iterator[SampleEvent | dict]]:
+    """``iter_samples`` for the stream's hot path: ``(grouping, events)`` where a whole sample comes as its
+    dict alone (its ordinal and key are then the grouping's ``ordinal`` and ``key``), with no event made for
+    it; anything else (damage) comes as a ``SampleEvent``."""
+    g = _Grouping(url, start, stop)
+    return g, _walk(reader, g, resync=resync, zero_copy=zero_copy, plain=True)
+
+
+def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool, plain: bool = False
+          ) -> Iterator[SampleEvent | dict]:
+    """``iter_samples`` over the grouping ``g`` (which the caller may read afterwards); ``plain``: whole samples
+    as their dicts (see ``walk_samples``)."""
     stop = g.stop
     errors: list[TarFormatError] = []
     read_data = reader.read_view if zero_copy and hasattr(reader, "read_view") else reader.read
@@ -163,7 +174,7 @@ def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[Sa
                 m = next_member(reader, resync=resync, on_error=errors.append)
             except TarTruncated as e:
                 if e.complete and g.current is not None:  # cut inside the end-of-archive blocks: the last is whole
-                    yield g.whole()
+                    yield g.current if plain else g.whole()
                 raise
             if errors:  # the reader resynchronised past damage: settle which sample it hit
                 yield from g.damage(errors[-1], m[0] if m is not None else None)
@@ -192,7 +203,7 @@ def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[Sa
                 _skip_member(reader, name, size, header_offset, key)
                 continue
             if g.current is not None:
-                yield SampleEvent(g.ordinal, g.key, g.current)
+                yield g.current if plain else SampleEvent(g.ordinal, g.key, g.current)
             g.begin(key)
             if stop is not None and g.ordinal >= stop:
                 return
@@ -220,7 +231,7 @@ def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool) -> Iterator[Sa
             continue
         current[ext] = data
     if g.current is not None:
-        yield g.whole()
+        yield g.current if plain else g.whole()
 
 
 def count_samples(reader) -> int:

@@ -368,3 +368,21 @@ def test_missing_local_shards_are_named_before_any_counting(tmp_path, caplog, on
 def test_a_folder_that_is_not_there_is_named_as_a_folder(tmp_path, suffix):
     with pytest.raises(DataError, match=r"no such folder: .*missing"):
         list(ShardStream(str(tmp_path / "missing") + suffix))
+
+
+def test_a_fresh_epoch_reads_samples_without_positions(shards, monkeypatch):
+    """A fresh epoch with a shuffle buffer reads its samples straight through (no ``(position, sample)`` pair made
+    for every sample: positions are read only to rebuild a resumed buffer), in the same order as a resume
+    from its start, each sample once."""
+    from datapipe.read.segments import SegmentReader
+
+    urls, samples = shards
+    make = lambda: ShardStream(urls, shuffle=True, shuffle_buffer=5, seed=3)  # noqa: E731
+    resumed = make()
+    resumed.load_state_dict(make().state_dict())
+    via_positions = keys(resumed)
+    used = []
+    real = SegmentReader.positions
+    monkeypatch.setattr(SegmentReader, "positions", lambda self, *a: used.append(a) or real(self, *a))
+    fresh = keys(make())
+    assert used == [] and fresh == via_positions and sorted(fresh) == sorted(s["__key__"] for s in samples)

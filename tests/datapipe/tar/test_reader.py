@@ -214,3 +214,22 @@ def test_mmap_reader_values_across_window_edges(tmp_path, sizes):
     blocked = [(e.key, ext, e.sample[ext]) for e in iter_samples(BlockReader(io.BytesIO(path.read_bytes())), "u")
                for ext in map(str, range(len(sizes)))]
     assert blocked == expected
+
+
+def test_walk_samples_hands_whole_samples_out_as_their_dicts():
+    """``walk_samples`` (the stream's hot path): a whole sample comes as its dict, its ordinal and key on the
+    grouping while it is handed out; damage still comes as an event; the samples are those of ``iter_samples``."""
+    from datapipe.tar.reader import SampleEvent, walk_samples
+
+    members = [(f"s{i:02d}.{ext}", bytes([i]) * (100 + i)) for i in range(8) for ext in ("a", "b")]
+    data = bytearray(make_tar(members))
+    data[512 * 2 * 5 + 3] ^= 0x55  # break the header of sample 2's first member (each member is 2 blocks)
+    expected = list(iter_samples(BlockReader(io.BytesIO(bytes(data))), "u", start=1, stop=6, resync=True))
+    g, events = walk_samples(BlockReader(io.BytesIO(bytes(data))), "u", start=1, stop=6, resync=True)
+    got = []
+    for event in events:
+        if type(event) is dict:
+            event = SampleEvent(g.ordinal, g.key, event)
+        got.append((event.ordinal, event.key, event.sample, type(event.error)))
+    assert got == [(e.ordinal, e.key, e.sample, type(e.error)) for e in expected]
+    assert [o for o, _, s, _ in got if s is None][:1] == [2] and [o for o, _, s, _ in got if s][:1] == [1]
