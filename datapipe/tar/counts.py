@@ -20,6 +20,7 @@ from typing import Any, Callable
 import fsspec
 
 from datapipe.storage.files import filesystem, write_json
+from datapipe.storage.stamps import stamp  # noqa: F401  (re-exported: the count cache's stamp)
 from datapipe.storage.urls import is_local, redact_text, redact_url
 
 log = logging.getLogger("datapipe.tar.counts")
@@ -28,15 +29,6 @@ SIDECAR = ".datapipe-counts.json"
 FORMAT = "datapipe-counts"
 DEFAULT_CACHE_DIR = "~/.cache/datapipe/counts"
 THREADS = 16
-
-
-def stamp(url: str, storage_options: dict | None = None) -> dict[str, Any]:
-    """What identifies this version of the shard: size and mtime (local) or ETag / modification time."""
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    info = fs.info(path)
-    version = info.get("mtime") or info.get("ETag") or info.get("etag") or info.get("LastModified") \
-        or info.get("last_modified") or info.get("updated")
-    return {"size": info.get("size"), "version": str(version) if version is not None else None}
 
 
 def _cache_file(directory: str, cache_dir: str) -> str:

@@ -14,7 +14,9 @@ import os
 
 import numpy as np
 
-log = logging.getLogger("datapipe.tar.manifest")
+from datapipe.tar.columns import Checksums, ManifestColumns
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DIR = "~/.cache/datapipe/manifests"
 MIN_BYTES = 4 << 20  # ~45k shards: below it the JSON parses in well under 0.1 s
@@ -26,8 +28,6 @@ def _path(url: str, cache_dir: str) -> str:
 
 def load(url: str, mark: dict, cache_dir: str = DEFAULT_DIR):
     """The cached ``ManifestColumns`` of ``url`` if its stamp is ``mark``, else None."""
-    from datapipe.tar.manifest import Checksums, ManifestColumns
-
     path = _path(url, cache_dir)
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -49,7 +49,6 @@ def load(url: str, mark: dict, cache_dir: str = DEFAULT_DIR):
 
 def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
     """Keep ``columns`` of the manifest ``url`` (stamp ``mark``); failures are logged at debug level only."""
-    from datapipe.tar.manifest import Checksums
 
     from datapipe.storage.shard_list import ShardList
 
