@@ -97,8 +97,10 @@ def test_a_shard_list_reads_like_the_list_of_its_urls():
 
 
 @pytest.mark.parametrize("sha", [True, False])
-def test_a_shard_lists_fingerprint_is_the_lists(tmp_path, sha):
+def test_a_shard_lists_fingerprint_is_the_lists(tmp_path, monkeypatch, sha):
     from datapipe import ShardStream
+
+    monkeypatch.setattr(manifest_cache, "DEFAULT_DIR", str(tmp_path / "cache"))  # a large manifest: copied
 
     entries = _entries(70_000 if sha else 300, sha=sha)  # more than one block
     write_manifest(str(tmp_path), make_manifest(entries))
