@@ -200,8 +200,8 @@ class MmapReader:
         self.seekable = True
         self._released = 0  # bytes [0, _released) are no longer mapped in
         self._next_release = self.RELEASE_BYTES
-        self._win = b""  # the bytes of the file from offset _win_at on, read ahead
-        self._win_at = 0
+        self._win = b""  # the bytes of the file from offset _win_at to _win_end, read ahead
+        self._win_at = self._win_end = 0
         self._win_size = self.WINDOW
 
     @property
@@ -229,30 +229,30 @@ class MmapReader:
     def _window(self, n: int) -> bool:
         """Read the window from ``offset`` on (at least ``n`` bytes); False where the file ends first."""
         offset = self.offset
-        if offset == self._win_at + len(self._win) and len(self._win) >= self._win_size:
+        if offset == self._win_end and self._win_end - self._win_at >= self._win_size:
             self._win_size = min(self._win_size * 2, self.MAX_WINDOW)  # walked through a whole window
         want = min(max(n, self._win_size), self.size - offset)
         if want < n:
             return False
-        self._win, self._win_at = os.pread(self._fd, want, offset), offset
-        return len(self._win) >= n  # shorter: the file shrank under us, read as its end
+        self._win = os.pread(self._fd, want, offset)
+        self._win_at, self._win_end = offset, offset + len(self._win)
+        return self._win_end - offset >= n  # shorter: the file shrank under us, read as its end
 
     def peek(self, n: int) -> bytes | None:
-        at = self.offset - self._win_at
-        if at < 0 or at + n > len(self._win):
+        offset = self.offset
+        if offset < self._win_at or offset + n > self._win_end:
             if not self._window(n):
                 return None
-            at = 0
+        at = offset - self._win_at
         return self._win[at:at + n]
 
     def read(self, n: int) -> bytes | None:
         offset = self.offset
         end = offset + n
-        at = offset - self._win_at
-        if (at < 0 or at + n > len(self._win)) and n <= self.WINDOW and end <= self.size:
+        if (offset < self._win_at or end > self._win_end) and n <= self.WINDOW and end <= self.size:
             self._window(n)  # a small read (a header, a small value) outside the window: the window moves on
-            at = 0
-        if 0 <= at and at + n <= len(self._win):  # inside the window: a small value, copied from it
+        if self._win_at <= offset and end <= self._win_end:  # inside the window: a small value, copied from it
+            at = offset - self._win_at
             data = self._win[at:at + n]
         elif end > self.size:
             self.offset = self.size
@@ -260,7 +260,7 @@ class MmapReader:
         elif n > MAX_READ:  # one pread may return less than asked past 2 GB: the mapping copies it whole
             data = self.mm[offset:end]
         else:
-            if 0 <= at < len(self._win):
+            if self._win_at <= offset < self._win_end:
                 self._win_size = self.WINDOW  # the window ended inside a large value: keep it small
             data = os.pread(self._fd, n, offset) if n else b""
             if len(data) != n:  # the file shrank under us: read as its end
