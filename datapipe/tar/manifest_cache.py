@@ -3,7 +3,8 @@ reads a million-shard manifest in milliseconds instead of parsing its JSON again
 
 The copy lives in ``~/.cache/datapipe/manifests`` (one ``.npz`` per manifest URL, no pickles), stamped with the
 manifest's size and modification time (or ETag): a manifest that changed is parsed again. Only manifests
-of at least ``MIN_BYTES`` are copied; a copy that cannot be read or written only means parsing the JSON.
+of at least ``MIN_BYTES`` are copied, and the ``KEEP`` most recently used copies are kept; a copy that cannot be
+read or written only means parsing the JSON.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DIR = "~/.cache/datapipe/manifests"
 MIN_BYTES = 4 << 20  # ~45k shards: below it the JSON parses in well under 0.1 s
+KEEP = 16  # copies kept; the least recently used beyond them are removed when one is written
 
 
 def _path(url: str, cache_dir: str) -> str:
@@ -38,6 +40,7 @@ def load(url: str, mark: dict, cache_dir: str = DEFAULT_DIR):
             if "checksums" in z:
                 checksums = Checksums(bytes(z["checksums"]).decode("ascii"), int(meta["checksum_width"]))
             names = str(memoryview(z["names"]), "utf-8")  # decoded from the array's buffer: no bytes copy
+            _touch(path)
             return ManifestColumns(meta["head"], names, z["starts"], z["counts"].tolist(), checksums,
                                    meta.get("fingerprint"))
     except FileNotFoundError:
@@ -67,6 +70,7 @@ def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
         tmp = f"{path}.tmp-{os.getpid()}.npz"
         np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         os.replace(tmp, path)
+        _evict(os.path.dirname(path))
     except Exception as e:  # a read-only home, a full disk: the next start parses the JSON again
         log.debug("cannot keep a copy of manifest %s in %s: %s", url, path, e)
 
@@ -77,3 +81,26 @@ def _smallest(values) -> np.ndarray:
         return np.array(values, dtype=np.int32)
     except OverflowError:
         return np.array(values, dtype=np.int64)
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path)  # used now: the last to be evicted
+    except OSError:
+        pass
+
+
+def _evict(directory: str) -> None:
+    """Remove all but the ``KEEP`` most recently used copies."""
+    copies = []
+    for name in os.listdir(directory):
+        if name.endswith(".npz") and ".tmp-" not in name:
+            try:
+                copies.append((os.path.getmtime(os.path.join(directory, name)), name))
+            except OSError:
+                continue
+    for _, name in sorted(copies, reverse=True)[KEEP:]:
+        try:
+            os.remove(os.path.join(directory, name))
+        except OSError:
+            pass

@@ -124,3 +124,24 @@ def test_the_copy_keeps_the_fingerprint(tmp_path, monkeypatch):
     urls = shard_urls(str(tmp_path))
     assert urls.known_fingerprint is not None and urls.known_fingerprint in want
     assert ShardStream(str(tmp_path)).state_dict()["shards"] == want
+
+
+def test_only_the_most_recently_used_copies_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1)
+    monkeypatch.setattr(manifest_cache, "KEEP", 2)
+    cache = str(tmp_path / "cache")
+    for i in range(4):
+        (tmp_path / f"d{i}").mkdir()
+        write_manifest(str(tmp_path / f"d{i}"), make_manifest(_entries(5)))
+    read_columns(str(tmp_path / "d0"), cache_dir=cache)
+    read_columns(str(tmp_path / "d1"), cache_dir=cache)
+    import os
+    import time
+
+    os.utime(next((tmp_path / "cache").iterdir()), (time.time() - 100, time.time() - 100))
+    read_columns(str(tmp_path / "d0"), cache_dir=cache)  # a hit: d0's copy is the newest again
+    read_columns(str(tmp_path / "d2"), cache_dir=cache)
+    kept = {manifest_cache._path(str(tmp_path / f"d{i}" / "manifest.json"), cache) for i in range(4)}
+    have = {str(p) for p in (tmp_path / "cache").iterdir()}
+    assert have <= kept
+    assert have == {manifest_cache._path(str(tmp_path / f"d{i}" / "manifest.json"), cache) for i in (0, 2)}
