@@ -54,14 +54,18 @@ class ShardList(Sequence[str]):
             raise IndexError("shard index out of range")
         return self._prefix() + self.name(i)
 
-    def iter_names(self) -> Iterator[str]:
-        """The names, a block at a time (a ``split`` where no name holds a newline)."""
+    def _blocks(self) -> Iterator[list[str]]:
+        """The names, a list per block of ``_BLOCK`` (a ``split`` where no name holds a newline)."""
         n = len(self)
         for lo in range(0, n, _BLOCK):
             hi = min(n, lo + _BLOCK)
             block = self.names[self.starts[lo]:self.starts[hi] - 1].split("\n")
             if len(block) != hi - lo:  # a name with a newline in it
                 block = [self.name(i) for i in range(lo, hi)]
+            yield block
+
+    def iter_names(self) -> Iterator[str]:
+        for block in self._blocks():
             yield from block
 
     def _prefix(self) -> str:
@@ -92,11 +96,9 @@ class ShardList(Sequence[str]):
             return None
         digest = hashlib.sha1()
         checksums = self.checksums
-        n, lo = len(self), 0
-        names = self.iter_names()
-        while lo < n:
-            hi = min(n, lo + _BLOCK)
-            block = [next(names) for _ in range(hi - lo)]
+        lo = 0
+        for block in self._blocks():
+            hi = lo + len(block)
             if checksums is None:
                 text = "|".join(map("{}:{}".format, block, counts[lo:hi]))
             else:
