@@ -16,7 +16,7 @@ from datapipe.storage.files import RetryingFile, decompress, open_shard, with_ti
 from datapipe.storage.urls import is_local, local_path, redact_url
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.counts import _map, load_counts, stamp, store_counts
-from datapipe.tar.manifest import read_manifest
+from datapipe.tar.manifest import listed, read_manifest
 from datapipe.tar.reader import count_until_damage
 
 # the stream's own logger (its count warning keeps its name)
@@ -48,6 +48,7 @@ class Shards:
         self._given = counts is not None
         self._cache_failures = cache.failures if cache is not None else 0  # the cache's failures counted so far
         self._identity: str | None = None
+        self._checksums = False  # the checksums listed() found with the counts (None: none), False: not used
 
     def _given_counts(self, counts) -> list[int] | None:
         if counts is None:
@@ -95,6 +96,13 @@ class Shards:
         """Samples per shard: given, else from the manifest, else from the count cache, else counted once (and cached)."""
         if self._counts is None and getattr(self.urls, "counts", None) is not None:
             self._counts = self.urls.counts  # a folder's ShardList: its manifest's counts, read once
+        if self._counts is None and self.manifest is None and self.cache is None:  # one folder's URLs: its columns
+            # (with a cache, the manifest's entries are read anyway: their checksums check what it keeps)
+            found = listed(self.urls, storage_options=self.options(self.urls[0]), retries=self.storage.retries,
+                           backoff=self.storage.backoff) if len(self.urls) > 1 else None
+            if found is not None and None not in found[0]:
+                self._counts, self._checksums = list(found[0]), found[1]
+                self._identity = None if found[2] is None else self._describe(found[2])
         if self._counts is None:
             known = {u: int(e["count"]) for u, e in self.entries().items()}
             missing = [u for u in self.urls if u not in known and not u.startswith("pipe:")]
@@ -135,12 +143,17 @@ class Shards:
         if self._identity is None:
             quick = getattr(self.urls, "fingerprint", None)  # a folder's ShardList: a block at a time
             digest = quick(self.counts) if quick is not None and not self._given else None
+            if digest is None and self._checksums is not False and not self._given:  # counted by listed()
+                digest = fingerprint(self.urls, self.counts, self._checksums)
             if digest is None:
                 entries = {} if self._given else self.entries()  # given counts: no manifest is read
                 digest = fingerprint(self.urls, self.counts,
                                      [(entries.get(u) or {}).get("sha256") or None for u in self.urls])
-            self._identity = f"{len(self.urls)} shards, {sum(self.counts)} samples, {digest}"
+            self._identity = self._describe(digest)
         return self._identity
+
+    def _describe(self, digest: str) -> str:
+        return f"{len(self.urls)} shards, {sum(self.counts)} samples, {digest}"
 
     def _count_shard(self, url: str) -> tuple[int, str | None, dict | None]:
         """``(complete samples, damage message or None, the shard's stamp for the cache or None)``."""

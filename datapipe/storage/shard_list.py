@@ -107,3 +107,45 @@ class ShardList(Sequence[str]):
             digest.update(((("|" if lo else "") + text)).encode())
             lo = hi
         return digest.hexdigest()[:16]
+
+
+class NumberedUrls(Sequence[str]):
+    """``f"{head}{i:0{width}d}{tail}"`` for ``lo <= i <= hi``: a brace range's URLs, made as they are read (a
+    million of them cost nothing until then); compares equal to the list of the same URLs."""
+
+    def __init__(self, head: str, lo: int, hi: int, width: int, tail: str):
+        self.head, self.lo, self.hi, self.width, self.tail = head, lo, hi, width, tail
+
+    def __len__(self) -> int:
+        return self.hi - self.lo + 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("shard index out of range")
+        return f"{self.head}{self.lo + i:0{self.width}d}{self.tail}"
+
+    def __iter__(self) -> Iterator[str]:
+        head, width, tail = self.head, self.width, self.tail
+        return (f"{head}{i:0{width}d}{tail}" for i in range(self.lo, self.hi + 1))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and not isinstance(other, str) and len(other) == len(self) \
+            and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"NumberedUrls({self[0]!r}, ... {len(self)} URLs)"
+
+    def in_folder(self) -> tuple[str, str] | None:
+        """``(folder, names joined by "\\n")`` when every URL lies in one folder (the digits are in the name)."""
+        folder, _, name_head = self.head.rpartition("/")
+        if not _ or "/" in self.tail:
+            return None
+        width, tail = self.width, self.tail
+        return folder, "\n".join(f"{name_head}{i:0{width}d}{tail}" for i in range(self.lo, self.hi + 1))

@@ -40,7 +40,8 @@ def expand_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = F
 def shard_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = False,
                storage_options: dict | None = None) -> Sequence[str]:
     """:func:`expand_urls`'s URLs, where a lone folder with a manifest stays a compact
-    :class:`~datapipe.storage.shard_list.ShardList` (carrying the manifest's counts) instead of a list."""
+    :class:`~datapipe.storage.shard_list.ShardList` (carrying the manifest's counts) and a lone numeric brace
+    range over shard names a lazy :class:`~datapipe.storage.shard_list.NumberedUrls`, instead of a list."""
     if isinstance(spec, (list, tuple)):
         parts = list(spec)
     elif isinstance(spec, (str, os.PathLike)):
@@ -59,8 +60,10 @@ def shard_urls(spec: str | list[str] | tuple[str, ...], *, allow_pipe: bool = Fa
         _check_braces(part)
         expanded = _brace_expand(part)
         _check_padding(part, expanded)
-        if len(expanded) > 1 and _all_shards(part, expanded):
-            urls += expanded  # one numeric range over shard names: nothing to ask of each URL
+        if len(expanded) > 1 and _all_shards(part, expanded):  # one numeric range over shard names:
+            if len(parts) == 1:
+                return expanded  # nothing to ask of each URL, and nothing made before it is read
+            urls += expanded
             continue
         for url in expanded:
             if url.startswith("pipe:") and not allow_pipe:
@@ -85,9 +88,9 @@ def _shard_name(url: str) -> str:
     return url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
-def _brace_expand(part: str) -> list[str]:
-    """``braceexpand``'s list; a pattern whose only braces are one numeric range is made directly (a million
-    URLs in a fraction of a second)."""
+def _brace_expand(part: str) -> Sequence[str]:
+    """``braceexpand``'s list; a pattern whose only braces are one numeric range is a lazy
+    :class:`~datapipe.storage.shard_list.NumberedUrls` (a million URLs cost nothing until read)."""
     m = _RANGE.search(part)
     if m is not None and "{" not in part[:m.start()] + part[m.end():] and "}" not in part[:m.start()] + part[m.end():]:
         lo, hi = m.group(1), m.group(2)
@@ -95,7 +98,9 @@ def _brace_expand(part: str) -> list[str]:
         if len(lo) == len(hi) or not padded:
             width = len(lo) if padded else 0
             head, tail = part[:m.start()], part[m.end():]
-            return [f"{head}{i:0{width}d}{tail}" for i in range(int(lo), int(hi) + 1)]
+            from datapipe.storage.shard_list import NumberedUrls
+
+            return NumberedUrls(head, int(lo), int(hi), width, tail)
     return list(braceexpand.braceexpand(part))
 
 

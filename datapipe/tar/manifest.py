@@ -5,7 +5,7 @@ import json
 import posixpath
 import re
 from operator import itemgetter, methodcaller
-from typing import Any
+from typing import Any, Sequence
 
 import fsspec
 import numpy as np
@@ -208,6 +208,45 @@ def _columns_of(manifest: Any) -> ManifestColumns:
     checksums: list = []
     _add(manifest["shards"], names, counts, checksums)
     return ManifestColumns.of({**manifest, "shards": []}, names, counts, checksums)
+
+
+def listed(urls, *, storage_options: dict | None = None, retries: int = 5,
+           backoff: float = 0.2) -> tuple[list, Sequence | None, str | None] | None:
+    """``(counts, checksums, fingerprint)`` aligned with ``urls`` (None where no manifest beside them lists a URL;
+    checksums None where none has one; the shards' fingerprint where the manifest's copy knows it), when all of
+    ``urls`` lie in one directory (a brace pattern's case); else None.
+
+    The directory's manifest is read as columns (:func:`read_columns`); URLs that are exactly its shards in
+    its order take its counts as they are, others are looked up by name.
+    """
+    if not len(urls):
+        return None
+    directory = posixpath.dirname(urls[0])
+    prefix, k = directory + "/", len(directory) + 1
+    quick = urls.in_folder() if hasattr(urls, "in_folder") else None  # a brace range: its names made directly
+    if quick is not None:
+        directory, joined = quick
+    elif not all(u.startswith(prefix) for u in urls):
+        return None
+    else:
+        joined = "\n".join(u[k:] for u in urls)
+    if "/" in joined or joined.count("\n") != len(urls) - 1 or joined.startswith("pipe:"):
+        return None
+    columns = read_columns(directory, storage_options=storage_options, retries=retries, backoff=backoff)
+    if columns is None:
+        return [None] * len(urls), None, None
+    if joined == columns.names:
+        return columns.counts, columns.checksums, columns.fingerprint
+    del joined
+    from datapipe.storage.shard_list import ShardList
+
+    index = {name: i for i, name in enumerate(ShardList(directory, columns.names, columns.starts).iter_names())}
+    where = [index.get(u[k:]) for u in urls]
+    del index
+    counts = [None if i is None else columns.counts[i] for i in where]
+    sums = None if columns.checksums is None else [None if i is None else columns.checksums[i] or None
+                                                   for i in where]
+    return counts, sums, None
 
 
 def counts_from_manifests(urls: list[str], *, storage_options: dict | None = None) -> dict[str, int]:

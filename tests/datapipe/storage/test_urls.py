@@ -217,3 +217,14 @@ def test_a_glob_and_a_folder_over_s3(tmp_path):
         assert expand_urls("s3://bucket/data", storage_options=options) == want
         stream = ShardStream("s3://bucket/data/shard-*.tar", storage_options=options)
         assert [s["__key__"] for s in stream] == [s["__key__"] for s in samples]
+
+
+def test_a_long_brace_range_is_made_lazily_for_a_stream():
+    from datapipe.storage.urls import shard_urls
+
+    urls = shard_urls("s3://b/shard-{0000000..0999999}.tar")
+    assert len(urls) == 1_000_000 and urls[0] == "s3://b/shard-0000000.tar" and urls[-1] == "s3://b/shard-0999999.tar"
+    assert urls[5:7] == ["s3://b/shard-0000005.tar", "s3://b/shard-0000006.tar"]
+    assert shard_urls("a/{8..11}.tar") == ["a/8.tar", "a/9.tar", "a/10.tar", "a/11.tar"]
+    assert expand_urls("a/{08..11}.tar") == ["a/08.tar", "a/09.tar", "a/10.tar", "a/11.tar"]
+    assert isinstance(expand_urls("a/{08..11}.tar"), list)

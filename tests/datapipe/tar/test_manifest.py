@@ -124,6 +124,7 @@ def test_the_copy_keeps_the_fingerprint(tmp_path, monkeypatch):
     urls = shard_urls(str(tmp_path))
     assert urls.known_fingerprint is not None and urls.known_fingerprint in want
     assert ShardStream(str(tmp_path)).state_dict()["shards"] == want
+    assert ShardStream(f"{tmp_path}/shard-{{000000..000039}}.tar").state_dict()["shards"] == want  # its pattern
 
 
 def test_only_the_most_recently_used_copies_are_kept(tmp_path, monkeypatch):
@@ -145,3 +146,20 @@ def test_only_the_most_recently_used_copies_are_kept(tmp_path, monkeypatch):
     have = {str(p) for p in (tmp_path / "cache").iterdir()}
     assert have <= kept
     assert have == {manifest_cache._path(str(tmp_path / f"d{i}" / "manifest.json"), cache) for i in (0, 2)}
+
+
+def test_urls_of_one_folder_are_counted_from_its_columns(tmp_path, monkeypatch):
+    from datapipe import ShardStream
+    from datapipe.tar.manifest import listed
+    from tests.shards import write_shards
+
+    urls, samples = write_shards(tmp_path / "s", [2, 3, 1, 4])
+    monkeypatch.setattr("datapipe.read.shards.read_manifest", lambda *a, **k: pytest.fail("whole manifest read"))
+    assert listed(urls)[0] == [2, 3, 1, 4] and listed(urls)[2] is None  # a small manifest: no copy
+    assert listed([urls[3], urls[1]])[0] == [4, 3] and listed([urls[0], str(tmp_path / "s" / "x.tar")])[0] == [2, None]
+    assert listed([urls[0], str(tmp_path / "other" / "y.tar")]) is None  # two folders: not this path
+    pattern = f"{tmp_path}/s/shard-{{000003..000003}}.tar::{tmp_path}/s/shard-{{000000..000001}}.tar"
+    stream = ShardStream(pattern)
+    assert stream.counts == [4, 2, 3]
+    assert [s["__key__"] for s in stream] == [s["__key__"] for s in samples[6:] + samples[:5]]
+    assert fingerprint([urls[3], urls[0], urls[1]], [4, 2, 3]) in stream.state_dict()["shards"]
