@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 import weakref
 from typing import TypeVar
@@ -143,6 +144,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._losses_before: dict = {}  # the dataset's loss totals when the current pass began
         self._active = None  # weakref to the latest LoaderIterator
         self._live: weakref.WeakSet = weakref.WeakSet()  # every LoaderIterator not yet collected (close())
+        # torch's iterators are made one at a time: _torch_iter swaps the loader's collate_fn, num_workers and
+        # plan around it, and a pass's thread may make one (num_workers="auto") while another pass starts
+        self._making = threading.RLock()
         self._prefetcher: DevicePrefetcher | None = None
         self._auto: dict = {"num_workers": None, "prefetch_depth": None, "history": []}
         self._auto_workers: int | None = None if auto else num_workers
@@ -190,6 +194,10 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     def _torch_iter(self, workers: int, p: Progress, transport, *, skip: int = 0, replay: bool = False):
         """One of torch's iterators (``super().__iter__``: persistent workers reused as torch does), its
         workers writing into ``transport`` (this pass's ``(SegmentReturns, RawCopies)``)."""
+        with self._making:
+            return self._make_torch_iter(workers, p, transport, skip=skip, replay=replay)
+
+    def _make_torch_iter(self, workers: int, p: Progress, transport, *, skip: int, replay: bool):
         self.num_workers = workers
         rng = p.rng
         self._plan = Plan(skip, rng.sampler_rng if replay else None, rng)
