@@ -13,6 +13,7 @@ Each step runs in a fresh Python process (imports included), over the folder URL
   the process's peak RSS), on the first open ever: the manifest's JSON is parsed;
 - ``stream``: the same on a restart, where the manifest's compact local copy (``datapipe.tar.manifest_cache``,
   kept for manifests of 4 MB and more) is read instead;
+- ``pattern``: the same as ``stream`` over the brace pattern instead of the folder;
 - ``resume``: construct, ``load_state_dict`` of a state taken mid-epoch (by another process), first sample;
   ``resume_extra_s`` is its time past a fresh stream's construct + counts + first sample;
 - ``loader``: ``loaders.DataLoader(stream, batch_size=32, num_workers=2)``'s first batch.
@@ -36,7 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REAL = 16  # real tars behind the symlinks
-STEPS = ("expand", "cold", "stream", "resume", "loader")
+STEPS = ("expand", "cold", "stream", "pattern", "resume", "loader")
 GOALS = {"total_s": 2.0, "peak_rss_mb": 300.0, "resume_extra_s": 0.2, "expand_s": 1.0, "growth": 11.0}
 
 
@@ -113,7 +114,8 @@ def child(step: str, folder: str, n: int, state_path: str) -> dict:
 
     out["import_s"] = time.perf_counter() - t0
     t = time.perf_counter()
-    stream = ShardStream(folder, shuffle=True, rank=0, world_size=8)
+    spec = os.path.join(folder, f"shard-{{0000000..{n - 1:07d}}}.tar") if step == "pattern" else folder
+    stream = ShardStream(spec, shuffle=True, rank=0, world_size=8)
     out["construct_s"] = time.perf_counter() - t
     if step == "state":
         it = iter(stream)
@@ -145,7 +147,7 @@ def child(step: str, folder: str, n: int, state_path: str) -> dict:
     out["first_sample_s"] = time.perf_counter() - t
     out["fresh_s"] = time.perf_counter() - t0 - out["import_s"]
     out["fresh_peak_rss_mb"] = _rss_mb()
-    if step in ("stream", "cold"):
+    if step in ("stream", "cold", "pattern"):
         from datapipe.order.plan import shard_order, worker_plan
 
         import numpy as np

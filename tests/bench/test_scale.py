@@ -15,7 +15,7 @@ def test_scale_quick_writes_every_step(tmp_path):
     result = json.loads((tmp_path / "results" / "scale.json").read_text())
     assert [r["shards"] for r in result["rows"]] == [100, 1000]
     for row in result["rows"]:
-        for key in ("expand_expand_s", "cold_total_s", "stream_total_s", "stream_peak_rss_mb", "resume_resume_extra_s",
-                    "loader_first_batch_s"):
+        for key in ("expand_expand_s", "cold_total_s", "stream_total_s", "pattern_total_s", "stream_peak_rss_mb",
+                    "resume_resume_extra_s", "loader_first_batch_s"):
             assert isinstance(row[key], (int, float)), key
     assert "1000/100" in result["growth"] and result["environment"]["cpu_count"]
