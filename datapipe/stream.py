@@ -25,7 +25,7 @@ from datapipe.decode import Decode, Map, stepped
 from datapipe.errors import ErrorPolicy, OnError, check_on_error
 from datapipe.order import elastic
 from datapipe.order.padding import deliver
-from datapipe.order.plan import samples_per_rank, shard_order, worker_plan
+from datapipe.order.plan import SHARD_ORDER, samples_per_rank, shard_order, worker_plan
 from datapipe.order.ranks import rank_world
 from datapipe.order.shared_epoch import SharedEpoch
 from datapipe.order.shuffle import shuffled
@@ -217,7 +217,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
 
     def _identity(self) -> dict[str, Any]:
         return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
-                "shards": self._shards.identity()}
+                "shards": self._shards.identity(), "shard_order": SHARD_ORDER}
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: the epoch, the shape (rank, world_size, num_workers), each worker's draw
@@ -305,6 +305,10 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             state = elastic.merge_states(list(state))
         for rank_state in (state["ranks"] if elastic.is_global(state) else [state]):
             _check_stream_state(rank_state)
+            if self.shuffle and "shards" in rank_state and "shard_order" not in rank_state:
+                raise ValueError("this checkpoint was taken by an earlier datapipe, whose shuffled shard order differs "
+                                 "from this one's: resuming it here would repeat some shards and skip others. Resume "
+                                 "it with the datapipe version that wrote it, or start this epoch anew")
             check_identity(rank_state, "ShardStream", self._identity())
 
     def stats(self) -> dict[str, Any]:

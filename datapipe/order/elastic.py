@@ -19,7 +19,7 @@ import sys
 from array import array
 from typing import Any, Sequence
 
-from datapipe.order.plan import Ranges, map_positions, normalize, run_ranges, subtract
+from datapipe.order.plan import SHARD_ORDER, Ranges, map_positions, normalize, run_ranges, subtract
 from datapipe.order.seeds import derive_seed
 from datapipe.order.shuffle import replay_positions
 
@@ -289,5 +289,5 @@ def planned_state(remaining: Ranges, *, epoch: int, seed: int, world_size: int, 
     base = pack_ranges(normalize(remaining))
     ranks = [{"epoch": int(epoch), "seed": int(seed), "world_size": int(world_size), "rank": r, "num_workers": 0,
               "workers": {}, "shuffle_buffer": int(shuffle_buffer), "total": int(total),
-              "generation": int(generation), "base": base} for r in range(int(world_size))]
+              "shard_order": SHARD_ORDER, "generation": int(generation), "base": base} for r in range(int(world_size))]
     return {GLOBAL: 1, "world_size": int(world_size), "num_workers": 1, "epoch": int(epoch), "ranks": ranks}

@@ -301,8 +301,8 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
                         workers.update({int(k): dict(v) for k, v in src["workers"].items()})
                 ranks.append({"epoch": int(rs["epoch"]), "rank": r, "world_size": world, "num_workers": nw,
                               "workers": workers})
-            extra = {k: template[k] for k in ("seed", "shuffle", "shuffle_buffer", "shards", "total", "generation",
-                                              "base")
+            extra = {k: template[k] for k in ("seed", "shuffle", "shuffle_buffer", "shards", "shard_order", "total",
+                                              "generation", "base")
                      if template is not None and k in template}
             stream.load_state_dict(elastic.merge_states([{**extra, **rs} for rs in ranks]))
         return 1 + max([int(rs.get("generation", 0)) for rs in g["ranks"]])

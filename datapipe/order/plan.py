@@ -79,6 +79,11 @@ class WorkerPlan:
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
+# names the shuffled shard order below; a checkpoint records it, and one taken under another order (or before
+# the name was recorded: an earlier, numpy.random order) is refused instead of resuming into other shards
+SHARD_ORDER = "splitmix64-sort"
+
+
 def shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
     """The epoch's shard order (URL indexes, int64): a seeded permutation when ``shuffle``, else URL order.
 

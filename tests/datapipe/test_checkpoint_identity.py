@@ -142,3 +142,18 @@ def test_a_state_taken_right_after_a_load_keeps_the_loaded_position(tmp_path):
     again = ShardStream(urls, shuffle=True, shuffle_buffer=3)
     again.load_state_dict(loaded.state_dict())  # nothing read since the load: the same position
     assert [s["__key__"] for s in again] == full[5:]
+
+
+def test_a_shuffled_state_from_before_the_shard_order_was_recorded_is_refused(tmp_path):
+    """The shuffled shard order changed (splitmix64 keys, not numpy.random): a checkpoint that does not name its
+    order was taken under the old one and would resume into other shards, so it is refused, not loaded."""
+    urls, _ = write_shards(str(tmp_path), [30, 40, 30])
+    state = _state_after(ShardStream(urls, shuffle=True, seed=0), 10)
+    assert state["shard_order"]
+    old = {k: v for k, v in state.items() if k != "shard_order"}
+    with pytest.raises(ValueError, match="earlier datapipe.*shard order"):
+        ShardStream(urls, shuffle=True, seed=0).load_state_dict(old)
+    with pytest.raises(ValueError, match="shard_order='older'"):
+        ShardStream(urls, shuffle=True, seed=0).load_state_dict({**state, "shard_order": "older"})
+    unshuffled = {k: v for k, v in _state_after(ShardStream(urls), 10).items() if k != "shard_order"}
+    ShardStream(urls).load_state_dict(unshuffled)  # input order never changed: such a state still loads
