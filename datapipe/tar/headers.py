@@ -108,6 +108,9 @@ def _pax_records(data: bytes) -> dict[str, str]:
 
 _REGULAR = (b"0", b"\0", b"7")
 _GNU_SPARSE = b"S"
+# entry types with no data of their own: refused where a sample member would be lost (as `datapipe index` does)
+_NO_DATA = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
+            b"6": "a FIFO"}
 
 
 def _skip_sparse(reader, header: bytes, name: str, size: int, header_offset: int) -> TarFormatError:
@@ -124,6 +127,20 @@ def _skip_sparse(reader, header: bytes, name: str, size: int, header_offset: int
         raise TarTruncated(f"tar stream ends inside member {name!r} ({size} bytes expected)", header_offset, key)
     err = TarFormatError(f"sparse tar members are not supported (member {name!r})", header_offset, key=key,
                          name=name)
+    err.intact = True
+    return err
+
+
+def _refuse_kind(kind: str, name: str, target: str, header_offset: int) -> TarFormatError | None:
+    """The error that refuses a member of a data-less kind (a link, a device) named like a sample's member, or
+    None where no sample would have it (no extension, a ``__meta__`` name: skipped as a regular file would be)."""
+    key = split_key(name)[0]
+    if key is None or is_meta(name):
+        return None
+    to = f" to {target!r}" if target else ""
+    err = TarFormatError(f"tar member {name!r} is {kind}{to}, not a regular file: its sample cannot be read "
+                         "(write the shard from the files' contents, e.g. with datapipe.ShardWriter)",
+                         header_offset, key=key, name=name)
     err.intact = True
     return err
 
@@ -157,7 +174,8 @@ def next_member(reader, *, resync: bool = False, on_error: Callable[[TarFormatEr
 
     The reader is left at the member's data; the caller must consume ``padded(size)`` bytes.
     Extension headers (GNU long names, pax ``path`` / ``size``) are applied; other entry types
-    are skipped. A bad header (checksum, size field, pax records, a size past the end of a file
+    are skipped, but for links and devices named like a sample's member, which are refused as sparse
+    members are (``TarFormatError`` with ``intact`` set; its member is stepped over). A bad header (checksum, size field, pax records, a size past the end of a file
     of known size) raises ``TarFormatError`` unless ``resync`` is set, in which case ``on_error``
     is told and the reader scans forward for the next valid header.
     """
@@ -197,7 +215,7 @@ def _plain_member(header: bytes, header_offset: int, limit: int | None) -> tuple
 def _next_member(reader, *, resync: bool, on_error: Callable[[TarFormatError], None] | None
                  ) -> tuple[str, int, int] | None:
     """``next_member`` the full way: extension headers, other entry types, damage and resynchronisation."""
-    long_name = None
+    long_name = long_link = None
     pax = None
     limit = getattr(reader, "size", None)
     while True:
@@ -241,23 +259,38 @@ def _next_member(reader, *, resync: bool, on_error: Callable[[TarFormatError], N
                     data = reader.read(padded(size))
                     if data is None:
                         raise TarFormatError("tar stream ends inside an extension header", header_offset)
-                    if typeflag == b"L":
-                        long_name = bytes(data[:size]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                    if typeflag in (b"L", b"K"):
+                        text = bytes(data[:size]).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                        if typeflag == b"L":
+                            long_name = text
+                        else:
+                            long_link = text
                     elif typeflag == b"x":
                         pax = _pax_records(bytes(data[:size]))
                     continue
                 else:
-                    long_name = pax = None
+                    # Other entry types hold no sample data. Directory entries (and GNU volume labels, unknown
+                    # types) are skipped, as webdataset's tar iterator (it keeps `tarinfo.isreg()` members only)
+                    # and DALI's wds2idx skip them. A link or device named like a sample's member is refused by
+                    # name instead (webdataset would drop it silently, losing that file of its sample).
+                    kind = _NO_DATA.get(typeflag)
+                    if kind is not None:
+                        name = (pax or {}).get("path") or long_name or _name(header)
+                        target = ((pax or {}).get("linkpath") or long_link
+                                  or header[157:257].split(b"\0", 1)[0].decode("utf-8", "surrogateescape"))
+                        err = _refuse_kind(kind, name, target, header_offset)
+                    long_name = long_link = pax = None
                     if not reader.skip(padded(size)):
                         raise TarFormatError("tar stream ends inside a non-file entry", header_offset)
-                    continue
+                    if kind is None or err is None:
+                        continue
             except ValueError as e:
                 err = TarFormatError(f"bad tar header: {e}", header_offset, name=_legible_name(header))
         if not resync:
             raise err
         on_error(err)
-        long_name = pax = None
-        if not _resync(reader):
+        long_name = long_link = pax = None
+        if not err.intact and not _resync(reader):  # an intact header's member was stepped over whole
             return None
 
 

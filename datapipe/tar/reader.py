@@ -177,6 +177,9 @@ def _walk(reader, g: _Grouping, *, resync: bool, zero_copy: bool, plain: bool = 
                     yield g.current if plain else g.whole()
                 raise
             if errors:  # the reader resynchronised past damage: settle which sample it hit
+                for err in errors[:-1]:  # refused members (links, sparse) back to back: each is its sample's loss
+                    if err.intact:
+                        yield from g.damage(err, None)
                 yield from g.damage(errors[-1], m[0] if m is not None else None)
                 errors.clear()
             if m is None:

@@ -380,3 +380,69 @@ def test_damaged_gzip_is_a_data_error_and_skip_keeps_what_came_before(tmp_path, 
         assert stats["errors"] >= 1
         if with_manifest:
             assert stats["skipped"] == n - len(keys)
+
+
+def _tar_with(path, members, fmt=tarfile.PAX_FORMAT):
+    """A tar made by tarfile from ``(name, data or ("link"|"symlink"|"dir", target))`` members."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if isinstance(data, tuple):
+                kind, target = data
+                info.type = {"link": tarfile.LNKTYPE, "symlink": tarfile.SYMTYPE, "dir": tarfile.DIRTYPE}[kind]
+                info.linkname = target
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.getvalue())
+    return str(path)
+
+
+LINKS = [("symlink", "a symbolic link"), ("link", "a hard link")]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("kind, words", LINKS)
+def test_link_members_are_refused_by_name_and_counted(tmp_path, kind, words, fmt):
+    # a link member holds no data: skipping it silently would lose that file of its sample
+    members = [("k000.cls", b"0"), ("k000.jpg", b"zero"), ("k001.cls", b"1"), ("k001.jpg", (kind, "k000.jpg")),
+               ("k002.cls", b"2"), ("k002.jpg", b"two")]
+    for with_manifest in (False, True):
+        path = _tar_with(tmp_path / f"m{with_manifest}" / "shard-000000.tar", members, fmt)
+        if with_manifest:
+            write_manifest(os.path.dirname(path), make_manifest([{"name": "shard-000000.tar", "count": 3,
+                                                                  "bytes": os.path.getsize(path), "sha256": ""}]))
+        with pytest.raises(DataError, match=rf"member 'k001\.jpg' is {words}") as info:
+            list(ShardStream(path))
+        assert "shard-000000.tar" in str(info.value) and "k001" in str(info.value)
+        for on_error in ("skip", "warn"):
+            stream = ShardStream(path, on_error=on_error)
+            assert [s["__key__"] for s in stream] == ["k000", "k002"]
+            stats = stream.stats()
+            assert (stats["skipped"], stats["errors"]) == (1, 1), stats
+            assert words in stats["last_errors"][0]
+
+
+def test_consecutive_link_samples_are_each_counted(tmp_path):
+    # every link a sample of its own, back to back: each is one counted loss, the samples after them come through
+    members = [("k000.bin", b"0"), ("k001.bin", ("symlink", "k000.bin")), ("k002.bin", ("link", "k000.bin")),
+               ("k003.bin", ("symlink", "k000.bin")), ("k004.bin", b"4")]
+    path = _tar_with(tmp_path / "shard-000000.tar", members)
+    stream = ShardStream(path, on_error="skip")
+    assert [s["__key__"] for s in stream] == ["k000", "k004"]
+    stats = stream.stats()
+    assert (stats["skipped"], stats["errors"]) == (3, 3), stats
+
+
+def test_directory_entries_and_links_outside_samples_are_skipped(tmp_path):
+    # as webdataset (its tar iterator keeps regular files only) and DALI's wds2idx: a directory entry holds no
+    # sample data, nor does a link whose name no sample would have (no extension)
+    members = [("d", ("dir", "")), ("d/k000.bin", b"0"), ("latest", ("symlink", "d/k000.bin")),
+               ("d/k001.bin", b"1")]
+    path = _tar_with(tmp_path / "shard-000000.tar", members)
+    stream = ShardStream(path)
+    assert [s["__key__"] for s in stream] == ["d/k000", "d/k001"]
+    assert stream.stats()["errors"] == 0
