@@ -8,13 +8,15 @@ thread, 5 s late, and the main thread then waits on it. :func:`watch` makes the 
 was fetching from the worker as it died fails with ``ConnectionResetError`` or ``EOFError`` (its socket
 closed), before the worker counts as dead: :func:`death` waits up to :data:`GRACE_S` for it to, and
 gives torch's message instead. A dead worker ends the pass (:func:`fatal`): torch's iterator would go on
-without the dead worker's batches.
+without the dead worker's batches; persistent workers with one dead (:func:`dead`) are let go before the
+next pass, which starts new ones.
 """
 from __future__ import annotations
 
 import time
+import weakref
 
-__all__ = ["GRACE_S", "POLL_S", "death", "fatal", "watch"]
+__all__ = ["GRACE_S", "POLL_S", "dead", "death", "fatal", "watch"]
 
 POLL_S = 0.2  # how often a waiting iterator looks at its workers
 GRACE_S = 1.0  # how long a broken connection waits for its worker to count as dead
@@ -25,18 +27,20 @@ _TORCH = "DataLoader worker (pid"  # every torch message about a worker that die
 def watch(torch_it) -> None:
     """Make ``torch_it`` (torch's multi-process iterator) look at its workers every :data:`POLL_S` while it
     waits for a batch without a user ``timeout`` (torch: every 5 s)."""
-    try_get = getattr(torch_it, "_try_get_data", None)
-    if try_get is None or getattr(try_get, "_datapipe_watch", False):
+    try_get = getattr(type(torch_it), "_try_get_data", None)
+    if try_get is None or getattr(torch_it.__dict__.get("_try_get_data"), "_datapipe_watch", False):
         return
+    ref = weakref.ref(torch_it)  # no cycle: torch's iterator is freed (its workers shut down) when dropped
 
     def polled(timeout=None):
-        return try_get(POLL_S if timeout is None else timeout)
+        return try_get(ref(), POLL_S if timeout is None else timeout)
 
     polled._datapipe_watch = True
     torch_it._try_get_data = polled
 
 
-def _dead(torch_it) -> list:
+def dead(torch_it) -> list:
+    """The workers of ``torch_it`` that torch still counts on and that have exited."""
     workers = getattr(torch_it, "_workers", None) or []
     status = getattr(torch_it, "_workers_status", None) or []
     return [w for i, w in enumerate(workers) if i < len(status) and status[i] and not w.is_alive()]
@@ -52,9 +56,9 @@ def death(torch_it, exc: BaseException) -> RuntimeError | None:
     a broken connection waits up to :data:`GRACE_S` for its worker to count as dead."""
     end = time.monotonic() + (GRACE_S if isinstance(exc, _BROKEN) else 0.0)
     while True:
-        dead = _dead(torch_it)
-        if dead:
-            pids = ", ".join(str(w.pid) for w in dead)
+        gone = dead(torch_it)
+        if gone:
+            pids = ", ".join(str(w.pid) for w in gone)
             return RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly")
         if time.monotonic() >= end:
             return None

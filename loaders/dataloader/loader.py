@@ -45,7 +45,7 @@ from torch.utils.data import IterableDataset
 from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
-from loaders.dataloader.deaths import fatal
+from loaders.dataloader.deaths import dead, fatal
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, fast_fetch, pinned, pins_for_cuda, shutdown,
                                     tagged_batches)
 from loaders.dataloader.progress import Progress
@@ -339,6 +339,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             # torch iterator (torch: a new iter() resets it). Other passes run side by side, each with its
             # own workers and shared memory (_transport)
             self._close_active()
+            if self._iterator is not None and dead(self._iterator):  # one died: all go, new ones start
+                self._drop_persistent()
         transport = self._transport()
         returns, copies = transport
         first = self._torch_iter(workers, p, transport, skip=skip, replay=resume is not None)
