@@ -23,8 +23,11 @@ class StorageOptions:
     """How a ``ShardStream`` reads its shards (``ShardStream(..., storage=StorageOptions(retries=8))``).
 
     Args:
-        retries: transient failures (5xx, resets, truncated bodies) retried this many times in a row,
-            resuming at the byte reached (no sample twice).
+        retries: transient failures (5xx, resets, truncated bodies, stalls) retried, resuming at the byte
+            reached (no sample twice). Failures cost the time they took: a shard gives up after
+            ``retries + 1`` failures with no byte between them, or once its failures have lost
+            ``(retries + 1) x timeout`` plus the time its bytes took (docs/guarantees.md, the bound on
+            remote-read faults).
         timeout: seconds every remote wait may take (the HTTP / S3 client's connect and read timeouts,
             unless ``storage_options`` sets its own); None leaves the clients' own.
         backoff: the first retry's wait in seconds, doubling each time.

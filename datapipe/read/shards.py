@@ -1,6 +1,7 @@
 """A stream's shards: their URLs, how to open them (read options, cache), and how many samples each holds
 (given counts, the manifest, the count cache, or counted once by walking the shard's headers; damaged
-shards count their complete samples)."""
+shards count their complete samples; one whose storage gives up mid-count is skipped whole, its failure
+counted once under ``on_error``)."""
 from __future__ import annotations
 
 import hashlib
@@ -16,6 +17,7 @@ from datapipe.storage.files import RetryingFile, decompress, open_shard, with_ti
 from datapipe.storage.urls import is_local, local_path, redact_url
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.counts import _map, load_counts, stamp, store_counts
+from datapipe.tar.headers import TarFormatError
 from datapipe.tar.manifest import listed, read_manifest
 from datapipe.tar.reader import count_until_damage
 
@@ -167,16 +169,32 @@ class Shards:
             self.ledger.errors(e, lost=0)
             return 0, None, None
         try:
-            n, err = count_until_damage(reader_for(f, seekable=seekable))
+            n, err = count_until_damage(reader_for(f, seekable=seekable), read_errors=(DataError, OSError))
             if err is None and tee is not None:
                 tee.finish()
         finally:
             f.close()
         if err is None:
             return n, None, version
+        if not isinstance(err, TarFormatError):  # the storage gave up mid-count: a shard read once per policy
+            self._unreadable(url, n, err)
+            return 0, None, None  # not cached: another run counts it again
         damage = f"shard damaged at byte {err.offset}: {err} ({n} complete samples before it are read)"
         self._damaged(url, damage)
         return n, damage, version
+
+    def _unreadable(self, url: str, n: int, err: BaseException) -> None:
+        """A read that failed while counting ``url`` (after ``n`` complete samples): one error under ``on_error``,
+        the ``n`` samples seen lost; the shard counts 0 samples, so the read pass never opens it (and never
+        reports the failure again)."""
+        text = str(err) if isinstance(err, DataError) else f"{type(err).__name__}: {err}"
+        where = f" (shard {getattr(err, 'url', None)})"
+        if text.endswith(where):  # named once, below
+            text = text[:-len(where)]
+        failure = DataError(f"counting its samples failed after {n} complete samples, so the shard is skipped "
+                            f"whole: {text}", url=redact_url(url))
+        failure.__cause__ = err
+        self.ledger.errors(failure, lost=n)
 
     def _damaged(self, url: str, damage: str) -> None:
         self.ledger.errors(DataError(damage, url=redact_url(url)), lost=0)

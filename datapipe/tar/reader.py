@@ -245,8 +245,12 @@ def count_samples(reader) -> int:
     return n
 
 
-def count_until_damage(reader) -> tuple[int, TarFormatError | None]:
+def count_until_damage(reader, *, read_errors: tuple[type[BaseException], ...] = ()
+                       ) -> tuple[int, BaseException | None]:
     """``(sample positions, the damage that ends the shard early, or None)``, walking headers only.
+
+    ``read_errors``: exception types of the storage (a read that gave up) that end the count as damage
+    does, with the complete samples before them counted; any other exception propagates.
 
     A damaged header is resynchronised past as a ``skip`` read does (GNU tar's way), and the sample it
     hit keeps its position (the read reports it), so the count matches what a read walks. A shard
@@ -262,5 +266,7 @@ def count_until_damage(reader) -> tuple[int, TarFormatError | None]:
     except TarFormatError as e:
         if getattr(e, "complete", False):
             return g.ordinal + 1, None
+        return max(g.ordinal, 0), e
+    except read_errors as e:
         return max(g.ordinal, 0), e
     return g.ordinal + 1, None

@@ -1,0 +1,65 @@
+"""A stream's shards counted without a manifest: every failure of the counting pass follows ``on_error`` once."""
+import logging
+import os
+import random
+
+import pytest
+import webdataset
+
+from datapipe import DataError, ShardStream
+from datapipe.read.options import StorageOptions
+from tests.servers import http_server
+
+
+@pytest.fixture(autouse=True)
+def _own_count_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the count cache of remote shards goes under ~/.cache
+
+
+def _shards(directory):
+    """shard-000000.tar: 24 samples of 16 KB (a server that stalls after 16 KB of a response cannot give it);
+    shard-000001.tar: 2 small samples (it can). No manifest."""
+    os.makedirs(directory)
+    rnd, keys = random.Random(3), []
+    for shard, (n, size) in enumerate([(24, 16000), (2, 100)]):
+        with webdataset.TarWriter(os.path.join(directory, f"shard-{shard:06d}.tar")) as w:
+            for i in range(n):
+                keys.append(f"s{shard}-{i:03d}")
+                w.write({"__key__": keys[-1], "bin": rnd.randbytes(size), "cls": b"1"})
+    return keys
+
+
+STALLING = StorageOptions(timeout=0.5, retries=1, backoff=0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_read_that_fails_while_counting_is_raised_naming_the_shard(tmp_path):
+    _shards(str(tmp_path / "web"))
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        faults.stall_after, faults.hang_s = 16384, 30.0
+        stream = ShardStream([f"{base}/shard-000000.tar", f"{base}/shard-000001.tar"], storage=STALLING)
+        with pytest.raises(DataError, match="counting its samples failed") as info:
+            list(stream)
+    assert info.value.url.endswith("/shard-000000.tar") and "stalled mid-body" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_error", ["skip", "warn"])
+def test_a_read_that_fails_while_counting_is_one_counted_skip(tmp_path, caplog, on_error):
+    keys = _shards(str(tmp_path / "web"))
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        urls = [f"{base}/shard-000000.tar", f"{base}/shard-000001.tar"]
+        faults.stall_after, faults.hang_s = 16384, 30.0
+        stream = ShardStream(urls, on_error=on_error, storage=STALLING)
+        with caplog.at_level(logging.WARNING, logger="datapipe"):
+            got = [s["__key__"] for s in stream]
+            assert [s["__key__"] for s in stream] == got, "the next epoch: the same samples, the failure not again"
+        assert got == keys[24:], "the shard that could not be counted is skipped whole; the other one is read"
+        stats = stream.stats()
+        assert stats["errors"] == 1, stats  # once: not again when the read pass (or the next epoch) comes by
+        assert 0 < stats["skipped"] < 24, stats  # the complete samples counted before the failure are lost
+        assert stats["shards_opened"] == 2, "only the readable shard is opened to read it (once per epoch)"
+        assert "counting its samples failed" in stats["last_errors"][0] and "shard-000000.tar" in stats["last_errors"][0]
+        assert ("skipped: counting its samples failed" in caplog.text) == (on_error == "warn")
+        faults.stall_after = None  # the server recovers: the failure was not cached as a count of 0
+        assert [s["__key__"] for s in ShardStream(urls, storage=STALLING)] == keys
