@@ -48,7 +48,7 @@ def make_data(case: str, root: str) -> dict:
         b, sb = write_shards(os.path.join(root, "b"), [4, 6], prefix="b")
         return {"urls_a": a, "urls_b": b, "expect_keys": sorted(s["__key__"] for s in sa + sb)}
     if case == "tokens":
-        from tests.loaders.test_tokens import lengths, write_token_shards
+        from tests.loaders.tokens.test_loader import lengths, write_token_shards
 
         return {"urls": write_token_shards(root, lengths(40, seed=3, high=60), per_shard=10)}
     pytest.importorskip("nvidia.dali")

@@ -1,4 +1,4 @@
-"""Small datasets and helpers shared by the tests of ``loaders.DataLoader`` (tests/loaders/test_dataloader*.py)."""
+"""Small datasets and helpers shared by the tests of ``loaders.DataLoader`` (tests/loaders/dataloader/)."""
 import gc
 import multiprocessing
 import threading

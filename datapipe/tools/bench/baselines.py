@@ -27,9 +27,13 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from datapipe.image_bytes import IMAGE_ENTRIES
+
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
-IMAGE_EXTS = ("jpg", "jpeg", "png")
+# every image entry datapipe shard writes but GIF, which DALI cannot decode (ImageLoader re-encodes it; the
+# baselines do not)
+IMAGE_EXTS = tuple(ext for ext in IMAGE_ENTRIES if ext != "gif")
 _MEAN = np.array(MEAN, dtype=np.float32)
 _STD = np.array(STD, dtype=np.float32)
 
@@ -124,7 +128,7 @@ def decode_image(data) -> Any:
 
 
 def image_bytes(sample: dict):
-    """The encoded image of a raw WebDataset sample (its ``jpg``, ``jpeg`` or ``png`` entry)."""
+    """The encoded image of a raw WebDataset sample (its first entry named in ``IMAGE_EXTS``)."""
     for ext in IMAGE_EXTS:
         if ext in sample:
             return sample[ext]
@@ -151,7 +155,7 @@ def webdataset_images(urls: list[str], *, image_size: int = 224, train: bool = T
                         empty_check=False)
     if train and shuffle_buffer > 1:
         ds = ds.shuffle(shuffle_buffer)
-    ds = ds.decode("pil").to_tuple("jpg;jpeg;png", "cls").map_tuple(transform(image_size, train=train), int)
+    ds = ds.decode("pil").to_tuple(";".join(IMAGE_EXTS), "cls").map_tuple(transform(image_size, train=train), int)
     return ds.batched(batch_size, partial=not train) if batch_size else ds
 
 
@@ -228,7 +232,7 @@ class DaliBaseline:
         decode_device = "mixed" if self.gpu else "cpu"
         extra = {"hw_decoder_load": hw_decoder_load} if self.gpu and hw_decoder_load is not None else {}
         with pipe:
-            jpg, cls = fn.readers.webdataset(paths=paths, index_paths=index, ext=["jpg;jpeg;png", "cls"],
+            jpg, cls = fn.readers.webdataset(paths=paths, index_paths=index, ext=[";".join(IMAGE_EXTS), "cls"],
                                              random_shuffle=train, initial_fill=2000 if train else 1024,
                                              name="Reader")
             if train:
