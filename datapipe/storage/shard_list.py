@@ -47,11 +47,7 @@ class ShardList(Sequence[str]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("shard index out of range")
+        i = _checked_index(i, len(self))
         return self._prefix() + self.name(i)
 
     def _blocks(self) -> Iterator[list[str]]:
@@ -122,11 +118,7 @@ class NumberedUrls(Sequence[str]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("shard index out of range")
+        i = _checked_index(i, len(self))
         return f"{self.head}{self.lo + i:0{self.width}d}{self.tail}"
 
     def __iter__(self) -> Iterator[str]:
@@ -149,3 +141,12 @@ class NumberedUrls(Sequence[str]):
             return None
         width, tail = self.width, self.tail
         return folder, "\n".join(f"{name_head}{i:0{width}d}{tail}" for i in range(self.lo, self.hi + 1))
+
+
+def _checked_index(i: int, n: int) -> int:
+    """``i`` as a position in a sequence of ``n`` (negative counts from the end); IndexError outside it."""
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError("shard index out of range")
+    return i
