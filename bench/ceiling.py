@@ -124,15 +124,40 @@ def torch_idiom(loader, device):
             yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
+def variant(name: str) -> tuple[str, dict]:
+    """``imageloader@hw0.5+t14+nohold`` -> ``("imageloader", {"hw": 0.5, "threads": 14, "hold": False})``: a probe's
+    ImageLoader with a fixed hardware decoder share (``hw``), DALI threads (``t``) and, with ``nohold``, no
+    ``StepHold`` (the loader's own hold for a hardware share on few queues). A plain name has no options."""
+    base, _, spec = name.partition("@")
+    opts: dict = {}
+    for part in filter(None, spec.split("+")):
+        if part == "nohold":
+            opts["hold"] = False
+        elif part.startswith("hw"):
+            opts["hw"] = float(part[2:])
+        elif part.startswith("t") and part[1:].isdigit():
+            opts["threads"] = int(part[1:])
+        else:
+            raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, nohold)")
+    if opts and base != "imageloader":
+        raise ValueError(f"loader {name!r}: options (@...) are for imageloader only")
+    return base, opts
+
+
 def make_feed(name: str, args, data: dict):
     """(batches, closer) of loader ``name``: a fresh loader, epoch after epoch."""
     dev = args.device
+    name, opts = variant(name)
     if name in ("imageloader", "imageloader_cuda"):
         from loaders import DecodeOptions, ImageLoader
 
         decode = DecodeOptions(hw_decoder_load=0.0) if name == "imageloader_cuda" else None
+        if opts:
+            decode = DecodeOptions(hw_decoder_load=opts.get("hw"), num_threads=opts.get("threads"))
         loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev,
                              decode=decode)
+        if opts.get("hold") is False:
+            loader._hold.active = False  # a probe: the hardware share without the hold
         return endless(loader), loader
     if name == "dali":
         dali = DaliBaseline(data["images"], batch_size=args.batch_size, image_size=args.image_size,
@@ -181,13 +206,20 @@ CONFIGS = {
 }
 
 
+def fmt_of(loader: str) -> str:
+    """The batch format of a loader name (a probe's ``imageloader@...`` is ImageLoader's)."""
+    return FORMAT[variant(loader)[0]]
+
+
 def plan(args) -> list[tuple[str, str, str]]:
     """One round's rows, ``(config, loader, loop)``, in the order asked (configs, then loops, then loaders)."""
+    if args.rows:
+        return list(args.rows)
     rows = []
     for name in args.configs:
         cfg = CONFIGS[name]
         rows += [(name, loader, loop) for loop in cfg["loops"] if loop in args.loops
-                 for loader in args.loaders if FORMAT[loader] in cfg["formats"]]
+                 for loader in args.loaders if fmt_of(loader) in cfg["formats"]]
     return rows
 
 
@@ -231,7 +263,7 @@ class Bench:
     def row(self, config: str, name: str, loop: str, round_: int) -> dict:
         a = self.args
         cfg = CONFIGS[config]
-        fmt = FORMAT[name]
+        fmt = fmt_of(name)
         compiled = bool(cfg["compile"])
         what = {"config": config, "loader": name, "loop": loop, "step": "compiled" if compiled else "eager",
                 "compile_mode": cfg["compile"], "arch": "llama-162m" if fmt == "tokens" else a.arch or cfg["arch"],
@@ -289,22 +321,25 @@ def profile_window(batches, step, args, steps: int, trace_dir: str, name: str) -
     return _trace_events(prof, os.path.join(trace_dir, f"trace_{name}.json"))
 
 
-def profile_part(bench: Bench, args, trace_dir: str) -> dict:
-    """ImageLoader and the hand loop beside the ceiling, one runs_ahead window each, under the profiler."""
+def profile_part(bench: Bench, args, trace_dir: str, config: str = "eager") -> dict:
+    """ImageLoader and the hand loop beside the ceiling of row set ``config``, one runs_ahead window each, under the
+    profiler."""
     steps = 10
-    step = bench.step("images", CONFIGS["eager"])
-    base = profile_window(replay(bench.cached["images"]), step, args, steps, trace_dir, "ceiling")
+    step = bench.step("images", CONFIGS[config])
+    base = profile_window(replay(bench.cached["images"]), step, args, steps, trace_dir, f"{config}_ceiling")
     kernel_streams: dict = {}
     for e in base:
         s = e.get("args", {}).get("stream")
         kernel_streams[s] = kernel_streams.get(s, 0) + e["dur"]
     train_stream = max(kernel_streams, key=kernel_streams.get)
-    out = {"steps": steps, "ceiling": analyse(base, steps, train_stream)}
+    out = {"config": config, "steps": steps, "ceiling": analyse(base, steps, train_stream)}
     for name in ("imageloader", "dali"):
         feed = owner = None
         try:
             feed, owner = make_feed(name, args, bench.data)
-            out[name] = analyse(profile_window(feed, step, args, steps, trace_dir, name), steps, train_stream)
+            out[name] = analyse(profile_window(feed, step, args, steps, trace_dir, f"{config}_{name}"), steps,
+                                train_stream)
+            out[name].update(decoder_choice(owner))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             out[name] = {"error": repr(e)[:300]}
@@ -313,7 +348,7 @@ def profile_part(bench: Bench, args, trace_dir: str) -> dict:
         c, r = out["ceiling"]["train_kernel_ms_per_step"], out[name].get("train_kernel_ms_per_step")
         if r:
             out[name]["train_kernel_stretch"] = round(r / c, 4)
-        print(f"[profile {name}] {out[name]}", file=sys.stderr, flush=True)
+        print(f"[profile {config} {name}] {out[name]}", file=sys.stderr, flush=True)
     return out
 
 
@@ -336,11 +371,11 @@ def prepare_data(args) -> dict:
     from bench.images import ensure_dataset
 
     data = {}
-    if any(FORMAT[name] == "images" for name in args.loaders):
+    if any(fmt_of(name) == "images" for name in args.loaders):
         per_shard = 16 if args.quick else 256
         data["images"], _ = ensure_dataset(args.data, args.num_images, workers=os.cpu_count() or 1,
                                            per_shard=per_shard)
-    if "tokenloader" in args.loaders:
+    if any(fmt_of(name) == "tokens" for name in args.loaders):
         from bench.common import ensure_tokens
 
         data["tokens"] = ensure_tokens(args.tokens_dir, args.docs, 0)
@@ -376,6 +411,11 @@ def parse(argv=None):
                    help="batches per epoch of the dataloader rows (64: a row crosses epoch starts; 5004: "
                         "ImageNet-1k's train split at batch 256)")
     p.add_argument("--profile", action="store_true", help="profile one runs_ahead window (ImageLoader, hand loop)")
+    p.add_argument("--profile-configs", default="eager",
+                   help="comma list of the row sets --profile profiles (default: eager)")
+    p.add_argument("--rows", default="",
+                   help="a probe: comma list of config/loader[/loop] rows run instead of the plan (loop default "
+                        "runs_ahead; loader may be imageloader@hw<share>+t<threads>+nohold)")
     p.add_argument("--trace-dir", default=None, help="where the profiler's traces go (default: a temporary folder)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new row after this many seconds")
     p.add_argument("--quick", action="store_true",
@@ -402,9 +442,33 @@ def parse(argv=None):
                               ("loops", "loops", LOOPS)):
         values = [x for x in getattr(args, opt).split(",") if x]
         for x in values:
-            if x not in known:
+            try:
+                base = variant(x)[0] if opt == "loaders" else x
+            except ValueError as e:
+                p.error(str(e))
+            if base not in known:
                 p.error(f"unknown {opt[:-1]} {x!r}: use {', '.join(known)}")
         setattr(args, names, values)
+    rows = []
+    for item in filter(None, args.rows.split(",")):
+        config, _, rest = item.partition("/")
+        loader, _, loop = rest.partition("/")
+        loop = loop or "runs_ahead"
+        try:
+            known = config in CONFIGS and loop in LOOPS and variant(loader)[0] in LOADER_NAMES
+        except ValueError as e:
+            p.error(str(e))
+        if not known:
+            p.error(f"--rows: {item!r} is not config/loader[/loop] of {', '.join(CONFIGS)} / "
+                    f"{', '.join(LOADER_NAMES)} / {', '.join(LOOPS)}")
+        rows.append((config, loader, loop))
+    args.rows = rows
+    if rows:
+        args.loaders = sorted({r[1] for r in rows})
+    args.profile_configs = [x for x in args.profile_configs.split(",") if x]
+    for x in args.profile_configs:
+        if x not in CONFIGS:
+            p.error(f"unknown --profile-configs entry {x!r}: use {', '.join(CONFIGS)}")
     return args
 
 
@@ -444,7 +508,12 @@ def main(argv=None) -> dict:
     if args.profile and args.device.type == "cuda" and "images" in bench.cached:
         import tempfile
 
-        out["profile"] = profile_part(bench, args, args.trace_dir or tempfile.mkdtemp(prefix="ceiling-trace-"))
+        trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="ceiling-trace-")
+        profiles = []
+        for config in args.profile_configs:  # after the rows, whatever --budget-s says (it bounds the rows)
+            profiles.append(profile_part(bench, args, trace_dir, config))
+            out["profile"] = profiles[0] if len(profiles) == 1 else profiles
+            write_result("ceiling", out, args.out)
     out["summary"] = summary(bench.rows)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     path = write_result("ceiling", out, args.out)

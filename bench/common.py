@@ -163,7 +163,9 @@ def analyse(events: list[dict], steps: int, train_stream) -> dict:
            "train_stream": str(train_stream),
            "train_kernel_ms_per_step": round(sum(e - s for s, e in train) / 1e3 / steps, 3),
            "loader_device_ms_per_step": round(sum(e - s for s, e in other) / 1e3 / steps, 3),
-           "overlap_ms_per_step": round(_overlap(train_busy, other_busy) / 1e3 / steps, 3)}
+           "overlap_ms_per_step": round(_overlap(train_busy, other_busy) / 1e3 / steps, 3),
+           "loader_copy_ms_per_step": round(sum(e["dur"] for e in events if e.get("cat") == "gpu_memcpy" and
+                                                e.get("args", {}).get("stream") != train_stream) / 1e3 / steps, 3)}
     if events:
         span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
         out["wall_ms_per_step"] = round(span / 1e3 / steps, 3)
