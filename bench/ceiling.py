@@ -300,6 +300,7 @@ class Bench:
 
 # ---- the profile -------------------------------------------------------------------------------------------
 def _trace_events(prof, path: str) -> list[dict]:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # a --trace-dir not made yet
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]

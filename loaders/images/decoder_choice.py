@@ -54,9 +54,6 @@ HARDWARE_LOAD = 0.75  # the hardware decoder's share of each batch once switched
 CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (compiled ResNet-50: 8 gave 5.4k img/s, 12 6.5k)
 SPARE_CORES = 4  # left to the training loop's threads (Python, autograd) and the producer: threads <= cores - 4
 MIN_CORES = 12  # fewer cores for this process: the hardware decoder from the start
-MOVE_LOAD = HARDWARE_LOAD  # the hardware decoder's share after a move (the rest: the CUDA decoder, on its threads)
-MOVE_KEEPS_THREADS = False  # after a move the CUDA decoder keeps its threads for the share it still decodes
-HOLD_ABOVE = 0.0  # on few queues next() holds for the GPU's last step while the hardware share is above this
 SKIP = 5
 WINDOW = 30
 EARLY = 8
@@ -145,14 +142,7 @@ class DecoderChoice:
         """DALI threads for the next pipeline."""
         if self.threads_asked is not None:
             return self.threads_asked
-        moved = self.switchable and MOVE_KEEPS_THREADS  # the CUDA decoder still decodes part of each batch
-        return self.cuda_threads if self.cuda and (self.load == 0.0 or moved) else self.hardware_threads
-
-    @property
-    def holds(self) -> bool:
-        """Whether the hardware share in use asks ``next()`` to wait for the GPU's last step on few queues
-        (:class:`datapipe.device.queues.StepHold`): above ``HOLD_ABOVE``."""
-        return self.load > HOLD_ABOVE
+        return self.cuda_threads if self.cuda and self.load == 0.0 else self.hardware_threads
 
     def _reset(self, skip: int) -> None:
         self._skip = skip  # batches not judged from now on
@@ -224,7 +214,7 @@ class DecoderChoice:
         """(Producer) the next pipeline decodes with the other decoder (call before building it): the hardware
         decoder for ``HARDWARE_LOAD`` on a move, the CUDA decoder alone when the trial takes it back.
         ``in_flight``: batches the old pipeline made that the consumer has yet to take (not judged either)."""
-        self.load = 0.0 if self.load > 0 else MOVE_LOAD
+        self.load = 0.0 if self.load > 0 else HARDWARE_LOAD
         self._reset(SKIP + in_flight)  # the trial skips them and the new pipeline's first batches
         self.due = False  # last: the consumer judges again only once the window is reset
 

@@ -442,7 +442,7 @@ class ImageLoader:
 
     def _holds(self) -> bool:
         """Whether ``next()`` waits for the GPU's last step: few hardware queues and the hardware decoder in use."""
-        return self._hold.active and self._decoder.holds
+        return self._hold.active and self._decoder.load > 0
 
     def _prepare(self, images: torch.Tensor, labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(Producer thread) labels to the device, bfloat16 cast: enqueued on the producer's stream."""

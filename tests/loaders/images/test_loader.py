@@ -737,7 +737,7 @@ def test_gpu_auto_decoder_switches_once_when_the_consumer_waits(shards, reader):
     assert dl.hw_decoder_load == 0.0 and dl.decode.hw_decoder_load == "auto"
     x, y = collect(dl)
     decoder = dl.stats()["decoder"]
-    assert decoder["switches"] == 1 and dl.hw_decoder_load == decoder_choice.MOVE_LOAD
+    assert decoder["switches"] == 1 and dl.hw_decoder_load == decoder_choice.HARDWARE_LOAD
     assert decoder["switched_after_batches"] == decoder_choice.SKIP + decoder_choice.EARLY
     assert y.cpu().tolist() == cpu_y.tolist()  # nothing lost or repeated across the rebuild
     assert (x.cpu() - cpu_x).abs().mean() < 0.05
@@ -833,6 +833,5 @@ def test_gpu_default_cuda_decoder_gives_way_only_when_the_gpu_starves(shards, mo
     torch.cuda.synchronize()
     decoder = dl.stats()["decoder"]
     assert decoder["switches"] == (0 if gpu_busy else 1)
-    moved_holds = decoder_choice.MOVE_LOAD > decoder_choice.HOLD_ABOVE  # the hardware share on 8 queues holds next()
-    assert dl.stats()["step_hold"]["active"] is (not gpu_busy and moved_holds)
+    assert dl.stats()["step_hold"]["active"] is (not gpu_busy)  # the hardware decoder on 8 queues holds next()
     assert torch.cat(ys).numel() == dl.stats()["samples"] == N

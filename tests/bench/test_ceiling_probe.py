@@ -1,0 +1,50 @@
+"""bench/ceiling.py's probe rows (--rows, imageloader@... variants), its profile's trace folder, and
+bench/decoder_bound.py's settings and dmon averages."""
+import time
+
+import pytest
+
+from bench import ceiling, decoder_bound
+
+
+def test_variants_name_a_share_threads_and_no_hold():
+    assert ceiling.variant("imageloader") == ("imageloader", {})
+    assert ceiling.variant("imageloader@hw0.25+t14+nohold") == ("imageloader", {"hw": 0.25, "threads": 14,
+                                                                                 "hold": False})
+    assert ceiling.fmt_of("imageloader@t14") == "images" and ceiling.fmt_of("tokenloader") == "tokens"
+    with pytest.raises(ValueError, match="unknown option"):
+        ceiling.variant("imageloader@fast")
+    with pytest.raises(ValueError, match="imageloader only"):
+        ceiling.variant("dali@t4")
+
+
+def test_rows_replace_the_plan_and_bad_ones_are_refused():
+    args = ceiling.parse(["--rows", "cuda_graphs/imageloader@t14,eager/dali/waits_each_step"])
+    assert ceiling.plan(args) == [("cuda_graphs", "imageloader@t14", "runs_ahead"), ("eager", "dali", "waits_each_step")]
+    assert args.loaders == ["dali", "imageloader@t14"]
+    assert ceiling.parse(["--loaders", "imageloader@hw0.5,dali"]).loaders == ["imageloader@hw0.5", "dali"]
+    for bad in (["--rows", "eager/nope"], ["--rows", "fast/dali"], ["--rows", "eager/imageloader@x1"],
+                ["--profile-configs", "warp"], ["--loaders", "dali@t4"]):
+        with pytest.raises(SystemExit):
+            ceiling.parse(bad)
+
+
+def test_the_profile_makes_its_trace_folder(tmp_path):
+    import torch
+
+    args = ceiling.parse(["--device", "cpu", "--warmup", "1"])
+    folder = tmp_path / "not" / "made"
+    events = ceiling.profile_window(ceiling.replay((torch.ones(4),)), lambda b: b[0] * 2, args, 2, str(folder), "x")
+    assert (folder / "trace_x.json").exists() and isinstance(events, list)
+
+
+def test_decoder_bound_settings_and_dmon_means():
+    assert decoder_bound.parse_settings("0.0/12,0.5/14") == [(0.0, 12), (0.5, 14)]
+    for bad in ("0.5", "1.5/8", "0.5/0", "a/b"):
+        with pytest.raises(ValueError, match="share"):
+            decoder_bound.parse_settings(bad)
+    t = time.mktime(time.strptime("2026-12-03 10:00:00", "%Y-%m-%d %H:%M:%S"))
+    lines = ["#Time gpu sm mem enc dec jpg ofa", "#HH:MM:SS Idx % % % % % %",
+             "10:00:00 0 50 3 0 0 40 0", "10:00:01 0 70 3 0 0 - 0", "10:00:05 0 99 3 0 0 99 0"]
+    means = decoder_bound.dmon_means(lines, t, t + 2)  # the third sample lies after the window
+    assert means["sm"] == 60.0 and means["jpg"] == 40.0 and "gpu" not in means
