@@ -30,8 +30,13 @@ round. Each row says ``config``, ``loader``, ``loop``, ``step`` (eager / compile
 ``arch`` and ``round``; the JSON is written after every row, so a run cut short keeps its rows.
 
 ``--profile``: one ``runs_ahead`` window under the torch profiler for the ceiling, ImageLoader and
-the hand DALI loop: per CUDA stream the kernels and copies, the loader's own work (streams other
-than the training one), and how much longer the training stream's kernels ran than in the ceiling.
+the hand DALI loop, per row set of ``--profile-configs`` (default eager): per CUDA stream the kernels and
+copies, the loader's own work (streams other than the training one) and its copy time, and how much
+longer the training stream's kernels ran than in the ceiling.
+
+A probe (``--rows config/loader[/loop],...``) runs the rows listed instead of the plan; a loader there or in
+``--loaders`` may be ``imageloader@hw<share>+t<threads>+nohold``: ImageLoader with a fixed hardware decoder
+share, DALI threads and, with ``nohold``, no step hold.
 
     python bench/ceiling.py                      # the run of record: bench/results/ceiling.json
     python bench/ceiling.py --configs cuda_graphs,compiled,resnet18 --rounds 1 --out /tmp/c   # part of it

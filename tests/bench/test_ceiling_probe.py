@@ -20,7 +20,8 @@ def test_variants_name_a_share_threads_and_no_hold():
 
 def test_rows_replace_the_plan_and_bad_ones_are_refused():
     args = ceiling.parse(["--rows", "cuda_graphs/imageloader@t14,eager/dali/waits_each_step"])
-    assert ceiling.plan(args) == [("cuda_graphs", "imageloader@t14", "runs_ahead"), ("eager", "dali", "waits_each_step")]
+    assert ceiling.plan(args) == [("cuda_graphs", "imageloader@t14", "runs_ahead"),
+                                  ("eager", "dali", "waits_each_step")]
     assert args.loaders == ["dali", "imageloader@t14"]
     assert ceiling.parse(["--loaders", "imageloader@hw0.5,dali"]).loaders == ["imageloader@hw0.5", "dali"]
     for bad in (["--rows", "eager/nope"], ["--rows", "fast/dali"], ["--rows", "eager/imageloader@x1"],
