@@ -31,9 +31,10 @@ from datapipe.image_bytes import IMAGE_ENTRIES
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
-# every image entry datapipe shard writes but GIF, which DALI cannot decode (ImageLoader re-encodes it; the
-# baselines do not)
-IMAGE_EXTS = tuple(ext for ext in IMAGE_ENTRIES if ext != "gif")
+# every image entry datapipe shard writes (PIL decodes them all); the hand-written DALI graph reads all but GIF,
+# which DALI cannot decode (ImageLoader re-encodes it; the DALI baseline does not: datapipe.tools.bench.dali_check)
+IMAGE_EXTS = IMAGE_ENTRIES
+DALI_EXTS = tuple(ext for ext in IMAGE_ENTRIES if ext != "gif")
 _MEAN = np.array(MEAN, dtype=np.float32)
 _STD = np.array(STD, dtype=np.float32)
 
@@ -232,7 +233,7 @@ class DaliBaseline:
         decode_device = "mixed" if self.gpu else "cpu"
         extra = {"hw_decoder_load": hw_decoder_load} if self.gpu and hw_decoder_load is not None else {}
         with pipe:
-            jpg, cls = fn.readers.webdataset(paths=paths, index_paths=index, ext=[";".join(IMAGE_EXTS), "cls"],
+            jpg, cls = fn.readers.webdataset(paths=paths, index_paths=index, ext=[";".join(DALI_EXTS), "cls"],
                                              random_shuffle=train, initial_fill=2000 if train else 1024,
                                              name="Reader")
             if train:
@@ -311,5 +312,5 @@ def close(it) -> None:
                 pass
 
 
-__all__ = ["MEAN", "STD", "IMAGE_EXTS", "PilEval", "PilTrain", "transform", "decode_image", "image_bytes",
+__all__ = ["MEAN", "STD", "IMAGE_EXTS", "DALI_EXTS", "PilEval", "PilTrain", "transform", "decode_image", "image_bytes",
            "webdataset_images", "torch_loader", "webdataset_loader", "DaliBaseline", "endless", "replay", "close"]

@@ -69,6 +69,10 @@ def make_webdataset(urls, cfg):
 
 
 def make_dali(urls, cfg):
+    from datapipe.tools.bench.dali_check import check_dali_input
+
+    # every batch it may decode: the timed ones, the warmup and DALI's read-ahead
+    check_dali_input(urls, limit=(cfg["warmup"] + cfg["steps"] + 4) * cfg["batch_size"])
     return DaliBaseline(urls, batch_size=cfg["batch_size"], image_size=cfg["image_size"], train=False,
                         device=cfg["device"], threads=max(1, cfg["workers"]))
 
@@ -277,10 +281,10 @@ def run_loader(data: str, *, pipelines: list[str] | None = None, batch_size: int
         n_samples = len(ShardStream(urls, rank=0, world_size=1))
     sample_bytes = total / max(1, n_samples)
     cfg = {"batch_size": batch_size, "workers": workers, "device": device, "image_size": image_size,
-           "seq_len": seq_len}
+           "seq_len": seq_len, "steps": steps, "warmup": warmup}
     result: dict[str, Any] = {"data": data, "kind": kind, "shards": len(urls), "samples_in_data": n_samples,
                               "bytes": total, "mean_sample_bytes": round(sample_bytes, 1), "device": device,
-                              "config": {**cfg, "steps": steps, "warmup": warmup}, "pipelines": []}
+                              "config": dict(cfg), "pipelines": []}
     bar = tqdm(total=steps * len(chosen), desc="bench loader", unit="batch", file=sys.stderr,
                disable=None if progress else True)  # None: no bar where stderr is not a terminal
     for name in chosen:
@@ -290,7 +294,8 @@ def run_loader(data: str, *, pipelines: list[str] | None = None, batch_size: int
             r = measure_pipeline(name, loader, kind=kind, steps=steps, warmup=warmup, device=device,
                                  sample_bytes=sample_bytes, progress=bar)
         except Exception as e:  # one broken pipeline (e.g. DALI missing) must not end the comparison
-            r = {"name": name, "error": f"{type(e).__name__}: {e}"}
+            r = {"name": name, "error": str(e) if hasattr(e, "fields") else f"{type(e).__name__}: {e}",
+                 **getattr(e, "fields", {})}
         result["pipelines"].append(r)
     bar.close()
     result["stages"] = measure_stages(urls, kind=kind, cfg=cfg, sample_bytes=sample_bytes, seconds=stage_seconds)

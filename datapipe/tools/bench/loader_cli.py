@@ -33,7 +33,7 @@ def _loader_command(args) -> int:
     print(f"bottleneck: {result['bottleneck']['stage']} ({result['bottleneck']['text']})")
     failed = [p for p in result["pipelines"] if p.get("error")]
     for p in failed:
-        print(f"{p['name']}: failed: {p['error']}", file=sys.stderr)
+        print(f"{p['name']}: {'' if p['error'].startswith('refused:') else 'failed: '}{p['error']}", file=sys.stderr)
     if args.peers:
         try:
             result["peers"] = _peers(args)
