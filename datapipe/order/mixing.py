@@ -14,6 +14,14 @@ from datapipe.order.seeds import derive_seed
 from datapipe.state import check_identity, check_state
 
 STOP = ("first", "all", "restart")
+# what an epoch holds under each stop rule (Mix.stats()["epoch_holds"]; docs/loaders.md says the same)
+EPOCH_HOLDS = {
+    "first": "each reader (rank x DataLoader worker) mixes its own share of the streams and stops when its share "
+             "of one runs out: the epoch's length and the samples left out vary with num_workers and world size",
+    "all": "every sample of every stream once: the content depends on neither num_workers nor world size",
+    "restart": "each reader (rank x DataLoader worker) restarts a stream its share of which ran out, until its share "
+               "of every stream ran out once: the repeats vary with num_workers and world size",
+}
 _MASK = (1 << 64) - 1
 
 
@@ -268,8 +276,9 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
                 s.open_ledger(num_workers)
 
     def stats(self) -> dict[str, Any]:
-        """The streams' counts added up (those with ``stats()``): skipped, errors, last errors, samples read..."""
-        out: dict[str, Any] = {"last_errors": []}
+        """The streams' counts added up (those with ``stats()``): skipped, errors, last errors, samples read...;
+        ``stop`` and ``epoch_holds`` say what an epoch of this mix holds (see :func:`mix`)."""
+        out: dict[str, Any] = {"last_errors": [], "stop": self.stop, "epoch_holds": EPOCH_HOLDS[self.stop]}
         for s in self.streams:
             if not callable(getattr(s, "stats", None)):
                 continue
@@ -311,10 +320,15 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
 def mix(streams: Sequence[Iterable], *, weights: Sequence[float], seed: int = 0, stop: str = "first") -> Mix:
     """Interleave ``streams``, drawing the next item from stream ``i`` with probability ~ ``weights[i]``.
 
-    Deterministic for a given (seed, epoch) and resumable (``state_dict`` / ``load_state_dict``;
-    streams with state are saved with theirs, others are re-read and skipped). When a stream runs
-    out: ``stop="first"`` ends the mix; ``"all"`` goes on with the others (weights renormalised)
-    until every stream has run out; ``"restart"`` restarts it (``set_epoch(epoch + 1)`` on it when
-    it has one) and ends the epoch once every stream has run out at least once.
+    Deterministic for a given (seed, epoch, world size, num_workers) and resumable (``state_dict`` /
+    ``load_state_dict``; streams with state are saved with theirs, others are re-read and skipped). When
+    a stream runs out: ``stop="first"`` ends the mix; ``"all"`` goes on with the others (weights
+    renormalised) until every stream has run out; ``"restart"`` restarts it (``set_epoch(epoch + 1)`` on
+    it when it has one) and ends the epoch once every stream has run out at least once.
+
+    Each reader (rank x DataLoader worker) draws from its own share of every stream, so "runs out" is
+    per reader: under ``"first"`` (and ``"restart"``) the epoch's length and which samples it leaves out
+    (repeats) depend on ``num_workers`` and the world size, not only on the seed; ``"all"`` delivers
+    every sample once on any shape. ``stats()["epoch_holds"]`` says so.
     """
     return Mix(streams, weights=weights, seed=seed, stop=stop)

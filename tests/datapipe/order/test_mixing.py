@@ -147,3 +147,21 @@ def test_bad_arguments():
     m = mix([[1]], weights=[1])
     with pytest.raises(ValueError, match="not a Mix state"):
         m.load_state_dict({"epoch": 0})
+
+
+def test_what_an_epoch_holds_is_stated_and_stop_all_holds_everything_on_any_worker_count(tmp_path):
+    u1, s1 = write_shards(tmp_path / "a", [20, 20, 20, 20], prefix="a")
+    u2, s2 = write_shards(tmp_path / "b", [9, 9, 9, 9], prefix="b")
+
+    def keys(stop, workers):
+        m = mix([ShardStream(u1), ShardStream(u2)], weights=[1, 1], seed=3, stop=stop)
+        return [s["__key__"] for s in torch.utils.data.DataLoader(m, batch_size=None, num_workers=workers)]
+
+    assert sorted(keys("all", 0)) == sorted(keys("all", 2)) == sorted(s["__key__"] for s in s1 + s2)
+    # "first" ends where each worker's own share of a stream runs out: stats() says the length varies with workers
+    first = mix([ShardStream(u1), ShardStream(u2)], weights=[1, 1], seed=3, stop="first")
+    st = first.stats()
+    assert st["stop"] == "first" and "num_workers" in st["epoch_holds"] and "world size" in st["epoch_holds"]
+    assert "neither num_workers nor world size" in mix([[1]], weights=[1], stop="all").stats()["epoch_holds"]
+    lengths = {len(keys("first", 0)), len(keys("first", 1)), len(keys("first", 2))}
+    assert all(0 < n < 116 for n in lengths)  # never both streams whole
