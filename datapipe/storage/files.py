@@ -30,14 +30,15 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.Ab
         raise for_url(url, e) from e
 
 
-def write_json(url: str, obj, storage_options: dict | None = None, *, sort_keys: bool = False) -> None:
-    """Write ``obj`` as JSON to ``url`` atomically (a temporary name, then rename)."""
+def write_json(url: str, obj, storage_options: dict | None = None, *, sort_keys: bool = False) -> bytes:
+    """Write ``obj`` as JSON to ``url`` atomically (a temporary name, then rename); returns the bytes written."""
+    data = (json.dumps(obj, indent=1, sort_keys=sort_keys) + "\n").encode()
     fs, path = filesystem(url, storage_options)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with fs.open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=sort_keys)
-        f.write("\n")
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
     fs.mv(tmp, path)
+    return data
 
 
 DEFAULT_TIMEOUT = 60.0

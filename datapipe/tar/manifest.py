@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
 from operator import itemgetter, methodcaller
@@ -13,6 +14,7 @@ import numpy as np
 from datapipe.tar.columns import ManifestColumns
 
 MANIFEST_NAME = "manifest.json"
+SIDECAR_NAME = "manifest.columns.npz"  # a large manifest's columns, written beside it (``write_sidecar``)
 FORMAT = "datapipe-manifest"
 
 
@@ -34,12 +36,78 @@ def make_manifest(shards: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 
 
 def write_manifest(directory: str, manifest: dict[str, Any], *, storage_options: dict | None = None) -> str:
-    """Write ``<directory>/manifest.json`` atomically (temporary name, then rename)."""
+    """Write ``<directory>/manifest.json`` atomically (temporary name, then rename), and for a large one its
+    columns beside it (``manifest.columns.npz``, :func:`write_sidecar`)."""
     from datapipe.storage.files import write_json
 
     url = manifest_url(directory)
-    write_json(url, manifest, storage_options)
+    data = write_json(url, manifest, storage_options)
+    write_sidecar(directory, manifest, data, storage_options=storage_options)
     return url
+
+
+def write_sidecar(directory: str, manifest: dict[str, Any], data: bytes, *,
+                  storage_options: dict | None = None) -> None:
+    """Beside a manifest of at least ``manifest_cache.MIN_BYTES`` (``data``: its JSON as written), its columns in
+    ``manifest.columns.npz``, stamped with the JSON's size and sha256, so that even the first open of a
+    million-shard manifest reads no JSON (:func:`read_columns`); beside a smaller one, none (an old one is
+    removed). A sidecar that cannot be written is logged at debug level only: readers parse the JSON."""
+    import hashlib
+    import logging
+
+    from datapipe.storage.files import filesystem
+    from datapipe.tar import manifest_cache
+
+    fs, path = filesystem(sidecar_url(directory), storage_options)
+    try:
+        if len(data) < manifest_cache.MIN_BYTES:
+            if fs.exists(path):
+                fs.rm(path)
+            return
+        columns = _columns_of(manifest)
+        meta = {"manifest_size": len(data), "manifest_sha256": hashlib.sha256(data).hexdigest()}
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with fs.open(tmp, "wb") as f:
+            written = manifest_cache.write_file(f, meta, columns)
+        if written:
+            fs.mv(tmp, path)
+        else:
+            fs.rm(tmp)
+    except Exception as e:  # a sidecar is only a shortcut
+        logging.getLogger(__name__).debug("no columns sidecar for %s: %s", path, e)
+
+
+def sidecar_url(directory: str) -> str:
+    return posixpath.join(directory.rstrip("/"), SIDECAR_NAME) if directory else SIDECAR_NAME
+
+
+def _from_sidecar(directory: str, size: int, storage_options: dict | None) -> ManifestColumns | None:
+    """The columns of the manifest's sidecar, if there is one and it was written for the manifest as it is now
+    (same size and sha256, the manifest streamed through the hash); else None."""
+    import hashlib
+
+    from datapipe.storage.files import filesystem
+    from datapipe.tar import manifest_cache
+
+    try:
+        fs, path = filesystem(sidecar_url(directory), storage_options)
+        with fs.open(path, "rb") as f:
+            meta, columns = manifest_cache.read_file(f)
+        if meta.get("manifest_size") != size:
+            return None
+        digest = hashlib.sha256()
+        buf = bytearray(4 << 20)
+        view = memoryview(buf)
+        fs, path = filesystem(manifest_url(directory), storage_options)
+        with fs.open(path, "rb") as f:
+            while True:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                digest.update(view[:n])
+        return columns if digest.hexdigest() == meta.get("manifest_sha256") else None
+    except Exception:  # none, unreadable or foreign: the JSON decides
+        return None
 
 
 def read_manifest(directory: str, *, storage_options: dict | None = None, retries: int = 5,
@@ -63,7 +131,8 @@ def read_columns(directory: str, *, storage_options: dict | None = None, retries
     shard. The ``shards`` list is parsed a chunk of entries at a time, so a million-shard manifest needs tens
     of MB, not the ~300 MB its dicts would take; the other keys come whole (``ManifestColumns.head``). A large
     manifest's columns are also kept in a local copy (:mod:`datapipe.tar.manifest_cache`, in ``cache_dir``)
-    that later reads of the unchanged manifest take instead of its JSON."""
+    that later reads of the unchanged manifest take instead of its JSON; its first read takes the columns
+    that the writer left beside it (:func:`write_sidecar`) where they match it."""
     from datapipe.tar import manifest_cache
 
     cache_dir = cache_dir or manifest_cache.DEFAULT_DIR
@@ -78,6 +147,10 @@ def read_columns(directory: str, *, storage_options: dict | None = None, retries
     if mark is not None and (mark.get("size") or 0) >= manifest_cache.MIN_BYTES and mark.get("version"):
         columns = manifest_cache.load(url, mark, cache_dir)
         if columns is not None:
+            return columns
+        columns = _from_sidecar(directory, mark["size"], storage_options)
+        if columns is not None:
+            manifest_cache.store(url, mark, columns, cache_dir)
             return columns
     else:
         mark = None

@@ -32,17 +32,12 @@ def load(url: str, mark: dict, cache_dir: str = DEFAULT_DIR):
     """The cached ``ManifestColumns`` of ``url`` if its stamp is ``mark``, else None."""
     path = _path(url, cache_dir)
     try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            if meta.get("url") != url or meta.get("stamp") != mark:
-                return None
-            checksums = None
-            if "checksums" in z:
-                checksums = Checksums(bytes(z["checksums"]).decode("ascii"), int(meta["checksum_width"]))
-            names = str(memoryview(z["names"]), "utf-8")  # decoded from the array's buffer: no bytes copy
-            _touch(path)
-            return ManifestColumns(meta["head"], names, z["starts"], z["counts"].tolist(), checksums,
-                                   meta.get("fingerprint"))
+        with open(path, "rb") as f:
+            meta, columns = read_file(f)
+        if meta.get("url") != url or meta.get("stamp") != mark:
+            return None
+        _touch(path)
+        return columns
     except FileNotFoundError:
         return None
     except Exception as e:  # unreadable or foreign: parse the manifest instead
@@ -50,25 +45,47 @@ def load(url: str, mark: dict, cache_dir: str = DEFAULT_DIR):
         return None
 
 
-def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
-    """Keep ``columns`` of the manifest ``url`` (stamp ``mark``); failures are logged at debug level only."""
+def read_file(f) -> tuple[dict, ManifestColumns]:
+    """``(meta, columns)`` of a columns file (a copy here, or a manifest's sidecar) open for reading."""
+    with np.load(f, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        checksums = None
+        if "checksums" in z:
+            checksums = Checksums(bytes(z["checksums"]).decode("ascii"), int(meta["checksum_width"]))
+        names = str(memoryview(z["names"]), "utf-8")  # decoded from the array's buffer: no bytes copy
+        return meta, ManifestColumns(meta["head"], names, z["starts"], z["counts"].tolist(), checksums,
+                                     meta.get("fingerprint"))
 
+
+def write_file(f, meta: dict, columns) -> bool:
+    """Write ``columns`` (with ``meta``, the fingerprint added) as a columns file to ``f``; False (nothing
+    written) for checksums of uneven widths, which are not worth a copy."""
     from datapipe.storage.shard_list import ShardList
 
-    path = _path(url, cache_dir)
     shards = ShardList("", columns.names, columns.starts, checksums=columns.checksums)
-    meta = {"url": url, "stamp": mark, "head": columns.head, "fingerprint": shards.fingerprint(columns.counts)}
+    meta = {**meta, "head": columns.head, "fingerprint": columns.fingerprint or shards.fingerprint(columns.counts)}
     arrays = {"names": np.frombuffer(columns.names.encode(), dtype=np.uint8), "starts": columns.starts,
               "counts": _smallest(columns.counts)}
     if isinstance(columns.checksums, Checksums):
         arrays["checksums"] = np.frombuffer(columns.checksums.blob.encode("ascii"), dtype=np.uint8)
         meta["checksum_width"] = columns.checksums.width
     elif columns.checksums is not None:
-        return  # checksums of uneven widths: not worth a copy
+        return False
+    np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    return True
+
+
+def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:
+    """Keep ``columns`` of the manifest ``url`` (stamp ``mark``); failures are logged at debug level only."""
+    path = _path(url, cache_dir)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}.npz"
-        np.savez(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+        with open(tmp, "wb") as f:
+            written = write_file(f, {"url": url, "stamp": mark}, columns)
+        if not written:
+            os.remove(tmp)
+            return
         os.replace(tmp, path)
         _evict(os.path.dirname(path))
     except Exception as e:  # a read-only home, a full disk: the next start parses the JSON again

@@ -165,3 +165,41 @@ def test_urls_of_one_folder_are_counted_from_its_columns(tmp_path, monkeypatch):
     assert stream.counts == [4, 2, 3]
     assert [s["__key__"] for s in stream] == [s["__key__"] for s in samples[6:] + samples[:5]]
     assert fingerprint([urls[3], urls[0], urls[1]], [4, 2, 3]) in stream.state_dict()["shards"]
+
+
+def test_a_large_manifests_first_read_takes_the_columns_written_beside_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1)
+    d = tmp_path / "d"
+    d.mkdir()
+    entries = _entries(60)
+    write_manifest(str(d), make_manifest(entries, note="kept"))
+    assert (d / manifest.SIDECAR_NAME).exists()
+    whole = read_manifest(str(d))
+    parse = manifest._parse_columns
+    monkeypatch.setattr(manifest, "_parse_columns", lambda f: pytest.fail("parsed although its columns are beside it"))
+    columns = read_columns(str(d), cache_dir=str(tmp_path / "fresh-cache"))  # no copy yet: a first open
+    _same(columns, whole)
+    want = fingerprint([str(d / e["name"]) for e in entries], [e["count"] for e in entries],
+                       [e["sha256"] or None for e in entries])
+    assert columns.fingerprint == want
+    monkeypatch.setattr(manifest, "_parse_columns", parse)
+    text = (d / "manifest.json").read_text()  # edited by hand, same size: the sidecar no longer matches
+    (d / "manifest.json").write_text(text.replace('"count": 1,', '"count": 7,', 1))
+    assert read_columns(str(d), cache_dir=str(tmp_path / "other-cache")).counts[1] == 7
+
+
+def test_a_small_manifest_has_no_sidecar_and_drops_an_old_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1)
+    write_manifest(str(tmp_path), make_manifest(_entries(30)))
+    assert (tmp_path / manifest.SIDECAR_NAME).exists()
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1 << 30)
+    write_manifest(str(tmp_path), make_manifest(_entries(5)))
+    assert not (tmp_path / manifest.SIDECAR_NAME).exists()
+    assert read_columns(str(tmp_path)).counts == [0, 1, 2, 3, 4]
+
+
+def test_a_sidecar_that_is_garbage_only_means_parsing(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_cache, "MIN_BYTES", 1)
+    write_manifest(str(tmp_path), make_manifest(_entries(30)))
+    (tmp_path / manifest.SIDECAR_NAME).write_bytes(b"garbage")
+    assert read_columns(str(tmp_path), cache_dir=str(tmp_path / "c")).counts[:3] == [0, 1, 2]
