@@ -26,9 +26,25 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+DESCRIPTION = ("Convert an image folder (class sub-folders), a CSV/JSONL list of image paths and labels, JSONL/Parquet "
+               "text or tar shards into WebDataset shards and a manifest.json. Images are shuffled across the "
+               "input (seeded) and checked before they are copied (--check-images): the default check reads each "
+               "image's header and end, not its pixels.")
+
+CHECK_HELP = ("how images are checked before they are copied: 'open' (default: PIL reads the header and a JPEG must "
+              "end with its end marker, a PNG with IEND: catches non-images, empty and cut-short files; no pixel "
+              "is decoded, so damage inside the image data passes and shows up only in the loader: a decode "
+              "error that on_error counts, or a part the decoder fills in gray), 'decode' (also decodes every "
+              "pixel with PIL: catches damaged PNG/GIF/WebP/TIFF data; a JPEG whose scan data is damaged but "
+              "still ends in its end marker is filled in by libjpeg without an error and passes even this), "
+              "'none' (unsafe: damaged files reach the shards). A bare --check-images means 'decode'")
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="image folder (class sub-folders), .csv/.jsonl list of path,label, "
-                                    "JSONL/Parquet text (file or folder), or tar shards (file, folder or brace spec)")
+    parser.description = DESCRIPTION
+    parser.add_argument("src", help="image folder (class sub-folders), .csv/.jsonl list of images (path and label "
+                                    "columns/fields, paths relative to the list), JSONL/Parquet text (file or "
+                                    "folder), or tar shards (file, folder, brace spec or glob)")
     parser.add_argument("out", help="output folder (local path or fsspec URL)")
     parser.add_argument("--input-kind", default="auto", choices=KINDS, help="what SRC is (default: guess)")
     parser.add_argument("--max-bytes", type=_size, default=1 << 30, help="shard size limit (default 1G)")
@@ -42,9 +58,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resize", type=int, metavar="SHORT_SIDE", help="shrink images to this shorter side")
     parser.add_argument("--quality", type=int, metavar="Q", help="re-encode images as JPEG of this quality")
     parser.add_argument("--check-images", nargs="?", const="decode", default="open", choices=CHECKS,
-                        help="how images are checked before they are copied: 'open' (default: PIL opens the file "
-                             "and reads its size, no pixel decode), 'decode' (full decode; also the meaning of a "
-                             "bare --check-images), 'none' (unsafe: damaged files reach the shards)")
+                        help=CHECK_HELP)
     parser.add_argument("--text-field", help="text field of JSONL/Parquet records (default 'text')")
     parser.add_argument("--key-field", help="record field to use as sample key (default: file and offset)")
     parser.add_argument("--tokenizer", help="text input: also store each record's token ids as an int32 .npy entry "

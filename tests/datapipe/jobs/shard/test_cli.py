@@ -169,3 +169,17 @@ def test_a_misspelt_option_prints_the_shard_usage_and_exits_2(tmp_path, capsys):
     assert err.startswith("usage: datapipe shard ") and "--max-count" in err
     assert "unrecognized arguments: --max-cout 5" in err and "COMMAND" not in err
     assert not (tmp_path / "b").exists()
+
+
+def test_help_names_every_input_kind_and_what_each_image_check_catches(capsys):
+    from datapipe.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["shard", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    head = text[text.index("Convert"):text.index("positional arguments")]
+    for kind in ("image folder", "CSV/JSONL list", "JSONL/Parquet text", "tar shards"):
+        assert kind in head, kind
+    check = text[text.index("--check-images [{open,decode,none}]", text.index("options:")):]
+    assert "no pixel is decoded" in check and "damage inside the image data passes" in check
+    assert "on_error counts" in check and "'decode' (also decodes every pixel" in check

@@ -57,3 +57,19 @@ def test_run_partition_writes_parts_and_a_done_marker(tmp_path):
     assert json.load(open(job_dir / "done" / "p000000.json")) == marker
     assert sorted(p.name for p in (job_dir / "parts").iterdir()) == [f"part-000000-{i:06d}.tar" for i in range(3)]
     assert sum(seen) == 7
+
+
+def test_what_each_check_level_lets_through_as_jobs_md_says():
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(png, format="PNG")
+    data = bytearray(png.getvalue())
+    at = data.index(b"IDAT") + 24
+    data[at:at + 40] = bytes(b ^ 0x5A for b in data[at:at + 40])  # broken compressed data, IEND intact
+    broken = {"__key__": "k", "png": bytes(data)}
+    assert transform_image(broken, resize=None, quality=None, check="open") is broken
+    with pytest.raises(ValueError, match="cannot decode"):
+        transform_image(broken, resize=None, quality=None, check="decode")
+    good = _jpeg()
+    scan_cut = {"__key__": "k", "jpg": good[: len(good) // 2] + b"\xff\xd9"}  # libjpeg fills the rest in gray
+    for check in ("open", "decode"):
+        assert transform_image(scan_cut, resize=None, quality=None, check=check) is scan_cut
