@@ -8,9 +8,9 @@ the training loop (:mod:`datapipe.device.handoff`).
 
 The reader modes are separate classes behind this one: :class:`loaders.images.stream_reader.StreamReader`
 (a thread), :class:`~loaders.images.stream_reader.WorkerStreamReader` (``read_workers`` processes)
-and :class:`loaders.images.dali_reader.DaliReader`; the options are grouped in
-:mod:`loaders.images.options`, the output conversions in :mod:`loaders.images.outputs`. The state follows
-:mod:`datapipe.state`.
+and :class:`loaders.images.dali_reader.DaliReader` (chosen in :mod:`loaders.images.reader_choice`); the options
+are grouped in :mod:`loaders.images.options`, the output conversions in :mod:`loaders.images.outputs`. The
+state follows :mod:`datapipe.state`.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from loaders.images.encoded import parse_label
 from loaders.images.options import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions,  # noqa: F401
                                      ReadOptions)
 from loaders.images.outputs import HostUpload, dali_to_torch
+from loaders.images.reader_choice import choose_reader
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
 from loaders.source import as_stream, check_positive_int, option_group, stream_steps
 
@@ -170,7 +171,7 @@ class ImageLoader:
                              ".decode()/.map() steps, or use loaders.DataLoader for decoded samples")
         self.stream = stream.replace(zero_copy=True)  # DALI reads the mapped bytes
         self._errors = ErrorPolicy(self.stream.on_error)  # the images DALI cannot decode (the stream reader finds them)
-        self.reader = self._choose_reader(self.read.reader)
+        self.reader = choose_reader(self, self.read.reader)  # loaders.images.reader_choice
         if self.reader == "dali":
             self._source = DaliReader(self)
         elif self.read.read_workers:
@@ -199,43 +200,6 @@ class ImageLoader:
         return self.read.drop_last
 
     # ---- configuration ------------------------------------------------------------------------
-    def _choose_reader(self, reader: str) -> str:
-        from datapipe.storage.urls import is_local
-
-        stream = self.stream
-        dali_ok = (all(is_local(u) for u in stream.urls) and self._errors.raises
-                   and getattr(stream, "cache_dir", None) is None)
-        if reader == "dali" and not dali_ok:
-            raise ValueError("reader='dali' needs local shards, on_error='raise' and no cache_dir on the stream; "
-                             "use reader='stream'")
-        if reader == "auto":  # DALI's reader: faster and less GIL work than feeding DALI from Python
-            plain = not (self.read.label_key.startswith("__") or self.read.read_workers)
-            reader = "dali" if dali_ok and plain else "stream"
-            if reader == "dali" and self._gif is not None:
-                log.info("these shards hold GIF images, which DALI's reader cannot decode: ImageLoader reads them "
-                         "with the stream reader (which re-encodes GIFs as PNG)")
-                return "stream"
-            return reader
-        if reader == "dali" and self._gif is not None:
-            path, member = self._gif
-            raise ValueError(f"reader='dali': DALI cannot decode GIF images and {path} holds one ({member!r}); "
-                             "use reader='stream' or 'auto' (they re-encode GIFs as PNG)")
-        return reader
-
-    @functools.cached_property
-    def _gif(self):
-        """``(shard path, member)`` of a GIF among the local shards' image entries (DALI's reader case), or None."""
-        from datapipe.storage.urls import local_path
-        from loaders.images.dali_reader import gif_member
-
-        if "gif" not in self.read.image_exts:
-            return None
-        try:
-            counts = self.stream.counts
-            return gif_member([local_path(u) for u, c in zip(self.stream.urls, counts) if c > 0], self.read.index_dir)
-        except Exception:  # an unreadable shard: DALI's reader names it when it reads
-            return None
-
     @property
     def _dali_cuda(self) -> bool:
         """The DALI pipeline runs on the GPU (decode_device 'gpu')."""
@@ -359,7 +323,8 @@ class ImageLoader:
         self._resumed = True
 
     def stats(self) -> dict[str, Any]:
-        """Batches and samples handed out, samples skipped (here and in the stream), decode errors; ``step_hold``:
+        """Batches and samples handed out, samples skipped (here and in the stream), decode errors; ``reader``;
+        ``stream``: the ShardStream's counters, None while DALI's own reader reads the shards; ``step_hold``:
         whether ``next()`` waits for the GPU's last step (few hardware queues and the hardware decoder in use)
         and the seconds it waited."""
         stream = self.stream.stats()
@@ -367,7 +332,8 @@ class ImageLoader:
         out["skipped"] = self._stats["skipped"] + self._errors.skipped + stream.get("skipped", 0)
         out["last_errors"] = (stream.get("last_errors", []) + self._stats["last_errors"]
                               + self._errors.last_errors)[-LAST_ERRORS:]
-        out["stream"] = stream
+        out["reader"] = self.reader
+        out["stream"] = stream if self.reader == "stream" or stream.get("shards_opened") else None
         out["seconds"] = {k: round(v, 4) for k, v in self._seconds.items()}
         out["producer"] = self._producer.stats()
         out["decoder"] = self._decoder.stats()

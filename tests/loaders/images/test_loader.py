@@ -283,6 +283,18 @@ def test_dali_reader_gives_the_same_batches(shards):
     assert len(os.listdir(os.path.join(os.path.dirname(shards[0]), "ix"))) == len(shards)
 
 
+def test_stats_stream_holds_the_streams_counts_or_none_when_dali_reads(shards):
+    dl = loader(shards, reader="stream")
+    collect(dl)
+    st = dl.stats()
+    assert st["reader"] == "stream" and st["stream"]["samples"] == N and st["stream"]["shards_opened"] == len(shards)
+    dl = loader(shards, reader="dali", index_dir=os.path.join(os.path.dirname(shards[0]), "ix-stats"))
+    collect(dl)
+    st = dl.stats()
+    assert st["reader"] == "dali" and st["samples"] == N
+    assert st["stream"] is None  # DALI's reader read the shards: no stream counters that read 0
+
+
 def test_bad_arguments(shards):
     with pytest.raises(ValueError):
         loader(shards, layout="CHW")
