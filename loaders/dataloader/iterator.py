@@ -8,12 +8,14 @@ import itertools
 from typing import Any
 
 import torch
+from torch.utils.data import BatchSampler
 from torch.utils.data._utils.fetch import _IterableDatasetFetcher
+from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from loaders.dataloader.deaths import death, fatal, watch
 from loaders.dataloader.progress import Progress, count_samples
 
-__all__ = ["Failed", "EpochSource", "LoaderIterator", "fast_fetch", "pinned", "pins_for_cuda", "tagged_batches",
+__all__ = ["ConstantBatches", "Failed", "EpochSource", "LoaderIterator", "constant_batches", "fast_fetch", "pinned", "pins_for_cuda", "tagged_batches",
            "shutdown"]
 
 
@@ -33,6 +35,30 @@ class _IterableBatchFetcher(_IterableDatasetFetcher):
             if not data or self.drop_last:
                 raise StopIteration
         return self.collate_fn(data)
+
+
+class ConstantBatches:
+    """torch's batch sampler of an iterable dataset (``BatchSampler`` over ``_InfiniteConstantSampler``: an
+    endless run of ``batch_size`` Nones per batch, which the fetchers only count), one list a batch instead of
+    a Python step a sample in the main process."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.batch_size = inner.batch_size
+        self.drop_last = inner.drop_last
+
+    def __iter__(self):
+        n = self.batch_size
+        while True:
+            yield [None] * n
+
+
+def constant_batches(inner):
+    """``inner`` (a loader's batch sampler) as :class:`ConstantBatches` where it is torch's own for an iterable
+    dataset, else ``inner``."""
+    if type(inner) is BatchSampler and type(inner.sampler) is _InfiniteConstantSampler:
+        return ConstantBatches(inner)
+    return inner
 
 
 def fast_fetch(it) -> None:

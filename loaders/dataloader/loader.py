@@ -46,8 +46,8 @@ from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.deaths import dead, fatal
-from loaders.dataloader.iterator import (EpochSource, LoaderIterator, fast_fetch, pinned, pins_for_cuda, shutdown,
-                                    tagged_batches)
+from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
+                                         pins_for_cuda, shutdown, tagged_batches)
 from loaders.dataloader.progress import Progress
 from loaders.dataloader.rawshm import RawCopies, pack_raw, unpacked
 from loaders.dataloader.returns import SegmentReturns
@@ -135,7 +135,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._iterable = isinstance(dataset, IterableDataset)
         self._protocol = has_protocol(dataset)  # the worker-state protocol (loaders.dataloader.workers)
         self._plan = Plan()
-        self._index_wrapper: IndexSampler | None = None
+        self._index_wrapper = None  # IndexSampler (map-style), ConstantBatches (iterable) or torch's own
         self._epoch = 0
         self._tell_dataset = False  # the epoch moved on: tell the dataset before the next pass
         self._ds_epoch_seen = None
@@ -159,7 +159,10 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     def _index_sampler(self):
         inner = super()._index_sampler
         if self._iterable:
-            return inner
+            w = self._index_wrapper
+            if w is None or getattr(w, "inner", None) is not inner:
+                w = self._index_wrapper = constant_batches(inner)
+            return w
         w = self._index_wrapper
         if w is None or w.inner is not inner:
             w = self._index_wrapper = IndexSampler(self, inner)

@@ -32,15 +32,17 @@ free segment for it (it never waits).
 """
 from __future__ import annotations
 
-import collections
+import io
+import pickle
+import weakref
 
 import numpy as np
 import torch
 
-from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, SegmentPool, _STATE, _movable, _segment_header,
+from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
 
-__all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "pack_raw", "unpacked"]
+__all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "SegmentRef", "pack_raw", "unpacked"]
 
 MIN_BYTES = 256 * 1024  # a batch with fewer raw bytes is pickled as torch does
 MIN_LEAF = 512  # smaller bytes / array leaves stay in the pickle (a slot costs about as much)
@@ -55,16 +57,42 @@ class _Slot(int):
     __slots__ = ()
 
 
-class Packed(tuple):
-    """A batch whose raw leaves travel in a segment: ``(body, data, spans, kinds, dtypes, shapes, tensors)``.
+class SegmentRef(tuple):
+    """A worker's segment as a batch names it: ``(mark, token, retired, send, data)``.
 
-    ``body``: the batch with each packed leaf replaced by its :class:`_Slot`; ``data``: a uint8 tensor
-    over the segment's data (None: no bytes or arrays packed); ``spans``: offset, length per slot (flat;
-    a tensor's into ``tensors``); ``kinds``: one letter per slot (``b`` bytes, ``a`` bytearray, ``c``/``f``
-    a C/Fortran-ordered array, ``t`` a tensor); ``dtypes``, ``shapes``: the arrays' and tensors', in slot
-    order (a tensor's shape entry is ``(shape, strides)``); ``tensors``: a uint8 tensor over the fresh
-    shared memory holding the packed tensors, or None. A tuple of plain values, so that the segment code
-    sees its tensors.
+    ``token``: the segment's number, unique over the loader's workers; ``data``: a uint8 tensor over the
+    segment's data (after the header). It crosses to the main process as its token alone once the main
+    process has it mapped (the header's ``MAPPED`` byte, set there): torch sends a tensor's shared memory
+    over an authenticated socket answered by a thread of the worker, a round trip a batch that waits for
+    the worker's interpreter lock. ``send``: the tensor goes too (the main process has not mapped it yet).
+    ``retired``: tokens of segments the worker's pool let go since its last message, which the main process
+    unmaps. Unpickled (:func:`_received`) in the main process, whichever batch carries it, read or not. A
+    tuple of plain values and a tensor, so that the segment code sees its segment.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, items):
+        return super().__new__(cls, items)
+
+    def __reduce__(self):
+        mark, token, retired, send, data = self
+        return _received, (mark, token, retired, data if send else None)
+
+
+class Packed(tuple):
+    """A batch whose raw leaves travel in a segment: ``(body, segment, spans, kinds, dtypes, shapes, tensors,
+    pickled)``.
+
+    ``body``: the batch with each packed leaf replaced by its :class:`_Slot`, or None when ``pickled`` holds
+    it; ``segment``: the :class:`SegmentRef` (None: no bytes or arrays packed); ``spans``: offset, length per
+    slot (flat; a tensor's into ``tensors``); ``kinds``: one letter per slot (``b`` bytes, ``a`` bytearray,
+    ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor); ``dtypes``, ``shapes``: the arrays' and
+    tensors', in slot order (a tensor's shape entry is ``(shape, strides)``); ``tensors``: a uint8 tensor over
+    the fresh shared memory holding the packed tensors, or None; ``pickled``: the body pickled with each slot
+    a persistent id (a body of plain values: dicts, lists, tuples, strings, numbers, small bytes), as
+    ``(offset, length)`` in the segment after the data, or as bytes (no segment), or None (``body``). A
+    tuple of plain values, so that the segment code sees its tensors.
     """
 
     __slots__ = ()
@@ -93,6 +121,31 @@ def _packable_tensor(t, aliased: set[int]) -> bool:
         return False
     storage = t.untyped_storage()
     return not storage.is_shared() and storage.data_ptr() not in aliased
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _BodyPickler(pickle.Pickler):
+    """Pickles a body of plain values, each :class:`_Slot` as its persistent id; anything else raises
+    :class:`_NotPlain` (``reducer_override`` sees every object but the built-in types)."""
+
+    def persistent_id(self, obj):
+        return int(obj) if type(obj) is _Slot else None
+
+    def reducer_override(self, obj):
+        raise _NotPlain
+
+
+def _plain_pickle(body) -> bytes | None:
+    """``body`` pickled by :class:`_BodyPickler`, or None when it holds anything but plain values."""
+    out = io.BytesIO()
+    try:
+        _BodyPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(body)
+    except _NotPlain:
+        return None
+    return out.getvalue()
 
 
 def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
@@ -127,24 +180,32 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
     body = map_leaves(batch, note)
     if end < MIN_BYTES and kinds.count("t") < MIN_TENSORS:
         return batch
-    data = block = None
+    pickled = _plain_pickle(body)
+    segment = block = None
     if end:
-        storage = pool.take(end)
+        size = end + (len(pickled) if pickled is not None else 0)
+        storage = pool.take(size)
         if storage is None:
             return batch
-        data = torch.empty(0, dtype=torch.uint8).set_(storage, HEADER, (end,), (1,))
+        token, header = pool.number(storage)
+        retired, pool.retired = tuple(pool.retired), []
+        data = torch.empty(0, dtype=torch.uint8).set_(storage, HEADER, (size,), (1,))
+        segment = SegmentRef((pool.mark, token, retired, int(header[MAPPED]) == 0, data))
     if tend:
         try:  # fresh, as torch's: handed out as views, it lives as long as the consumer keeps a tensor of it
             block = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(tend), 0, (tend,), (1,))
         except RuntimeError:  # shared memory short (/dev/shm full): torch's own path, and its error
+            if segment is not None:  # the segment goes back to the pool with the batch (PooledCollate.settle)
+                pool.retired = list(segment[2]) + pool.retired
             return batch
-    buf = data.numpy() if data is not None else None
+    buf = segment[4].numpy() if segment is not None else None
+    view = memoryview(buf) if buf is not None else None
     dtypes, shapes = [], []
     for i, x in enumerate(leaves):
         offset, n = spans[2 * i], spans[2 * i + 1]
         kind = kinds[i]
         if kind in "ba":
-            buf[offset:offset + n] = np.frombuffer(x, np.uint8)
+            view[offset:offset + n] = x
         elif kind == "t":
             dtypes.append(x.dtype)
             shapes.append((tuple(x.shape), x.stride()))
@@ -153,7 +214,13 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
             dtypes.append(x.dtype.str)
             shapes.append(x.shape)
             _array_at(buf, offset, x.dtype, x.shape, kind)[...] = x
-    return Packed((body, data, spans, "".join(kinds), dtypes, shapes, block))
+    if pickled is not None:
+        if segment is not None:
+            view[end:end + len(pickled)] = pickled
+            pickled, body = (end, len(pickled)), None
+        else:
+            body = None
+    return Packed((body, segment, spans, "".join(kinds), dtypes, shapes, block, pickled))
 
 
 def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
@@ -163,14 +230,10 @@ def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape, strid
     return torch.empty(0, dtype=dtype).set_(data.untyped_storage(), start // size, tuple(shape), tuple(stride))
 
 
-def _own_view(block: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
-    """A tensor over bytes ``offset`` to ``offset + n`` of ``block``, on a storage of its own: a slice of the
-    block's storage, which keeps the block alive but saves, pickles and shares as those ``n`` bytes alone
-    (views of the one block would each carry the whole block, and ``torch.save`` refuses tensors of
-    different dtypes over one storage)."""
-    storage = block.untyped_storage()
-    start = block.storage_offset() + offset
-    return torch.empty(0, dtype=dtype).set_(storage[start:start + n], 0, tuple(shape), tuple(stride))
+# A storage's slice: a storage of its own over those bytes of the block, which keeps the block alive but saves,
+# pickles and shares as those bytes alone (views of the one block would each carry the whole block, and
+# ``torch.save`` refuses tensors of different dtypes over one storage). torch's own, without its Python wrapper.
+_slice = torch._C.StorageBase.__getitem__
 
 
 def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarray:
@@ -179,29 +242,43 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
     return flat.reshape(shape, order="F" if kind == "f" else "C")
 
 
-def _unpack(packed: Packed):
-    """The batch ``packed`` carries, every packed leaf copied out of its segment (tensors: over their block, each
-    on a storage of its own)."""
-    body, data, spans, kinds, dtypes, shapes, block = packed
-    buf = data.numpy() if data is not None else None
-    view = memoryview(buf) if buf is not None else None
-    out: list = []
-    arrays = 0
-    for i, kind in enumerate(kinds):
-        offset, n = spans[2 * i], spans[2 * i + 1]
-        if kind == "b":
-            out.append(bytes(view[offset:offset + n]))
-        elif kind == "a":
-            out.append(bytearray(view[offset:offset + n]))
-        elif kind == "t":
-            dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
-            out.append(_own_view(block, offset, n, dtype, shape, stride))
-            arrays += 1
-        else:
-            src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
-            out.append(src.copy(order="K"))
-            arrays += 1
-    return _filled(body, out)
+def _unpack(packed: Packed, view: memoryview | None):
+    """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
+    their block, each on a storage of its own)."""
+    body, _, spans, kinds, dtypes, shapes, block, pickled = packed
+    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass
+        it = iter(spans)
+        out = [bytes(view[offset:offset + n]) for offset, n in zip(it, it)]
+    else:
+        buf = np.frombuffer(view, np.uint8) if view is not None else None
+        if block is not None:
+            storage, base = block.untyped_storage(), block.storage_offset()
+        out = []
+        arrays = 0
+        for i, kind in enumerate(kinds):
+            offset, n = spans[2 * i], spans[2 * i + 1]
+            if kind == "b":
+                out.append(bytes(view[offset:offset + n]))
+            elif kind == "a":
+                out.append(bytearray(view[offset:offset + n]))
+            elif kind == "t":
+                dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
+                start = base + offset
+                out.append(torch.empty(0, dtype=dtype).set_(_slice(storage, slice(start, start + n)), 0, shape,
+                                                            stride))
+                arrays += 1
+            else:
+                src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
+                out.append(src.copy(order="K"))
+                arrays += 1
+    if pickled is None:
+        return _filled(body, out)
+    if type(pickled) is tuple:
+        offset, n = pickled
+        pickled = view[offset:offset + n]
+    loader = pickle.Unpickler(io.BytesIO(pickled))
+    loader.persistent_load = out.__getitem__
+    return loader.load()
 
 
 def _filled(x, out: list):
@@ -223,42 +300,89 @@ def _filled(x, out: list):
     return map_leaves(x, lambda y: out[y] if type(y) is _Slot else y)
 
 
+class _Mapped:
+    """(Main process) a worker's segment kept mapped: its storage, header and data (a memoryview)."""
+
+    __slots__ = ("storage", "header", "view")
+
+    def __init__(self, data: torch.Tensor):
+        self.storage = data.untyped_storage()
+        self.header = _header(self.storage)
+        self.view = memoryview(torch.empty(0, dtype=torch.uint8).set_(
+            self.storage, HEADER, (self.storage.nbytes() - HEADER,), (1,)).numpy())
+
+
+# mark -> the RawCopies of that loader's pass, where a SegmentRef unpickled in this process finds its segment
+_RECEIVERS: weakref.WeakValueDictionary[bytes, RawCopies] = weakref.WeakValueDictionary()
+
+
+def _received(mark: bytes, token, retired, data):
+    """(Main process, unpickling) the :class:`_Mapped` segment a batch names; ``data``: the segment's tensor
+    when its worker sent it (mapped and kept from now on), else None (kept already)."""
+    copies = _RECEIVERS.get(mark)
+    if copies is None:  # no pass of that mark here any more: the batch is never unpacked
+        return None
+    return copies.received(token, retired, data)
+
+
 class RawCopies:
     """(Main process) copies the raw leaves of :class:`Packed` batches out and hands their segments back.
 
     ``unpack(batch)``: ``batch`` (a :class:`Packed` of the loader marked ``mark``) with its leaves copied
-    into ordinary objects; its segment set ``FREE`` for its worker and kept mapped. At most twice the
-    segments the workers can hold are kept (``workers`` x ``batches`` in flight), the least recently
-    used dropped first. ``clear()`` drops them all. ``copied``: batches unpacked so far.
+    into ordinary objects; its segment set ``FREE`` for its worker. Every segment a worker sent stays mapped
+    (``kept``: token -> segment) until the worker's pool lets it go (its token comes back ``retired``) or
+    ``clear()`` (the workers are gone), as the workers name them by token alone once mapped. ``copied``:
+    batches unpacked so far. ``workers`` and ``batches``: how many segments the workers hold in flight.
     """
 
     def __init__(self, mark: bytes, *, workers: int, batches: int):
         self.mark = mark
         self.workers = workers
         self.batches = batches
-        self.kept: collections.OrderedDict[int, torch.UntypedStorage] = collections.OrderedDict()
+        self.kept: dict = {}
         self.copied = 0
+        _RECEIVERS[mark] = self
+
+    def received(self, token, retired, data) -> _Mapped:
+        """The segment ``token`` (``data``: sent with it, else kept already); the ``retired`` ones unmapped."""
+        for old in retired:
+            self._drop(old)
+        if data is not None:
+            entry = _Mapped(data)
+            if bytes(entry.header[:8].tolist()) != self.mark:
+                raise RuntimeError("loaders.DataLoader: a worker's segment carries another loader's mark "
+                                   "(an internal error; please report it)")
+            entry.header[MAPPED] = 1  # its worker names it by token alone from its next batch on
+            self.kept[token] = entry
+            return entry
+        entry = self.kept.get(token)
+        if entry is None:
+            raise RuntimeError(f"loaders.DataLoader: a worker named shared-memory segment {token} that this process "
+                               "never received (an internal error; please report it)")
+        return entry
 
     def unpack(self, batch):
         if type(batch) is not Packed:
             return batch
-        data = batch[1]
+        segment = batch[1]
+        if type(segment) is SegmentRef:  # packed in this process (never pickled)
+            _, token, retired, _, data = segment
+            segment = self.received(token, retired, data)
         try:
-            return _unpack(batch)
+            return _unpack(batch, segment.view if segment is not None else None)
         finally:
-            head = _segment_header(data, self.mark) if data is not None else None
-            if head is not None:
-                head[_STATE] = FREE
-                storage = data.untyped_storage()
-                self.kept[storage.data_ptr()] = storage
-                self.kept.move_to_end(storage.data_ptr())
-                over = len(self.kept) - 2 * max(1, self.workers) * self.batches
-                for ptr in list(self.kept)[:max(0, over)]:
-                    del self.kept[ptr]
+            if segment is not None:
+                segment.header[_STATE] = FREE
             self.copied += 1
 
+    def _drop(self, token) -> None:
+        entry = self.kept.pop(token, None)
+        if entry is not None:
+            entry.header[MAPPED] = 0
+
     def clear(self) -> None:
-        self.kept.clear()
+        for token in list(self.kept):
+            self._drop(token)
 
 
 def unpacked(stream, copies: RawCopies, *, keep: bool = False):

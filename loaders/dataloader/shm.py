@@ -40,9 +40,10 @@ from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_f
 
 __all__ = ["HEADER", "FREE", "BUSY", "PooledCollate", "SegmentPool", "recycling_available"]
 
-HEADER = 64  # bytes before a segment's data: mark (8), state (1), padding (keeps data 64-byte aligned)
+HEADER = 64  # bytes before a segment's data: mark (8), state (1), mapped (1), padding (keeps data 64-byte aligned)
 FREE, BUSY = 0, 1
 _STATE = 8
+MAPPED = 9  # set by the main process once it keeps the segment mapped under its number (loaders.dataloader.rawshm)
 _FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
@@ -77,7 +78,9 @@ class SegmentPool:
 
     ``take(nbytes)``: the smallest free segment that holds ``nbytes``, marked ``BUSY``; a new one while
     the pool has fewer than ``cap`` (a free one too small is replaced); None when every segment is
-    busy. ``fresh``: segments made so far.
+    busy. ``fresh``: segments made so far. ``number(storage)``: a taken segment's token, unique over the
+    loader's workers, and its header; ``retired``: the tokens of numbered segments the pool let go since the
+    caller last emptied it.
     """
 
     def __init__(self, mark: bytes, cap: int):
@@ -88,6 +91,20 @@ class SegmentPool:
         self.fresh = 0
         self.taken: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # since the last ``settle()``
         self.pass_seen: int | None = None
+        self._key = (os.getpid(), int.from_bytes(os.urandom(8), "little"))
+        self._numbers: dict[int, tuple] = {}  # data pointer -> token, of the segments numbered
+        self._serial = 0
+        self.retired: list[tuple] = []
+
+    def number(self, storage: torch.UntypedStorage) -> tuple[tuple, torch.Tensor]:
+        """The token of segment ``storage`` (one of this pool's) and its header."""
+        ptr = storage.data_ptr()
+        header = next(h for s, h in self.segments if s.data_ptr() == ptr)
+        token = self._numbers.get(ptr)
+        if token is None:
+            self._serial += 1
+            token = self._numbers[ptr] = (*self._key, self._serial)
+        return token, header
 
     def new_pass(self, n: int) -> None:
         """The pass counter of this worker's set of persistent workers reads ``n``: when it moved on, every
@@ -126,7 +143,11 @@ class SegmentPool:
             chosen = min(fits, key=lambda s: s[0].nbytes())
         elif len(self.segments) < self.cap or free:
             if len(self.segments) >= self.cap:  # full: the smallest free segment makes way
-                self.segments.remove(min(free, key=lambda s: s[0].nbytes()))
+                victim = min(free, key=lambda s: s[0].nbytes())
+                self.segments.remove(victim)
+                token = self._numbers.pop(victim[0].data_ptr(), None)
+                if token is not None:
+                    self.retired.append(token)
             try:  # sizes that grew (free segments, all too small) get a quarter more room
                 storage = torch.UntypedStorage._new_shared(need + need // 4 if free else need)
             except RuntimeError:  # shared memory short (/dev/shm full): torch's own path, and its error

@@ -76,7 +76,7 @@ def same(a, b) -> bool:
 
 
 def segment_state(packed: Packed) -> int:
-    data = packed[1]
+    data = packed[1][4]
     return int(torch.empty(0, dtype=torch.uint8).set_(data.untyped_storage(), 0, (HEADER,), (1,))[8])
 
 
@@ -92,6 +92,7 @@ def test_every_packed_leaf_comes_out_equal_of_its_type_and_owned():
     packed = pack_raw(batch, pool)
     assert type(packed) is Packed and segment_state(packed) == BUSY
     assert packed[3].count("b") == 24 + 24 + 2 and "f" in packed[3]  # jpg and pair bytes; one Fortran array
+    assert packed[7] is None  # a namedtuple and numpy arrays in the body: it travels as torch pickles it
     body = pickle.loads(pickle.dumps(packed[0]))
     assert body["tiny"] == batch["tiny"] and body["objects"] is not None  # left in the pickle
     copies = RawCopies(MARK, workers=1, batches=2)
@@ -102,7 +103,7 @@ def test_every_packed_leaf_comes_out_equal_of_its_type_and_owned():
     assert out["fortran"].flags.f_contiguous and out["fortran"].dtype == np.dtype(">f8")
     assert type(out["pair"]) is Pair and type(out["list"][0]["meta"]["raw"]) is bytearray
     assert segment_state(packed) == FREE and copies.copied == 1
-    packed[1].fill_(0)  # the segment written over (its worker's next batch): what was handed out stays
+    packed[1][4].fill_(0)  # the segment written over (its worker's next batch): what was handed out stays
     assert same(out["list"], [sample(i) for i in range(24)]) and out["list"][0]["meta"]["npy"].flags.writeable
 
 
@@ -112,21 +113,42 @@ def test_a_small_batch_or_a_full_pool_leaves_the_batch_to_pickling():
     assert pack_raw(small, pool) is small and pool.fresh == 0  # fewer than MIN_BYTES
     batch = [sample(i) for i in range(32)]
     first = pack_raw(batch, pool)
-    assert type(first) is Packed and first[1].numel() >= MIN_BYTES
+    assert type(first) is Packed and first[1][4].numel() >= MIN_BYTES
     assert pack_raw(batch, pool) is batch  # the one segment is busy: torch's way, no wait
     RawCopies(MARK, workers=1, batches=1).unpack(first)
     assert type(pack_raw(batch, pool)) is Packed and pool.fresh == 1  # given back: reused
 
 
-def test_copies_keep_a_bounded_set_and_leave_other_batches_alone():
+def test_copies_leave_other_batches_alone_and_unmap_the_segments_a_pool_lets_go():
     copies = RawCopies(MARK, workers=1, batches=1)
     assert copies.unpack([b"plain"]) == [b"plain"] and copies.copied == 0
-    pool = SegmentPool(MARK, cap=4)
-    for _ in range(4):
-        copies.unpack(pack_raw([sample(i) for i in range(32)], pool))
-    assert len(copies.kept) <= 2 and copies.copied == 4
+    pool = SegmentPool(MARK, cap=1)
+    for _ in range(3):  # the one segment, reused: one kept
+        assert same(copies.unpack(pack_raw([sample(i) for i in range(32)], pool)), [sample(i) for i in range(32)])
+    (first,) = copies.kept
+    bigger = pack_raw([sample(i) for i in range(64)], pool)  # the free segment is too small: the pool replaces it
+    assert pool.fresh == 2 and bigger[1][2] == (first,) and bigger[1][1] != first
+    assert same(copies.unpack(bigger), [sample(i) for i in range(64)])
+    assert list(copies.kept) == [bigger[1][1]] and copies.copied == 4
     copies.clear()
     assert not copies.kept
+
+
+def test_a_plain_body_travels_pickled_in_the_segment_and_comes_out_equal():
+    batch = [{"__key__": f"{i:06d}", "__url__": "shards/a.tar", "jpg": payload(i), "cls": b"%d" % i,
+              "n": (i, 1.5, None, True)} for i in range(32)]
+    pool = SegmentPool(MARK, cap=1)
+    packed = pack_raw(batch, pool)
+    assert packed[0] is None and type(packed[7]) is tuple and packed[3] == "b" * 32  # in the segment, after the data
+    out = RawCopies(MARK, workers=1, batches=1).unpack(packed)
+    assert segment_state(packed) == FREE
+    packed[1][4].fill_(0)  # the worker's next batch: what was handed out stays
+    assert same(out, [{"__key__": f"{i:06d}", "__url__": "shards/a.tar", "jpg": payload(i), "cls": b"%d" % i,
+                       "n": (i, 1.5, None, True)} for i in range(32)])
+    tensors = pack_raw([torch.ones(3), torch.zeros(2), "key"], pool, tensors=True)  # no segment: the pickle travels
+    assert tensors[1] is None and type(tensors[7]) is bytes
+    first, second, key = RawCopies(MARK, workers=1, batches=1).unpack(tensors)
+    assert torch.equal(first, torch.ones(3)) and torch.equal(second, torch.zeros(2)) and key == "key"
 
 
 # ---- through loaders.DataLoader's workers ----------------------------------------------------
@@ -147,6 +169,30 @@ def test_a_slow_consumer_and_a_long_epoch_see_exact_values_in_reused_segments():
         time.sleep(0.01)  # the worker runs ahead into its other segments meanwhile
         assert same(batch, [sample(i) for i in range(32 * b, 32 * (b + 1))]), b
     assert dl.stats()["raw_shared_memory"]["batches"] == 12
+
+
+RECEIVED = []  # the storages the main process received through counted_rebuild
+
+
+def counted_rebuild(*args):
+    """torch's ``rebuild_storage_fd`` (a socket round trip to the worker for a file descriptor), counted. A
+    function of this module: the workers' pickles name it."""
+    import torch.multiprocessing.reductions as reductions
+
+    RECEIVED.append(args)
+    return reductions.__dict__["_counted_original"](*args)
+
+
+def test_a_worker_sends_each_segment_once_then_names_it(monkeypatch):
+    import torch.multiprocessing.reductions as reductions
+
+    monkeypatch.setattr(reductions, "_counted_original", reductions.rebuild_storage_fd, raising=False)
+    monkeypatch.setattr(reductions, "rebuild_storage_fd", counted_rebuild)
+    RECEIVED.clear()
+    dl = DataLoader(Raw(32 * 12), batch_size=32, num_workers=1, collate_fn=as_list, prefetch_factor=2, timeout=60)
+    for b, batch in enumerate(dl):
+        assert same(batch, [sample(i) for i in range(32 * b, 32 * (b + 1))]), b
+    assert 1 <= len(RECEIVED) <= 4  # at most the pool's segments (prefetch factor + 2), not one a batch (12)
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -250,7 +296,7 @@ def test_tensors_travel_in_one_block_and_come_out_equal_each_on_its_own_storage_
         assert block.data_ptr() <= own.data_ptr() < block.data_ptr() + block.nbytes(), name
     assert out["nhwc"].is_contiguous(memory_format=torch.channels_last) and out["keys"] == batch["keys"]
     assert out["jpg"] == payload(3) and segment_state(packed) == FREE
-    packed[1].fill_(0)  # the worker writes its next batch into the segment: what was handed out stays
+    packed[1][4].fill_(0)  # the worker writes its next batch into the segment: what was handed out stays
     assert torch.equal(out["images"][5], torch.full((3, 8, 8), 5.0)) and torch.equal(out["f32"], packed_leaves["f32"])
     assert out["jpg"] == payload(3)
     again = pack_raw(batch, pool, tensors=True)  # the next batch's tensors: a block of their own
