@@ -102,6 +102,7 @@ class TokenLoader:
         self._resume: dict[str, Any] | None = None
         self._stats = {"batches": 0, "tokens": 0, "dropped_tail_batches": 0,
                        "wait_s": 0.0, "elapsed_s": 0.0}
+        self._bad_at_start = 0  # bad documents counted before this pass
         self._group = None
         self._producer = None  # the last pass's ProducerMeter
         self._last_pass = None  # weakref to the latest pass's iterator
@@ -162,7 +163,9 @@ class TokenLoader:
             self._stats["batches"] = int(resume.get("batches", 0))
         else:
             self._stats["batches"] = 0
-        self._stats.update(tokens=0, wait_s=0.0, elapsed_s=0.0)  # rates are this pass's, as batches are
+        # this pass's counts start here (batches, like the batcher's counters, are the epoch's: a resume restores them)
+        self._stats.update(tokens=0, wait_s=0.0, elapsed_s=0.0, dropped_tail_batches=0)
+        self._bad_at_start = self._errors.skipped
         group = self._sync_group()
         prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
         self._producer = prefetcher.meter
@@ -275,10 +278,11 @@ class TokenLoader:
                 "batcher": holding_state(self.seq_len, share), "batches": 0}
 
     def stats(self) -> dict:
-        """This pass's batches, tokens (real), tokens/s, consumer wait and its share of the pass's time, plus the
-        batcher's own counters (efficiency...)."""
+        """The current (or last) pass: tokens (real), tokens/s, the consumer's wait and its share of the pass's
+        time, bad documents, tail batches dropped; the epoch so far (the same without a resume; a resume restores
+        them): ``batches`` and the batcher's counters (efficiency...); since the stream was made: ``stream``."""
         s = dict(self._stats)
-        s["bad_documents"] = self._errors.skipped
+        s["bad_documents"] = self._errors.skipped - self._bad_at_start
         s["tokens_per_s"] = s["tokens"] / s["elapsed_s"] if s["elapsed_s"] else 0.0
         s["wait_fraction"] = s["wait_s"] / s["elapsed_s"] if s["elapsed_s"] else 0.0
         s.update(self.batcher.stats())

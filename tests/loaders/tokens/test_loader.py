@@ -275,3 +275,32 @@ def test_stats_describe_the_last_pass(tmp_path):
         assert stats["batches"] == n and stats["tokens"] == sum(lens)
         assert 0.0 <= stats["wait_fraction"] <= 1.0
         assert stats["tokens_per_s"] == stats["tokens"] / stats["elapsed_s"]
+
+
+@pytest.mark.parametrize("batching", ["packed", "dynamic"])
+def test_stats_scopes_are_the_pass_the_epoch_and_the_stream_as_documented(tmp_path, batching):
+    """docs/loaders.md's table: bad_documents, tokens and rates are the pass's; batches and the batcher's counters
+    the epoch's (a resume restores them); only `stream` counts since the stream was made."""
+    urls = write_token_shards(tmp_path, [5] * 20, bad={2})
+    make = lambda: tl(urls, seq_len=16, batch_size=2, on_error="skip", batching=batching, shuffle=False)
+    loader = make()
+    passes = []
+    for _ in range(2):
+        n = sum(1 for _ in loader)
+        passes.append(loader.stats())
+        st = passes[-1]
+        assert st["bad_documents"] == 1 and st["tokens"] == st["tokens_out"] == 19 * 5  # not 2 on the second pass
+        assert st["batches"] == st["batches_out"] == n and st["dropped_tail_batches"] == 0
+    key = "documents_in" if batching == "packed" else "sequences_in"
+    assert passes[0][key] == passes[1][key] == 19
+    assert passes[1]["stream"]["samples"] == 2 * passes[0]["stream"]["samples"] == 2 * 20
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    again = make()
+    again.load_state_dict(state)
+    rest = sum(1 for _ in again)
+    st = again.stats()
+    assert st["batches"] == 3 + rest == passes[0]["batches"]  # the epoch's, the resumed batches included
+    assert st["tokens"] == 19 * 5 - sum(len(real_tokens(b)) for b in first)  # this pass's only
