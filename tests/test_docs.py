@@ -221,6 +221,32 @@ def test_index_names_every_command():
     assert not [c for c in COMMANDS if f"`datapipe {c}" not in index]
 
 
+def test_readme_names_every_type_a_loader_state_holds(tmp_path):
+    """The README's checkpoint sentence names what a DataLoader's state holds (it said "plain values" beside
+    torch's RNG state, a tensor)."""
+    import numpy as np
+    import torch
+
+    import datapipe
+    import loaders
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "s", [6, 6])
+    loader = loaders.DataLoader(datapipe.ShardStream(urls, shuffle=True).map(lambda s: int(s["cls"])), batch_size=2)
+    it = iter(loader)
+    next(it)
+
+    def leaves(x):
+        if isinstance(x, dict):
+            return [t for v in x.values() for t in leaves(v)]
+        return [t for v in x for t in leaves(v)] if isinstance(x, (list, tuple)) else [type(x)]
+
+    words = {int: "ints", str: "strings", np.ndarray: "numpy arrays", torch.Tensor: "tensor"}
+    sentence = next(p for p in (ROOT / "README.md").read_text().split("\n\n") if p.startswith("Checkpoint and resume"))
+    held = {t for t in leaves(loader.state_dict()) if t not in (bool, type(None), float)}
+    assert held and not [t for t in held if words.get(t, "?") not in " ".join(sentence.split())], held
+
+
 def test_parser(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
