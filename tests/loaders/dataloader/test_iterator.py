@@ -1,7 +1,11 @@
 """loaders.dataloader.iterator: the producer-side stream of a loaders.DataLoader pass."""
 import threading
 
-from loaders.dataloader.iterator import Failed, pinned
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchLoader, IterableDataset, get_worker_info
+
+from loaders.dataloader.iterator import ConstantBatches, Failed, pinned
 
 
 class Batch:
@@ -204,3 +208,30 @@ def test_a_batch_adopted_for_an_in_place_copy_whose_pinning_raises_goes_back_at_
     worker.start()
     worker.join()
     assert isinstance(got[0][1], Failed) and returns.released == [(0, True)] and not copies.events
+
+
+class Counting(IterableDataset):
+    """``n`` samples, split over the workers, each a dict with its number."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return ({"i": i} for i in range(worker, self.n, workers))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_an_iterable_datasets_batches_come_from_one_list_a_batch_and_equal_torchs(workers, drop_last):
+    from loaders import DataLoader
+
+    dl = DataLoader(Counting(23), batch_size=5, num_workers=workers, drop_last=drop_last)
+    sampler = dl._index_sampler
+    assert type(sampler) is ConstantBatches and next(iter(sampler)) == [None] * 5  # no Python step a sample
+    torch_batches = list(TorchLoader(Counting(23), batch_size=5, num_workers=workers, drop_last=drop_last))
+    got = list(dl)
+    assert len(got) == len(torch_batches) and all(torch.equal(a["i"], b["i"]) for a, b in zip(got, torch_batches))
+    unbatched = DataLoader(Counting(3), batch_size=None)  # torch's sampler of single samples stays
+    assert type(unbatched._index_sampler) is not ConstantBatches and list(unbatched) == [{"i": 0}, {"i": 1}, {"i": 2}]
