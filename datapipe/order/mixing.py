@@ -12,6 +12,7 @@ from datapipe.order.ranks import rank_world
 from datapipe.order.shared_epoch import SharedEpoch
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_identity, check_state
+from datapipe.words import counted
 
 STOP = ("first", "all", "restart")
 # what an epoch holds under each stop rule (Mix.stats()["epoch_holds"]; docs/loaders.md says the same)
@@ -96,7 +97,8 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
             raise ValueError("mix needs at least one stream")
         weights = [float(w) for w in weights]
         if len(weights) != len(streams):
-            raise ValueError(f"got {len(weights)} weights for {len(streams)} streams: give one weight per stream")
+            raise ValueError(f"got {counted(len(weights), 'weight')} for {counted(len(streams), 'stream')}: "
+                             "give one weight per stream")
         if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"weights must be finite, >= 0 and not all 0, got {weights}")
         if stop not in STOP:

@@ -16,6 +16,7 @@ from datapipe.jobs.shard.job import reads_all, shard
 from datapipe.jobs.shard.lock import LockedError
 from datapipe.jobs.shard.options import CHECKS, ENGINES, ImageOptions, ShardOptions, TextOptions, UsageError
 from datapipe.jobs.shard.sources import KINDS
+from datapipe.words import counted
 
 
 def _size(text: str) -> int:
@@ -104,12 +105,13 @@ def run_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     lost = report.get("num_lost_samples") or 0
-    print(f"{report['out']}: {report['samples']} samples in {report['shards']} shards, "
+    print(f"{report['out']}: {counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}, "
           f"{report['bytes'] / 1e6:.1f} MB, {report['num_skipped']} skipped "
-          + (f"(input items listed in report.json) and {lost} samples never read after the cut of a truncated "
-             "input tar " if lost else "") +
+          + (f"(input items listed in report.json) and {counted(lost, 'sample')} never read after the cut of a "
+             "truncated input tar " if lost else "") +
           f"({report['samples_per_s']} samples/s, {report['mb_per_s']} MB/s)")
     folder, pattern = report.get("read_as") or reads_all(report["out"], args.pattern, report["shards"])
-    print(redact_text(f"wrote {report['samples']} samples in {report['shards']} shards: read them all as {folder} "
+    print(redact_text(f"wrote {counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}: "
+                      f"read them all as {folder} "
                       f"or {pattern}"))
     return 0

@@ -19,6 +19,7 @@ from datapipe.errors import DataError
 from datapipe.storage.files import filesystem
 from datapipe.tar.manifest import make_manifest, write_manifest
 from datapipe.jobs.shard.journal import JOB_DIR, join_url, read_json, write_json
+from datapipe.words import counted
 
 
 def _final_glob(pattern: str) -> str:
@@ -102,7 +103,7 @@ def verify_shards(out: str, shards: list[dict], opts: dict, *, run: str | None =
         except FileNotFoundError:
             return f"{entry['name']} is missing"
         if size != entry["bytes"]:
-            return f"{entry['name']} has {size} bytes, the manifest says {entry['bytes']}"
+            return f"{entry['name']} has {counted(size, 'byte')}, the manifest says {entry['bytes']}"
         if _unchanged(fs, p, entry.get("written"), run):
             return None
         if entry.get("sha256") and file_sha256(fs, p) != entry["sha256"]:
@@ -212,7 +213,8 @@ def commit(job: dict, markers: list[dict], *, skipped: int = 0, ignored: int = 0
     problems = verify_shards(job["out"], [dict(s, written=e.get("written")) for s, e in zip(shards, plan)], opts,
                              run=job.get("run"))
     if problems:
-        raise DataError(f"commit of {job['out']} failed: {len(problems)} of {len(shards)} shards are not as written "
+        raise DataError(f"commit of {job['out']} failed: {len(problems)} of {counted(len(shards), 'shard')} "
+                        f"{'is' if len(problems) == 1 else 'are'} not as written "
                         f"({'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}); no manifest was written. "
                         "Rerun the same command to rebuild them")
     extra: dict[str, Any] = {"source": {"kind": job["kind"], "url": job["src"]}, "num_skipped": skipped,

@@ -53,6 +53,7 @@ from datapipe.jobs.shard.local_engine import run_local
 from datapipe.jobs.shard.lock import OutputLock
 from datapipe.jobs.shard.options import ShardOptions, UsageError, check_run
 from datapipe.jobs.shard.sources import open_source
+from datapipe.words import counted
 
 log = logging.getLogger("datapipe.jobs.shard.job")
 
@@ -256,8 +257,8 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
             fs.rm(posixpath.join(path, sub), recursive=True)
     if skipped:
         lost = report["num_lost_samples"]
-        log.warning("skipped %d unreadable items%s (listed in %s)", len(skipped),
-                    f", and {lost} samples never read after the cut of a truncated tar" if lost else "",
+        log.warning("skipped %s%s (listed in %s)", counted(len(skipped), "unreadable item"),
+                    f", and {counted(lost, 'sample')} never read after the cut of a truncated tar" if lost else "",
                     join_url(out, "report.json"))
     return report
 
@@ -289,9 +290,10 @@ def _nothing_written(source, skipped: list[dict]) -> str:
     why = f"wrote no samples from {source.url!r} (read as {source.kind!r})"
     if skipped:
         first = skipped[0]
-        why += f": all {len(skipped)} input items were skipped, e.g. {first['item']}: {first['error']}"
+        why += (f": all {counted(len(skipped), 'input item')} {'was' if len(skipped) == 1 else 'were'} skipped, "
+                f"e.g. {first['item']}: {first['error']}")
     else:
         why += ": the input holds no records"
     if source.ignored:
-        why += f"; {len(source.ignored)} files ignored as not {source.kind} input ({_some(source.ignored)})"
+        why += f"; {counted(len(source.ignored), 'file')} ignored as not {source.kind} input ({_some(source.ignored)})"
     return why + "; see report.json, or choose --input-kind"

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 from datapipe.jobs.shard.listing import make_key
 from datapipe.order.shuffle import ShuffleBuffer
 from datapipe.storage.files import filesystem
+from datapipe.words import counted
 
 
 @dataclass
@@ -172,7 +173,8 @@ def _cut(part: dict, why: str, found: int, kept: int) -> Record:
         return Record(part["url"], error=why)
     lost = max(0, expected - found)
     damaged = found - kept
-    return Record(part["url"], error=f"{why}: {kept} of the manifest's {expected} samples kept; {lost} never read"
+    return Record(part["url"], error=f"{why}: {kept} of the manifest's {counted(expected, 'sample')} kept; "
+                  f"{lost} never read"
                   + (f", {damaged} damaged (listed apart)" if damaged else ""), lost=lost)
 
 

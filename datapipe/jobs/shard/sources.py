@@ -30,6 +30,7 @@ from datapipe.jobs.shard.listing import (IMAGE_EXTENSIONS, TAR_EXTENSIONS, TEXT_
 from datapipe.jobs.shard.readers import Record, iter_partition, read_item
 from datapipe.order.seeds import derive_seed
 from datapipe.storage.files import filesystem
+from datapipe.words import counted
 
 __all__ = ["IMAGE_EXTENSIONS", "KINDS", "Record", "Source", "detect_kind", "iter_partition", "make_key",
            "open_source", "read_item"]
@@ -118,9 +119,10 @@ def open_source(
         else:
             items, classes, skipped, sizes = list_file_list(url, path_field, label_field, storage_options)
         if not items:
-            why = f"{len(skipped)} items skipped, e.g. {skipped[0]['item']}: {skipped[0]['error']}" if skipped else ""
+            why = (f"{counted(len(skipped), 'item')} skipped, e.g. {skipped[0]['item']}: {skipped[0]['error']}"
+                   if skipped else "")
             if ignored:
-                why += ("; " if why else "") + f"{len(ignored)} files without an image extension, e.g. " + \
+                why += ("; " if why else "") + f"{counted(len(ignored), 'file')} without an image extension, e.g. " + \
                     ", ".join(posixpath.basename(n) for n in ignored[:3])
             raise ValueError(f"no images found in {url!r}" + (f" ({why})" if why else ""))
         fp = _fingerprint(kind, items, sizes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from datapipe.tools.bench.baselines import DALI_EXTS, IMAGE_EXTS
+from datapipe.words import counted
 
 
 class PipelineRefused(ValueError):
@@ -52,7 +53,7 @@ def check_dali_input(urls: list[str], *, limit: int) -> int:
         n = sum(reasons.values())
         why = ", ".join(f"{k}: {v}" for k, v in reasons.most_common())
         raise PipelineRefused(
-            f"refused: {n} of the {checked} samples it would read hold an image DALI's decoder cannot take "
+            f"refused: {n} of the {counted(checked, 'sample')} it would read hold an image DALI's decoder cannot take "
             f"({why}; first {first[0]!r} in {first[1]}); DALI's CPU decoder crashes the process on them. "
             f"The other rows read them (ImageLoader re-encodes GIF; damaged images follow its on_error)",
             refused_samples=n, checked_samples=checked, refused_reasons=dict(reasons))

@@ -12,6 +12,7 @@ from datapipe.device.autotune import usable_cores
 from datapipe.device.prefetch import first_tensor
 from datapipe.tools.bench.baselines import PilEval, decode_image, image_bytes
 from datapipe.tools.bench.storage_reads import Store, measure_reads, measure_stream
+from datapipe.words import counted
 
 __all__ = ["bottleneck", "consume", "measure_stages"]
 
@@ -82,7 +83,7 @@ def measure_stages(urls: list[str], *, kind: str, cfg: dict, sample_bytes: float
         rows = sum(len(b["input_ids"]) for b in Packer(cfg["seq_len"], buffer_size=256).batches(many, bs))
         dt = time.perf_counter() - t0
         stages.append({"stage": "pack", "samples_per_s": len(many) / dt, "parallel": 1, "one_core": len(many) / dt,
-                       "note": f"packing.Packer ({rows} rows of {cfg['seq_len']})"})
+                       "note": f"packing.Packer ({counted(rows, 'row')} of {cfg['seq_len']})"})
         mean_len = max(1, int(np.mean([len(d) for d in docs])))
         batch = torch.zeros(bs, min(cfg["seq_len"], mean_len * 4), dtype=torch.int64)
     if cfg["device"] == "cuda" and torch.cuda.is_available():

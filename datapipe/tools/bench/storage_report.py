@@ -3,6 +3,7 @@ when the data set is too small for them to hold, and the rows of the printed tab
 from __future__ import annotations
 
 from datapipe.units import format_size
+from datapipe.words import counted
 
 MIN_BYTES = 256_000_000  # a smaller data set reads in a blink: start-up and noise, not throughput
 MIN_SECONDS = 0.5  # a one-pass measurement shorter than this is noise too
@@ -49,7 +50,8 @@ def recommend(result: dict) -> dict:
                 f"({best['cache']}). Read with at least {c} readers: loaders.DataLoader(..., num_workers={c}) or "
                 f"torch's DataLoader over a ShardStream (each worker streams its own shards)")
         if shards < c:
-            text += f"; with {shards} shards at most {shards} readers are busy: write more, smaller shards"
+            text += (f"; with {counted(shards, 'shard')} at most {counted(shards, 'reader')} "
+                     f"{'is' if shards == 1 else 'are'} busy: write more, smaller shards")
     else:
         text = (f"one reader already gets {one['mb_per_s'] if one else best['mb_per_s']:.0f} MB/s "
                 f"({best['cache']}); more readers in parallel do not read faster here, so choose num_workers for "
