@@ -17,7 +17,7 @@ from typing import Any
 
 from datapipe.errors import DataError
 from datapipe.storage.files import filesystem
-from datapipe.tar.manifest import make_manifest, write_manifest
+from datapipe.tar.manifest import SIDECAR_NAME, make_manifest, write_manifest
 from datapipe.jobs.shard.journal import JOB_DIR, join_url, read_json, write_json
 from datapipe.words import counted
 
@@ -129,7 +129,7 @@ def remove_outputs(out: str, pattern: str, opts: dict) -> None:
         idx = _idx(p) if p.endswith(".tar") else None
         if idx and fs.exists(idx):
             fs.rm(idx)
-    for name in ("report.json", "classes.json"):
+    for name in ("report.json", "classes.json", SIDECAR_NAME):
         if fs.exists(posixpath.join(path, name)):
             fs.rm(posixpath.join(path, name))
     if fs.exists(posixpath.join(path, JOB_DIR)):

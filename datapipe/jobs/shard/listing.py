@@ -15,6 +15,7 @@ from typing import Any
 
 from datapipe.jobs.shard.usage import UsageError
 from datapipe.storage.files import filesystem
+from datapipe.tar.manifest import SIDECAR_NAME
 
 IMAGE_EXTENSIONS = {"jpg": "jpg", "jpeg": "jpg", "png": "png", "webp": "webp", "bmp": "bmp", "gif": "gif",
                     "tif": "tiff", "tiff": "tiff", "ppm": "ppm"}
@@ -108,7 +109,7 @@ def image_ext(name: str) -> str | None:
 
 
 # files that sit beside shards by design: not reported as ignored input
-_COMPANIONS = ("manifest.json", "classes.json", "report.json")
+_COMPANIONS = ("manifest.json", SIDECAR_NAME, "classes.json", "report.json")
 
 
 def list_files(url: str, extensions: tuple, storage_options) -> tuple[list[tuple[str, int]], list[str]]:

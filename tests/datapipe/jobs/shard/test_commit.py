@@ -37,7 +37,7 @@ def test_existing_and_removed_outputs(tmp_path):
     out = tmp_path / "out"
     (out / ".datapipe-job" / "done").mkdir(parents=True)
     for name in ("shard-000000.tar", "shard-000000.idx", "shard-000001.tar", "manifest.json", "report.json",
-                 "classes.json", "notes.txt"):
+                 "classes.json", "manifest.columns.npz", "notes.txt"):
         (out / name).write_text("x")
     found = [os.path.basename(p) for p in existing_outputs(str(out), "shard-%06d.tar", {})]
     assert found == ["manifest.json", "shard-000000.tar", "shard-000001.tar"]

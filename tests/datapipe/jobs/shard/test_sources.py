@@ -29,7 +29,7 @@ def test_bad_arguments():
 def test_ignored_files_and_missing_inputs(tmp_path):
     (tmp_path / "tars").mkdir()
     (tmp_path / "tars" / "s-0.tar").write_bytes(bytes(1024))
-    for name in ("notes.txt", "manifest.json", "s-0.idx"):
+    for name in ("notes.txt", "manifest.json", "manifest.columns.npz", "s-0.idx"):
         (tmp_path / "tars" / name).write_text("x")
     src = open_source(str(tmp_path / "tars"))
     assert src.kind == "tar" and src.ignored == ["notes.txt"]  # companions of shards are not reported
