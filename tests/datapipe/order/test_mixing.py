@@ -134,7 +134,7 @@ def test_in_dataloader_workers_every_sample_once(tmp_path):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ValueError, match="^got 1 weight for 2 streams: give one weight per stream$"):
         mix([[1], [2]], weights=[1])
     with pytest.raises(ValueError, match="weights"):
         mix([[1], [2]], weights=[1, -1])
