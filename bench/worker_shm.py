@@ -7,7 +7,8 @@ collate (``list``), ``default_collate`` (``default``: a dict of lists) or a list
 uint8 tensor of its own (``tensors``: decoded images of varying sizes), no device; samples per second
 (median of the rounds, variants interleaved) of ``torch`` (torch's DataLoader: every batch pickled
 through a pipe) and ``ours`` (``loaders.DataLoader``: the raw leaves in recycled shared memory, copied
-out in the main process). The consumer reads every sample's length.
+out in the main process), and the main process's CPU time per sample (``main_cpu_us_per_sample``: its
+share of the work, which caps the rate once the workers are many). The consumer reads every sample's length.
 
 ``images``: worker-bound loading: the workers make batches of ``--batch-size`` 3x224x224 uint8 images (a copy of
 one image per sample, plus ``--spin-ms`` of CPU work per batch for each case) and the main process
@@ -99,8 +100,9 @@ def read_lengths(batch) -> int:
     return sum(len(s["jpg"]) for s in batch)
 
 
-def raw_variants(args, collate) -> dict:
-    """name -> function running one raw-samples measurement (batches per second)."""
+def raw_variants(args, collate, cpu: dict) -> dict:
+    """name -> function running one raw-samples measurement (batches per second); ``cpu[name]`` gets the main
+    process's CPU seconds per batch of each run."""
     from loaders import DataLoader
 
     n = (args.batches + args.warmup + 2 * args.workers) * args.raw_batch_size
@@ -108,11 +110,12 @@ def raw_variants(args, collate) -> dict:
                   collate_fn=collate)
 
     def torch_run():
-        return drain(TorchLoader(RawSamples(n, args.raw_bytes), **common), args.batches, args.warmup, read_lengths)
+        return drain(TorchLoader(RawSamples(n, args.raw_bytes), **common), args.batches, args.warmup, read_lengths,
+                     cpu=cpu.setdefault("torch", []))
 
     def ours():
         dl = DataLoader(RawSamples(n, args.raw_bytes), **common)
-        rate = drain(dl, args.batches, args.warmup, read_lengths)
+        rate = drain(dl, args.batches, args.warmup, read_lengths, cpu=cpu.setdefault("ours", []))
         dl.close()
         return rate
 
@@ -133,18 +136,21 @@ class Spin:
         return self.collate(samples)
 
 
-def drain(batches, limit: int, warmup: int, take, finish=None) -> float:
+def drain(batches, limit: int, warmup: int, take, finish=None, cpu: list | None = None) -> float:
     """Batches per second over ``limit`` batches after ``warmup``, each passed to ``take``; ``finish()``
-    (the device's queued copies) inside the timed window."""
+    (the device's queued copies) inside the timed window. ``cpu``: gets the main process's CPU seconds (all
+    its threads, not the workers') per batch over the window appended."""
     it = iter(batches)
     for _ in range(warmup):
         take(next(it))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(limit):
         take(next(it))
     if finish is not None:
         finish()
     rate = limit / (time.perf_counter() - t0)
+    if cpu is not None:
+        cpu.append((time.process_time() - c0) / limit)
     close = getattr(it, "close", None) or getattr(it, "_shutdown_workers", None)
     if close is not None:
         close()
@@ -252,7 +258,7 @@ def main(argv=None) -> dict:
     if rows:
         print(table(rows, ["spin_ms", "variant", "batches_per_s", "vs_torch", "rounds"]))
     if raw_rows:
-        print(table(raw_rows, ["collate", "variant", "samples_per_s", "vs_torch", "rounds"]))
+        print(table(raw_rows, ["collate", "variant", "samples_per_s", "vs_torch", "main_cpu_us_per_sample", "rounds"]))
     print(f"wrote {path}")
     if args.plot:
         from datapipe.tools.plots import plot_worker_shm
@@ -268,9 +274,13 @@ def raw_samples(args) -> list[dict]:
     for name in [c for c in args.collates.split(",") if c]:
         if name not in collates:
             raise ValueError(f"--collates {args.collates!r}: pass a comma list of list, default, tensors")
-        rates = interleaved(raw_variants(args, collates[name]), args.rounds, label=f"raw {name}", unit="samples/s",
-                            scale=args.raw_batch_size, digits=1)
-        rows += rows_vs_torch(rates, {"collate": name}, name="variant", value="samples_per_s", digits=1)
+        cpu: dict = {}
+        rates = interleaved(raw_variants(args, collates[name], cpu), args.rounds, label=f"raw {name}",
+                            unit="samples/s", scale=args.raw_batch_size, digits=1)
+        for row in rows_vs_torch(rates, {"collate": name}, name="variant", value="samples_per_s", digits=1):
+            # the main process's CPU time per sample: its share of the work, whatever the machine's cores
+            row["main_cpu_us_per_sample"] = round(statistics.median(cpu[row["variant"]]) / args.raw_batch_size * 1e6, 2)
+            rows.append(row)
     return rows
 
 

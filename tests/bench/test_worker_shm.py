@@ -41,3 +41,4 @@ def test_quick_raw_run_reports_torch_and_ours_per_collate(tmp_path):
     rows = {(r["collate"], r["variant"]): r for r in result["raw_rows"]}
     assert set(rows) == {(c, v) for c in ("list", "default", "tensors") for v in ("torch", "ours")}
     assert all(r["samples_per_s"] > 0 for r in rows.values()) and rows[("list", "torch")]["vs_torch"] == 1.0
+    assert all(r["main_cpu_us_per_sample"] > 0 for r in rows.values())  # the main process's share of the work
