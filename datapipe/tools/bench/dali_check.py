@@ -29,7 +29,17 @@ def dali_problem(sample: dict) -> str | None:
     data = next((sample[e] for e in DALI_EXTS if e in sample), None)
     if data is None:
         return next((e for e in IMAGE_EXTS if e in sample), "no image entry")
-    return image_problem(data)
+    problem = image_problem(data)
+    if problem is None:  # a right signature before a header no decoder parses (DALI crashes on it too)
+        import io
+
+        from PIL import Image
+
+        try:
+            Image.open(io.BytesIO(bytes(data))).size
+        except Exception:  # PIL raises many types for damaged headers
+            return "damaged header"
+    return problem
 
 
 def check_dali_input(urls: list[str], *, limit: int) -> int:

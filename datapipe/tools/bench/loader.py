@@ -320,7 +320,7 @@ def rows_for_table(result: dict) -> list[dict]:
     rows = []
     for p in result["pipelines"]:
         if p.get("error"):
-            rows.append({"pipeline": p["name"], "error": p["error"][:80]})
+            rows.append({"pipeline": p["name"], "error": " ".join(p["error"].split())[:80]})  # one line
             continue
         gpu = p["gpu_busy_fraction"]
         rows.append({"pipeline": p["name"], "samples/s": f"{p['samples_per_s']:.1f}", "MB/s": f"{p['mb_per_s']:.1f}",

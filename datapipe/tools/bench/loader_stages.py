@@ -38,6 +38,14 @@ def _first_samples(urls: list[str], n: int) -> list[dict]:
     return out
 
 
+def _decodes(fn) -> bool:
+    try:
+        fn()
+        return True
+    except Exception:  # PIL raises many types for damaged files
+        return False
+
+
 def _rate(fn, items, seconds: float) -> float:
     """Items per second of ``fn`` over ``items`` (cycled until ``seconds`` pass, at least one pass)."""
     n, start = 0, time.perf_counter()
@@ -66,10 +74,13 @@ def measure_stages(urls: list[str], *, kind: str, cfg: dict, sample_bytes: float
     bs = cfg["batch_size"]
     if kind == "images":
         transform = PilEval(cfg["image_size"])
-        data = [image_bytes(s) for s in samples]
-        one = _rate(lambda d: transform(decode_image(d)), data, seconds)
-        stages.append({"stage": "decode", "samples_per_s": one * par, "parallel": par, "one_core": one,
-                       "note": "PIL decode + resize/crop/normalise, per core x workers"})
+        data = [d for d in (image_bytes(s) for s in samples) if _decodes(lambda: transform(decode_image(d)))]
+        note = "PIL decode + resize/crop/normalise, per core x workers"
+        if len(data) < len(samples):
+            note += f" ({len(samples) - len(data)} of the first {len(samples)} images left out: PIL cannot decode them)"
+        one = _rate(lambda d: transform(decode_image(d)), data, seconds) if data else None
+        stages.append({"stage": "decode", "samples_per_s": one * par if data else None, "parallel": par,
+                       "one_core": one, "note": note})
         batch = torch.zeros(bs, 3, cfg["image_size"], cfg["image_size"])
     else:
         from packing import Packer
