@@ -9,7 +9,11 @@ leaf replaced by its slot number, plus the segment. The main process (:class:`Ra
 every leaf out of the segment into an ordinary object of the same type (``bytes`` stay ``bytes``; an
 array keeps its dtype, shape and C/Fortran order, writable) and hands the segment back to its worker
 at once: what the loader hands out is the consumer's own memory, whatever it does with it and for
-however long. The segment stays mapped in the main process for the worker's next batch.
+however long. The segment stays mapped in the main process for the worker's next batches, which name it
+by a token (:class:`SegmentRef`: its file descriptor crosses once, not once a batch). A body of plain
+values (a ``ShardStream`` batch: dicts, lists, strings, numbers, small bytes) travels pickled in the
+segment after the data, each packed leaf a persistent id, so the main process copies the leaves out in
+one pass and unpickles the body around them.
 
 With ``tensors=True`` (where the loader does not recycle the batch's tensors itself: no pin thread of
 its own) the batch's CPU tensors travel together too, in one block of fresh shared memory per batch,
