@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from datapipe.errors import DataError, ErrorPolicy, OnError, remember
-from datapipe.image_bytes import GIF_STARTS, image_format, truncation
+from datapipe.image_bytes import GIF_STARTS, header_problem, image_format, truncation
 
 log = logging.getLogger("loaders.images")
 
@@ -21,15 +21,17 @@ log = logging.getLogger("loaders.images")
 def image_problem(data) -> str | None:
     """What is wrong with an image entry that a cheap look can tell, before DALI sees it; None if nothing.
 
-    Empty entries, a missing or unknown file signature (text, garbage), and truncation
-    (:func:`datapipe.image_bytes.truncation`): a JPEG without its end-of-image marker, a PNG without
-    its IEND chunk, a WebP shorter than its header says.
+    Empty entries, a missing or unknown file signature (text, garbage), truncation
+    (:func:`datapipe.image_bytes.truncation`: a JPEG without its end-of-image marker, a PNG without
+    its IEND chunk, a WebP shorter than its header says) and a damaged header
+    (:func:`datapipe.image_bytes.header_problem`: DALI's CPU decoder crashes the process on some).
     """
     if len(data) == 0:
         return "empty file"
-    if image_format(data) is None:
+    fmt = image_format(data)
+    if fmt is None:
         return "not an image (unknown or missing file signature)"
-    return truncation(data)
+    return truncation(data) or header_problem(data, fmt=fmt)
 
 
 def dali_readable(data):

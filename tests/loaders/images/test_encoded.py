@@ -6,6 +6,17 @@ from datapipe.errors import ErrorPolicy
 from loaders.images.encoded import EncodedBatches, handle_bad, iter_raw_batches, image_problem, parse_ascii_ints
 
 
+def _encoded(fmt: str) -> bytes:
+    """A small real image (the checks walk its header)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), (20, 120, 220)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
 def test_parse_ascii_ints_fast_path_and_its_refusals():
     rows = np.array([[b"1"[0], b"2"[0], b"3"[0]], [b"7"[0], 0, 0], [b"0"[0], 0, 0]], dtype=np.uint8)
     assert parse_ascii_ints(rows) == [123, 7, 0]
@@ -14,7 +25,7 @@ def test_parse_ascii_ints_fast_path_and_its_refusals():
 
 
 def test_raw_batches_skip_and_count_what_is_not_an_image():
-    jpeg = b"\xff\xd8\xff" + b"\0" * 20 + b"\xff\xd9"
+    jpeg = _encoded("JPEG")
     samples = [{"__key__": str(i), "__url__": "u", "jpg": jpeg, "cls": str(i).encode()} for i in range(5)]
     samples[2] = {**samples[2], "jpg": b"text, not an image......"}
     stats = {"skipped": 0, "last_errors": []}
@@ -26,8 +37,7 @@ def test_raw_batches_skip_and_count_what_is_not_an_image():
 
 
 def test_image_problem_names_empty_foreign_and_truncated_entries():
-    jpeg = b"\xff\xd8\xff\xe0" + b"\0" * 40 + b"\xff\xd9"
-    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 30 + b"\0\0\0\0IEND\xaeB`\x82"
+    jpeg, png = _encoded("JPEG"), _encoded("PNG")
     assert image_problem(jpeg) is None and image_problem(png) is None
     assert image_problem(jpeg + b"\0" * 8) is None and image_problem(png + b"trailer") is None  # bytes after the end
     assert image_problem(memoryview(jpeg)) is None  # zero-copy entries
@@ -37,8 +47,18 @@ def test_image_problem_names_empty_foreign_and_truncated_entries():
     assert image_problem(png[:30]) == "truncated PNG (no IEND chunk)"
 
 
+def test_image_problem_names_a_damaged_header_between_a_right_signature_and_end():
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # garbage between SOI and EOI: what crashed DALI's CPU decoder
+        garbage = b"\xff\xd8\xff" + rng.integers(0, 256, 200, dtype=np.uint8).tobytes() + b"\xff\xd9"
+        assert image_problem(garbage).startswith("damaged JPEG header")
+    assert image_problem(b"\xff\xd8\xff\xe0" + bytes(200) + b"\xff\xd9").startswith("damaged JPEG header")
+    png = _encoded("PNG")
+    assert image_problem(png[:8] + bytes(25) + png[33:]).startswith("damaged PNG header")
+
+
 def _samples():
-    jpeg = b"\xff\xd8\xff" + b"\0" * 20 + b"\xff\xd9"
+    jpeg = _encoded("JPEG")
     samples = [{"__key__": str(i), "__url__": "u", "jpg": jpeg, "cls": str(i).encode()} for i in range(5)]
     samples[1] = {**samples[1], "cls": b"one"}
     samples[3] = {k: v for k, v in samples[3].items() if k != "jpg"}
@@ -99,7 +119,7 @@ def test_gifs_are_reencoded_as_png_and_other_images_pass_as_they_are():
     Image.new("RGB", (5, 4), (200, 10, 30)).save(buf, format="GIF")
     png = dali_readable(buf.getvalue())
     assert png.startswith(b"\x89PNG") and Image.open(io.BytesIO(png)).convert("RGB").getpixel((2, 2)) == (200, 10, 30)
-    jpeg = b"\xff\xd8\xff\xe0" + b"\0" * 40 + b"\xff\xd9"
+    jpeg = _encoded("JPEG")
     assert dali_readable(jpeg) is jpeg
     with pytest.raises(ValueError, match="cannot read the GIF"):
         dali_readable(buf.getvalue()[:14])
