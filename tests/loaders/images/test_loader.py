@@ -173,9 +173,10 @@ def test_ranks_are_disjoint_and_complete(shards, world):
 
 
 def _broken_frame(jpg: bytes) -> bytes:
-    """A JPEG whose frame header (SOF0) is zeroed: its signature and end marker are intact, DALI cannot decode it."""
+    """A JPEG whose frame header names an undefined quantisation table: its header walks fine (the check before
+    DALI passes it), DALI's decoder fails on it (a decode error, not a crash)."""
     i = jpg.find(b"\xff\xc0")
-    return jpg[:i + 5] + b"\0\0\0\0" + jpg[i + 9:]
+    return jpg[:i + 12] + b"\x07" + jpg[i + 13:]
 
 
 def _corrupt_shards(tmp_path):
