@@ -18,6 +18,7 @@ from datapipe.storage.urls import is_local, local_path, redact_url
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.counts import _map, load_counts, stamp, store_counts
 from datapipe.tar.headers import TarFormatError
+from datapipe.words import counted
 from datapipe.tar.manifest import listed, read_manifest
 from datapipe.tar.reader import count_until_damage
 
@@ -61,7 +62,8 @@ class Shards:
                 raise ValueError(f"counts has no entry for {redact_url(missing[0])}")
             return [int(counts[u]) for u in self.urls]
         if len(counts) != len(self.urls):
-            raise ValueError(f"counts has {len(counts)} entries for {len(self.urls)} shards")
+            raise ValueError(f"counts has {counted(len(counts), 'entry', 'entries')} for {counted(len(self.urls), 'shard')}: "
+                             "give one count per URL")
         return [int(c) for c in counts]
 
     def options(self, url: str) -> dict:
@@ -120,15 +122,16 @@ class Shards:
                 if all(u.endswith(("/", os.sep)) or "." not in os.path.basename(u) for u in absent):  # folder paths
                     what = f"no such folder: {names}"
                 else:
-                    what = f"{len(absent)} of {len(self.urls)} shards do not exist: {names}"
+                    what = (f"{len(absent)} of {len(self.urls)} shards do not exist: {names}" if len(self.urls) > 1 else
+                            f"the shard does not exist: {names}")
                 for url in absent:
                     self.ledger.errors(DataError(what, url=redact_url(url)), lost=0)
                     known[url] = 0
                 missing = [u for u in missing if u not in known]
             if missing:
-                log.warning("no manifest lists %d of %d shards: counting their samples once (write shards with "
+                log.warning("no manifest lists %s: counting their samples once (write shards with "
                             "datapipe.ShardWriter, or run `datapipe index` on them once to store their counts)",
-                            len(missing), len(self.urls))
+                            f"{len(missing)} of {counted(len(self.urls), 'shard')}" if len(self.urls) > 1 else "the shard")
                 results = _map(self._count_shard, missing, desc="counting samples")
                 fresh = {}
                 for url, (n, damage, mark) in zip(missing, results):

@@ -7,6 +7,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from datapipe.words import counted
+
 _BLOCK = 65536
 
 
@@ -81,7 +83,7 @@ class ShardList(Sequence[str]):
     __hash__ = None
 
     def __repr__(self) -> str:
-        return f"ShardList({self.base!r}, {len(self)} shards)"
+        return f"ShardList({self.base!r}, {counted(len(self), 'shard')})"
 
     def fingerprint(self, counts: Sequence[int]) -> str | None:
         """``datapipe.read.shards.fingerprint`` of these URLs, computed a block at a time; None when a name holds

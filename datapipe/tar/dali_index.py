@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Sequence
 
 from datapipe.storage.urls import redact_text, redact_url
+from datapipe.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
             log.error("cannot write the index %s: %s", redact_url(target), redact_text(e))
             failed += 1
     if failed:
-        log.error("%d of %d shards could not be indexed", failed, len(urls))
+        log.error("%s could not be indexed", f"{failed} of {counted(len(urls), 'shard')}" if len(urls) > 1 else "the shard")
         return 1
     if counts:
         from datapipe.tar.counts import count_and_store
@@ -187,8 +188,8 @@ def index_command(paths: Sequence[str], *, index_dir: str | None = None, skip_ex
         damaged = [u for u, e in entries.items() if e["damage"]]
         for url in damaged:
             log.error("%s (%s)", entries[url]["damage"], redact_url(url))
-        log.info("stored the sample counts of %d shards (%d samples): streams over them no longer count them",
-                 len(entries), sum(e["count"] for e in entries.values()))
+        log.info("stored the sample counts of %s (%s): streams over them no longer count them",
+                 counted(len(entries), "shard"), counted(sum(e["count"] for e in entries.values()), "sample"))
         return 1 if damaged else 0
     return 0
 

@@ -9,6 +9,7 @@ import zlib
 from typing import Callable
 
 from datapipe.tar.blocks import MmapReader, TarFormatError, TarTruncated
+from datapipe.words import counted
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
@@ -158,7 +159,7 @@ def is_tar_header(head: bytes) -> bool:
 def looks_like(head: bytes) -> str:
     """What a file whose first block is no tar header seems to be, in words."""
     if 0 < len(head) < BLOCK and not head.startswith(tuple(m for m, _ in _LOOKS)):
-        return f"{len(head)} bytes, shorter than one tar header"
+        return f"{counted(len(head), 'byte')}, shorter than one tar header"
     for magic, what in _LOOKS:
         if head.startswith(magic):
             return f"it starts like {what}"
@@ -307,7 +308,7 @@ def truncated(reader, offset: int) -> TarTruncated:
         if head.startswith(_LFS_POINTER):
             return TarTruncated(f"not a tar file: a Git LFS pointer of {left} bytes (run `git lfs pull` "
                                 "to fetch the real shard)", 0)
-        return TarTruncated(f"not a tar file: {left} bytes, shorter than one tar header", 0)
+        return TarTruncated(f"not a tar file: {counted(left, 'byte')}, shorter than one tar header", 0)
     if left:
         return TarTruncated(f"shard ends at byte {offset + left} inside a tar header (truncated)", offset)
     return TarTruncated(f"shard ends at byte {offset} without the end-of-archive blocks (truncated)", offset)

@@ -17,6 +17,7 @@ from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
 from datapipe.tar.reader import iter_samples
 from datapipe.storage.urls import expand_urls, redact_text, redact_url
+from datapipe.words import counted
 
 
 _WHAT = "give a shard, a brace pattern of shards or a shard directory"
@@ -81,7 +82,7 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
         if url in expected:
             entry["expected"] = expected[url]
         if url in expected and expected[url] != entry["samples"]:
-            report["problems"].append(f"{redact_url(url)}: {entry['samples']} samples, manifest says {expected[url]}")
+            report["problems"].append(f"{redact_url(url)}: {counted(entry['samples'], 'sample')}, manifest says {expected[url]}")
         report["shards"].append(entry)
         report["samples"] += entry["samples"]
         report["bytes"] += entry["bytes"]
@@ -122,13 +123,15 @@ def _manifest_line(report: dict) -> str:
     if not lists:
         return "no"
     if report["manifest"]:
-        return f"yes, all {shards} of its shards ({samples} samples)"
+        return (f"yes, all {shards} of its shards ({counted(samples, 'sample')})" if shards != 1 else
+                f"yes, its one shard ({counted(samples, 'sample')})")
     parts = []
     if lists < shards:
         covered = sum(s["expected"] for s in report["shards"] if "expected" in s)
-        parts.append(f"{lists} of its {shards} shards ({covered} of {samples} samples) match this pattern")
+        parts.append(f"{lists} of its {counted(shards, 'shard')} ({covered} of {counted(samples, 'sample')}) "
+                     f"{'matches' if lists == 1 else 'match'} this pattern")
     if lists < total:
-        parts.append(f"lists {lists} of {total} shards")
+        parts.append(f"lists {lists} of {counted(total, 'shard')}")
     return "; ".join(parts)
 
 
@@ -173,7 +176,7 @@ def run_command(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1, default=str)
         print()
     else:
-        print(f"{report['target']}: {len(report['shards'])} shards, {report['samples']} samples, "
+        print(f"{report['target']}: {counted(len(report['shards']), 'shard')}, {counted(report['samples'], 'sample')}, "
               f"{report['bytes'] / 1e6:.1f} MB of values, manifest: {_manifest_line(report)}")
         print("extensions: " + ", ".join(f"{k} ({v})" for k, v in sorted(report["extensions"].items())))
         for sample in report["preview"]:

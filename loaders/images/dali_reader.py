@@ -32,6 +32,7 @@ import torch
 from datapipe.errors import DataError
 from datapipe.order.plan import samples_per_rank, shard_order
 from datapipe.read.shards import fingerprint
+from datapipe.words import counted
 from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
@@ -124,8 +125,8 @@ class SampleNumbers:
                 lines = f.read().split("\n")
             samples = [line.split() for line in lines[1:] if line.strip()]
             if len(samples) != self.counts[shard]:
-                raise ValueError(f"DALI index {index_file} lists {len(samples)} samples, the shard {path} holds "
-                                 f"{self.counts[shard]}: remove the stale index")
+                raise ValueError(f"DALI index {index_file} lists {counted(len(samples), 'sample')}, the shard {path} "
+                                 f"holds {self.counts[shard]}: remove the stale index")
             first = int(starts[shard])
             for j, fields in enumerate(samples):
                 for k in range(0, len(fields) - 3, 4):  # <ext> <data_offset> <size> <member name>
@@ -240,8 +241,8 @@ class DaliReader:
             raise ValueError("this DALI-reader state records no delivered samples (taken by an older version): "
                              "resume it on the same world_size")
         if dali["samples"] != mine["samples"] or dali.get("shards") != mine["shards"]:
-            raise ValueError(f"this DALI-reader state was taken over other shards ({dali['samples']} samples, "
-                             f"shards {dali.get('shards')}; these hold {mine['samples']}, shards {mine['shards']})")
+            raise ValueError("this DALI-reader state was taken over other shards "
+                             f"({counted(dali['samples'], 'sample')}, shards {dali.get('shards')}; these hold {mine['samples']}, shards {mine['shards']})")
         return elastic.unpack_bitmap(dali["delivered"], mine["samples"])
 
     def load(self, state: dict) -> None:

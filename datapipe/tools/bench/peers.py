@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 from datapipe.tools.bench.peer_images import folder_from_shards, make_image_folder  # noqa: F401 (here too)
 from datapipe.tools.bench.peer_readers import SYSTEMS, describe, list_images, one_epoch, open_loader, set_epoch_of
+from datapipe.words import counted
 from datapipe.tools.bench.peer_table import how_lines, run_notes, summary, table_rows  # noqa: F401 (here too)
 
 RESUMABLE = ("datapipe", "litdata", "mosaicml", "grain", "energon")
@@ -272,7 +273,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
     notes = []
     if len(images) // batch_size < 4:  # the decode and resume rows time what follows a first batch
         smaller = max(1, len(images) // 4)
-        notes.append(f"{len(images)} images make {len(images) // batch_size} batch(es) of {batch_size}: batches of "
+        notes.append(f"{counted(len(images), 'image')} make {counted(len(images) // batch_size, 'batch', 'batches')} "
+                     f"of {batch_size}: batches of "
                      f"{smaller} instead, so that the decode and mid-epoch resume rows have batches to time")
         batch_size = smaller
     over = sorted({w for w in (*workers, decode_workers, resume_workers) if w > cores})

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from datapipe.tools.doctor.advice import _torch
+from datapipe.words import counted, plural
 
 __all__ = ["CeilingReplay", "ceiling_meaning"]
 
@@ -54,8 +55,9 @@ class CeilingReplay:
                 "step counts and times leave them out")
             out["ceiling_replayed_batches"] = n
         if self._ceiling is None:
-            why = "not requested (ceiling_steps > 0)" if not self.ceiling_steps else \
-                f"not measured: the run ended before {self.ceiling_after} batches + {self.ceiling_steps} replayed steps"
+            why = "not requested (ceiling_steps > 0)" if not self.ceiling_steps else (
+                f"not measured: the run ended before {counted(self.ceiling_after, 'batch', 'batches')} + "
+                f"{self.ceiling_steps} replayed {plural(self.ceiling_steps, 'step')}")
             return {**out, "ceiling": why}
         after = self._steps[self._replay_end_step:]
         out.update(ceiling_batches_per_s=self._ceiling["batches_per_s"], ceiling_steps=self.ceiling_steps)
@@ -66,7 +68,8 @@ class CeilingReplay:
         ratio = round(loaded / out["ceiling_batches_per_s"], 4) if loaded else None
         return {**out, "loaded_batches_per_s": round(loaded, 3) if loaded else None, "ceiling_ratio": ratio,
                 "ceiling_meaning": ceiling_meaning(ratio),
-                "ceiling": f"{self.ceiling_steps} steps replaying one cached batch after {self.ceiling_after} batches"}
+                "ceiling": f"{counted(self.ceiling_steps, 'step')} replaying one cached batch after "
+                            f"{counted(self.ceiling_after, 'batch', 'batches')}"}
 
 
 def ceiling_meaning(ratio: float | None) -> str:

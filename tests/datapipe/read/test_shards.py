@@ -63,3 +63,17 @@ def test_a_read_that_fails_while_counting_is_one_counted_skip(tmp_path, caplog, 
         assert ("skipped: counting its samples failed" in caplog.text) == (on_error == "warn")
         faults.stall_after = None  # the server recovers: the failure was not cached as a count of 0
         assert [s["__key__"] for s in ShardStream(urls, storage=STALLING)] == keys
+
+
+def test_one_shard_messages_say_the_shard_not_1_shards(tmp_path, caplog):
+    path = tmp_path / "shard-000000.tar"
+    with webdataset.TarWriter(str(path)) as w:
+        w.write({"__key__": "a", "cls": b"1"})
+    with caplog.at_level(logging.WARNING, logger="datapipe"):
+        assert len(ShardStream(str(path))) == 1
+    assert "no manifest lists the shard: counting" in caplog.text and "1 of 1" not in caplog.text
+    with pytest.raises(DataError, match="the shard does not exist") as e:
+        len(ShardStream(str(tmp_path / "gone.tar")))
+    assert "1 of 1 shards" not in str(e.value)
+    with pytest.raises(ValueError, match=r"counts has 1 entry for 2 shards: give one count per URL"):
+        ShardStream([str(path), str(path)], counts=[1])

@@ -152,3 +152,19 @@ def test_a_pattern_that_covers_part_of_the_manifest_says_how_much(out, capsys):
         main(["inspect", target])
         assert "manifest: yes, all 3 of its shards (12 samples)" in capsys.readouterr().out
         assert inspect_shards(target)["manifest"] is True
+
+
+def test_one_shard_of_one_sample_is_counted_in_the_singular(out, tmp_path, capsys):
+    import webdataset
+
+    single = tmp_path / "single"
+    single.mkdir()
+    with webdataset.TarWriter(str(single / "shard-000000.tar")) as w:
+        w.write({"__key__": "a", "cls": b"1"})
+    assert main(["inspect", str(single / "shard-000000.tar")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert ": 1 shard, 1 sample, " in first and "1 shards" not in first and "1 samples" not in first
+    assert main(["inspect", str(out / "shard-000000.tar")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "1 shard, 5 samples" in first and "manifest: 1 of its 3 shards (5 of 12 samples) matches this pattern" \
+        in first
