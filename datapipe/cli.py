@@ -12,7 +12,7 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "shard": ("datapipe.jobs.shard.cli", "convert image folders, JSONL/Parquet text or tars into WebDataset shards"),
+    "shard": ("datapipe.jobs.shard.cli", "convert image folders, CSV/JSONL image lists, JSONL/Parquet text or tars into WebDataset shards"),
     "index": ("datapipe.tar.dali_index", "write DALI index files (wds2idx format) for shards"),
     "inspect": ("datapipe.tools.inspect", "summarise shards or a shard directory; exit 1 on corrupt shards"),
     "bench": ("datapipe.tools.bench.loader_cli", "measure storage and loader throughput"),

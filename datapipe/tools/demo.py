@@ -14,6 +14,7 @@ import os
 import time
 
 from datapipe.storage.urls import redact_text
+from datapipe.words import counted
 
 log = logging.getLogger("datapipe.demo")  # the CLI lives in datapipe; the demo needs the loaders
 
@@ -164,8 +165,8 @@ def run_command(args: argparse.Namespace) -> int:
                            num_workers=max(1, os.cpu_count() or 1))
         manifest = read_manifest(image_dir)
     shards = [os.path.join(image_dir, s["name"]) for s in manifest["shards"]]
-    log.info("dataset: %d images, %.1f MB in %d shards", manifest["num_samples"], manifest["num_bytes"] / 1e6,
-             len(shards))
+    log.info("dataset: %s, %.1f MB in %s", counted(manifest["num_samples"], "image"), manifest["num_bytes"] / 1e6,
+             counted(len(shards), "shard"))
     log.info("token documents: %s", os.path.join(args.data, "tokens"))
     token_shards = make_token_shards(os.path.join(args.data, "tokens"))
 

@@ -20,6 +20,13 @@ def test_help_and_unknown_commands():
     assert info.value.code == 2
 
 
+def test_top_level_help_names_every_input_of_the_shard_job(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "CSV/JSONL image lists" in out and "JSONL/Parquet text" in out
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as info:
