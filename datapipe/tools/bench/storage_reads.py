@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import os
 import threading
 import time
@@ -14,6 +15,8 @@ from datapipe.errors import DataError
 from datapipe.storage.files import describe, secrets_of
 from datapipe.storage.urls import is_local, local_path, redact_url
 from datapipe.units import percentiles
+
+log = logging.getLogger(__name__)
 
 
 class Store:
@@ -57,7 +60,14 @@ class Store:
             if fd is None:
                 fd = fds[index] = os.open(local_path(url), os.O_RDONLY)
             return len(os.pread(fd, length, start))
-        return len(self.fs().cat_file(self.path(url), start=start, end=start + length))
+        got = len(self.fs().cat_file(self.path(url), start=start, end=start + length))
+        if got > length and not self._tls.__dict__.get("told"):
+            self._tls.told = True  # once a thread: the server sends whole files, the rates count what was asked
+            log.warning("the server ignored the Range header of %s (asked %d bytes at %d, got %d): each ranged "
+                        "read moves more than it asks, so the rates below count only the bytes asked for; a "
+                        "server that honours Range measures the reads ShardStream makes", redact_url(url), length,
+                        start, got)
+        return min(got, length)
 
     def close(self) -> None:
         for fd in self._tls.__dict__.pop("fds", {}).values():

@@ -1,5 +1,10 @@
 """Timed reads of shards (datapipe/tools/bench/storage_reads.py)."""
+import contextlib
+import functools
+import http.server
+import logging
 import os
+import threading
 
 import pytest
 
@@ -34,3 +39,28 @@ def test_a_worker_that_starts_after_the_deadline_still_measures_a_read(shard_dir
     sizes = [store.size(u) for u in urls]
     r = measure_reads(store, sizes, block=5000, concurrency=2, seconds=-10.0, mode=mode)  # closed before it opened
     assert 2 <= r["requests"] and 0 < r["bytes"] <= 2 * 5000
+
+
+@contextlib.contextmanager
+def _plain_http_server(folder):
+    """``python -m http.server``'s handler: it ignores Range and sends whole files."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=folder)
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_ignores_range_is_named_and_not_counted_as_bytes_read(shard_dir, caplog):
+    names = sorted(f for f in os.listdir(shard_dir) if f.endswith(".tar"))
+    with _plain_http_server(shard_dir) as base:
+        store = Store([f"{base}/{n}" for n in names])
+        sizes = [store.size(u) for u in store.urls]
+        with caplog.at_level(logging.WARNING, logger="datapipe.tools.bench.storage_reads"):
+            r = measure_reads(store, sizes, block=5000, concurrency=1, seconds=600, mode="threads")
+    assert r["bytes"] == sum(sizes)  # whole files came back for every 5000-byte read: not counted
+    assert "ignored the Range header" in caplog.text
