@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -63,11 +62,11 @@ import torch  # noqa: E402
 from bench.common import analyse, sync, table, write_result  # noqa: E402
 from bench.ceiling_record import appended, decoder_choice, earlier_record, next_round, summary  # noqa: E402,F401
 from bench.models import ImageStep, LlamaStep  # noqa: E402
-from datapipe.tools.bench.baselines import DaliBaseline, close, endless, replay  # noqa: E402
+from bench.ceiling_feeds import LOADER_NAMES, Uint8Images, close_feed, make_feed, torch_idiom, variant  # noqa: E402,F401
+from datapipe.tools.bench.baselines import replay  # noqa: E402
 
 CONNECTIONS = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")  # recorded per row: it decides DALI's queues (docs)
 LOOPS = {"runs_ahead": 50, "waits_each_step": 1}  # loop style -> wait for the GPU every this many steps
-LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader", "imageloader_cuda")
 DEFAULT_LOADERS = LOADER_NAMES[:5]
 FORMAT = {"imageloader": "images", "imageloader_cuda": "images", "dali": "images", "dataloader": "uint8",
           "torch_dataloader": "uint8", "tokenloader": "tokens"}  # rows of one format share a step and its cached batch
@@ -103,102 +102,6 @@ def _clone(batch):
     if isinstance(batch, dict):
         return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
     return tuple(v.clone() for v in batch)
-
-
-# ---- the loaders ------------------------------------------------------------------------------------------
-class Uint8Images(torch.utils.data.Dataset):
-    """Map-style uint8 3x224x224 images (copies from a random pool) and int labels: cheap, so workers keep up."""
-
-    def __init__(self, n: int, size: int):
-        self.n = n
-        self.pool = torch.randint(0, 255, (64, 3, size, size), dtype=torch.uint8,
-                                  generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return self.pool[i % 64].clone(), i % 1000
-
-
-def torch_idiom(loader, device):
-    """torch's usual device feed: ``pin_memory=True`` batches moved with ``.to(device, non_blocking=True)``,
-    epoch after epoch (a plain ``for`` over the loader: its persistent workers serve every epoch)."""
-    while True:
-        for x, y in loader:
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-
-def variant(name: str) -> tuple[str, dict]:
-    """``imageloader@hw0.5+t14+nohold`` -> ``("imageloader", {"hw": 0.5, "threads": 14, "hold": False})``: a probe's
-    ImageLoader with a fixed hardware decoder share (``hw``), DALI threads (``t``) and, with ``nohold``, no
-    ``StepHold`` (the loader's own hold for a hardware share on few queues). A plain name has no options."""
-    base, _, spec = name.partition("@")
-    opts: dict = {}
-    for part in filter(None, spec.split("+")):
-        if part == "nohold":
-            opts["hold"] = False
-        elif part.startswith("hw"):
-            opts["hw"] = float(part[2:])
-        elif part.startswith("t") and part[1:].isdigit():
-            opts["threads"] = int(part[1:])
-        else:
-            raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, nohold)")
-    if opts and base != "imageloader":
-        raise ValueError(f"loader {name!r}: options (@...) are for imageloader only")
-    return base, opts
-
-
-def make_feed(name: str, args, data: dict):
-    """(batches, closer) of loader ``name``: a fresh loader, epoch after epoch."""
-    dev = args.device
-    name, opts = variant(name)
-    if name in ("imageloader", "imageloader_cuda"):
-        from loaders import DecodeOptions, ImageLoader
-
-        decode = DecodeOptions(hw_decoder_load=0.0) if name == "imageloader_cuda" else None
-        if opts:
-            decode = DecodeOptions(hw_decoder_load=opts.get("hw"), num_threads=opts.get("threads"))
-        loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev,
-                             decode=decode)
-        if opts.get("hold") is False:
-            loader._hold.active = False  # a probe: the hardware share without the hold
-        return endless(loader), loader
-    if name == "dali":
-        dali = DaliBaseline(data["images"], batch_size=args.batch_size, image_size=args.image_size,
-                            device=dev.type, threads=min(8, os.cpu_count() or 1))
-        return iter(dali), None
-    if name in ("dataloader", "torch_dataloader"):
-        ds = Uint8Images(args.batch_size * args.epoch_batches, args.image_size)
-        common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True,
-                      persistent_workers=True)
-        if name == "dataloader":
-            from loaders import DataLoader
-
-            loader = DataLoader(ds, device=dev, **common)
-            return endless(loader), loader
-        loader = torch.utils.data.DataLoader(ds, pin_memory=dev.type == "cuda", **common)
-        return torch_idiom(loader, dev), loader
-    if name == "tokenloader":
-        from loaders import TokenLoader
-
-        loader = TokenLoader(data["tokens"], seq_len=args.seq_len, batch_size=args.token_batch, device=dev)
-        return endless(loader), None
-    raise ValueError(f"unknown loader {name!r}: use one of {', '.join(LOADER_NAMES)}")
-
-
-def close_feed(feed, owner) -> None:
-    """Stop a feed and its loader's worker processes, and wait until they are gone."""
-    if feed is not None:
-        close(feed)
-    if owner is not None:
-        close(getattr(owner, "_iterator", None))  # torch's persistent workers
-    gc.collect()
-    import multiprocessing
-
-    deadline = time.perf_counter() + 30
-    while multiprocessing.active_children() and time.perf_counter() < deadline:
-        time.sleep(0.05)
 
 
 # ---- rows --------------------------------------------------------------------------------------------------
