@@ -143,15 +143,28 @@ class _ReadFile:
         return self.fn(out) if self.fn else out
 
 
+def absl_flags_parsed(*_) -> None:
+    """Mark absl's flags parsed (at their defaults) where nothing parsed them, as in a program not started by
+    ``absl.app.run``: Grain reads its flags (``--grain_enable_multiprocess_worker_profiling`` where JAX is
+    installed) and raises ``UnparsedFlagAccessError`` otherwise. Also an ``mp_prefetch`` worker_init_fn: its
+    workers are spawned, fresh interpreters with their flags unparsed."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 class GrainLoader:
     """Grain: ``MapDataset.source(ArrayRecordDataSource)`` -> ``shuffle`` -> ``repeat`` (epoch ``e`` is its slice
     ``[e*n, (e+1)*n)``) -> ``map`` -> ``batch`` -> ``to_iter_dataset()`` (default ReadOptions) ->
     ``mp_prefetch(MultiprocessingOptions(num_workers))`` with workers; resumes with the iterator's
-    ``get_state`` / ``set_state``."""
+    ``get_state`` / ``set_state``. absl's flags are marked parsed here and in the workers
+    (:func:`absl_flags_parsed`)."""
 
     def __init__(self, data: str, *, batch_size: int, workers: int, seed: int, fn: Callable):
         import grain
 
+        absl_flags_parsed()
         paths = sorted(os.path.join(data, f) for f in os.listdir(data) if f.endswith(".array_record"))
         self.source = grain.sources.ArrayRecordDataSource(paths)
         self.batch_size, self.workers, self.seed, self.fn = batch_size, workers, seed, fn
@@ -173,7 +186,8 @@ class GrainLoader:
         ds = grain.MapDataset.source(self.source).shuffle(seed=self.seed).repeat(e + 1)[e * n:(e + 1) * n]
         ds = ds.map(self.fn).batch(self.batch_size, batch_fn=raw_collate).to_iter_dataset()
         if self.workers:
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers),
+                                worker_init_fn=absl_flags_parsed)
         it = self._it = iter(ds)
         if self._state is not None:
             it.set_state(self._state)
@@ -205,7 +219,12 @@ class EnergonLoader:
     """Megatron-Energon: ``get_train_dataset`` over the prepared WebDataset (a task encoder that keeps the bytes,
     ``decoder = None``) -> ``get_savable_loader``; ``repeat=False`` makes each pass one epoch, ``repeat=True``
     (the default, as in its save/restore guide) an endless stream; resumes with ``save_state_rank`` /
-    ``restore_state_rank``."""
+    ``restore_state_rank``.
+
+    With workers the savable loader keeps one iterator alive until it has read its epoch to the end: the next
+    ``iter()`` after a pass cut short goes on with that epoch (``continues_cut_pass``), and closing the
+    iterator would leave every later pass empty.
+    """
 
     def __init__(self, data: str, *, batch_size: int, workers: int, seed: int, fn: Callable, repeat: bool = False):
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
@@ -215,6 +234,7 @@ class EnergonLoader:
                                max_samples_per_sequence=ENERGON_SEQUENCE, worker_config=config,
                                task_encoder=_energon_encoder(fn), repeat=repeat)
         self.loader = get_savable_loader(ds)
+        self.continues_cut_pass = workers > 0
 
     def state_dict(self):
         return self.loader.save_state_rank()
@@ -309,7 +329,8 @@ def set_epoch_of(loader, epoch: int) -> None:
 
 def one_epoch(loader, *, cap_s: float | None = None) -> dict:
     """One epoch: samples, bytes, seconds, first batch time; with ``cap_s``, cut after that many seconds
-    (``capped``: the epoch was not read to its end; the rate is over what was read)."""
+    (``capped``: the epoch was not read to its end; the rate is over what was read). A cut epoch's iterator is
+    closed, unless the loader's next ``iter()`` goes on with it (``continues_cut_pass``, Energon's workers)."""
     from datapipe.tools.bench.baselines import close
 
     n = nbytes = 0
@@ -326,7 +347,7 @@ def one_epoch(loader, *, cap_s: float | None = None) -> dict:
                 capped = True
                 break
     finally:
-        if capped:
+        if capped and not getattr(loader, "continues_cut_pass", False):
             close(it)
     seconds = time.perf_counter() - t0
     out = {"samples": n, "seconds": round(seconds, 3), "samples_per_s": round(n / seconds, 1) if seconds else None,
