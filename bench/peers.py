@@ -24,8 +24,8 @@ The 2-core machine (a few minutes):
 
     python bench/peers.py --num-images 600 --batch-size 64 --workers 0,2 --resume-workers 2 --decode-workers 2
 
-``--quick`` is a smoke run on tiny images (what CI runs); ``--source DIR`` measures your own images (a folder
-of class folders of JPEGs) instead.
+``--quick`` is a smoke run on tiny images (what CI runs: 0 and 2 workers, every worker path); ``--source DIR``
+measures your own images (a folder of class folders of JPEGs) instead.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def main(argv=None) -> dict:
     p.add_argument("--epoch-cap-s", type=float, default=None, help="cut raw-bytes epochs after this many seconds")
     p.add_argument("--decode-seconds", type=float, default=3.0, help="seconds of steady decoding timed")
     p.add_argument("--budget-s", type=float, default=None, help="start no row after this many seconds")
-    p.add_argument("--quick", action="store_true", help="a tiny smoke run (24 small images, batch 8, 0 workers)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny smoke run (24 small images, batch 8, 0 and 2 workers; resume and decode in 2)")
     p.add_argument("--note", default=None, help="a sentence about this run, kept in the JSON")
     p.add_argument("--name", default="peers", help="results file name (default peers: peers.json, peers.png)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
@@ -75,8 +76,8 @@ def main(argv=None) -> dict:
 
     size = (500, 375)
     if args.quick:
-        args.num_images, args.batch_size, args.workers, args.image_size = 24, 8, "0", 16
-        args.decode_workers, args.resume_workers, args.decode_seconds, size = 0, 0, None, (48, 36)
+        args.num_images, args.batch_size, args.workers, args.image_size = 24, 8, "0,2", 16
+        args.decode_workers, args.resume_workers, args.decode_seconds, size = 2, 2, None, (48, 36)
         args.data = args.data.rstrip("/") + "-quick"
     t0 = time.perf_counter()
     source = args.source or peers.make_image_folder(os.path.join(args.data, f"images-{args.num_images}"),
