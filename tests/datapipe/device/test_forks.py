@@ -75,3 +75,54 @@ def test_the_parent_is_thawed_after_the_fork_and_a_users_freeze_is_kept():
         assert gc.get_freeze_count() == frozen  # the process's own freeze is left as it was
     finally:
         gc.unfreeze()
+
+
+def test_garbage_made_after_the_processs_own_freeze_is_never_collected_in_a_child():
+    """A process that froze its collector itself (``gc.freeze()`` after the imports) still forks children that
+    never free its later garbage; its freeze and its collector's state are as they were after the fork."""
+    forks.install()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert _fork_and_collect() == b"P"
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+
+
+def test_objects_made_between_the_parents_freeze_and_the_fork_are_never_collected_in_the_child():
+    """Other threads run while the fork's hooks do (here: a hook that runs after the freeze stands in for
+    them): what they leave in cycles then is inherited unfrozen, and the child must not free it either."""
+    import subprocess
+    import sys
+
+    code = f"""
+import gc, os
+PARENT = os.getpid()
+class Cyclic:
+    def __init__(self, fd):
+        self.fd, self.me = fd, self
+    def __del__(self):
+        os.write(self.fd, b"C" if os.getpid() != PARENT else b"P")
+read, write = os.pipe()
+os.register_at_fork(before=lambda: Cyclic(write))  # registered first: runs after the freeze
+from datapipe.device import forks
+forks.install()
+gc.disable()
+pid = os.fork()
+if pid == 0:
+    gc.enable()
+    gc.collect()
+    os._exit(0)
+os.waitpid(pid, 0)
+gc.enable()
+gc.collect()
+os.close(write)
+out = b""
+while chunk := os.read(read, 16):
+    out += chunk
+print(out.decode())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert out.stdout.split() == ["P"], out.stderr
