@@ -71,6 +71,36 @@ def inspect_batch(batch) -> dict[str, Any]:
 
 
 # ---- advice -----------------------------------------------------------------------------------------
+def _startup_split(m: dict[str, Any]) -> tuple[float, float | None]:
+    """Seconds the loop waited for each pass's first batch (start-up), and the wait share of the rest of the
+    run (None when the report does not tell)."""
+    loaders = m.get("loaders") or ([m["loader"]] if m.get("loader") else [])
+    startup = sum(e.get("startup_wait_s") or 0.0 for e in loaders)
+    wall, total = m.get("wall_s"), m.get("wait_s")
+    if len(loaders) == 1 and loaders[0].get("steady_wait_fraction") is not None:  # as the report's loader line
+        return startup, loaders[0]["steady_wait_fraction"]
+    if startup and wall and total is not None and wall > startup:
+        return startup, max(0.0, total - startup) / (wall - startup)
+    return startup, None
+
+
+def _startup_advice(m: dict[str, Any], wait: float, startup: float, steady: float, workers) -> str:
+    """The wait is start-up: say so, and what shortens it (or that a longer run amortises it)."""
+    loaders = m.get("loaders") or [m.get("loader") or {}]
+    passes = sum(e.get("iterations") or 0 for e in loaders)
+    fresh = [e for e in loaders if (e.get("num_workers") or 0) > 0 and not e.get("persistent_workers")]
+    text = (f"the loop waited for data {wait:.0%} of the time, but {startup:.2f} s of it was start-up (the first "
+            f"batch of each pass{f', {passes} passes' if passes else ''}: starting workers, opening the first shards, "
+            f"building the pipeline); after it the loop waited {steady:.1%}, so the input keeps up and neither more "
+            "workers nor faster decoding would help. ")
+    if fresh:
+        text += (f"The workers started anew in each of the {passes} passes: " if passes > 1 else "With several "
+                 "epochs, ") + "persistent_workers=True in the DataLoader starts them once for all epochs"
+    else:
+        text += "Start-up is paid once per pass and no setting shortens it much"
+    wall = m.get("wall_s")
+    run = f" ({wall:.1f} s)" if wall else ""
+    return text + f"; in a run longer than this one{run} its share shrinks"
 def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     """Advice from measurements ``m`` (the report's fields); each item states the number that triggered it.
 
@@ -96,21 +126,31 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
         add("no_steps", "no training steps were measured: the script iterated no DataLoader, datapipe loader or "
                         "ShardStream (or stopped before its first batch); nothing to advise on", steps=0)
         return out
+    startup, steady = _startup_split(m)
+    after = ""
+    if wait > WAIT_HIGH and startup > 0 and steady is not None and steady <= WAIT_HIGH:
+        add("startup", _startup_advice(m, wait, startup, steady, workers), wait_fraction=wait,
+            startup_wait_s=startup, steady_wait_fraction=steady)
+        wait, after = steady, " after start-up"  # the rules below are about the steady state, which keeps up
     if wait < WAIT_LOW:
-        add("not_bottleneck", f"input is not the bottleneck: the loop waited for data {wait:.1%} of the time "
+        add("not_bottleneck", f"input is not the bottleneck: the loop waited for data {wait:.1%} of the time{after} "
                               f"(< {WAIT_LOW:.0%}); speed up the model step instead", wait_fraction=wait)
     if wait > WAIT_HIGH and isinstance(workers, int) and workers < cores:
         add("more_workers", f"the loop waited for data {wait:.0%} of the time with num_workers={workers} on {cores} "
                             f"cores: raise num_workers (towards {cores}), or use loaders.DataLoader(num_workers='auto')",
             wait_fraction=wait, num_workers=workers, cores=cores)
     elif wait > WAIT_HIGH and isinstance(workers, int):
+        off = ("move work off the CPU (GPU decode with loaders.ImageLoader, pre-decoded or smaller data)" if cuda
+               else "more workers cannot help without more cores, and there is no CUDA GPU to decode on: make the "
+                    "per-sample work cheaper (shard smaller images, e.g. resized once before `datapipe shard`; "
+                    "lighter transforms; pre-decoded data) or run on more cores")
         add("cpu_bound", f"the loop waited for data {wait:.0%} of the time although num_workers={workers} already "
-                         f"uses all {cores} cores: move work off the CPU (GPU decode, pre-decoded or smaller data)",
-            wait_fraction=wait, num_workers=workers, cores=cores)
+                         f"uses all {cores} cores: {off}", wait_fraction=wait, num_workers=workers, cores=cores)
     elif wait > WAIT_HIGH and kind.endswith(".ImageLoader"):
         gpu_way = (f", or the GPU's hardware JPEG decoder with CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} set before "
-                   "CUDA starts (docs/performance.md)") if cuda else (": on the CPU, decoding is the limit; a GPU "
-                                                                      "decodes with device='cuda'")
+                   "CUDA starts (docs/performance.md)") if cuda else (f" (up to the {cores} cores); without a CUDA GPU "
+                                                                      "decoding stays on the CPU: shard smaller "
+                                                                      "images or lower image_size")
         add("input_bound", f"the loop waited for data {wait:.0%} of the time: ImageLoader is the bottleneck; give "
                            f"DALI more CPU threads (ImageLoader(..., decode=DecodeOptions(num_threads=...))){gpu_way}",
             wait_fraction=wait)
@@ -170,7 +210,7 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
     if cuda and (decoded or batch.get("jpeg_bytes")) and wait >= WAIT_LOW:
         what = (f"image batches {decoded} arrive decoded on the host" if decoded
                 else "batches carry JPEG bytes to decode on the CPU")
-        add("gpu_decode", f"{what} while the loop waits for data {wait:.0%} of the time and a GPU is present: decode "
+        add("gpu_decode", f"{what} while the loop waits for data {wait:.0%} of the time{after} and a GPU is present: decode "
                           "on the GPU with loaders.ImageLoader (DALI, hardware JPEG decoder)",
             wait_fraction=wait, images_on_host=decoded, jpeg_bytes=bool(batch.get("jpeg_bytes")))
     bs = batch.get("batch_size")

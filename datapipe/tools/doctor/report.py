@@ -177,6 +177,7 @@ class Doctor(CeilingReplay):
                      "hw_decoder_load": _decoder_load(loader),
                      "hw_decoder_auto": _decoder_moves(loader),
                      "pin_memory": getattr(loader, "pin_memory", None), "batches": 0,
+                     "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
                      "reiterable": it is not loader, "wait_s": 0.0, "compute_s": 0.0, "startup_wait_s": 0.0,
                      "iterations": 0}
             self._loaders.append(entry)

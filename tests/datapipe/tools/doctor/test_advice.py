@@ -118,3 +118,40 @@ def test_an_input_bound_image_loader_is_told_about_its_own_settings():
     assert "wrap the DataLoader" not in a["advice"]  # ImageLoader has no DataLoader to wrap
     plain = [a for a in advise(_m(wait=0.3, workers=None)) if a["id"] == "input_bound"][0]
     assert "wrap the DataLoader" in plain["advice"]
+
+
+def _startup_run(cuda=False, persistent=False, iterations=2, steady=0.005):
+    """The README trial (issue #44): 22.9% wait, 0.34 s of it each pass's first batch, 0.5% after it."""
+    wall = 1.5
+    loader = {"type": "loaders.dataloader.loader.DataLoader", "num_workers": 2, "persistent_workers": persistent,
+              "iterations": iterations, "startup_wait_s": 0.34, "steady_wait_fraction": steady}
+    return {"wait_fraction": 0.229, "wall_s": wall, "wait_s": 0.34 + steady * (wall - 0.34), "cores": 2, "cuda": cuda,
+            "loader": loader, "loaders": [loader], "batch": {"images_on_host": [32, 3, 64, 64]}, "rates": {}}
+
+
+def test_a_wait_that_is_start_up_is_advised_as_start_up_not_as_decode():
+    for cuda in (False, True):
+        advice = advise(_startup_run(cuda=cuda))
+        ids = [a["id"] for a in advice]
+        assert ids[0] == "startup" and "cpu_bound" not in ids and "gpu_decode" not in ids, ids
+        assert "more_workers" not in ids and "cuda_connections" not in ids
+        text = advice[0]["advice"]
+        assert "0.34 s" in text and "start-up" in text and "23%" in text and "0.5%" in text
+        assert "persistent_workers=True" in text and "2 passes" in text
+        assert not any("GPU decode" in a["advice"] for a in advice)
+        assert "0.5% of the time after start-up" in next(a for a in advice if a["id"] == "not_bottleneck")["advice"]
+    persistent = advise(_startup_run(persistent=True))[0]["advice"]
+    assert "persistent_workers=True" not in persistent and "no setting shortens it" in persistent
+    # start-up and a steady wait as well: the steady state is a bottleneck, so the usual rules apply
+    steady = [a["id"] for a in advise(_startup_run(steady=0.3))]
+    assert "startup" not in steady and "cpu_bound" in steady
+
+
+def test_no_gpu_decode_advice_on_a_machine_without_cuda():
+    cpu = next(a for a in advise(_m(wait=0.3, workers=4, cores=4, cuda=False)) if a["id"] == "cpu_bound")["advice"]
+    assert "GPU" not in cpu.replace("no CUDA GPU", "") and "smaller images" in cpu
+    gpu = next(a for a in advise(_m(wait=0.3, workers=4, cores=4, cuda=True)) if a["id"] == "cpu_bound")["advice"]
+    assert "GPU decode" in gpu
+    m = {**_m(wait=0.3, cuda=False), "loader": {"type": "loaders.images.loader.ImageLoader", "num_workers": None}}
+    image = next(a for a in advise(m) if a["id"] == "input_bound")["advice"]
+    assert "device='cuda'" not in image and "hardware JPEG decoder" not in image and "smaller" in image
