@@ -221,6 +221,26 @@ def test_index_names_every_command():
     assert not [c for c in COMMANDS if f"`datapipe {c}" not in index]
 
 
+def test_option_tables_state_the_code_defaults():
+    """docs/loaders.md's option-group tables give each default as the code has it (`image_exts` read jpg, jpeg,
+    png where the code reads every type `datapipe shard` writes, #44)."""
+    import dataclasses
+
+    import loaders
+
+    rows = re.findall(r"^\| `\w+=loaders\.(\w+)\(\.\.\.\)` \| (.*) \|$", (ROOT / "docs" / "loaders.md").read_text(), re.M)
+    assert {"ReadOptions", "DecodeOptions", "AugmentOptions"} <= {name for name, _ in rows}
+    wrong = []
+    for name, cell in rows:
+        fields = {f.name: f for f in dataclasses.fields(getattr(loaders, name))}
+        for key, value in re.findall(r"`(\w+)=([^`]*)`", cell):
+            f = fields[key]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if eval(value, {"__builtins__": {}}) != default:  # literals and fractions such as 3/4
+                wrong.append(f"{name}({key}={value}): the code's default is {default!r}")
+    assert not wrong, wrong
+
+
 def test_readme_names_every_type_a_loader_state_holds(tmp_path):
     """The README's checkpoint sentence names what a DataLoader's state holds (it said "plain values" beside
     torch's RNG state, a tensor)."""
