@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from datapipe.errors import DataError
@@ -23,6 +24,7 @@ from datapipe.storage.urls import redact_url
 IMAGE_EXTENSIONS = frozenset(IMAGE_ENTRIES)
 INT_EXTENSIONS = frozenset({"cls", "cls2", "index", "id"})
 IMAGE_FORMATS = ("pil", "rgb8", "torch")
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")  # "<_io.BytesIO object at 0x7f...>" says nothing
 
 
 def _text(value) -> str:
@@ -35,7 +37,11 @@ def _image(value, images: str):
     data = bytes(value)
     if not data:
         raise ValueError("empty file where an image was expected")
-    with Image.open(io.BytesIO(data)) as img:
+    try:
+        img = Image.open(io.BytesIO(data))
+    except Image.UnidentifiedImageError as e:
+        raise ValueError("not a decodable image (PIL: cannot identify image file)") from e
+    with img:
         img = img.convert("RGB")
     if images == "pil":
         return img
@@ -114,7 +120,8 @@ class Decode:
             try:
                 out[key] = decode_value(key, value, images=self.images)
             except Exception as e:
-                raise ValueError(f"cannot decode {key!r}: {e}") from e
+                what = "image " if key.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS else ""
+                raise ValueError(f"cannot decode {what}{key!r}: {_OBJECT_REPR.sub('', str(e))}") from e
         return out
 
 

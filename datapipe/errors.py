@@ -36,9 +36,26 @@ class DataError(Exception):
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
 
 
+SKIP_HINT = ('; to skip such samples instead, pass on_error="skip" (counted in stats()) or "warn" (also logs '
+             'each)')
+CHECK_HINT = "; `datapipe shard --check-images decode` finds undecodable images when the shards are written"
+
+
+def with_hint(err: BaseException) -> BaseException:
+    """``err``, its message ending in what to do about it when it is a bad sample's ``DataError`` (it names a key):
+    the ``on_error`` modes that skip it, and for an image the shard job's check. Once per error."""
+    if not isinstance(err, DataError) or err.key is None or getattr(err, "hinted", False) or len(err.args) != 1:
+        return err
+    message = str(err.args[0])
+    hint = SKIP_HINT + (CHECK_HINT if "image" in message.lower() else "")
+    err.args = (message + hint,)
+    err.hinted = True
+    return err
+
+
 def reraise(err: BaseException) -> None:
-    """Handler ``"raise"``: stop with the error."""
-    raise err
+    """Handler ``"raise"``: stop with the error (a bad sample's says how to skip such samples instead)."""
+    raise with_hint(err)
 
 
 def skip(err: BaseException) -> None:

@@ -88,6 +88,10 @@ def test_decode_failure_follows_on_error(tmp_path, caplog):
         list(ShardStream(urls).decode("pil"))
     assert e.value.key == "000002" and e.value.url.endswith("shard-000000.tar")
     assert "decode" in str(e.value) and e.value.__cause__ is not None
+    # it says what the bytes are without PIL's "<_io.BytesIO object at 0x7f...>", and what to do (#44)
+    assert "cannot decode image 'jpg': not a decodable image (PIL: cannot identify image file)" in str(e.value)
+    assert " at 0x" not in str(e.value) and "BytesIO" not in str(e.value)
+    assert 'on_error="skip"' in str(e.value) and "datapipe shard --check-images decode" in str(e.value)
     stream = ShardStream(urls, on_error="skip").decode("pil")
     assert [s["cls"] for s in stream] == [0, 1, 3, 4, 0, 1, 2]
     assert stream.stats()["skipped"] == 1 and stream.stats()["errors"] == 1

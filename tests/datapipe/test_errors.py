@@ -43,3 +43,24 @@ def test_policy_pickles_for_worker_processes():
     copy = pickle.loads(pickle.dumps(policy))
     copy(DataError("w"))
     assert copy.stats()["last_errors"] == ["w"] and copy.stopped is None
+
+
+def test_a_bad_samples_error_under_raise_says_how_to_skip_such_samples():
+    """Issue #44: the default on_error="raise" named shard and key but not what to do; each hint once."""
+    policy = ErrorPolicy("raise")
+    for call in (policy, policy.handler):  # the stream's policy, and loaders calling its handler directly
+        with pytest.raises(DataError) as e:
+            call(DataError("cannot decode image 'jpg'", url="s/shard-000000.tar", key="000002"))
+        text = str(e.value)
+        assert text.startswith("cannot decode image 'jpg' (shard s/shard-000000.tar, key '000002'); ")
+        assert 'on_error="skip"' in text and '"warn"' in text and "datapipe shard --check-images" in text
+        with pytest.raises(DataError) as again:
+            policy.handler(e.value)  # raised on through a second policy: no second hint
+        assert str(again.value).count("on_error=") == 1
+        assert pickle.loads(pickle.dumps(again.value)).args == again.value.args
+    with pytest.raises(DataError) as e:
+        policy(DataError("map(f) failed: KeyError: 'x'", url="s/shard-000000.tar", key="000003"))
+    assert 'on_error="skip"' in str(e.value) and "--check-images" not in str(e.value)  # not an image
+    with pytest.raises(DataError) as e:
+        policy(DataError("cannot open", url="s/shard-000009.tar"))  # no sample: storage, not a bad sample
+    assert str(e.value) == "cannot open (shard s/shard-000009.tar)"
