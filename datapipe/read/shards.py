@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
 
 from datapipe.errors import DataError
 from datapipe.read.ledger import Ledger
@@ -123,7 +124,7 @@ class Shards:
                     what = f"no such folder: {names}"
                 else:
                     what = (f"{len(absent)} of {len(self.urls)} shards do not exist: {names}" if len(self.urls) > 1 else
-                            f"the shard does not exist: {names}")
+                            f"the shard does not exist: {names}") + self._listed_instead(absent[0])
                 for url in absent:
                     self.ledger.errors(DataError(what, url=redact_url(url)), lost=0)
                     known[url] = 0
@@ -142,6 +143,26 @@ class Shards:
                     store_counts(fresh, storage_options=self.options(missing[0]))
             self._counts = [known[u] for u in self.urls]
         return self._counts
+
+    def _listed_instead(self, url: str) -> str:
+        """What the manifest beside a shard that does not exist lists (its pattern), for the error; "" if none."""
+        directory = posixpath.dirname(url)
+        try:
+            manifest = read_manifest(directory, storage_options=self.options(url), retries=0)
+        except Exception:  # the error at hand says what matters; this only adds to it
+            return ""
+        names = sorted(s["name"] for s in (manifest or {}).get("shards", []))
+        if not names:
+            return ""
+        where = f"{directory}/" if directory else ""
+        digits = [re.fullmatch(r"(.*?)(\d+)(\D*)", n) for n in names]
+        first, last = digits[0], digits[-1]
+        if (len(names) > 1 and all(digits) and len({(m.group(1), m.group(3), len(m.group(2))) for m in digits}) == 1
+                and int(last.group(2)) - int(first.group(2)) == len(names) - 1):
+            shown = f"{where}{first.group(1)}{{{first.group(2)}..{last.group(2)}}}{first.group(3)}"
+        else:
+            shown = ", ".join(where + n for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        return f"; its folder's manifest.json lists {counted(len(names), 'shard')}: {redact_url(shown)}"
 
     def identity(self) -> str:
         """What a checkpoint records of these shards: their number, samples and :func:`fingerprint` (computed once)."""

@@ -77,3 +77,24 @@ def test_one_shard_messages_say_the_shard_not_1_shards(tmp_path, caplog):
     assert "1 of 1 shards" not in str(e.value)
     with pytest.raises(ValueError, match=r"counts has 1 entry for 2 shards: give one count per URL"):
         ShardStream([str(path), str(path)], counts=[1])
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_brace_range_past_the_last_shard_says_what_the_manifest_lists(tmp_path, caplog, on_error):
+    """Issue #44: shard-{000000..000004}.tar over 3 written shards: the two past the end do not exist (said so,
+    with the pattern the folder's manifest lists), not "no manifest lists 2 of 5 shards ... run datapipe index"."""
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "out", [4, 4, 4])
+    stream = ShardStream(str(tmp_path / "out" / "shard-{000000..000004}.tar"), on_error=on_error)
+    with caplog.at_level(logging.WARNING, logger="datapipe"):
+        if on_error == "raise":
+            with pytest.raises(DataError) as info:
+                list(stream)
+            text = str(info.value)
+        else:
+            assert len(list(stream)) == 12
+            text = " ".join(stream.stats()["last_errors"])
+    assert "2 of 5 shards do not exist" in text and "shard-000003.tar" in text and "shard-000004.tar" in text
+    assert f"manifest.json lists 3 shards: {tmp_path / 'out'}/shard-{{000000..000002}}.tar" in text
+    assert "no manifest lists" not in caplog.text and "datapipe index" not in caplog.text + text
