@@ -241,6 +241,16 @@ def test_option_tables_state_the_code_defaults():
     assert not wrong, wrong
 
 
+def test_readme_names_every_on_error_mode_where_it_introduces_on_error():
+    """The README's first on_error names every mode (it never said "warn", the one that logs each skip, #44)."""
+    from datapipe.errors import HANDLERS
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("on_error=")
+    introduced = readme[start:readme.index("\n\n", start)]
+    assert not [mode for mode in HANDLERS if f'"{mode}"' not in introduced], introduced
+
+
 def test_readme_names_every_type_a_loader_state_holds(tmp_path):
     """The README's checkpoint sentence names what a DataLoader's state holds (it said "plain values" beside
     torch's RNG state, a tensor)."""
