@@ -11,6 +11,7 @@ import sys
 
 from datapipe.tools.bench.cli import _outputs, _storage_command, plot_path, table
 from datapipe.errors import DataError
+from datapipe.image_bytes import IMAGE_ENTRIES
 from datapipe.storage.urls import redact_text
 
 
@@ -97,7 +98,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         description="The same dataset through several loaders, with a per-stage breakdown. The "
                                     "consume step is a stand-in reduction, not a training step: no ceiling_ratio "
                                     "(use `datapipe doctor --ceiling-steps N -- train.py` for that).")
-    lo.add_argument("data", help="a shard directory or spec (image shards: jpg+cls; token shards: npy)")
+    lo.add_argument("data", help="a shard directory or spec: image shards (an image entry of any type `datapipe "
+                                 f"shard` writes: {', '.join(IMAGE_ENTRIES)}; and cls) or token shards (npy)")
     lo.add_argument("--pipelines", default=None,
                     help="comma list of torch, webdataset, dali, datapipe-images, datapipe-loader (image data); "
                          "datapipe-tokens, naive-pad (token data). Default: all that fit the data")

@@ -28,6 +28,8 @@ class Store:
         self.local = all(is_local(u) for u in urls)
         self._fs = None
         self._tls = threading.local()
+        self.range_ignored: tuple | None = None  # (url, asked, at, got) of a read the server answered whole
+        self._told = False
 
     def __getstate__(self):
         return {"urls": self.urls, "storage_options": self.storage_options, "local": self.local}
@@ -61,13 +63,22 @@ class Store:
                 fd = fds[index] = os.open(local_path(url), os.O_RDONLY)
             return len(os.pread(fd, length, start))
         got = len(self.fs().cat_file(self.path(url), start=start, end=start + length))
-        if got > length and not self._tls.__dict__.get("told"):
-            self._tls.told = True  # once a thread: the server sends whole files, the rates count what was asked
-            log.warning("the server ignored the Range header of %s (asked %d bytes at %d, got %d): each ranged "
-                        "read moves more than it asks, so the rates below count only the bytes asked for; a "
-                        "server that honours Range measures the reads ShardStream makes", redact_url(url), length,
-                        start, got)
+        if got > length and self.range_ignored is None:
+            self.range_ignored = (url, length, start, got)  # said once, by tell(), not by every reading thread
         return min(got, length)
+
+    def tell(self, results: list[dict] = ()) -> None:
+        """Warn, once for this store (whatever its threads and worker processes saw), that the server ignored
+        the Range header: the server sends whole files, the rates count what was asked."""
+        seen = self.range_ignored or next((r["range_ignored"] for r in results if r.get("range_ignored")), None)
+        if seen is None or self._told:
+            return
+        self._told = True
+        url, length, start, got = seen
+        log.warning("the server ignored the Range header of %s (asked %d bytes at %d, got %d): each ranged "
+                    "read moves more than it asks, so the rates below count only the bytes asked for; a "
+                    "server that honours Range measures the reads ShardStream makes", redact_url(url), length,
+                    start, got)
 
     def close(self) -> None:
         for fd in self._tls.__dict__.pop("fds", {}).values():
@@ -108,7 +119,8 @@ def _read_worker(store: Store, ranges, deadline: float, start_at: float = 0.0, l
             done.append(item[0])
     finally:
         store.close()
-    return {"bytes": nbytes, "latencies": lat, "files": done, "t0": t_first, "t1": time.monotonic()}
+    return {"bytes": nbytes, "latencies": lat, "files": done, "t0": t_first, "t1": time.monotonic(),
+            "range_ignored": store.range_ignored}
 
 
 def measure_reads(store: Store, sizes: list[int], *, block: int, concurrency: int, seconds: float,
@@ -137,6 +149,7 @@ def measure_reads(store: Store, sizes: list[int], *, block: int, concurrency: in
             results = [f.result() for f in futures]
     else:
         raise ValueError(f"mode must be 'threads' or 'processes', got {mode!r}")
+    store.tell(results)
     total = {i: 0 for i in range(len(sizes))}
     for i, _, _ in ranges:
         total[i] += 1

@@ -28,3 +28,14 @@ def test_bench_storage_help_says_what_it_measures(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "How fast your storage serves shards" in out and "concurrency x block-size" in out
+
+
+def test_bench_loader_help_says_which_images_it_takes(capsys):
+    """It said "jpg+cls"; the loader bench reads every image type `datapipe shard` writes (#44)."""
+    from datapipe.cli import main
+    from datapipe.image_bytes import IMAGE_ENTRIES
+
+    with pytest.raises(SystemExit):
+        main(["bench", "loader", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "jpg+cls" not in out and all(ext in out for ext in IMAGE_ENTRIES) and "cls" in out

@@ -64,3 +64,21 @@ def test_a_server_that_ignores_range_is_named_and_not_counted_as_bytes_read(shar
             r = measure_reads(store, sizes, block=5000, concurrency=1, seconds=600, mode="threads")
     assert r["bytes"] == sum(sizes)  # whole files came back for every 5000-byte read: not counted
     assert "ignored the Range header" in caplog.text
+
+
+def test_a_server_that_ignores_range_is_named_once_per_store(shard_dir, caplog):
+    """Issue #44: `datapipe bench storage` printed the warning 5 times (once per thread of each measurement)."""
+    names = sorted(f for f in os.listdir(shard_dir) if f.endswith(".tar"))
+    with _plain_http_server(shard_dir) as base:
+        store = Store([f"{base}/{n}" for n in names])
+        sizes = [store.size(u) for u in store.urls]
+        with caplog.at_level(logging.WARNING, logger="datapipe.tools.bench.storage_reads"):
+            for concurrency, mode in [(1, "threads"), (2, "threads"), (4, "threads"), (2, "processes")]:
+                measure_reads(store, sizes, block=5000, concurrency=concurrency, seconds=600, mode=mode)
+        assert caplog.text.count("ignored the Range header") == 1
+        caplog.clear()
+        fresh = Store(store.urls)  # told by a worker process only: said in the parent, once
+        with caplog.at_level(logging.WARNING, logger="datapipe.tools.bench.storage_reads"):
+            for _ in range(2):
+                measure_reads(fresh, sizes, block=5000, concurrency=2, seconds=600, mode="processes")
+        assert caplog.text.count("ignored the Range header") == 1
