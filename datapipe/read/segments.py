@@ -9,7 +9,8 @@ from datapipe.errors import DataError
 from datapipe.order.plan import WorkerPlan
 from datapipe.read.shards import Shards
 from datapipe.storage.urls import redact_url
-from datapipe.tar.blocks import reader_for
+from datapipe.tar import member_table
+from datapipe.tar.blocks import MmapReader, reader_for
 from datapipe.tar.headers import TarFormatError
 from datapipe.tar.reader import SampleEvent, walk_samples
 
@@ -124,8 +125,8 @@ class SegmentReader:
         expected, last_key = start, None  # the cursor, kept in locals on this hot path
         held = None  # a whole sample read, handed out once the next one is read (or anything else happens)
         try:
-            g, events = walk_samples(reader, url, start=start, stop=past, resync=not errors.raises,
-                                     zero_copy=self.zero_copy)
+            g, events = self._table_walk(reader, url, start, past) or walk_samples(
+                reader, url, start=start, stop=past, resync=not errors.raises, zero_copy=self.zero_copy)
             for event in events:
                 if type(event) is dict:  # a whole sample (at g.ordinal)
                     ordinal = g.ordinal
@@ -167,6 +168,19 @@ class SegmentReader:
             cursor.expected, cursor.last_key = expected, last_key
         if held is not None:
             yield held
+
+    def _table_walk(self, reader, url: str, start: int, stop: int):
+        """``(position, samples)`` read through the shard's member table (a local plain shard that has a sound
+        one: each value one ``pread``, no header walked), or None: the shard is walked."""
+        if self.zero_copy or type(reader) is not MmapReader:
+            return None
+        table = member_table.load(reader._fd, reader.size)
+        if table is None:
+            return None
+        reader.offset = table.end  # where the table read ends, for messages about a shard that ends early
+        where = member_table.Position()
+        return where, member_table.samples(table, reader._fd, url, where, start=start, stop=stop,
+                                           read_large=lambda offset, size: reader.mm[offset:offset + size])
 
     def _error(self, message: str, url: str, key: str | None) -> DataError:
         return DataError(message, url=redact_url(url), key=key)

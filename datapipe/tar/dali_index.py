@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Sequence
 
 from datapipe.storage.urls import redact_text, redact_url
+from datapipe.tar.headers import is_meta
 from datapipe.words import counted
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def index_lines(fileobj, *, size: int | None = None) -> list[str]:
             why = _refusal(member)
             if why is not None:
                 raise ValueError(why)
-            if not member.isreg():
+            if not member.isreg() or is_meta(member.name):  # ``__meta__`` members (a member table) hold no sample
                 continue
             if size is not None and member.offset_data + member.size > size:
                 raise ValueError(f"member {member.name!r} of {member.size} bytes at byte {member.offset_data} runs "

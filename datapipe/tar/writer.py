@@ -11,6 +11,7 @@ from typing import Any
 
 import fsspec
 
+from datapipe.tar import member_table
 from datapipe.tar.manifest import make_manifest, read_manifest, write_manifest
 
 
@@ -117,7 +118,8 @@ class _PlainTar:
 
     Headers are byte for byte :meth:`tarfile.TarInfo.tobuf`'s (:func:`_member_header`); each header and
     value is written once (no copy through tarfile's 10 KiB stream buffer) and hashed as it is written, in a
-    thread of its own, so the sha256 costs no second pass.
+    thread of its own, so the sha256 costs no second pass. The last member is the shard's member table
+    (:mod:`datapipe.tar.member_table`): where each value lies, so that a local read needs no header walk.
     """
 
     def __init__(self, f):
@@ -125,6 +127,7 @@ class _PlainTar:
         self.sha256 = _BackgroundSha256()
         self.nbytes = 0
         self._encoder = None
+        self._table = member_table.TableBuilder()
 
     def _out(self, data) -> None:
         if not isinstance(data, bytes):
@@ -150,18 +153,42 @@ class _PlainTar:
             if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise ValueError(f"{k} of sample {key!r} doesn't map to bytes after encoding ({type(v).__name__})")
             size = v.nbytes if isinstance(v, memoryview) else len(v)
-            self._out(_member_header(f"{key}.{k}", size))
+            name = f"{key}.{k}"
+            self._out(_member_header(name, size))
+            self._table.add(name, self.nbytes, size)
             self._out(v)
             if size % 512:
                 self._out(bytes(512 - size % 512))
 
     def close(self) -> None:
-        """The two end-of-archive blocks, padded to tarfile's record size (as tarfile writes them)."""
+        """The member table, then the two end-of-archive blocks, padded to tarfile's record size (as tarfile
+        writes them)."""
+        table = self._table.blob(self.nbytes)
+        if table is not None:
+            self._out(_member_header(member_table.NAME, len(table)))
+            self._out(table)
         end = 2 * tarfile.BLOCKSIZE
         self._out(bytes(end + (-(self.nbytes + end)) % tarfile.RECORDSIZE))
 
     def abort(self) -> None:
         self.sha256.stop()
+
+
+def _check_key(key: str) -> None:
+    """A ValueError for a key that readers would split elsewhere: they end the key at the first dot of the
+    member name's last path component (webdataset's rule), so ``a.b`` with ``jpg`` would read as key ``a``
+    with extension ``b.jpg``."""
+    last = key.rsplit("/", 1)[-1]
+    if not last or "." in last:
+        raise ValueError(f"sample key {key!r} {'ends in a slash' if not last else 'holds a dot in its last part'}: "
+                         "readers take the key to end at the member name's first dot after the last '/' "
+                         "(webdataset's rule), so its values would be read under another key and extension; "
+                         "replace the dots (e.g. with '_'), as `datapipe shard` does")
+
+
+def _header_bytes(name: str) -> int:
+    """At most what a member's header takes: one block, three where a pax header carries a long or non-ASCII name."""
+    return 512 if len(name) <= 100 and name.isascii() else 1536
 
 
 def _tar_size(member_bytes: int) -> int:
@@ -235,8 +262,13 @@ class ShardWriter:
             raise ValueError("ShardWriter is closed")
         if "__key__" not in sample:
             raise ValueError("a sample needs a '__key__' entry")
-        size = sum(512 + (len(v) + 511) // 512 * 512 for k, v in sample.items()
-                   if not k.startswith("_") and hasattr(v, "__len__"))
+        _check_key(str(sample["__key__"]))
+        key = str(sample["__key__"])
+        values = [k for k in sample if not k.startswith("_")]  # (a value without a length, a number, takes a block)
+        size = sum(_header_bytes(f"{key}.{k}") + (len(v) + 511 if hasattr(v := sample[k], "__len__") else 512)
+                   // 512 * 512 for k in values)
+        if not self.compress:  # what the sample adds to the shard's member table, at most
+            size += member_table.bytes_for(key, values)
         if self._writer is not None and (
             self._count >= self.max_count or (self._count > 0 and _tar_size(self._estimate + size) > self.max_bytes)
         ):
@@ -260,7 +292,7 @@ class ShardWriter:
         else:
             self._writer = self._hasher = _PlainTar(self._file)
         self._count = 0
-        self._estimate = 0
+        self._estimate = 0 if self.compress else member_table.FIXED_BYTES
 
     def _finish_shard(self) -> None:
         self._writer.close()
