@@ -55,7 +55,7 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
     shard whose sample count differs from its entry is a problem.
     """
     urls = shard_urls(target, storage_options=storage_options)
-    expected, listed = _manifest_counts(urls, storage_options=storage_options)
+    expected, listed, skipped = _manifest_counts(urls, storage_options=storage_options)
     report: dict[str, Any] = {"target": redact_url(target), "shards": [], "samples": 0, "bytes": 0,
                               "extensions": Counter(), "problems": [], "preview": []}
     for url in urls:
@@ -90,29 +90,34 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
     report["manifest_lists"] = len(expected)
     report["manifest_shards"] = len(listed)
     report["manifest_samples"] = sum(listed.values())
+    report["manifest_skipped"] = skipped  # inputs the shard job skipped (its report.json lists them); None: not said
     report["manifest"] = bool(urls) and len(expected) == len(urls) == len(listed)
     return report
 
 
-def _manifest_counts(urls: list[str], *, storage_options: dict | None) -> tuple[dict[str, int], dict[str, int]]:
+def _manifest_counts(urls: list[str], *,
+                     storage_options: dict | None) -> tuple[dict[str, int], dict[str, int], int | None]:
     """The sample counts of those of ``urls`` that a manifest beside them lists, and of every shard those
-    manifests list (by URL)."""
+    manifests list (by URL); and the inputs their shard jobs skipped (``num_skipped``; None where none says)."""
     by_dir: dict[str, list[str]] = {}
     for url in urls:
         by_dir.setdefault(posixpath.dirname(url), []).append(url)
     expected: dict[str, int] = {}
     listed: dict[str, int] = {}
+    skipped = None
     for directory, dir_urls in by_dir.items():
         manifest = read_manifest(directory, storage_options=storage_options)
         if manifest is None:
             continue
+        if isinstance(manifest.get("num_skipped"), int):
+            skipped = (skipped or 0) + manifest["num_skipped"]
         known = {s["name"]: int(s["count"]) for s in manifest["shards"]}
         listed.update({posixpath.join(directory, name): n for name, n in known.items()})
         for url in dir_urls:
             name = posixpath.basename(url)
             if name in known:
                 expected[url] = known[name]
-    return expected, listed
+    return expected, listed, skipped
 
 
 def _manifest_line(report: dict) -> str:
@@ -178,6 +183,9 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         print(f"{report['target']}: {counted(len(report['shards']), 'shard')}, {counted(report['samples'], 'sample')}, "
               f"{report['bytes'] / 1e6:.1f} MB of values, manifest: {_manifest_line(report)}")
+        if report["manifest_skipped"] is not None:
+            print(f"skipped when sharded: {counted(report['manifest_skipped'], 'unreadable input')} (the manifest's "
+                  "num_skipped; the shard job's report.json lists them)")
         print("extensions: " + ", ".join(f"{k} ({v})" for k, v in sorted(report["extensions"].items())))
         for sample in report["preview"]:
             print("preview: " + ", ".join(f"{k}={v}" for k, v in sample.items()))

@@ -168,3 +168,17 @@ def test_one_shard_of_one_sample_is_counted_in_the_singular(out, tmp_path, capsy
     first = capsys.readouterr().out.splitlines()[0]
     assert "1 shard, 5 samples" in first and "manifest: 1 of its 3 shards (5 of 12 samples) matches this pattern" \
         in first
+
+
+def test_inspect_shows_what_the_shard_job_skipped(tmp_path, capsys):
+    """The manifest's num_skipped (inputs the shard job could not read) reaches `datapipe inspect` (#44)."""
+    src = tmp_path / "imgs"
+    make_image_folder(str(src), n=6, classes=("a", "b"))
+    for name in ("broken1.jpg", "broken2.jpg"):
+        (src / "a" / name).write_bytes(b"not a jpeg")
+    run_shard(str(src), str(tmp_path / "out"), max_count=5, workers=1, progress=False)
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    assert "skipped when sharded: 2 unreadable inputs" in capsys.readouterr().out
+    assert inspect_shards(str(tmp_path / "out"))["manifest_skipped"] == 2
+    assert main(["inspect", str(tmp_path / "out"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["manifest_skipped"] == 2
