@@ -20,7 +20,9 @@ Each step runs in a fresh Python process (imports included), over the folder URL
   ``resume_extra_s`` is its time past a fresh stream's construct + counts + first sample;
 - ``loader``: ``loaders.DataLoader(stream, batch_size=32, num_workers=2)``'s first batch.
 
-``growth`` gives each step's time at the largest size over its time at 10x fewer shards (linear: ~10).
+Every size and step runs ``--repeat`` rounds (interleaved, since the machine may be shared) and each figure is
+its least over them. ``growth`` gives each step's time at a size over its time at 10x fewer shards (linear: ~10;
+figures of 5 ms or less at the smaller size are left out: noise and fixed costs, not growth).
 
     python bench/scale.py              # 10k, 100k, 1M shards: bench/results/scale.json
     python bench/scale.py --sizes 100000 --steps stream
@@ -193,6 +195,8 @@ def main(argv=None) -> int:
     parser.add_argument("--per-shard", type=int, default=4, help="samples per shard")
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "datapipe-scale"),
                         help="where the shard folders are made (once) and reused")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds over all sizes and steps, each figure its "
+                        "least (default 3; 1 with --quick)")
     parser.add_argument("--out", default=None, help="results directory (default bench/results)")
     parser.add_argument("--quick", action="store_true", help="smoke check: 100 and 1k shards, results not written "
                         "unless --out is given")
@@ -205,22 +209,27 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.folder, args.n, args.state)))
         return 0
     sizes = [100, 1_000] if args.quick else sorted(args.sizes)
-    rows = []
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    rows, runs = [], {}
     for n in sizes:
         t = time.perf_counter()
         folder = make_dataset(args.root, n, args.per_shard)
-        row = {"shards": n, "samples": n * args.per_shard, "make_s": round(time.perf_counter() - t, 2)}
-        state_path = os.path.join(folder, "state.json")
-        run_child("state", folder, n, state_path)  # also makes the manifest's local copy that restarts read
-        for step in args.steps:
-            if step == "resume":
-                fresh = row.get("stream_fresh_s") or run_child("stream", folder, n, state_path)["fresh_s"]
-                got = run_child("resume", folder, n, state_path)
-                got["resume_extra_s"] = got["fresh_s"] - fresh
-            else:
-                got = run_child(step, folder, n, state_path)
-            row.update({f"{step}_{k}": round(v, 4) for k, v in got.items()})
-        rows.append(row)
+        rows.append({"shards": n, "samples": n * args.per_shard, "make_s": round(time.perf_counter() - t, 2)})
+        run_child("state", folder, n, os.path.join(folder, "state.json"))  # also makes the copy restarts read
+    steps = list(args.steps) + (["stream"] if "resume" in args.steps and "stream" not in args.steps else [])
+    for _ in range(args.repeat):  # rounds over every size and step: a busy moment hits all sizes alike
+        for row in rows:
+            n = row["shards"]
+            folder = os.path.join(args.root, f"{n}x{args.per_shard}")
+            for step in steps:
+                got = run_child(step, folder, n, os.path.join(folder, "state.json"))
+                for k, v in got.items():
+                    runs.setdefault((n, step, k), []).append(v)
+    for row in rows:  # each figure: its least over the rounds (the machine is shared)
+        n = row["shards"]
+        row.update({f"{step}_{k}": round(min(v), 4) for (m, step, k), v in runs.items() if m == n and step in args.steps})
+        if "resume" in args.steps:
+            row["resume_resume_extra_s"] = round(min(runs[n, "resume", "fresh_s"]) - min(runs[n, "stream", "fresh_s"]), 4)
         print(json.dumps(row), flush=True)
     growth = {}
     for small, big in zip(rows, rows[1:]):
@@ -230,7 +239,7 @@ def main(argv=None) -> int:
                 if k.endswith("_s") and k in small and small[k] > 0.005 and not k.startswith(("make", "resume_resume"))}
     result = {"what": "bench/scale.py: ShardStream costs over a manifest of N tiny shards (symlinks to 16 real tars), "
                       "each step in a fresh process, shuffle=True, rank 0 of 8",
-              "per_shard": args.per_shard, "goals_at_1M": GOALS, "rows": rows, "growth": growth}
+              "per_shard": args.per_shard, "repeat": args.repeat, "goals_at_1M": GOALS, "rows": rows, "growth": growth}
     print(json.dumps(growth, indent=1))
     if args.out or not args.quick:
         from bench.common import write_result

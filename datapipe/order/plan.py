@@ -84,23 +84,124 @@ _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E
 SHARD_ORDER = "splitmix64-sort"
 
 
-def shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
-    """The epoch's shard order (URL indexes, int64): a seeded permutation when ``shuffle``, else URL order.
+def shard_order(num_shards: int, *, shuffle: bool, seed: int, epoch: int) -> "ShardOrder | np.ndarray":
+    """The epoch's shard order (URL indexes): a seeded permutation (a :class:`ShardOrder`) when ``shuffle``, else
+    URL order (an int64 ``arange``).
 
     The permutation sorts the shards by splitmix64 keys of (seed, epoch, index): array arithmetic, no Python
     loop and no ``numpy.random`` (whose import alone costs a first batch ~0.15 s).
     """
     if not shuffle or num_shards < 2:
         return np.arange(num_shards, dtype=np.int64)
-    z = np.arange(1, num_shards + 1, dtype=np.uint64)
-    z *= _GOLDEN
-    z += np.uint64(derive_seed(seed, epoch) & 0xFFFFFFFFFFFFFFFF)
-    z ^= z >> np.uint64(30)
-    z *= _MIX1
-    z ^= z >> np.uint64(27)
-    z *= _MIX2
-    z ^= z >> np.uint64(31)
-    return np.argsort(z, kind="stable")
+    return ShardOrder(num_shards, derive_seed(seed, epoch) & 0xFFFFFFFFFFFFFFFF)
+
+
+_BLOCK = 1 << 16  # shards whose keys are made at a time (a block's arrays stay in the core's cache)
+
+
+class ShardOrder(Sequence[int]):
+    """A shuffled shard order, made only as far as it is read: :func:`worker_plan` sorts just the keys of the
+    shards one worker reads (the order of a million shards is not made in every worker, nor read at random);
+    ``np.asarray(order)``, iteration and indexing give the whole permutation (int64, made once)."""
+
+    def __init__(self, num_shards: int, offset: int):
+        self.num_shards, self.offset = num_shards, offset
+        self._array: np.ndarray | None = None
+        self._cached: tuple | None = None  # (counts, _buckets(counts))
+
+    def keys(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """The sort keys (uint64, all distinct: splitmix64 is a bijection) of shards ``lo <= i < hi``."""
+        return self._mix(np.arange(lo + 1, (self.num_shards if hi is None else hi) + 1, dtype=np.uint64))
+
+    def keys_of(self, shards: np.ndarray) -> np.ndarray:
+        """The sort keys of the shards ``shards`` (an integer array)."""
+        return self._mix(shards.astype(np.uint64) + np.uint64(1))
+
+    def _mix(self, z: np.ndarray) -> np.ndarray:
+        z *= _GOLDEN
+        z += np.uint64(self.offset)
+        z ^= z >> np.uint64(30)
+        z *= _MIX1
+        z ^= z >> np.uint64(27)
+        z *= _MIX2
+        z ^= z >> np.uint64(31)
+        return z
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.argsort(self.keys(), kind="stable")
+        return self._array
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array() if dtype is None else self.array().astype(dtype)
+
+    def __len__(self) -> int:
+        return self.num_shards
+
+    def __getitem__(self, i):
+        return self.array()[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array().tolist())
+
+    def tolist(self) -> list[int]:
+        return self.array().tolist()
+
+    def __eq__(self, other):
+        return self.array() == np.asarray(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"ShardOrder({self.num_shards} shards, offset {self.offset:#x})"
+
+    def _buckets(self, counts: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+        """``(bits, bucket, bucket_starts)``: each shard's key bucket (its key's top ``bits``) and the first global
+        sample number of each bucket (one more entry: the total), made once for the counts (every worker of
+        the epoch plans over the same)."""
+        if self._cached is not None and self._cached[0] is counts:
+            return self._cached[1]
+        n = self.num_shards
+        bits = min(24, max(1, (n // 16).bit_length()))  # ~16 shards per bucket
+        shift = np.uint64(64 - bits)
+        buckets = np.empty(n, dtype=np.uint16 if bits <= 16 else np.uint32)
+        per_bucket = np.zeros(1 << bits, dtype=np.float64)  # exact: a total under 2**53 (checked by the caller)
+        for lo in range(0, n, _BLOCK):
+            hi = min(n, lo + _BLOCK)
+            block = buckets[lo:hi]
+            block[:] = self.keys(lo, hi) >> shift
+            per_bucket += np.bincount(block, weights=counts[lo:hi], minlength=1 << bits)
+        bucket_starts = np.zeros((1 << bits) + 1, dtype=np.int64)
+        np.cumsum(per_bucket.astype(np.int64), out=bucket_starts[1:])
+        self._cached = (counts, (bits, buckets, bucket_starts))
+        return self._cached[1]
+
+    def window(self, counts: np.ndarray, ranges: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(shards, sizes, starts)`` in this order of the non-empty shards that hold the global sample numbers of
+        ``ranges`` (and others of the same key buckets): ``starts`` are their first global numbers. One pass over
+        the keys, a block at a time (each shard's key bucket and the samples per bucket), a pass over the buckets
+        wanted, and one sort of the shards found: no random reads over all shards."""
+        bits, buckets, bucket_starts = self._buckets(counts)
+        shift = np.uint64(64 - bits)
+        edges = np.array([(g, stop - 1) for g, stop in ranges if stop > g], dtype=np.int64).reshape(-1, 2)
+        first, last = (np.searchsorted(bucket_starts, edges, side="right") - 1).T
+        wanted = np.zeros((1 << bits) + 1, dtype=np.int64)  # +1 at a run's first bucket, -1 past its last
+        np.add.at(wanted, first, 1)
+        np.add.at(wanted, last + 1, -1)
+        shards = np.flatnonzero((np.cumsum(wanted[:-1]) > 0)[buckets])
+        shards = shards[counts[shards] > 0]
+        keys = self.keys_of(shards)
+        by_key = np.argsort(keys)  # distinct keys: any sort gives the one order
+        shards, keys = shards[by_key], keys[by_key]
+        sizes = counts[shards].astype(np.int64)
+        bucket = (keys >> shift).astype(np.int64)
+        before = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=before[1:])
+        first_of = np.zeros(len(sizes), dtype=np.int64)  # each shard's bucket's first shard found
+        new = np.flatnonzero(bucket[1:] != bucket[:-1]) + 1
+        first_of[new] = new
+        np.maximum.accumulate(first_of, out=first_of)
+        return shards, sizes, bucket_starts[bucket] + before - before[first_of]
 
 
 def samples_per_rank(total: int, world_size: int) -> int:
@@ -168,19 +269,21 @@ def take(base: Ranges, first: int, length: int) -> list[tuple[int, int]]:
     return out
 
 
-def _segments(counts: Sequence[int], order: Sequence[int], ranges: list[tuple[int, int]]) -> Segments:
+def _segments(counts: np.ndarray, order: Sequence[int], ranges: list[tuple[int, int]]) -> Segments:
     """Segments covering the global sample numbers of ``ranges``, in that order (array arithmetic: a
-    search per range end, no loop over the shards)."""
-    ordered = np.asarray(order, dtype=np.int64)
-    sizes = np.asarray(counts)[ordered] if len(ordered) else np.zeros(0, np.int64)
-    shards = ordered
-    if not sizes.all():  # empty shards take no slot
-        keep = sizes > 0
-        shards, sizes = ordered[keep], sizes[keep]
-    total = int(sizes.sum(dtype=np.int64))
-    wide = np.int32 if total < 2**31 else np.int64  # half the memory where the epoch's numbers fit
-    starts = np.zeros(len(sizes) + 1, dtype=wide)
-    np.cumsum(sizes, dtype=wide, out=starts[1:])
+    search per range end, no loop over the shards). A :class:`ShardOrder` gives only the shards the ranges
+    reach (:meth:`ShardOrder.window`); another order is read whole."""
+    if isinstance(order, ShardOrder) and len(order) == len(counts) and int(counts.sum(dtype=np.int64)) < 2**53:
+        shards, sizes, starts = order.window(counts, ranges)
+    else:
+        shards = np.asarray(order, dtype=np.int64)
+        sizes = counts[shards] if len(shards) else np.zeros(0, np.int64)
+        if not sizes.all():  # empty shards take no slot
+            keep = sizes > 0
+            shards, sizes = shards[keep], sizes[keep]
+        wide = np.int32 if int(sizes.sum(dtype=np.int64)) < 2**31 else np.int64  # half the memory where it fits
+        starts = np.zeros(len(sizes), dtype=wide)
+        np.cumsum(sizes[:-1], dtype=wide, out=starts[1:])
     parts_shard, parts_start, parts_stop = [], [], []
     for g, stop in ranges:
         if stop <= g:

@@ -52,11 +52,11 @@ class ShardList(Sequence[str]):
         i = _checked_index(i, len(self))
         return self._prefix() + self.name(i)
 
-    def _blocks(self) -> Iterator[list[str]]:
-        """The names, a list per block of ``_BLOCK`` (a ``split`` where no name holds a newline)."""
+    def _blocks(self, size: int = _BLOCK) -> Iterator[list[str]]:
+        """The names, a list per block of ``size`` (a ``split`` where no name holds a newline)."""
         n = len(self)
-        for lo in range(0, n, _BLOCK):
-            hi = min(n, lo + _BLOCK)
+        for lo in range(0, n, size):
+            hi = min(n, lo + size)
             block = self.names[self.starts[lo]:self.starts[hi] - 1].split("\n")
             if len(block) != hi - lo:  # a name with a newline in it
                 block = [self.name(i) for i in range(lo, hi)]
@@ -95,7 +95,7 @@ class ShardList(Sequence[str]):
         digest = hashlib.sha1()
         checksums = self.checksums
         lo = 0
-        for block in self._blocks():
+        for block in self._blocks(_BLOCK // 8):  # a few MB of strings at a time
             hi = lo + len(block)
             if checksums is None:
                 text = "|".join(map("{}:{}".format, block, counts[lo:hi]))
@@ -125,7 +125,11 @@ class NumberedUrls(Sequence[str]):
 
     def __iter__(self) -> Iterator[str]:
         head, width, tail = self.head, self.width, self.tail
-        return (f"{head}{i:0{width}d}{tail}" for i in range(self.lo, self.hi + 1))
+        if "\n" in head + tail:
+            yield from (f"{head}{i:0{width}d}{tail}" for i in range(self.lo, self.hi + 1))
+            return
+        for lo in range(self.lo, self.hi + 1, _BLOCK):  # a block's URLs made as one string, then split
+            yield from numbered_names(head, lo, min(self.hi, lo + _BLOCK - 1), width, tail).split("\n")
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and not isinstance(other, str) and len(other) == len(self) \
@@ -141,8 +145,30 @@ class NumberedUrls(Sequence[str]):
         folder, _, name_head = self.head.rpartition("/")
         if not _ or "/" in self.tail:
             return None
-        width, tail = self.width, self.tail
-        return folder, "\n".join(f"{name_head}{i:0{width}d}{tail}" for i in range(self.lo, self.hi + 1))
+        return folder, numbered_names(name_head, self.lo, self.hi, self.width, self.tail)
+
+
+def numbered_names(head: str, lo: int, hi: int, width: int, tail: str) -> str:
+    """``"\n".join(f"{head}{i:0{width}d}{tail}" for i in range(lo, hi + 1))``, made as a byte array (a row per
+    number, its digits written a column at a time) instead of a string per number."""
+    head_b, tail_b = head.encode(), tail.encode()
+    parts = []
+    i = lo
+    while i <= hi:  # one run per digit count: its rows have one length
+        digits = max(width, len(str(i)))
+        j = min(hi, 10 ** digits - 1)
+        rows = np.empty((j - i + 1, len(head_b) + digits + len(tail_b) + 1), dtype=np.uint8)
+        rows[:, :len(head_b)] = np.frombuffer(head_b, dtype=np.uint8)
+        rows[:, len(head_b) + digits:-1] = np.frombuffer(tail_b, dtype=np.uint8)
+        rows[:, -1] = ord("\n")
+        numbers = np.arange(i, j + 1, dtype=np.int64)
+        for k in range(digits):
+            rows[:, len(head_b) + digits - 1 - k] = numbers % 10 + ord("0")
+            numbers //= 10
+        parts.append(rows.reshape(-1))
+        i = j + 1
+    joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return str(memoryview(joined[:-1]), "utf-8")
 
 
 def _checked_index(i: int, n: int) -> int:

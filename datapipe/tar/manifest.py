@@ -242,7 +242,7 @@ def _parse_columns(f) -> ManifestColumns:
         _add(entries, names, counts, checksums)
         buf = buf[cut:]
     head["shards"] = []
-    return ManifestColumns.of(head, names, counts, checksums)
+    return ManifestColumns.of(head, names, counts, _flat(checksums))
 
 
 def _cuts(buf: bytes, most: int = 4):
@@ -261,16 +261,26 @@ def _cuts(buf: bytes, most: int = 4):
 
 
 def _add(entries: list, names: list[str], counts: list[int], checksums: list) -> None:
-    """Append a block of entries: its names joined into one string, its counts and checksums."""
+    """Append a block of entries: its names joined into one string (with their lengths), its counts, and its
+    checksums (a list per block, None for a block without any: see :func:`_flat`)."""
     try:
         block = list(map(itemgetter("name"), entries))
         joined = "\n".join(block)  # a TypeError unless every name is a string
         counts += map(int, map(itemgetter("count"), entries))
-        checksums += map(methodcaller("get", "sha256"), entries)
+        sums = list(map(methodcaller("get", "sha256"), entries))
     except (TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"not a datapipe manifest: a shard entry without a name or count ({e})") from e
+    checksums.append((sums if any(sums) else None, len(sums)))
     if block:
-        names.append((joined, np.fromiter(map(len, block), dtype=np.int64, count=len(block))))
+        names.append((joined, np.fromiter(map(len, block), dtype=np.int32, count=len(block))))
+
+
+def _flat(checksums: list) -> list:
+    """The checksums of :func:`_add`'s blocks as one list; empty where no block had any (a million shards without
+    checksums: no list of a million Nones)."""
+    if all(sums is None for sums, _ in checksums):
+        return []
+    return [v for sums, n in checksums for v in (sums if sums is not None else [None] * n)]
 
 
 def _columns_of(manifest: Any) -> ManifestColumns:
@@ -280,7 +290,7 @@ def _columns_of(manifest: Any) -> ManifestColumns:
     counts: list[int] = []
     checksums: list = []
     _add(manifest["shards"], names, counts, checksums)
-    return ManifestColumns.of({**manifest, "shards": []}, names, counts, checksums)
+    return ManifestColumns.of({**manifest, "shards": []}, names, counts, _flat(checksums))
 
 
 def listed(urls, *, storage_options: dict | None = None, retries: int = 5,

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import zipfile
 
 import numpy as np
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 DEFAULT_DIR = "~/.cache/datapipe/manifests"
 MIN_BYTES = 4 << 20  # ~45k shards: below it the JSON parses in well under 0.1 s
 KEEP = 16  # copies kept; the least recently used beyond them are removed when one is written
+_WRITE_BLOCK = 1 << 20  # characters of the names encoded at a time
 
 
 def _path(url: str, cache_dir: str) -> str:
@@ -64,15 +66,32 @@ def write_file(f, meta: dict, columns) -> bool:
 
     shards = ShardList("", columns.names, columns.starts, checksums=columns.checksums)
     meta = {**meta, "head": columns.head, "fingerprint": columns.fingerprint or shards.fingerprint(columns.counts)}
-    arrays = {"names": np.frombuffer(columns.names.encode(), dtype=np.uint8), "starts": columns.starts,
-              "counts": _smallest(columns.counts)}
+    arrays = {"names": columns.names, "starts": columns.starts, "counts": _smallest(columns.counts)}
     if isinstance(columns.checksums, Checksums):
-        arrays["checksums"] = np.frombuffer(columns.checksums.blob.encode("ascii"), dtype=np.uint8)
+        arrays["checksums"] = columns.checksums.blob
         meta["checksum_width"] = columns.checksums.width
     elif columns.checksums is not None:
         return False
-    np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    with zipfile.ZipFile(f, "w", allowZip64=True) as z:  # ``np.savez``'s layout: one .npy per array
+        for key, value in {"meta": json.dumps(meta), **arrays}.items():
+            with z.open(key + ".npy", "w", force_zip64=True) as out:
+                _write_array(out, value)
     return True
+
+
+def _write_array(out, value) -> None:
+    """``value`` as a .npy to ``out``: an array as numpy writes it; a string as its UTF-8 bytes (uint8), encoded
+    a block at a time where it is ASCII (a million names: no second copy of them in memory)."""
+    if isinstance(value, str) and not value.isascii():
+        value = np.frombuffer(value.encode(), dtype=np.uint8)
+    if isinstance(value, str):
+        np.lib.format.write_array_header_2_0(out, {"descr": "|u1", "fortran_order": False, "shape": (len(value),)})
+        for lo in range(0, len(value), _WRITE_BLOCK):
+            out.write(value[lo:lo + _WRITE_BLOCK].encode("ascii"))
+        return
+    value = np.ascontiguousarray(value)
+    np.lib.format.write_array_header_2_0(out, np.lib.format.header_data_from_array_1_0(value))
+    out.write(memoryview(value.reshape(-1)).cast("B"))  # the array's own buffer: no copy of it
 
 
 def store(url: str, mark: dict, columns, cache_dir: str = DEFAULT_DIR) -> None:

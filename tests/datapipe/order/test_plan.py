@@ -42,6 +42,27 @@ def test_the_shard_order_is_a_seeded_permutation():
     assert (a == shard_order(1000, shuffle=True, seed=3, epoch=1)).all()
     assert not (a == shard_order(1000, shuffle=True, seed=3, epoch=2)).all()
     assert shard_order(5, shuffle=False, seed=3, epoch=1).tolist() == [0, 1, 2, 3, 4]
+    # the order checkpoints name (SHARD_ORDER): the same permutation as when it was named
+    assert list(shard_order(10, shuffle=True, seed=0, epoch=0)) == [1, 2, 4, 3, 5, 7, 8, 6, 0, 9]
+    assert np.asarray(shard_order(12, shuffle=True, seed=5, epoch=3)).tolist() == [4, 3, 1, 7, 8, 10, 0, 2, 11, 9, 5, 6]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_plan_over_the_lazy_order_is_the_plan_over_the_whole_permutation(seed):
+    rnd = random.Random(seed)
+    n = rnd.choice([2, 3, 40, 700, 5000])
+    order = shard_order(n, shuffle=True, seed=seed, epoch=1)
+    for _ in range(2):  # the same order over other counts: its key buckets made again
+        counts = np.array([rnd.choice([0, 0, 1, 2, 7]) for _ in range(n)], dtype=rnd.choice([np.int32, np.int64]))
+        total = int(counts.sum())
+        cuts = sorted(rnd.sample(range(total + 1), min(total + 1, 2 * rnd.randrange(1, 12))))
+        for base in (None, list(zip(cuts[::2], cuts[1::2]))):  # the epoch, or an elastic resume's rest
+            world, workers = rnd.randrange(1, 6), rnd.randrange(1, 4)
+            for rank in range(world):
+                for worker in range(workers):
+                    args = dict(rank=rank, world_size=world, worker=worker, num_workers=workers, base=base)
+                    lazy, whole = worker_plan(counts, order, **args), worker_plan(counts, np.asarray(order), **args)
+                    assert list(lazy.segments) == list(whole.segments) and lazy.padded == whole.padded
 
 
 def test_segments_read_like_a_list_of_segment():

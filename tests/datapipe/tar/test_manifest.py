@@ -203,3 +203,17 @@ def test_a_sidecar_that_is_garbage_only_means_parsing(tmp_path, monkeypatch):
     write_manifest(str(tmp_path), make_manifest(_entries(30)))
     (tmp_path / manifest.SIDECAR_NAME).write_bytes(b"garbage")
     assert read_columns(str(tmp_path), cache_dir=str(tmp_path / "c")).counts[:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("names", [[f"shard-{i:06d}.tar" for i in range(40)], ["ä-0.tar", "b.tar", "ü/ß.tar"]])
+def test_a_columns_file_reads_back_what_was_written(tmp_path, monkeypatch, names):
+    monkeypatch.setattr(manifest_cache, "_WRITE_BLOCK", 7)  # the ASCII names written in many blocks
+    entries = [{"name": n, "count": i, "bytes": 1, "sha256": f"{i:064x}"} for i, n in enumerate(names)]
+    columns = manifest._columns_of(make_manifest(entries, note="ü"))
+    with open(tmp_path / "c.npz", "wb") as f:
+        assert manifest_cache.write_file(f, {"url": "ü"}, columns)
+    with open(tmp_path / "c.npz", "rb") as f:
+        meta, back = manifest_cache.read_file(f)
+    assert meta["url"] == "ü" and back.head["note"] == "ü" and back.counts == columns.counts
+    assert back.names == columns.names and list(back.starts) == list(columns.starts)
+    assert list(back.checksums[0:len(names)]) == [e["sha256"] for e in sorted(entries, key=lambda e: e["name"])]
