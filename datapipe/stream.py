@@ -355,7 +355,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             items = reader.items(plan, draws)
         else:
             seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
-            items = shuffled(lambda first: reader.positions(plan, first), size=self.shuffle_buffer, seed=seed,
+            items = shuffled(lambda first, keep: reader.positions(plan, first, keep), size=self.shuffle_buffer, seed=seed,
                              length=len(plan), draws=draws, read_items=lambda first: reader.items(plan, first))
         if self._steps:
             items = stepped(items, self._steps, lost=LOST, lose=reader.lose)

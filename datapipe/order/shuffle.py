@@ -76,12 +76,14 @@ def replay_positions(size: int, seed: int, length: int, draws: int) -> tuple[Shu
     return buffer, buffer.pulled
 
 
-def shuffled(read_positions: Callable[[int], Iterator[tuple[int, Any]]], *, size: int, seed: int, length: int,
+def shuffled(read_positions: Callable[..., Iterator[tuple[int, Any]]], *, size: int, seed: int, length: int,
              draws: int, read_items: Callable[[int], Iterator[Any]] | None = None) -> Iterator[Any]:
     """The shuffle-buffer stage: items of a run of ``length`` positions from draw ``draws`` on.
 
-    ``read_positions(first)`` yields ``(position, item)`` from position ``first`` on. The buffer is
-    rebuilt by replaying ``draws`` draws over positions; the items in its slots are read again.
+    ``read_positions(first, keep)`` yields ``(position, item)`` from position ``first`` on; where
+    ``keep(position)`` is false the item need not be read (any placeholder will do). The buffer is
+    rebuilt by replaying ``draws`` draws over positions; the items in its slots are read again, and the
+    positions between them that were drawn before are passed over.
     ``read_items(first)``, if given, yields the items alone: an empty buffer to rebuild (a fresh epoch)
     reads through it, with no position attached to every item.
     """
@@ -89,8 +91,8 @@ def shuffled(read_positions: Callable[[int], Iterator[tuple[int, Any]]], *, size
     if not buffer.slots and read_items is not None:
         yield from ShuffleBuffer(size, buffer.rng, start=START, pulled=pulled).run(read_items(pulled))
         return
-    source = read_positions(min(buffer.slots + [pulled]))
     wanted = {p: i for i, p in enumerate(buffer.slots)}
+    source = read_positions(min(buffer.slots + [pulled]), lambda p: p >= pulled or p in wanted)
     slots = [None] * len(buffer.slots)
     while wanted:
         pos, item = next(source)

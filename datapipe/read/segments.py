@@ -12,6 +12,7 @@ from datapipe.storage.urls import redact_url
 from datapipe.tar import member_table
 from datapipe.tar.blocks import MmapReader, reader_for
 from datapipe.tar.headers import TarFormatError
+from datapipe.tar.member_table import PASSED
 from datapipe.tar.reader import SampleEvent, walk_samples
 
 
@@ -61,8 +62,9 @@ class SegmentReader:
                 yield from self._read_segment(seg.shard, seg.start + max(0, first - pos), seg.stop)
             pos += n
 
-    def positions(self, plan: WorkerPlan, first: int) -> Iterator[tuple[int, Any]]:
-        """``(position, sample or LOST)`` for the plan's positions from ``first`` on."""
+    def positions(self, plan: WorkerPlan, first: int, keep=None) -> Iterator[tuple[int, Any]]:
+        """``(position, sample or LOST)`` for the plan's positions from ``first`` on. Where ``keep(position)`` is
+        false, a shard read through its member table reads nothing and yields ``PASSED`` in the sample's place."""
         pos = 0
         for seg in plan.segments:
             n = len(seg)
@@ -70,11 +72,12 @@ class SegmentReader:
                 pos += n
                 continue
             skip = max(0, first - pos)
-            for offset, item in enumerate(self._read_segment(seg.shard, seg.start + skip, seg.stop)):
+            keep_ordinal = None if keep is None else (lambda o, base=pos - seg.start: keep(base + o))
+            for offset, item in enumerate(self._read_segment(seg.shard, seg.start + skip, seg.stop, keep_ordinal)):
                 yield pos + skip + offset, item
             pos += n
 
-    def _read_segment(self, shard: int, start: int, stop: int) -> Iterator[Any]:
+    def _read_segment(self, shard: int, start: int, stop: int, keep=None) -> Iterator[Any]:
         """Exactly ``stop - start`` items: samples, or LOST for those that could not be read.
 
         Open the shard, walk its samples (``_walk_segment``), close it, then lose what it lacked. Every
@@ -91,7 +94,7 @@ class SegmentReader:
         cursor = _Cursor(start)
         damaged = url in self.shards.damage
         try:
-            yield from self._walk_segment(reader, shard, start, stop, cursor, look_past=not damaged)
+            yield from self._walk_segment(reader, shard, start, stop, cursor, look_past=not damaged, keep=keep)
             if tee is not None and not damaged:
                 tee.finish()
         except TarFormatError as e:
@@ -114,7 +117,7 @@ class SegmentReader:
                                               url, cursor.last_key), stop - cursor.expected)
 
     def _walk_segment(self, reader, shard: int, start: int, stop: int, cursor: "_Cursor", *,
-                      look_past: bool) -> Iterator[Any]:
+                      look_past: bool, keep=None) -> Iterator[Any]:
         """The shard's samples ``start <= i < stop`` as the tar reader finds them, LOST for the bad and
         the missing ones; ``cursor`` is left at the next ordinal expected (also when an error stops the
         walk). ``look_past``: at the shard's end, read one sample further so that a shard longer than
@@ -125,7 +128,7 @@ class SegmentReader:
         expected, last_key = start, None  # the cursor, kept in locals on this hot path
         held = None  # a whole sample read, handed out once the next one is read (or anything else happens)
         try:
-            g, events = self._table_walk(reader, url, start, past) or walk_samples(
+            g, events = self._table_walk(reader, url, start, past, keep) or walk_samples(
                 reader, url, start=start, stop=past, resync=not errors.raises, zero_copy=self.zero_copy)
             for event in events:
                 if type(event) is dict:  # a whole sample (at g.ordinal)
@@ -169,7 +172,7 @@ class SegmentReader:
         if held is not None:
             yield held
 
-    def _table_walk(self, reader, url: str, start: int, stop: int):
+    def _table_walk(self, reader, url: str, start: int, stop: int, keep=None):
         """``(position, samples)`` read through the shard's member table (a local plain shard that has a sound
         one: each value one ``pread``, no header walked), or None: the shard is walked."""
         if self.zero_copy or type(reader) is not MmapReader:
@@ -179,7 +182,7 @@ class SegmentReader:
             return None
         reader.offset = table.end  # where the table read ends, for messages about a shard that ends early
         where = member_table.Position()
-        return where, member_table.samples(table, reader._fd, url, where, start=start, stop=stop,
+        return where, member_table.samples(table, reader._fd, url, where, start=start, stop=stop, keep=keep,
                                            read_large=lambda offset, size: reader.mm[offset:offset + size])
 
     def _error(self, message: str, url: str, key: str | None) -> DataError:

@@ -180,12 +180,15 @@ class Position:
         self.ordinal, self.key = -1, None
 
 
+PASSED: dict = {}  # in place of a sample the caller did not want read (``samples``' ``keep``); never filled
+
+
 def samples(table: MemberTable, fd: int, url: str, position: Position, *, start: int, stop: int | None,
-            read_large=None) -> Iterator[dict]:
+            read_large=None, keep=None) -> Iterator[dict]:
     """The samples ``start <= i < stop`` of the table's shard as dicts (``__key__``, ``__url__``, one ``bytes``
     per extension), each value one ``pread``; ``position`` follows the ordinal and key. A value the file no
     longer holds whole (it shrank) raises ``TarTruncated``. ``read_large(offset, size)`` reads values over
-    32 MB (the reader's memory map)."""
+    32 MB (the reader's memory map). Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read."""
     from datapipe.tar.headers import TarTruncated
 
     pread = os.pread
@@ -193,6 +196,10 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
     stop = len(keys) if stop is None else min(stop, len(keys))
     for i in range(start, stop):
         key = keys[i]
+        if keep is not None and not keep(i):
+            position.ordinal, position.key = i, key
+            yield PASSED
+            continue
         sample = {"__key__": key, "__url__": url}
         for ext, offset, size in members[i]:
             data = pread(fd, size, offset) if size <= _MAX_READ or read_large is None else read_large(offset, size)

@@ -184,3 +184,25 @@ def _write_gz(directory):
 def test_the_size_limit_counts_the_table(tmp_path):
     paths = _write(str(tmp_path), _samples(400) + [{"__key__": "é" * 120, "txt": "x"}] * 3, max_bytes=100_000)
     assert len(paths) > 3 and all(os.path.getsize(p) <= 100_000 for p in paths)
+
+
+def test_resume_reads_only_the_samples_its_buffer_holds(tmp_path, monkeypatch):
+    """Rebuilding the shuffle buffer after a resume reads the samples in its slots; the ones drawn before it,
+    between them, are passed over unread (the walk reads and drops them)."""
+    _write(str(tmp_path), [{"__key__": f"k{i:04d}", "jpg": b"x" * 100, "cls": b"1"} for i in range(400)])
+    stream = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2)
+    it = iter(stream)
+    for _ in range(300):
+        next(it)
+    state = stream.state_dict()
+    rest = [s["__key__"] for s in it]
+    reads = []
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or real(fd, n, off))
+    again = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2)
+    again.load_state_dict(state)
+    it = iter(again)
+    first = next(it)["__key__"]
+    value_reads = sum(1 for n in reads if n in (100, 1))
+    assert [first] + [s["__key__"] for s in it] == rest
+    assert value_reads <= 2 * 52, value_reads  # the 50 slots and the next sample, two values each
