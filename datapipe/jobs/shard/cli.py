@@ -105,13 +105,24 @@ def run_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     lost = report.get("num_lost_samples") or 0
+    done = report.get("status") == "already complete"  # the same job over the same input, finished and verified
+    if done:
+        print(f"{report['out']} already holds this job's output (same input and options, every shard verified): "
+              f"{counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}; nothing written "
+              "(change an option or the input to write it again)")
+    else:
+        _print_written(report, lost)
+    folder, pattern = report.get("read_as") or reads_all(report["out"], args.pattern, report["shards"])
+    print(redact_text(f"{'it holds' if done else 'wrote'} "
+                      f"{counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}: "
+                      f"read them all as {folder} "
+                      f"or {pattern}"))
+    return 0
+
+
+def _print_written(report: dict, lost: int) -> None:
     print(f"{report['out']}: {counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}, "
           f"{report['bytes'] / 1e6:.1f} MB, {report['num_skipped']} skipped "
           + (f"(input items listed in report.json) and {counted(lost, 'sample')} never read after the cut of a "
              "truncated input tar " if lost else "") +
           f"({report['samples_per_s']} samples/s, {report['mb_per_s']} MB/s)")
-    folder, pattern = report.get("read_as") or reads_all(report["out"], args.pattern, report["shards"])
-    print(redact_text(f"wrote {counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}: "
-                      f"read them all as {folder} "
-                      f"or {pattern}"))
-    return 0

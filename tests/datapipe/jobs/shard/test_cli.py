@@ -35,6 +35,18 @@ def test_existing_output_and_usage_errors(images, tmp_path, capsys):
     assert run_cli(tmp_path / "empty", tmp_path / "x") == 1
 
 
+def test_a_rerun_that_writes_nothing_says_so(images, tmp_path, capsys):
+    root, files = images
+    out = tmp_path / "out"
+    assert run_cli(root, out, "--workers", "1") == 0
+    first = capsys.readouterr().out
+    assert "samples/s" in first and "wrote" in first
+    assert run_cli(root, out, "--workers", "1") == 0
+    again = capsys.readouterr().out
+    assert "nothing written" in again and "samples/s" not in again and "wrote" not in again
+    assert f"it holds {len(files)} samples" in again
+
+
 def _zero_sample_inputs(tmp_path):
     (tmp_path / "notatar.tar").write_text("this is a text file, not a tar\n")
     for rel in ("dog/a.txt", "cat/b.json"):
@@ -138,9 +150,9 @@ def test_the_job_ends_by_printing_the_pattern_that_reads_all_it_wrote(images, tm
     pattern = f"{out}/shard-{{000000..{n - 1:06d}}}.tar"
     assert lines[-1] == f"wrote {len(files)} samples in {n} shards: read them all as {out}/ or {pattern}"
     assert len(ShardStream(pattern)) == len(files) == len(ShardStream(f"{out}/"))
-    # a job that finds its output complete says the same
+    # a job that finds its output complete says the same (what the folder holds; it wrote nothing)
     assert run_cli(root, out, "--workers", "1", "--max-count", "5") == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1] == lines[-1]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == lines[-1].replace("wrote", "it holds", 1)
     # one shard: its name, no braces; other patterns too
     assert run_cli(root, tmp_path / "one", "--workers", "1", "--pattern", "part-%d.tar") == 0
     one = capsys.readouterr().out.strip()
