@@ -213,6 +213,8 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
 
     # ---- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
+        """The epoch of the next pass (shard order, shuffle seeds); loader passes after it count on from it
+        (:mod:`datapipe.order.shared_epoch`: without it, each loader pass is the one after the last begun)."""
         self.epoch = int(epoch)  # persistent workers' copies follow (datapipe.order.shared_epoch)
 
     def _identity(self) -> dict[str, Any]:

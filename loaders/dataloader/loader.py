@@ -16,8 +16,10 @@ protocol take their merged worker states back; other iterable datasets produce t
 batches again and drop them. The state's shape and the map-style replay:
 :mod:`loaders.dataloader.resume`; the worker-state protocol: :mod:`loaders.dataloader.workers`.
 
-Epochs: a finished pass advances the loader's epoch; a dataset with ``set_epoch`` (``ShardStream``)
-is told the new epoch before the next pass unless someone else changed its ``epoch`` meanwhile.
+Epochs: every pass over a ``ShardStream`` or ``mix`` is a fresh epoch, the one after the last pass any loader
+began over that object, unless an epoch was set (this loader's ``set_epoch`` / ``load_state_dict``, or the
+dataset's ``set_epoch``): then the pass runs at it (:mod:`datapipe.order.shared_epoch`). Another dataset with
+``set_epoch`` is told this loader's next epoch after a finished pass, unless someone else changed its ``epoch``.
 Samplers are left alone, as torch does (call ``sampler.set_epoch`` yourself, or ``dl.set_epoch``).
 
 The parts: this module is the loader (torch's hooks, the pass, its end, ``close()``);
@@ -137,6 +139,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._plan = Plan()
         self._index_wrapper = None  # IndexSampler (map-style), ConstantBatches (iterable) or torch's own
         self._epoch = 0
+        self._epoch_forced = False  # set_epoch / load_state_dict chose the next pass's epoch
         self._tell_dataset = False  # the epoch moved on: tell the dataset before the next pass
         self._ds_epoch_seen = None
         self._pending: dict | None = None
@@ -322,16 +325,16 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     # ---- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> LoaderIterator:
         resume, self._pending = self._pending, None
-        epoch = self._epoch
         if self._auto_workers is None and self._iterable:
             self._choose_iterable_workers()
         workers = self._auto_workers if self._auto_workers is not None else 0
+        epoch = self._pass_epoch()  # loaders.dataloader.state: this loader's, or the dataset's next fresh one
         if self.seed is not None:
             self.generator.manual_seed(self.seed + epoch)
-        self._sync_dataset_epoch()
         p = Progress(epoch, resume["batches"] if resume else 0, workers)
         self._losses_before = self._dataset_losses()
         self._restore(p, resume)
+        self._begin_dataset_pass(epoch)
         self._progress = p
         # torch's iterator is made here, in the main thread (workers forked from the prefetch
         # thread of a CUDA process can abort on CUDA objects they inherit)

@@ -18,19 +18,44 @@ class LoaderState:
     """The epoch and state methods of :class:`loaders.dataloader.DataLoader`."""
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the next pass, and of the sampler and dataset if they have ``set_epoch``
-        (with ``seed=``: the order of ``seed + epoch``). A pending resume of that epoch is kept."""
+        """Set the epoch of this loader's next pass, and of the sampler and dataset if they have ``set_epoch``
+        (with ``seed=``: the order of ``seed + epoch``); the passes after it count on from it. A pending resume
+        of that epoch is kept."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r}: pass an int >= 0")
         if self._pending is not None and self._pending["epoch"] != epoch:
             self._pending = None
         self._epoch = epoch
+        self._epoch_forced = True
         for obj in (self.sampler, self.dataset):
             set_epoch = getattr(obj, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
         self._tell_dataset = False
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
+
+    def _next_epoch(self) -> int:
+        """The epoch the next pass runs at. A dataset that counts the passes over it (``begin_pass``:
+        ``ShardStream``, ``mix``; :mod:`datapipe.order.shared_epoch`) has the say unless this loader's epoch was
+        set (``set_epoch``, ``load_state_dict``): the one it was set to, else the one after the last pass any
+        loader began over it. Other datasets: this loader's own count."""
+        if self._epoch_forced or not callable(getattr(self.dataset, "begin_pass", None)):
+            return self._epoch
+        return self.dataset.next_pass_epoch()
+
+    def _pass_epoch(self) -> int:
+        """(A pass begins.) Its epoch; a dataset without ``begin_pass`` is told a new one, as before."""
+        if callable(getattr(self.dataset, "begin_pass", None)):
+            return self._next_epoch()  # told in _begin_dataset_pass, after a resume's dataset state is loaded
+        self._sync_dataset_epoch()
+        return self._epoch
+
+    def _begin_dataset_pass(self, epoch: int) -> None:
+        """The pass at ``epoch`` begins: the dataset moves there and counts it (``begin_pass``)."""
+        self._epoch, self._epoch_forced = epoch, False
+        begin = getattr(self.dataset, "begin_pass", None)
+        if callable(begin):
+            begin(epoch)
 
     def _sync_dataset_epoch(self) -> None:
         set_epoch = getattr(self.dataset, "set_epoch", None)
@@ -59,7 +84,7 @@ class LoaderState:
             return dict(self._pending.get("global") or self._pending)
         p = self._progress
         if p is None or p.epoch != self._epoch or p.finished:
-            return fresh_state(self._epoch, self._workers_now())
+            return fresh_state(self._next_epoch(), self._workers_now())
         return pass_state(p, protocol=self._protocol)
 
     def _workers_now(self) -> int:
@@ -123,6 +148,7 @@ class LoaderState:
         self._close_active()
         self._progress = None
         self._epoch = int(state["epoch"])
+        self._epoch_forced = True
         self._tell_dataset = True
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
         self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None

@@ -54,3 +54,23 @@ def test_the_main_process_keeps_its_own_epoch(monkeypatch):
     in_worker(monkeypatch, False)
     s._follow_epoch()
     assert s.epoch == 0 and s.set_calls == []
+
+
+def test_each_pass_begun_is_a_fresh_epoch_unless_one_was_set():
+    s = Epoched()
+    assert s.next_pass_epoch() == 0 and s.begin_pass() == 0
+    assert [s.begin_pass() for _ in range(3)] == [1, 2, 3]  # the one after the last pass begun
+    s.set_epoch(1)  # a choice: the next pass runs at it, those after count on from it
+    assert s.next_pass_epoch() == 1 and s.begin_pass() == 1 and s.begin_pass() == 2
+    s.epoch = 7  # any assignment (a load_state_dict) is a choice too
+    assert s.begin_pass() == 7
+    assert s.begin_pass(4) == 4 and s.epoch == 4 and s.next_pass_epoch() == 5  # a loader's own choice
+    s.set_epoch(5)  # the same epoch the count would give: still one pass at it, then on
+    assert s.begin_pass() == 5 and s.begin_pass() == 6
+
+
+def test_begin_pass_reaches_worker_copies(monkeypatch):
+    s = Epoched()
+    s.share_epoch()
+    s.begin_pass(), s.begin_pass()
+    assert int(s._epoch_cell[0]) == 1

@@ -118,3 +118,76 @@ def test_persistent_workers_follow_each_epoch_as_fresh_workers_do(tmp_path, mixe
     fresh, persistent = passes(make(False)), passes(make(True))
     assert persistent == fresh
     assert len({str(p) for p in fresh}) == 4  # every pass its own order
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_second_loader_over_the_same_stream_never_repeats_an_epoch(tmp_path, num_workers):
+    """Issue #44: loader B over the stream loader A ran three epochs on gave A's orders 2, 1, 2 again. Every pass over
+    any loader of one stream is a fresh epoch, and each loader's state names the epoch the stream runs."""
+    urls, samples = write_shards(tmp_path / "d", [5, 5, 5, 5, 5, 5])
+    stream = ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=2)
+
+    def make():
+        return DataLoader(stream, batch_size=3, num_workers=num_workers, collate_fn=keys)
+
+    def run(loader):
+        order = [k for b in loader for k in b]
+        assert sorted(order) == sorted(s["__key__"] for s in samples)  # nothing lost
+        return order
+
+    a = make()
+    orders = [run(a) for _ in range(3)]
+    b = make()
+    assert b.state_dict()["epoch"] == 3  # where B's next pass starts, as the stream will run it
+    for _ in range(3):
+        orders.append(run(b))
+        assert b.state_dict()["epoch"] == stream.epoch + 1
+    it = iter(a)  # A again, left after two batches: it still counts as a pass, and its state names its epoch
+    next(it), next(it)
+    assert a.state_dict()["epoch"] == stream.epoch == 6 and a.state_dict()["batches"] == 2
+    del it
+    orders.append(run(a))
+    assert len({tuple(o) for o in orders}) == len(orders) == 7
+    b.set_epoch(1)  # an explicit epoch is the user's choice: it repeats, and the passes count on from it
+    assert run(b) == orders[1] and run(b) == orders[2]
+    stream.set_epoch(0)  # on the stream too, for whichever loader runs next
+    assert run(a) == orders[0]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_loaders_over_one_stream_take_turns_with_persistent_workers_and_mix(tmp_path, mixed):
+    """Two loaders over one stream (persistent workers or not, a mix too): every pass its own epoch."""
+    from datapipe import mix
+
+    urls, _ = write_shards(tmp_path / "d", [4, 4, 4, 4])
+    data = ShardStream(urls, shuffle=True, shuffle_buffer=3, seed=1)
+    if mixed:
+        data = mix([data, ShardStream(urls[:2], shuffle=True, seed=5)], weights=[0.5, 0.5], seed=6)
+    a = DataLoader(data, batch_size=2, num_workers=2, persistent_workers=True, collate_fn=keys)
+    b = DataLoader(data, batch_size=2, num_workers=2, collate_fn=keys)
+    orders = [tuple(k for batch in loader for k in batch) for loader in (a, b, a, b, a)]
+    assert data.epoch == 4 and len(set(orders)) == 5
+    a.close()
+
+
+def test_a_resume_on_a_stream_that_ran_later_epochs_follows_the_checkpoint(tmp_path):
+    """An explicit epoch wins over the count: a checkpoint of epoch 0 loaded after epochs 0-2 ran in this process
+    resumes exactly, and the pass after it is epoch 1, as in the run that took it."""
+    urls, _ = write_shards(tmp_path / "d", [6, 6, 6])
+    stream = ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=3)
+    kw = dict(batch_size=2, num_workers=2, collate_fn=keys)
+    first = DataLoader(stream, **kw)
+    it = iter(first)
+    head = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it
+    ran = [list(first) for _ in range(2)]  # epochs 1 and 2: the abandoned pass counted as epoch 0
+    assert state["epoch"] == 0 and stream.epoch == 2
+    reference = DataLoader(ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=3), **kw)
+    epoch0, epoch1 = list(reference), list(reference)
+    assert ran[0] == epoch1
+    resumed = DataLoader(stream, **kw)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["epoch"] == 0
+    assert head + list(resumed) == epoch0
+    assert list(resumed) == epoch1 and resumed.state_dict()["epoch"] == 2

@@ -162,19 +162,31 @@ def test_a_resumed_pass_with_workers_leaves_the_shared_stream_whole(tmp_path, mi
     from tests.shards import write_shards
 
     urls, _ = write_shards(tmp_path / "d", [9, 7, 8, 6])
-    stream = ShardStream(urls, shuffle=True, seed=1)
-    data = mix([stream, ShardStream(urls)], weights=[1, 1], seed=2) if mixed else stream
+
+    def make_data():
+        stream = ShardStream(urls, shuffle=True, seed=1)
+        return mix([stream, ShardStream(urls)], weights=[1, 1], seed=2) if mixed else stream
+
     kw = dict(batch_size=3, num_workers=2, collate_fn=lambda b: [s["__key__"] for s in b])
-    whole = sum(len(b) for b in DataLoader(data, **kw))
+
+    def whole(epoch):  # a mix's epoch (stop="first") holds another count each epoch
+        reference = DataLoader(make_data(), **kw)
+        reference.set_epoch(epoch)
+        return sum(len(b) for b in reference)
+
+    data = make_data()
+    assert sum(len(b) for b in DataLoader(data, **kw)) == whole(0)
     first = DataLoader(data, **kw)
-    it = iter(first)
+    it = iter(first)  # epoch 1: every pass over the stream is a fresh epoch
     head = len(next(it))
     state = first.state_dict()
     del it
     resumed = DataLoader(data, **kw)
     resumed.load_state_dict(state)
-    assert head + sum(len(b) for b in resumed) == whole
-    assert sum(len(b) for b in DataLoader(data, **kw)) == whole  # a new loader: the whole epoch
-    assert sum(len(b) for b in first) == whole
+    assert state["epoch"] == 1 and head + sum(len(b) for b in resumed) == whole(1)
+    again = DataLoader(data, **kw)
+    again.set_epoch(1)  # a new loader at the resumed epoch: the whole epoch, not the rest the workers took
+    assert sum(len(b) for b in again) == whole(1)
+    assert sum(len(b) for b in first) == whole(2)
     first.close()
     assert children_gone()
