@@ -226,7 +226,8 @@ def detect_kind(urls: list[str]) -> str:
         return "images"
     if "npy" in keys:
         return "tokens"
-    raise ValueError(f"samples have {sorted(keys)}: need images (jpg/png + cls) or token documents (npy)")
+    raise ValueError(f"samples have {sorted(keys)}: need images ({'/'.join(IMAGE_EXTS)}, with a cls label) or "
+                     "token documents (npy)")
 
 
 def ensure_data(data: str, make_images: int, *, progress: bool) -> None:
