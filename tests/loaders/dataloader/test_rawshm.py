@@ -192,7 +192,10 @@ def test_a_worker_sends_each_segment_once_then_names_it(monkeypatch):
     dl = DataLoader(Raw(32 * 12), batch_size=32, num_workers=1, collate_fn=as_list, prefetch_factor=2, timeout=60)
     for b, batch in enumerate(dl):
         assert same(batch, [sample(i) for i in range(32 * b, 32 * (b + 1))]), b
-    assert 1 <= len(RECEIVED) <= 4  # at most the pool's segments (prefetch factor + 2), not one a batch (12)
+    # the pool's segments (prefetch factor + 2), each sent once; under load a batch or two may go out in fresh
+    # shared memory while the main process has yet to give the one before back (each sent once too): never one
+    # a batch (12), as without tokens
+    assert 1 <= len(RECEIVED) <= 6, len(RECEIVED)
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
