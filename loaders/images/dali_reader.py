@@ -36,9 +36,11 @@ from datapipe.words import counted
 from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
+from loaders.images.epochs import stream_start
 from loaders.images.stream_reader import StreamReader
 
 
+SHUFFLE_WINDOW = 1024  # DALI's own initial_fill: the sample shuffle of a shuffled stream without a shuffle_buffer
 _FAILED_SAMPLE = re.compile(r"Failed to decode sample #\d+ : (.+):\d+:([^:]+?)\s*$")
 _GIF_COMPONENT = re.compile(r"(?:^|\s)gif \d+ \d+ (\S+)", re.MULTILINE)  # <ext> <offset> <size> <member name>
 _MEMBER = re.compile(r"^((?:.*/|)[^./]+)[.][^/]*$")  # webdataset's key of a member name: up to the basename's first dot
@@ -179,6 +181,7 @@ class DaliReader:
         self._pipe = None
         self._replaced = []  # pipelines replaced by a decoder switch: kept two iterations (their batches' memory)
         self._batch = 0  # batches of this epoch made
+        self._steps = None  # batches of an epoch on this rank (set by the first pass)
         self._numbers: SampleNumbers | None = None  # source_info -> sample numbers (built with the pipeline)
         self._delivered: np.ndarray | None = None  # this epoch's samples handed out (global numbers), this rank
         self._rest = StreamReader(loader)  # reads the rest of an epoch resumed on another shape
@@ -231,6 +234,17 @@ class DaliReader:
             dali = {**self.handed_out, **self._identity(),
                     "delivered": elastic.pack_bitmap(self._delivered) if self._delivered is not None else None}
         return {"stream": self.stream.state_dict(), "dali": dali}
+
+    def next_state(self, epoch: int) -> dict:
+        """The state of the start of ``epoch``, between passes: DALI's pipeline goes on from where the last epoch
+        ended (its checkpoint, nothing delivered), or, after a pass stopped early, a new one starts (as here)."""
+        from datapipe.order import elastic
+
+        dali = None
+        if self.handed_out is not None and self._pipe is not None and self._batch in (0, self._steps):
+            dali = {"checkpoint": self.handed_out["checkpoint"], "batch": 0, **self._identity(),
+                    "delivered": elastic.pack_bitmap(np.zeros(sum(self.stream.counts), dtype=bool))}
+        return {"stream": stream_start(self.stream.state_dict(), epoch), "dali": dali}
 
     def _bitmap(self, dali: dict) -> np.ndarray:
         """The delivered bitmap of a rank's ``"dali"`` state, checked against these shards."""
@@ -330,12 +344,14 @@ class DaliReader:
         # pad_last_batch: every rank's DALI epoch is ceil(per_rank / batch) batches (the last one padded
         # by repeating a sample), so epochs stay aligned with ours and one pipeline serves them all
         dali_steps = math.ceil(per_rank / batch_size)
+        self._steps = steps
         indexes = index_paths(paths, read.index_dir)
         reader = dict(
             paths=paths, index_paths=indexes,
             ext=[";".join(read.image_exts), read.label_key],
             missing_component_behavior="error", random_shuffle=self.stream.shuffle,
-            initial_fill=max(1, self.stream.shuffle_buffer), shard_id=rank, num_shards=world, stick_to_shard=True,
+            initial_fill=self.stream.shuffle_buffer if self.stream.shuffle_buffer > 1 else SHUFFLE_WINDOW,
+            shard_id=rank, num_shards=world, stick_to_shard=True,
             pad_last_batch=True, read_ahead=False,
         )
         first = 0

@@ -37,8 +37,9 @@ from datapipe.state import check_state
 from loaders.images.dali_reader import DaliReader
 from loaders.images.decoder_choice import DecoderChoice
 from loaders.images.encoded import parse_label
+from loaders.images.epochs import EpochClock
 from loaders.images.options import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, AugmentOptions, DecodeOptions,  # noqa: F401
-                                     ReadOptions)
+                                     ReadOptions, dali_threads, image_device)
 from loaders.images.outputs import HostUpload, dali_to_torch
 from loaders.images.reader_choice import choose_reader
 from loaders.images.stream_reader import StreamReader, WorkerStreamReader
@@ -130,7 +131,7 @@ class ImageLoader:
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.image_size = check_positive_int("image_size", image_size)
         self.train = bool(train)
-        self.device = _image_device(device)
+        self.device = image_device(device)
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {list(DTYPES)}")
         self.dtype = dtype
@@ -145,7 +146,7 @@ class ImageLoader:
         if dec.decode_device == "gpu" and self.device.type != "cuda":
             raise ValueError("decode_device='gpu' needs device='cuda'")
         self._host_decode = dec.decode_device == "cpu"
-        self._threads = _threads(dec.num_threads, host_decode=self._host_decode, cuda=self.device.type == "cuda")
+        self._threads = dali_threads(dec.num_threads, host_decode=self._host_decode, cuda=self.device.type == "cuda")
         self.label_decoder = self.read.label_decoder or parse_label
         self._decoder = DecoderChoice(dec.hw_decoder_load, cuda=self._dali_cuda, threads=dec.num_threads,
                                       hardware_threads=self._threads)
@@ -153,7 +154,6 @@ class ImageLoader:
             advise_hardware_queues(self._decoder.load > 0 or self._decoder.auto)  # the loader's own choice: info
         self._upload = HostUpload(self.device, dtype=dtype, layout=dec.layout, mean=dec.mean, std=dec.std,
                                   buffers=self.read.prefetch_queue_depth + 2)  # decode_device="cpu"'s batches
-        self.epoch = 0
         self._stats = {"batches": 0, "samples": 0, "skipped": 0, "decode_errors": 0, "last_errors": []}
         self._seconds = {"wait": 0.0, "read": 0.0, "dali": 0.0, "copy": 0.0}
         self._global: dict | None = None  # a global state loaded, until a batch is handed out after it
@@ -170,6 +170,8 @@ class ImageLoader:
             raise ValueError("ImageLoader decodes the images itself (with DALI): pass a ShardStream without "
                              ".decode()/.map() steps, or use loaders.DataLoader for decoded samples")
         self.stream = stream.replace(zero_copy=True)  # DALI reads the mapped bytes
+        self.stream.set_epoch(stream.epoch)
+        self._clock = EpochClock(self.stream)  # each pass that runs to its end: the next epoch (loaders.images.epochs)
         self._errors = ErrorPolicy(self.stream.on_error)  # the images DALI cannot decode (the stream reader finds them)
         self.reader = choose_reader(self, self.read.reader)  # loaders.images.reader_choice
         if self.reader == "dali":
@@ -229,10 +231,15 @@ class ImageLoader:
         )
 
     # ---- epochs, length, state ----------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next pass (or of the one under way): each pass that runs to its end moves it on."""
+        return self._clock.epoch
+
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch (shuffle order and augmentation seed) of the next iteration."""
-        self.epoch = int(epoch)
-        self.stream.set_epoch(epoch)
+        """Choose the epoch (shuffle order and augmentation seed) of the next pass; the passes after it count on
+        from it. Without it each pass that runs to its end makes the next one the next epoch (reshuffled)."""
+        self._clock.set(int(epoch), keep=self._resumed)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (exact unless samples are skipped)."""
@@ -245,8 +252,12 @@ class ImageLoader:
         ``{"kind": "ImageLoader", "epoch", "reader", "batches"}`` plus the reader's source state:
         ``"stream"`` (the ShardStream's own state; with ``reader="dali"`` also ``"dali"``: a DALI
         pipeline checkpoint and the batches of the epoch handed out) or, with ``read_workers``,
-        ``"loader"`` (the reader workers' ``loaders.DataLoader`` state).
+        ``"loader"`` (the reader workers' ``loaders.DataLoader`` state). Between passes (the last one ran to
+        its end, or ``set_epoch`` was called since): the start of the next epoch, ``"batches"`` 0.
         """
+        if self._clock.between:  # no pass under way: the start of the next epoch
+            return {"kind": KIND, "epoch": self.epoch, "reader": self.reader, "batches": 0,
+                    **self._source.next_state(self.epoch)}
         if self._global is not None and getattr(self._source, "delivered", None) is None:
             return self._global  # loaded, nothing handed out since
         return {"kind": KIND, "epoch": self.epoch, "reader": self.reader, "batches": self._stats["batches"],
@@ -278,14 +289,14 @@ class ImageLoader:
             return
         if self.reader == "dali":
             self._source.load_merged(ranks)  # the epoch's undelivered samples, planned over this shape
-            self.epoch = int(state["epoch"])
+            self._clock.load(state["epoch"])
             self._global = state
             self._resumed = True
             return
         if ("loader" in ranks[0]) != bool(self.read.read_workers):
             raise ValueError("this state was saved with a different read_workers setting (0 vs > 0)")
         self._source.load_merged(ranks)
-        self.epoch = int(state["epoch"])
+        self._clock.load(state["epoch"])
         self._global = state
         self._resumed = True
 
@@ -319,7 +330,7 @@ class ImageLoader:
             raise ValueError(f"this state was saved with reader={state.get('reader')!r}, this loader has "
                              f"reader={self.reader!r}")
         self._source.load(state)
-        self.epoch = int(state["epoch"])
+        self._clock.load(state["epoch"])
         self._resumed = True
 
     def stats(self) -> dict[str, Any]:
@@ -344,16 +355,16 @@ class ImageLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass (an epoch, or its rest after a resume); one pass at a time: a new one stops the last."""
         close_last(self._last_pass)  # before this pass touches the source the last one's thread reads
+        epoch = self._clock.begin(resumed=self._resumed)  # loaders.DataLoader's rule for the stream's epoch
         if not self._resumed:
-            self.stream.set_epoch(self.epoch)
             self._global = None
         self._resumed = False
         self._source.start()
-        handout = self._handout(self._source.produce())
+        handout = self._handout(self._source.produce(), epoch)
         self._last_pass = weakref.ref(handout)
         return handout
 
-    def _handout(self, produce) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _handout(self, produce, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches made ahead in a producer thread (DALI driven, on a side stream).
 
         The training thread's ``next()`` only takes a finished batch off a queue; counters and the
@@ -377,6 +388,7 @@ class ImageLoader:
                 try:
                     (images, labels), position = next(items)
                 except StopIteration:
+                    self._clock.end(epoch)  # ran to its end: the next pass is the next epoch
                     return
                 finally:
                     t1 = time.perf_counter()
@@ -425,23 +437,3 @@ class ImageLoader:
         """A DALI output of this loader's pipeline as a torch tensor (:func:`~loaders.images.outputs.dali_to_torch`)."""
         return dali_to_torch(tensor_list, stream, device=self.device, on_gpu=self._dali_cuda, zero_copy=zero_copy)
 
-
-def _image_device(device) -> torch.device:
-    """``device`` checked as :func:`datapipe.device.prefetch.resolve_device` checks it: CUDA (present here) or CPU."""
-    from datapipe.device.prefetch import resolve_device
-
-    dev = resolve_device(device)
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"device={device!r}: ImageLoader runs on 'cuda', 'cuda:N' or 'cpu'")
-    return dev
-
-
-def _threads(asked: int | None, *, host_decode: bool, cuda: bool) -> int:
-    """DALI's CPU threads: as asked, else the usable cores minus 2 for CPU decoding on CUDA, else up to 8."""
-    if asked is not None:
-        return int(asked)
-    from datapipe.device.autotune import usable_cores
-
-    if host_decode and cuda:
-        return max(1, usable_cores() - 2)  # one core each for the training and producer threads
-    return max(1, min(8, usable_cores()))

@@ -164,3 +164,24 @@ class ReadOptions:
         _int("prefetch_queue_depth", self.prefetch_queue_depth, 1)
         if self.drop_last is not None:
             object.__setattr__(self, "drop_last", bool(self.drop_last))
+
+
+def image_device(device) -> torch.device:
+    """``device`` checked as :func:`datapipe.device.prefetch.resolve_device` checks it: CUDA (present here) or CPU."""
+    from datapipe.device.prefetch import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: ImageLoader runs on 'cuda', 'cuda:N' or 'cpu'")
+    return dev
+
+
+def dali_threads(asked: int | None, *, host_decode: bool, cuda: bool) -> int:
+    """DALI's CPU threads: as asked, else the usable cores minus 2 for CPU decoding on CUDA, else up to 8."""
+    if asked is not None:
+        return int(asked)
+    from datapipe.device.autotune import usable_cores
+
+    if host_decode and cuda:
+        return max(1, usable_cores() - 2)  # one core each for the training and producer threads
+    return max(1, min(8, usable_cores()))

@@ -22,6 +22,7 @@ from datapipe.order.seeds import derive_seed
 from loaders.images.dali_pipeline import failure_text, run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import EncodedBatches, RawBatch, iter_raw_batches, keep
+from loaders.images.epochs import stream_start
 
 
 class _Feed:
@@ -84,6 +85,10 @@ class StreamReader:
 
     def state(self) -> dict:
         return {"stream": self.delivered if self.delivered is not None else self.stream.state_dict()}
+
+    def next_state(self, epoch: int) -> dict:
+        """The state of the start of ``epoch``, between passes."""
+        return {"stream": stream_start(self.stream.state_dict(), epoch)}
 
     def load(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -226,6 +231,11 @@ class WorkerStreamReader(StreamReader):
 
     def state(self) -> dict:
         return {"loader": self.delivered}
+
+    def next_state(self, epoch: int) -> dict:
+        from loaders.dataloader.resume import fresh_state
+
+        return {"loader": fresh_state(epoch, self.loader.read.read_workers)}  # the workers' loader at its start
 
     def load(self, state: dict) -> None:
         self._resume = state["loader"]
