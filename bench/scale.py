@@ -22,7 +22,7 @@ Each step runs in a fresh Python process (imports included), over the folder URL
 
 Every size and step runs ``--repeat`` rounds (interleaved, since the machine may be shared) and each figure is
 its least over them. ``growth`` gives each step's time at a size over its time at 10x fewer shards (linear: ~10;
-figures of 5 ms or less at the smaller size are left out: noise and fixed costs, not growth).
+figures of 2 ms or less at the smaller size are left out: noise and fixed costs, not growth).
 
     python bench/scale.py              # 10k, 100k, 1M shards: bench/results/scale.json
     python bench/scale.py --sizes 100000 --steps stream
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         if big["shards"] == 10 * small["shards"]:
             growth[f"{big['shards']}/{small['shards']}"] = {
                 k: round(big[k] / small[k], 1) for k in big
-                if k.endswith("_s") and k in small and small[k] > 0.005 and not k.startswith(("make", "resume_resume"))}
+                if k.endswith("_s") and k in small and small[k] > 0.002 and not k.startswith(("make", "resume_resume"))}
     result = {"what": "bench/scale.py: ShardStream costs over a manifest of N tiny shards (symlinks to 16 real tars), "
                       "each step in a fresh process, shuffle=True, rank 0 of 8",
               "per_shard": args.per_shard, "repeat": args.repeat, "goals_at_1M": GOALS, "rows": rows, "growth": growth}

@@ -191,7 +191,8 @@ class ShardOrder(Sequence[int]):
         shards = np.flatnonzero((np.cumsum(wanted[:-1]) > 0)[buckets])
         shards = shards[counts[shards] > 0]
         keys = self.keys_of(shards)
-        by_key = np.argsort(keys)  # distinct keys: any sort gives the one order
+        by_bucket = np.argsort(buckets[shards], kind="stable")  # a radix sort (16-bit buckets): linear
+        by_key = by_bucket[np.argsort(keys[by_bucket], kind="stable")]  # runs of ~16; distinct keys: one order
         shards, keys = shards[by_key], keys[by_key]
         sizes = counts[shards].astype(np.int64)
         bucket = (keys >> shift).astype(np.int64)
