@@ -1,8 +1,9 @@
 """A shard's member table: where each sample's values lie, written by ``ShardWriter`` as the shard's last member.
 
 Reading a tar means walking its 512-byte headers, a Python step per member. A plain tar written by
-``ShardWriter`` ends with one more member, ``__datapipe_members__`` (a ``__meta__`` name: webdataset, DALI's index
-tool and this package's walk all skip it), whose data lists every sample's key and every value's extension,
+``ShardWriter`` ends with one more member, ``.datapipe-members`` (a hidden file's name, with no key before its
+dot: webdataset, DALI's reader scanning a tar without an index, DALI's index tool and this package's walk all
+skip it, as they skip ``.DS_Store``), whose data lists every sample's key and every value's extension,
 offset and size, grouped exactly as the walk groups them (webdataset's key / extension rules). A local read
 then takes each value with one ``pread`` at its offset, with no header read or parsed.
 
@@ -26,7 +27,7 @@ from typing import Iterator
 
 from datapipe.tar.headers import BLOCK, is_meta, split_key
 
-NAME = "__datapipe_members__"
+NAME = ".datapipe-members"
 _HEAD = struct.Struct("<8sQQQII")
 _FOOT = struct.Struct("<IIQ8s")
 _MAGIC, _END = b"DPMEMBR1", b"DPMEMEND"

@@ -168,6 +168,27 @@ def test_other_readers_skip_the_table(tmp_path):
     assert lines[0] == "v1.2 14" and member_table.NAME not in "".join(lines)
 
 
+def test_dali_scanning_a_shard_without_an_index_skips_the_table(tmp_path):
+    """DALI's reader over a tar with no index file (it scans the tar itself) sees the samples only: the table's
+    hidden-file name is not a sample to it, even where a missing component is an error."""
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali import fn, pipeline_def
+
+    (path,) = _write(str(tmp_path), [{"__key__": f"k{i}", "jpg": b"x" * (i + 1), "cls": str(i)} for i in range(10)])
+    assert _table(path) is not None
+
+    @pipeline_def(batch_size=10, num_threads=1, device_id=None)
+    def pipe():
+        jpg, cls = fn.readers.webdataset(paths=[path], ext=["jpg", "cls"], missing_component_behavior="error")
+        return jpg, cls
+
+    p = pipe()
+    p.build()
+    assert list(p.epoch_size().values()) == [10]
+    jpg, _ = p.run()
+    assert sorted(jpg.at(i).size for i in range(10)) == list(range(1, 11))
+
+
 def test_compressed_shards_have_no_table(tmp_path):
     (path,) = [p for p in _write_gz(str(tmp_path))]
     with tarfile.open(path) as tf:

@@ -240,7 +240,7 @@ def test_fsspec_destination(images):
     keys = set()
     for s in manifest["shards"]:
         with tarfile.open(fileobj=io.BytesIO(fs.cat(f"/dp-test/out/{s['name']}"))) as t:
-            keys |= {m.name.split(".")[0] for m in t.getmembers() if not m.name.startswith("__")}  # no member table
+            keys |= {m.name.split(".")[0] for m in t.getmembers() if not m.name.startswith(".")}  # no member table
     assert len(keys) == len(files)
 
 
