@@ -36,6 +36,7 @@ from datapipe.read.shards import Shards
 from datapipe.state import check_identity, check_state
 from datapipe.storage.cache import ShardCache
 from datapipe.storage.urls import shard_urls
+from datapipe.words import counted
 
 log = logging.getLogger("datapipe.stream")
 
@@ -183,17 +184,25 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         counts = self.counts
         cached = self.__dict__.get("_counts_np")
         if cached is None or cached[0] is not counts:
-            try:
-                array = np.array(counts, dtype=np.int32)  # half the memory of int64; the plan sums in int64
-            except OverflowError:
-                array = np.array(counts, dtype=np.int64)
-            cached = self._counts_np = (counts, array)
+            if isinstance(counts, np.ndarray) and counts.dtype in (np.int32, np.int64):
+                array = counts  # the manifest's column already (no copy of a million counts)
+            else:
+                try:
+                    array = np.array(counts, dtype=np.int32)  # half the memory of int64; the plan sums in int64
+                except OverflowError:
+                    array = np.array(counts, dtype=np.int64)
+            cached = self._counts_np = (counts, array, int(array.sum(dtype=np.int64)))
         return cached[1]
+
+    def _count_total(self) -> int:
+        """All shards' samples (summed once per counts list)."""
+        self._counts_array()
+        return self._counts_np[2]
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch."""
         _, world = self._rank_world()
-        return samples_per_rank(sum(self.counts), world)
+        return samples_per_rank(self._count_total(), world)
 
     def __getstate__(self):
         self.counts  # count once in the parent, not in every worker
@@ -243,7 +252,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
     def _pending_state(self, resume: dict) -> dict[str, Any]:
         """The state entries of a resume not yet read from: its positions (or, for a replanned epoch, its
         new plan with nothing of it delivered), so that a state taken now loses nothing."""
-        total = sum(self.counts)
+        total = self._count_total()
         info = torch.utils.data.get_worker_info()
         num_workers = info.num_workers if info is not None else self._num_workers
         same = max(1, resume["num_workers"]) == max(1, num_workers) and resume["world_size"] in (None,
@@ -271,7 +280,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         self.check_loadable(state)
         reshape = None
         if elastic.is_global(state):
-            base, generation = elastic.remaining(state, total=sum(self.counts), shuffle_buffer=self.shuffle_buffer)
+            base, generation = elastic.remaining(state, total=self._count_total(), shuffle_buffer=self.shuffle_buffer)
             reshape = {"base": base, "generation": generation + 1}
             rank, world = self._rank_world()
             self._loaded_shape = elastic.shape(state)
@@ -339,11 +348,13 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             self._resume = None  # used up here; DataLoader workers use their own copies
         logical, draws, done, base, generation = elastic.start_of(resume, worker=physical, num_workers=num_workers,
                                                                   world_size=world)
+        if resume is not None and resume.get("reshape") is not None and base is resume["reshape"]["base"]:
+            _say_replanned(self._loaded_shape, rank=rank, world=world, worker=physical, num_workers=num_workers)
         self._num_workers = num_workers
         self._epoch_plan = ({"epoch": self.epoch, "base": elastic.pack_ranges(base), "generation": generation}
                             if generation else None)
         counts = self._counts_array()
-        self._total = int(counts.sum())
+        self._total = self._count_total()
         plan = worker_plan(counts, shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
                                                epoch=self.epoch),
                            rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers), base=base)
@@ -366,6 +377,20 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             position["done"] = True
         finally:
             self._ledger.publish()
+
+
+def _say_replanned(saved: dict | None, *, rank: int, world: int, worker: int, num_workers: int) -> None:
+    """One INFO line (rank 0's first worker) when a resume is planned again over another shape: the rest of the
+    epoch comes in another order than an uninterrupted run's (docs/guarantees.md, Resume)."""
+    if rank != 0 or worker != 0 or saved is None:
+        return
+    if saved["world_size"] == world == 1:
+        log.info("resuming a state of %s with %d: the rest of the epoch comes exactly once, in another order",
+                 counted(saved["num_workers"], "worker"), num_workers)
+    else:
+        log.info("resuming a state of %d ranks x %d workers on %d x %d: the rest of the epoch comes in another "
+                 "order, every sample of it delivered (a few twice, to keep the ranks even)",
+                 saved["world_size"], saved["num_workers"], world, max(1, num_workers))
 
 
 def _check_stream_state(state: Any) -> None:
