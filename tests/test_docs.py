@@ -251,6 +251,62 @@ def test_readme_names_every_on_error_mode_where_it_introduces_on_error():
     assert not [mode for mode in HANDLERS if f'"{mode}"' not in introduced], introduced
 
 
+def _bad_three(sample):
+    if sample["__key__"] in ("s0-00001", "s0-00004", "s1-00002"):
+        raise ValueError("a bad sample")
+    return int(sample["cls"])
+
+
+def test_readme_says_which_stats_count_the_skips(tmp_path):
+    """The README's on_error comment said "skip" counts each skip "in stats()", but `stream.stats()` showed
+    none while the derived stream it iterates and the loader showed all 3 (#44): the objects it names are those
+    that count them."""
+    import datapipe
+    import loaders
+    from tests.shards import write_shards
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index('"skip" counts', readme.index("on_error="))
+    comment = readme[start:readme.index('"warn"', start)]
+    named = set(re.findall(r"\b(stream|train|loader)\b", comment))
+    urls, _ = write_shards(tmp_path / "s", [6, 6])
+    stream = datapipe.ShardStream(urls, shuffle=True, seed=0, on_error="skip")
+    train = stream.decode("pil").map(_bad_three)
+    loader = loaders.DataLoader(train, batch_size=4, num_workers=2)
+    assert sum(len(y) for y in loader) == 9
+    counting = {name for name, x in (("stream", stream), ("train", train), ("loader", loader))
+                if x.stats()["skipped"] == 3}
+    assert counting == {"train", "loader"} and named == counting, (named, comment)
+
+
+def test_loaders_page_says_which_bad_images_decode_errors_counts(tmp_path):
+    """docs/loaders.md said an image dropped under "skip" is counted in both `skipped` and `decode_errors`, but the
+    3 truncated images the stream reader's check catches before DALI gave skipped=3, decode_errors=0 (#44)."""
+    pytest.importorskip("nvidia.dali")
+    import webdataset
+
+    import datapipe
+    from datapipe.tools.synthetic import iter_image_samples
+    from loaders.images.loader import ImageLoader
+    from loaders.images.options import ReadOptions
+
+    samples = list(iter_image_samples(8, seed=1, num_classes=4, size=(48, 40)))
+    for s in samples[1:4]:
+        s["jpg"] = s["jpg"][: len(s["jpg"]) // 2]  # no end-of-image marker
+    with webdataset.TarWriter(str(tmp_path / "shard-000000.tar")) as w:
+        for s in samples:
+            w.write(s)
+    stream = datapipe.ShardStream([str(tmp_path / "shard-000000.tar")], on_error="skip")
+    dl = ImageLoader(stream, batch_size=4, image_size=16, train=False, device="cpu",
+                     read=ReadOptions(reader="stream", drop_last=False))
+    assert sum(len(y) for _, y in dl) == 5
+    stats = dl.stats()
+    page = (ROOT / "docs" / "loaders.md").read_text()
+    errors = " ".join(next(p for p in page.split("\n\n") if p.startswith("**Errors.**")).split())
+    assert stats["skipped"] == 3 and stats["decode_errors"] == 0, stats
+    assert "counts in `skipped` only" in errors and "before DALI" in errors, errors
+
+
 def test_readme_names_every_type_a_loader_state_holds(tmp_path):
     """The README's checkpoint sentence names what a DataLoader's state holds (it said "plain values" beside
     torch's RNG state, a tensor)."""

@@ -334,8 +334,9 @@ class ImageLoader:
         self._resumed = True
 
     def stats(self) -> dict[str, Any]:
-        """Batches and samples handed out, samples skipped (here and in the stream), decode errors; ``reader``;
-        ``stream``: the ShardStream's counters, None while DALI's own reader reads the shards; ``step_hold``:
+        """Batches and samples handed out, samples skipped (here and in the stream), ``decode_errors`` (images
+        DALI failed on; those the check before DALI catches count as skipped only); ``reader``; ``stream``: the
+        ShardStream's counters, None while DALI's own reader reads the shards; ``step_hold``:
         whether ``next()`` waits for the GPU's last step (few hardware queues and the hardware decoder in use)
         and the seconds it waited."""
         stream = self.stream.stats()
