@@ -107,9 +107,12 @@ def run_command(args: argparse.Namespace) -> int:
     lost = report.get("num_lost_samples") or 0
     done = report.get("status") == "already complete"  # the same job over the same input, finished and verified
     if done:
+        skipped = report.get("num_skipped") or 0
         print(f"{report['out']} already holds this job's output (same input and options, every shard verified): "
-              f"{counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}; nothing written "
-              "(change an option or the input to write it again)")
+              f"{counted(report['samples'], 'sample')} in {counted(report['shards'], 'shard')}"
+              + (f" ({counted(skipped, 'unreadable input')} skipped when it was written, listed in report.json)"
+                 if skipped else "")
+              + "; nothing written (to write it again with other options or input, pass --overwrite)")
     else:
         _print_written(report, lost)
     folder, pattern = report.get("read_as") or reads_all(report["out"], args.pattern, report["shards"])

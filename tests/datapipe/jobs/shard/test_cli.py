@@ -45,6 +45,31 @@ def test_a_rerun_that_writes_nothing_says_so(images, tmp_path, capsys):
     again = capsys.readouterr().out
     assert "nothing written" in again and "samples/s" not in again and "wrote" not in again
     assert f"it holds {len(files)} samples" in again
+    assert "skipped" not in again  # the first run skipped nothing
+
+
+def test_a_rerun_names_the_option_that_writes_again_and_what_the_first_run_skipped(tmp_path, capsys):
+    """The rerun's hint said "change an option or the input", but another --max-count then failed asking for
+    --overwrite; it names --overwrite, and the inputs the first run skipped (#44)."""
+    from tests.datapipe.jobs.shard.test_job import BROKEN, make_image_folder
+
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=6, classes=("cat", "dog"))
+    for name in ("broken.jpg", "broken2.jpg"):
+        (root / "dog" / name).write_bytes(BROKEN)
+    out = tmp_path / "out"
+    assert run_cli(root, out, "--workers", "1") == 0
+    capsys.readouterr()
+    assert run_cli(root, out, "--workers", "1") == 0
+    again = capsys.readouterr().out
+    assert "2 unreadable inputs skipped when it was written, listed in report.json" in again, again
+    hint = again[again.index("nothing written"):].splitlines()[0]
+    assert "pass --overwrite" in hint and "change an option" not in hint, hint
+    # what the hint says holds: another option fails without --overwrite and writes with it
+    assert run_cli(root, out, "--workers", "1", "--max-count", "3") == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert run_cli(root, out, "--workers", "1", "--max-count", "3", "--overwrite") == 0
+    assert "wrote 6 samples" in capsys.readouterr().out
 
 
 def _zero_sample_inputs(tmp_path):
