@@ -55,7 +55,7 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
     shard whose sample count differs from its entry is a problem.
     """
     urls = shard_urls(target, storage_options=storage_options)
-    expected, listed, skipped = _manifest_counts(urls, storage_options=storage_options)
+    expected, listed, skipped, checks = _manifest_counts(urls, storage_options=storage_options)
     report: dict[str, Any] = {"target": redact_url(target), "shards": [], "samples": 0, "bytes": 0,
                               "extensions": Counter(), "problems": [], "preview": []}
     for url in urls:
@@ -91,33 +91,38 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
     report["manifest_shards"] = len(listed)
     report["manifest_samples"] = sum(listed.values())
     report["manifest_skipped"] = skipped  # inputs the shard job skipped (its report.json lists them); None: not said
+    report["manifest_check_images"] = checks  # the shard jobs' --check-images modes ([]: not said)
     report["manifest"] = bool(urls) and len(expected) == len(urls) == len(listed)
     return report
 
 
 def _manifest_counts(urls: list[str], *,
-                     storage_options: dict | None) -> tuple[dict[str, int], dict[str, int], int | None]:
+                     storage_options: dict | None) -> tuple[dict[str, int], dict[str, int], int | None, list[str]]:
     """The sample counts of those of ``urls`` that a manifest beside them lists, and of every shard those
-    manifests list (by URL); and the inputs their shard jobs skipped (``num_skipped``; None where none says)."""
+    manifests list (by URL); the inputs their shard jobs skipped (``num_skipped``; None where none says); and
+    the image checks those jobs ran (``check_images``, each mode once)."""
     by_dir: dict[str, list[str]] = {}
     for url in urls:
         by_dir.setdefault(posixpath.dirname(url), []).append(url)
     expected: dict[str, int] = {}
     listed: dict[str, int] = {}
     skipped = None
+    checks: set[str] = set()
     for directory, dir_urls in by_dir.items():
         manifest = read_manifest(directory, storage_options=storage_options)
         if manifest is None:
             continue
         if isinstance(manifest.get("num_skipped"), int):
             skipped = (skipped or 0) + manifest["num_skipped"]
+        if isinstance(manifest.get("check_images"), str):
+            checks.add(manifest["check_images"])
         known = {s["name"]: int(s["count"]) for s in manifest["shards"]}
         listed.update({posixpath.join(directory, name): n for name, n in known.items()})
         for url in dir_urls:
             name = posixpath.basename(url)
             if name in known:
                 expected[url] = known[name]
-    return expected, listed, skipped
+    return expected, listed, skipped, sorted(checks)
 
 
 def _manifest_line(report: dict) -> str:
@@ -183,7 +188,11 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         print(f"{report['target']}: {counted(len(report['shards']), 'shard')}, {counted(report['samples'], 'sample')}, "
               f"{report['bytes'] / 1e6:.1f} MB of values, manifest: {_manifest_line(report)}")
-        if report["manifest_skipped"] is not None:
+        unchecked = "none" in report["manifest_check_images"]
+        if unchecked:
+            some = " of some shard folders" if len(report["manifest_check_images"]) > 1 else ""
+            print(f"images{some} not checked when sharded (--check-images none)")
+        if report["manifest_skipped"] is not None and not (unchecked and report["manifest_skipped"] == 0):
             print(f"skipped when sharded: {counted(report['manifest_skipped'], 'unreadable input')} (the manifest's "
                   "num_skipped; the shard job's report.json lists them)")
         print("extensions: " + ", ".join(f"{k} ({v})" for k, v in sorted(report["extensions"].items())))

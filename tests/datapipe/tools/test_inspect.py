@@ -182,3 +182,20 @@ def test_inspect_shows_what_the_shard_job_skipped(tmp_path, capsys):
     assert inspect_shards(str(tmp_path / "out"))["manifest_skipped"] == 2
     assert main(["inspect", str(tmp_path / "out"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["manifest_skipped"] == 2
+
+
+def test_inspect_says_when_the_shard_job_checked_no_image(tmp_path, capsys):
+    """With --check-images none, "skipped when sharded: 0 unreadable inputs" read as if the images were checked;
+    inspect says they were not (the manifest's check_images, #44)."""
+    src = tmp_path / "imgs"
+    make_image_folder(str(src), n=4, classes=("a", "b"))
+    (src / "a" / "broken.jpg").write_bytes(b"not a jpeg")
+    run_shard(str(src), str(tmp_path / "none"), check_images="none", workers=1, progress=False)
+    assert main(["inspect", str(tmp_path / "none")]) == 0
+    out = capsys.readouterr().out
+    assert "images not checked when sharded (--check-images none)" in out and "0 unreadable inputs" not in out, out
+    assert inspect_shards(str(tmp_path / "none"))["manifest_check_images"] == ["none"]
+    run_shard(str(src), str(tmp_path / "open"), workers=1, progress=False)
+    assert main(["inspect", str(tmp_path / "open")]) == 0
+    out = capsys.readouterr().out
+    assert "not checked" not in out and "skipped when sharded: 1 unreadable input " in out, out
