@@ -140,9 +140,10 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
                             f"cores: raise num_workers (towards {cores}), or use loaders.DataLoader(num_workers='auto')",
             wait_fraction=wait, num_workers=workers, cores=cores)
     elif wait > WAIT_HIGH and isinstance(workers, int):
-        off = ("move work off the CPU (GPU decode with loaders.ImageLoader, pre-decoded or smaller data)" if cuda
+        off = (("move work off the CPU (GPU decode with loaders.ImageLoader, pre-decoded data, or smaller images: "
+                "`datapipe shard --resize SHORT_SIDE`)") if cuda
                else "more workers cannot help without more cores, and there is no CUDA GPU to decode on: make the "
-                    "per-sample work cheaper (shard smaller images, e.g. resized once before `datapipe shard`; "
+                    "per-sample work cheaper (shard smaller images: `datapipe shard --resize SHORT_SIDE`; "
                     "lighter transforms; pre-decoded data) or run on more cores")
         add("cpu_bound", f"the loop waited for data {wait:.0%} of the time although num_workers={workers} already "
                          f"uses all {cores} cores: {off}", wait_fraction=wait, num_workers=workers, cores=cores)
@@ -150,7 +151,8 @@ def advise(m: dict[str, Any]) -> list[dict[str, Any]]:
         gpu_way = (f", or the GPU's hardware JPEG decoder with CUDA_DEVICE_MAX_CONNECTIONS={WIDE_QUEUES} set before "
                    "CUDA starts (docs/performance.md)") if cuda else (f" (up to the {cores} cores); without a CUDA GPU "
                                                                       "decoding stays on the CPU: shard smaller "
-                                                                      "images or lower image_size")
+                                                                      "images (`datapipe shard --resize "
+                                                                      "SHORT_SIDE`) or lower image_size")
         add("input_bound", f"the loop waited for data {wait:.0%} of the time: ImageLoader is the bottleneck; give "
                            f"DALI more CPU threads (ImageLoader(..., decode=DecodeOptions(num_threads=...))){gpu_way}",
             wait_fraction=wait)

@@ -155,3 +155,20 @@ def test_no_gpu_decode_advice_on_a_machine_without_cuda():
     m = {**_m(wait=0.3, cuda=False), "loader": {"type": "loaders.images.loader.ImageLoader", "num_workers": None}}
     image = next(a for a in advise(m) if a["id"] == "input_bound")["advice"]
     assert "device='cuda'" not in image and "hardware JPEG decoder" not in image and "smaller" in image
+
+
+def test_advice_to_shard_smaller_images_names_the_shard_option_that_does_it():
+    """The doctor said "resized once before `datapipe shard`" although `datapipe shard --resize` exists (#44)."""
+    import argparse
+
+    from datapipe.jobs.shard.cli import configure_parser
+
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    assert "--resize" in parser._option_string_actions
+    image = {"type": "loaders.images.loader.ImageLoader", "num_workers": None}
+    runs = [_m(wait=0.3, workers=4, cores=4, cuda=c) for c in (False, True)]
+    runs += [{**_m(wait=0.3, cuda=c), "loader": image} for c in (False, True)]
+    said = [a["advice"] for m in runs for a in advise(m) if "smaller" in a["advice"]]
+    assert len(said) == 3 and all("`datapipe shard --resize SHORT_SIDE`" in a for a in said), said
+    assert not [a for a in said if "before `datapipe shard`" in a]
