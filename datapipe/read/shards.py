@@ -14,6 +14,7 @@ from datapipe.errors import DataError
 from datapipe.read.ledger import Ledger
 from datapipe.read.options import StorageOptions
 from datapipe.storage.cache import ShardCache
+from datapipe.storage.failures import is_missing
 from datapipe.storage.files import RetryingFile, decompress, open_shard, with_timeouts
 from datapipe.storage.urls import is_local, local_path, redact_url
 from datapipe.tar.blocks import reader_for
@@ -25,6 +26,7 @@ from datapipe.tar.reader import count_until_damage
 
 # the stream's own logger (its count warning keeps its name)
 log = logging.getLogger("datapipe").getChild("stream")
+_ABSENT = object()  # a remote shard that does not exist (Shards._absent)
 
 
 def fingerprint(urls: list[str], counts: list[int], checksums: list[str | None] | None = None) -> str:
@@ -53,6 +55,7 @@ class Shards:
         self._cache_failures = cache.failures if cache is not None else 0  # the cache's failures counted so far
         self._identity: str | None = None
         self._checksums = False  # the checksums listed() found with the counts (None: none), False: not used
+        self._stamps: dict[str, dict] = {}  # remote shards' stamps taken while looking for absent ones
 
     def _given_counts(self, counts) -> list[int] | None:
         if counts is None:
@@ -117,16 +120,18 @@ class Shards:
                 if entry.get("damage"):
                     self._damaged(url, entry["damage"])
             missing = [u for u in self.urls if u not in known]
-            absent = [u for u in missing if is_local(u) and not u.startswith("pipe:") and not os.path.exists(local_path(u))]
+            absent = self._absent(missing)
             if absent:  # said first (under on_error), not after a warning about counting them
                 names = ", ".join(redact_url(u) for u in absent[:3]) + (", ..." if len(absent) > 3 else "")
-                if all(u.endswith(("/", os.sep)) or "." not in os.path.basename(u) for u in absent):  # folder paths
-                    what = f"no such folder: {names}"
+                folders = all(u.endswith(("/", os.sep)) or "." not in posixpath.basename(u) for u in absent)
+                if folders:
+                    what = f"no such folder: {names}: " + self._check_folder(absent[0])
                 else:
                     what = (f"{len(absent)} of {len(self.urls)} shards do not exist: {names}" if len(self.urls) > 1 else
                             f"the shard does not exist: {names}") + self._listed_instead(absent[0])
                 for url in absent:
-                    self.ledger.errors(DataError(what, url=redact_url(url)), lost=0)
+                    self.ledger.errors(DataError(what, url=redact_url(url), what="folder" if folders else "shard"),
+                                       lost=0)
                     known[url] = 0
                 missing = [u for u in missing if u not in known]
             if missing:
@@ -143,6 +148,36 @@ class Shards:
                     store_counts(fresh, storage_options=self.options(missing[0]))
             self._counts = [known[u] for u in self.urls]
         return self._counts
+
+    def _absent(self, urls: list[str]) -> list[str]:
+        """Those of ``urls`` (to be counted) that do not exist: local paths looked up, remote ones asked once each
+        in parallel (the stamp :meth:`_count_shard` stores with the count, kept so that it is not asked twice)."""
+        urls = [u for u in urls if not u.startswith("pipe:")]
+        absent = [u for u in urls if is_local(u) and not os.path.exists(local_path(u))]
+        remote = [u for u in urls if not is_local(u)]
+
+        def look(url):
+            try:
+                return stamp(url, self.options(url))
+            except Exception as e:  # noqa: BLE001 - only "does not exist" is said here; the count says the rest
+                return _ABSENT if is_missing(e) else None
+
+        for url, mark in zip(remote, _map(look, remote)):
+            if mark is _ABSENT:
+                absent.append(url)
+            elif mark is not None:
+                self._stamps[url] = mark
+        gone = set(absent)
+        return [u for u in urls if u in gone]
+
+    @staticmethod
+    def _check_folder(url: str) -> str:
+        """What to check about a folder that does not exist: the path, or the shards' pattern or glob."""
+        relative = is_local(url) and not os.path.isabs(local_path(url))
+        where = f" (relative to the current directory, {os.getcwd()})" if relative else ""
+        base = redact_url(url.rstrip("/" + os.sep) or url)
+        return (f"check the path{where}, or give the shards by a pattern like '{base}/shard-{{000000..000009}}.tar' "
+                f"or a glob like '{base}/*.tar'")
 
     def _listed_instead(self, url: str) -> str:
         """What the manifest beside a shard that does not exist lists (its pattern), for the error; "" if none."""
@@ -183,8 +218,10 @@ class Shards:
 
     def _count_shard(self, url: str) -> tuple[int, str | None, dict | None]:
         """``(complete samples, damage message or None, the shard's stamp for the cache or None)``."""
+        version = self._stamps.pop(url, None)
         try:
-            version = None if url.startswith("pipe:") else stamp(url, self.options(url))
+            if version is None and not url.startswith("pipe:"):
+                version = stamp(url, self.options(url))
         except Exception:
             version = None
         try:

@@ -53,6 +53,15 @@ def is_permanent(e: BaseException) -> bool:
     return True
 
 
+def is_missing(e: BaseException) -> bool:
+    """``e`` says the file does not exist: a permanent ``FileNotFoundError`` that, over HTTP, was a 404 or 410
+    (fsspec's HTTP reports a 403 as FileNotFoundError too)."""
+    if not isinstance(e, FileNotFoundError) or not is_permanent(e):
+        return False
+    statuses = [c.status for c in _chain(e.__cause__ or e.__context__) if isinstance(getattr(c, "status", None), int)]
+    return not statuses or statuses[0] in (404, 410)
+
+
 _SECRET_OPTION = ("key", "secret", "token", "password", "passwd", "auth", "credential", "signature", "session")
 
 

@@ -12,8 +12,8 @@ import fsspec
 
 from datapipe.errors import DataError
 from datapipe.storage.compression import REMOTE_BLOCK, decompress
-from datapipe.storage.failures import (StorageError, describe, is_credential_error, is_permanent,  # noqa: F401
-                                       scrub, secrets_of, timeout_kind)  # (the rest here too: callers' names)
+from datapipe.storage.failures import (StorageError, describe, is_credential_error, is_missing,  # noqa: F401
+                                       is_permanent, scrub, secrets_of, timeout_kind)  # (callers' names too)
 from datapipe.storage.locations import is_local, local_path, redact_url, url_scheme
 
 log = logging.getLogger("datapipe.storage.files")
@@ -228,6 +228,8 @@ class RetryingFile:
     def _failed(self, e: Exception, spent: float) -> None:
         """Count a failed attempt that took ``spent`` seconds; raise ``DataError`` past the bound, else back off."""
         text, cause = describe(e, self._secrets)
+        if is_missing(e):  # not "FileNotFoundError: <the URL again>"
+            raise DataError("the shard does not exist", url=redact_url(self.url)) from cause
         if is_permanent(e):
             raise DataError(f"cannot read shard: {text}", url=redact_url(self.url)) from cause
         text = self._what_happened(e, text, spent)

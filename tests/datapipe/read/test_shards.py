@@ -98,3 +98,94 @@ def test_a_brace_range_past_the_last_shard_says_what_the_manifest_lists(tmp_path
     assert "2 of 5 shards do not exist" in text and "shard-000003.tar" in text and "shard-000004.tar" in text
     assert f"manifest.json lists 3 shards: {tmp_path / 'out'}/shard-{{000000..000002}}.tar" in text
     assert "no manifest lists" not in caplog.text and "datapipe index" not in caplog.text + text
+
+
+def _missing_shard_text(stream, on_error, caplog) -> str:
+    """The error (``"raise"``) or the counted skips' messages (``"skip"``: the 4 shards' 16 samples read)."""
+    with caplog.at_level(logging.WARNING, logger="datapipe"):
+        if on_error == "raise":
+            with pytest.raises(DataError) as info:
+                list(stream)
+            assert not isinstance(info.value, FileNotFoundError)
+            return str(info.value)
+        assert len(list(stream)) == 16
+        assert stream.stats()["errors"] == 1, stream.stats()
+        return " ".join(stream.stats()["last_errors"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_brace_range_past_the_last_shard_over_http_says_what_the_manifest_lists(tmp_path, caplog, on_error):
+    """Issue #44: the remote case as the local one: shard 4 of {000000..000004} does not exist (said so, with what
+    the folder's manifest lists), not "no manifest lists 1 of 5 shards ... run datapipe index" and a
+    FileNotFoundError."""
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "web" / "shards", [4, 4, 4, 4])
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        text = _missing_shard_text(ShardStream(f"{base}/shards/shard-{{000000..000004}}.tar", on_error=on_error),
+                                   on_error, caplog)
+        assert sum("shard-000004.tar" in p for p in faults.paths) <= 2, faults.paths  # HEAD (+ GET): not read
+    assert f"1 of 5 shards do not exist: {base}/shards/shard-000004.tar" in text, text
+    assert f"manifest.json lists 4 shards: {base}/shards/shard-{{000000..000003}}.tar" in text, text
+    assert "FileNotFoundError" not in text and "datapipe index" not in caplog.text + text
+    assert "no manifest lists" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_remote_shard_counted_once_is_not_asked_for_twice(tmp_path):
+    """The look for absent shards keeps each remote shard's stamp for its count: one metadata request, not two."""
+    _shards(str(tmp_path / "web"))
+    with http_server(str(tmp_path / "web")) as (base, faults):
+        assert len(ShardStream([f"{base}/shard-000000.tar", f"{base}/shard-000001.tar"])) == 26
+        heads = [p for p in faults.paths if p.startswith("HEAD") and p.endswith("shard-000001.tar")]
+    assert len(heads) <= 2, faults.paths  # the stamp, and RetryingFile's own size (a reopen would be a GET)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_brace_range_past_the_last_shard_over_s3(tmp_path, caplog, on_error):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    from tests.servers import s3_server
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "src", [4, 4, 4, 4])
+    with s3_server() as endpoint:
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s",
+                              region_name="us-east-1")
+        client.create_bucket(Bucket="absent-shards")  # moto's buckets are one per process
+        for name in os.listdir(tmp_path / "src"):
+            client.upload_file(str(tmp_path / "src" / name), "absent-shards", f"data/{name}")
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        stream = ShardStream("s3://absent-shards/data/shard-{000000..000004}.tar", storage_options=options,
+                             on_error=on_error)
+        text = _missing_shard_text(stream, on_error, caplog)
+    assert "1 of 5 shards do not exist: s3://absent-shards/data/shard-000004.tar" in text, text
+    assert "manifest.json lists 4 shards: s3://absent-shards/data/shard-{000000..000003}.tar" in text, text
+    assert "no manifest lists" not in caplog.text and "datapipe index" not in caplog.text + text
+
+
+@pytest.mark.timeout(60)
+def test_a_remote_shard_the_manifest_lists_but_storage_lacks_is_said_not_to_exist(tmp_path):
+    from tests.shards import write_shards
+
+    urls, _ = write_shards(tmp_path / "web", [4, 4])
+    os.remove(urls[1])
+    with http_server(str(tmp_path / "web")) as (base, _):
+        with pytest.raises(DataError, match="^the shard does not exist") as info:
+            list(ShardStream(f"{base}/shard-{{000000..000001}}.tar"))
+    assert info.value.url == f"{base}/shard-000001.tar" and "FileNotFoundError" not in str(info.value)
+
+
+@pytest.mark.parametrize("path", ["nope/", "nope"])
+def test_a_folder_that_does_not_exist_is_not_called_a_shard(tmp_path, monkeypatch, path):
+    """Issue #44: "no such folder (shard nope/)" called the folder a shard and said nothing to check."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as info:
+        len(ShardStream(path))
+    text = str(info.value)
+    assert text.startswith(f"no such folder: {path}: check the path (relative to the current directory, "
+                           f"{tmp_path})"), text
+    assert "shard-{000000..000009}.tar" in text and "nope/*.tar" in text and "(shard " not in text

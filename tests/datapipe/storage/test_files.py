@@ -1,4 +1,4 @@
-from datapipe.storage.files import is_permanent
+from datapipe.storage.files import is_missing, is_permanent
 
 
 class ResponseError(Exception):
@@ -25,6 +25,15 @@ def test_permanent_errors_caused_by_a_server_error_are_transient():
     assert not is_permanent(raised(FileNotFoundError("x"), ResponseError(429)))
     assert not is_permanent(raised(FileNotFoundError("x"), ConnectionResetError("reset")))
     assert not is_permanent(OSError("transient I/O"))
+
+
+def test_only_a_not_found_is_a_file_that_does_not_exist():
+    """fsspec's HTTP filesystem reports a 403 as FileNotFoundError too: that shard exists, it is not said not to."""
+    assert is_missing(FileNotFoundError("gone")) and is_missing(raised(FileNotFoundError("x"), ResponseError(404)))
+    assert not is_missing(raised(FileNotFoundError("x"), ResponseError(403)))
+    assert not is_missing(raised(FileNotFoundError("x"), ResponseError(503)))
+    assert not is_missing(raised(FileNotFoundError("x"), ConnectionResetError("reset")))
+    assert not is_missing(PermissionError("no")) and not is_missing(OSError("transient I/O"))
 
 
 def test_credential_errors_are_permanent_and_not_retried():
