@@ -7,8 +7,10 @@ place, what was skipped and the last few errors, so no loss goes unreported.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import logging
+import re
 from typing import Callable, Union
 
 from datapipe.storage.locations import redact_text
@@ -26,14 +28,50 @@ class DataError(Exception):
     def __init__(self, message: str, *, url: str | None = None, key: str | None = None, what: str = "shard"):
         message = redact_text(message)
         url = redact_text(url) if url is not None else None
+        if url is None and key is None and message.startswith("Caught DataError "):
+            what, url, key = _worker_where(message)  # torch's re-raise of a worker's DataError: its message only
+            self.url, self.key, self.what = url, key, what
+            self.hinted = SKIP_HINT in message
+            super().__init__(message)
+            return
         self.url = url
         self.key = key
+        self.what = what
         where = []
         if url is not None:
             where.append(f"{what} {url}")
         if key is not None:
             where.append(f"key {key!r}")
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+_QUOTED = r"""('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")"""
+_KEY = re.compile(r"(, | \()key " + _QUOTED + r"\)\Z")
+_URL = re.compile(r" \((shard|manifest|folder|glob|target) (.*)\)\Z", re.S)
+
+
+def _worker_where(message: str) -> tuple[str, str | None, str | None]:
+    """``(what, url, key)`` from the last ``DataError: ... (shard URL, key 'K')`` line of torch's message for a
+    DataLoader worker's exception (``ExceptionWrapper`` rebuilds it from that text alone); None where it names
+    none."""
+    at = message.rfind("DataError: ")
+    text = message[at + len("DataError: "):].rstrip() if at >= 0 else ""
+    for hint in (CHECK_HINT, SKIP_HINT):
+        if text.endswith(hint):
+            text = text[:-len(hint)]
+    key = None
+    m = _KEY.search(text)
+    if m is not None:
+        try:
+            key = ast.literal_eval(m.group(2))
+        except (ValueError, SyntaxError):
+            return "shard", None, None
+        if m.group(1) == " (":  # a key, no URL
+            return "shard", None, key
+        text = text[:m.start()] + ")"
+    starts = [m.start() for m in re.finditer(r" \((?:shard|manifest|folder|glob|target) ", text)]
+    m = _URL.match(text, starts[-1]) if starts else None
+    return (m.group(1), m.group(2), key) if m is not None else ("shard", None, key)
 
 
 SKIP_HINT = ('; to skip such samples instead, pass on_error="skip" (counted in stats()) or "warn" (also logs '

@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from datapipe.errors import LAST_ERRORS, DataError, ErrorPolicy, check_on_error
+from datapipe.errors import LAST_ERRORS, DataError, ErrorPolicy, check_on_error, reraise, with_hint
 
 
 def test_named_handlers_count_in_one_place(caplog):
@@ -64,3 +64,36 @@ def test_a_bad_samples_error_under_raise_says_how_to_skip_such_samples():
     with pytest.raises(DataError) as e:
         policy(DataError("cannot open", url="s/shard-000009.tar"))  # no sample: storage, not a bad sample
     assert str(e.value) == "cannot open (shard s/shard-000009.tar)"
+
+
+def test_a_data_error_survives_pickling_with_every_attribute():
+    err = with_hint(DataError("cannot decode image 'jpg'", url="s/shard-000000.tar", key="000002", what="shard"))
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.url, again.key, again.what, str(again)) == (err.url, err.key, "shard", str(err))
+    assert again.hinted and str(with_hint(again)) == str(err)  # the hint once, not again after the trip
+    folder = pickle.loads(pickle.dumps(DataError("no such folder", url="nope/", what="folder")))
+    assert (folder.url, folder.key, folder.what) == ("nope/", None, "folder")
+
+
+@pytest.mark.parametrize("made", [
+    dict(url="s/shard-000000.tar", key="000002"),
+    dict(url="http://h/a (b)/shard-1.tar", key="it's, key 'x' (2)"),
+    dict(url="s/shard-000001.tar"),
+    dict(key="k (1)"),
+    dict(url="out/manifest.json", what="manifest"),
+    dict(),
+])
+def test_torch_rebuilding_a_worker_data_error_from_its_text_keeps_url_and_key(made):
+    """Issue #44: torch re-raises a DataLoader worker's exception as ``type(e)(its formatted traceback)``
+    (``ExceptionWrapper``): url and key were None in the main process, though the message named them."""
+    from torch._utils import ExceptionWrapper
+
+    try:
+        reraise(DataError("cannot decode image (bad header) 'jpg'", **made))
+    except DataError:
+        wrapper = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(DataError, match="^Caught DataError in DataLoader worker process 0") as info:
+        wrapper.reraise()
+    err = info.value
+    assert (err.url, err.key, err.what) == (made.get("url"), made.get("key"), made.get("what", "shard"))
+    assert str(with_hint(err)) == str(err), "the hint was given in the worker: not twice"

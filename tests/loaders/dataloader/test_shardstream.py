@@ -191,3 +191,24 @@ def test_a_resume_on_a_stream_that_ran_later_epochs_follows_the_checkpoint(tmp_p
     assert resumed.state_dict()["epoch"] == 0
     assert head + list(resumed) == epoch0
     assert list(resumed) == epoch1 and resumed.state_dict()["epoch"] == 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_data_error_from_a_worker_keeps_its_url_and_key(tmp_path, num_workers):
+    """Issue #44: with workers, torch rebuilds the DataError from its text: e.url and e.key were None."""
+    import torch.utils.data
+
+    from datapipe import DataError
+
+    urls, samples = write_shards(tmp_path / "d", [3, 3])
+
+    def bad(sample):
+        if sample["__key__"] == samples[4]["__key__"]:
+            raise ValueError("boom")
+        return sample
+
+    for loader_type in (DataLoader, torch.utils.data.DataLoader):
+        loader = loader_type(ShardStream(urls).map(bad), batch_size=2, num_workers=num_workers, collate_fn=keys)
+        with pytest.raises(DataError, match="boom") as info:
+            list(loader)
+        assert (info.value.url, info.value.key) == (urls[1], samples[4]["__key__"]), loader_type
