@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib import import_module
 
@@ -80,6 +81,18 @@ def configure_logging(*, verbose: bool) -> None:
             logging.getLogger(name).setLevel(logging.DEBUG)
 
 
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``datapipe inspect ... | head -1``): exit 0 quietly, as other command-line
+    tools do; stdout goes to /dev/null so that Python's flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout (captured)
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -95,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     from datapipe.storage.urls import redact_text
 
     try:
-        return int(import_module(COMMANDS[args.command][0]).run_command(args) or 0)
+        status = int(import_module(COMMANDS[args.command][0]).run_command(args) or 0)
+        sys.stdout.flush()  # a reader that closed early (`| head`) is found here, not at exit
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
     except KeyboardInterrupt:
         return 130
     except MissingExtra as e:  # one line naming the extra to install

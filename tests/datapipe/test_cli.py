@@ -81,3 +81,18 @@ def test_verbose_defaults_to_off_with_a_subcommand(monkeypatch):
                                                                          "configure_parser": _real(name)}))
     assert main(["bench", "storage", "X"]) == 0
     assert seen["verbose"] is False
+
+
+@pytest.mark.parametrize("json_flag", [["--json"], []])
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(tmp_path, json_flag):
+    """Issue #44: `datapipe inspect ... | head -1` ended in a BrokenPipeError traceback."""
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "d", [3000])  # a preview of every sample: ~0.5 MB, far past a pipe's buffer
+    proc = subprocess.Popen([sys.executable, "-m", "datapipe", "inspect", *json_flag, "--preview", "3000",
+                             str(tmp_path / "d")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert first and "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
