@@ -12,6 +12,7 @@ import fsspec
 
 from datapipe.errors import DataError
 from datapipe.tar.manifest import read_manifest
+from datapipe.storage.failures import is_missing
 from datapipe.storage.files import describe, is_permanent, open_shard, secrets_of
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
@@ -78,7 +79,11 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
             finally:
                 f.close()
         except (DataError, TarFormatError) as e:
-            report["problems"].append(f"{redact_url(url)}: {redact_text(e)}")
+            if e.__cause__ is not None and is_missing(e.__cause__):
+                entry["missing"] = True
+                report["problems"].append(f"{redact_url(url)}: the shard does not exist")
+            else:
+                report["problems"].append(f"{redact_url(url)}: {redact_text(e)}")
         if url in expected:
             entry["expected"] = expected[url]
         if url in expected and expected[url] != entry["samples"]:
@@ -87,6 +92,7 @@ def inspect_shards(target: str, *, preview: int = 1, storage_options: dict | Non
         report["samples"] += entry["samples"]
         report["bytes"] += entry["bytes"]
     report["extensions"] = dict(report["extensions"])
+    report["missing"] = sum(1 for s in report["shards"] if s.get("missing"))  # named by the target, not there
     report["manifest_lists"] = len(expected)
     report["manifest_shards"] = len(listed)
     report["manifest_samples"] = sum(listed.values())
@@ -145,6 +151,16 @@ def _manifest_line(report: dict) -> str:
     return "; ".join(parts)
 
 
+def _shards_headline(report: dict) -> str:
+    """``6 shards``; ``6 shards named, 2 of them do not exist`` (a pattern longer than what is there)."""
+    total, missing = len(report["shards"]), report.get("missing", 0)
+    if not missing:
+        return counted(total, "shard")
+    if missing == total:
+        return "1 shard named, it does not exist" if total == 1 else f"{total} shards named, none of them exists"
+    return f"{counted(total, 'shard')} named, {missing} of them {'does' if missing == 1 else 'do'} not exist"
+
+
 def _preview(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value[:64])
@@ -186,7 +202,7 @@ def run_command(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1, default=str)
         print()
     else:
-        print(f"{report['target']}: {counted(len(report['shards']), 'shard')}, {counted(report['samples'], 'sample')}, "
+        print(f"{report['target']}: {_shards_headline(report)}, {counted(report['samples'], 'sample')}, "
               f"{report['bytes'] / 1e6:.1f} MB of values, manifest: {_manifest_line(report)}")
         unchecked = "none" in report["manifest_check_images"]
         if unchecked:

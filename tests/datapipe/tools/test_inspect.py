@@ -199,3 +199,17 @@ def test_inspect_says_when_the_shard_job_checked_no_image(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "open")]) == 0
     out = capsys.readouterr().out
     assert "not checked" not in out and "skipped when sharded: 1 unreadable input " in out, out
+
+
+def test_a_pattern_longer_than_the_folder_says_how_many_shards_do_not_exist(out, capsys):
+    """Issue #44: a pattern two shards past the folder's end said '5 shards' while 2 of them do not exist."""
+    target = str(out / "shard-{000000..000004}.tar")
+    assert main(["inspect", target]) == 1
+    text = capsys.readouterr().out
+    first = text.splitlines()[0]
+    assert "5 shards named, 2 of them do not exist, 12 samples" in first, first
+    assert f"PROBLEM {out / 'shard-000004.tar'}: the shard does not exist" in text
+    assert "FileNotFoundError" not in text
+    assert inspect_shards(target)["missing"] == 2 and inspect_shards(str(out))["missing"] == 0
+    assert main(["inspect", str(out / "shard-{000003..000004}.tar")]) == 1
+    assert "2 shards named, none of them exists, 0 samples" in capsys.readouterr().out
