@@ -61,6 +61,27 @@ JOURNAL_VERSION = 2  # 2: whole-shard partitions and every partition's short las
 SEED_RULE = 2  # shuffled orders from datapipe.order.seeds.derive_seed (1: ad-hoc seeds, before #16)
 
 
+_FLAGS = {"pattern": "--pattern", "max_bytes": "--max-bytes", "max_count": "--max-count", "shuffle": "--shuffle",
+          "seed": "--seed", "resize": "--resize", "quality": "--quality", "check_images": "--check-images",
+          "tokenizer": "--tokenizer", "index": "--index"}
+
+
+def _changed(before: dict, now: dict) -> list[str]:
+    """What differs between the config a job recorded and this run's: ``the input (...)``, ``--max-count 5 -> 3``."""
+    said = []
+    if before.get("src") != now.get("src"):
+        said.append(f"the input ({before.get('src')!r}, now {now.get('src')!r})")
+    elif any(before.get(k) != now.get(k) for k in ("kind", "fingerprint", "classes")):
+        fields = ", or --text-field/--key-field" if now.get("kind") == "text" else ""
+        said.append(f"the input (its files or their sizes{fields})")
+    said += [f"{flag} {before.get(k)} -> {now.get(k)}" for k, flag in _FLAGS.items() if before.get(k) != now.get(k)]
+    if not said and before.get("version") != now.get("version"):
+        said.append(f"the journal format ({before.get('version')}, now {now.get('version')})")
+    if not said and before != now:
+        said.append("how it is partitioned or ordered (--partition-size, --partition-bytes, the seed rule)")
+    return said
+
+
 def _inside(spath: str, opath: str, *, local: bool) -> str | None:
     """``"same"`` when OUT is SRC, ``"inside"`` when OUT lies in the folder SRC, else None (paths on one filesystem)."""
     if local:
@@ -176,8 +197,10 @@ def _run(src: str, out: str, o: ShardOptions, *, engine: str, workers: int, prog
     if not resuming:
         existing = existing_outputs(out, o.pattern, opts)
         if existing and not o.overwrite and not rebuild:
-            raise UsageError(f"{out} already holds shards or a manifest ({posixpath.basename(existing[0])}, ...): "
-                             "pass --overwrite to replace them, or choose another OUT")
+            changed = _changed(previous.get("config") or {}, config) if previous is not None else []
+            why = (f"; its input or options changed since it was written: {', '.join(changed)}" if changed else "")
+            raise UsageError(f"{out} already holds shards or a manifest ({posixpath.basename(existing[0])}, ...)"
+                             f"{why}: pass --overwrite to replace them, or choose another OUT")
         remove_outputs(out, o.pattern, opts)
         fs, path = filesystem(out, opts)
         fs.makedirs(posixpath.join(path, JOB_DIR, "done"), exist_ok=True)

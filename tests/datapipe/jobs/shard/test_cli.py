@@ -222,3 +222,32 @@ def test_help_names_every_input_kind_and_what_each_image_check_catches(capsys):
     check = text[text.index("--check-images [{open,decode,none}]", text.index("options:")):]
     assert "no pixel is decoded" in check and "damage inside the image data passes" in check
     assert "on_error counts" in check and "'decode' (also decodes every pixel" in check
+
+
+def test_a_rerun_over_changed_input_or_options_says_what_changed(tmp_path, capsys):
+    """Issue #44: after the input changed, the rerun said only 'already holds shards ... pass --overwrite'."""
+    from tests.datapipe.jobs.shard.test_job import make_image_folder
+
+    root = tmp_path / "imgs"
+    make_image_folder(str(root), n=6, classes=("cat", "dog"))
+    out = tmp_path / "out"
+    assert run_cli(root, out, "--workers", "1") == 0
+    capsys.readouterr()
+    extra = tmp_path / "more"
+    make_image_folder(str(extra), n=1, classes=("cat",))
+    new = next(p for p in (extra / "cat").iterdir())
+    new.rename(root / "cat" / ("new" + new.suffix))
+    assert run_cli(root, out, "--workers", "1") == 2
+    err = capsys.readouterr().err
+    assert "its input or options changed since it was written: the input (its files or their sizes)" in err, err
+    assert "pass --overwrite" in err
+    assert run_cli(root, out, "--workers", "1", "--max-count", "3") == 2
+    err = capsys.readouterr().err
+    assert "the input (its files or their sizes), --max-count" in err and "-> 3" in err, err
+    # shards no job of ours wrote: nothing recorded, so nothing said to have changed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "shard-000000.tar").write_bytes(b"")
+    assert run_cli(root, other, "--workers", "1") == 2
+    err = capsys.readouterr().err
+    assert "already holds shards" in err and "changed since" not in err
