@@ -16,11 +16,11 @@ from datapipe.read.options import StorageOptions
 from datapipe.storage.cache import ShardCache
 from datapipe.storage.failures import is_missing
 from datapipe.storage.files import RetryingFile, decompress, open_shard, with_timeouts
-from datapipe.storage.urls import is_local, local_path, redact_url
+from datapipe.storage.urls import folder_advice, is_local, local_path, redact_url
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.counts import _map, load_counts, stamp, store_counts
 from datapipe.tar.headers import TarFormatError
-from datapipe.words import counted
+from datapipe.words import counted, plural
 from datapipe.tar.manifest import listed, read_manifest
 from datapipe.tar.reader import count_until_damage
 
@@ -122,17 +122,8 @@ class Shards:
             missing = [u for u in self.urls if u not in known]
             absent = self._absent(missing)
             if absent:  # said first (under on_error), not after a warning about counting them
-                names = ", ".join(redact_url(u) for u in absent[:3]) + (", ..." if len(absent) > 3 else "")
-                folders = all(u.endswith(("/", os.sep)) or "." not in posixpath.basename(u) for u in absent)
-                if folders:
-                    what = f"no such folder: {names}: " + self._check_folder(absent[0])
-                else:
-                    what = (f"{len(absent)} of {len(self.urls)} shards do not exist: {names}" if len(self.urls) > 1 else
-                            f"the shard does not exist: {names}") + self._listed_instead(absent[0])
-                for url in absent:
-                    self.ledger.errors(DataError(what, url=redact_url(url), what="folder" if folders else "shard"),
-                                       lost=0)
-                    known[url] = 0
+                self._said_absent(absent, every=len(absent) == len(self.urls))
+                known.update(dict.fromkeys(absent, 0))
                 missing = [u for u in missing if u not in known]
             if missing:
                 log.warning("no manifest lists %s: counting their samples once (write shards with "
@@ -170,14 +161,30 @@ class Shards:
         gone = set(absent)
         return [u for u in urls if u in gone]
 
-    @staticmethod
-    def _check_folder(url: str) -> str:
-        """What to check about a folder that does not exist: the path, or the shards' pattern or glob."""
-        relative = is_local(url) and not os.path.isabs(local_path(url))
-        where = f" (relative to the current directory, {os.getcwd()})" if relative else ""
-        base = redact_url(url.rstrip("/" + os.sep) or url)
-        return (f"check the path{where}, or give the shards by a pattern like '{base}/shard-{{000000..000009}}.tar' "
-                f"or a glob like '{base}/*.tar'")
+    def _said_absent(self, absent: list[str], *, every: bool) -> None:
+        """One error per URL of ``absent`` under ``on_error``: folders (a name with no suffix, or a trailing ``/``)
+        said to be no such folder, shards not to exist. When ``every`` URL is absent the stream names no data at
+        all: the first message is raised whatever ``on_error`` says (a skip would leave 0 samples, in silence)."""
+        is_folder = [u.endswith(("/", os.sep)) or "." not in posixpath.basename(u) for u in absent]
+        folders = [u for u, folder in zip(absent, is_folder) if folder]
+        files = [u for u, folder in zip(absent, is_folder) if not folder]
+        errors = []
+        for group, kind in ((folders, "folder"), (files, "shard")):
+            if not group:
+                continue
+            names = ", ".join(redact_url(u) for u in group[:3]) + (", ..." if len(group) > 3 else "")
+            if kind == "folder":
+                what = f"no such folder: {names}: " + folder_advice(group[0])
+            elif len(self.urls) > 1:
+                what = (f"{len(group)} of {counted(len(self.urls), 'shard')} {plural(len(group), 'does', 'do')} "
+                        f"not exist: {names}") + self._listed_instead(group[0])
+            else:
+                what = f"the shard does not exist: {names}" + self._listed_instead(group[0])
+            errors += [DataError(what, url=redact_url(u), what=kind) for u in group]
+        if every:
+            raise errors[0]
+        for error in errors:
+            self.ledger.errors(error, lost=0)
 
     def _listed_instead(self, url: str) -> str:
         """What the manifest beside a shard that does not exist lists (its pattern), for the error; "" if none."""

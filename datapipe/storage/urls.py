@@ -12,7 +12,8 @@ import braceexpand
 from datapipe.errors import DataError
 from datapipe.storage.locations import is_local, local_path, redact_text, redact_url, url_scheme
 
-__all__ = ["expand_urls", "is_local", "local_path", "redact_text", "redact_url", "url_scheme", "SHARD_SUFFIXES"]
+__all__ = ["expand_urls", "folder_advice", "is_local", "local_path", "redact_text", "redact_url", "url_scheme",
+           "SHARD_SUFFIXES"]
 
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
@@ -206,6 +207,11 @@ def folder_urls(url: str, *, storage_options: dict | None = None) -> Sequence[st
                     path += "/"  # the listing page's links are relative to the folder itself
                 found = [_shard_name(p) for p in fs.ls(path, detail=False)]
         except OSError as e:
+            from datapipe.storage.failures import is_missing
+
+            if is_missing(e):  # as a folder named without its slash is said not to exist (read.shards)
+                raise DataError(f"no such folder: {redact_url(url)}: {folder_advice(url)}", url=redact_url(url),
+                                what="folder") from None
             raise DataError(f"cannot list the folder: {type(e).__name__}: {e}", url=redact_url(url),
                             what="folder") from e
         names = sorted(n for n in found if n.endswith(SHARD_SUFFIXES))
@@ -214,6 +220,15 @@ def folder_urls(url: str, *, storage_options: dict | None = None) -> Sequence[st
                             "(e.g. the OUT of `datapipe shard`) or a shard pattern like 'data/shard-{000000..000009}.tar'",
                             url=redact_url(url), what="folder")
     return [posixpath.join(base, n) for n in names]
+
+
+def folder_advice(url: str) -> str:
+    """What to check about a folder ``url`` that does not exist: the path, or the shards' pattern or glob."""
+    relative = is_local(url) and not os.path.isabs(local_path(url))
+    where = f" (relative to the current directory, {os.getcwd()})" if relative else ""
+    base = redact_url(url.rstrip("/" + os.sep) or url)
+    return (f"check the path{where}, or give the shards by a pattern like '{base}/shard-{{000000..000009}}.tar' "
+            f"or a glob like '{base}/*.tar'")
 
 
 def _check_padding(part: str, expanded: list[str]) -> None:

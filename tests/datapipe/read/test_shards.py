@@ -126,7 +126,7 @@ def test_a_brace_range_past_the_last_shard_over_http_says_what_the_manifest_list
         text = _missing_shard_text(ShardStream(f"{base}/shards/shard-{{000000..000004}}.tar", on_error=on_error),
                                    on_error, caplog)
         assert sum("shard-000004.tar" in p for p in faults.paths) <= 2, faults.paths  # HEAD (+ GET): not read
-    assert f"1 of 5 shards do not exist: {base}/shards/shard-000004.tar" in text, text
+    assert f"1 of 5 shards does not exist: {base}/shards/shard-000004.tar" in text, text
     assert f"manifest.json lists 4 shards: {base}/shards/shard-{{000000..000003}}.tar" in text, text
     assert "FileNotFoundError" not in text and "datapipe index" not in caplog.text + text
     assert "no manifest lists" not in caplog.text
@@ -162,7 +162,7 @@ def test_a_brace_range_past_the_last_shard_over_s3(tmp_path, caplog, on_error):
         stream = ShardStream("s3://absent-shards/data/shard-{000000..000004}.tar", storage_options=options,
                              on_error=on_error)
         text = _missing_shard_text(stream, on_error, caplog)
-    assert "1 of 5 shards do not exist: s3://absent-shards/data/shard-000004.tar" in text, text
+    assert "1 of 5 shards does not exist: s3://absent-shards/data/shard-000004.tar" in text, text
     assert "manifest.json lists 4 shards: s3://absent-shards/data/shard-{000000..000003}.tar" in text, text
     assert "no manifest lists" not in caplog.text and "datapipe index" not in caplog.text + text
 
@@ -189,3 +189,61 @@ def test_a_folder_that_does_not_exist_is_not_called_a_shard(tmp_path, monkeypatc
     assert text.startswith(f"no such folder: {path}: check the path (relative to the current directory, "
                            f"{tmp_path})"), text
     assert "shard-{000000..000009}.tar" in text and "nope/*.tar" in text and "(shard " not in text
+
+
+def _no_data_error(spec, on_error, caplog) -> DataError:
+    """The DataError that ``ShardStream(spec, on_error=on_error)`` raises when first read, with nothing yielded."""
+    with caplog.at_level(logging.WARNING, logger="datapipe"), pytest.raises(DataError) as info:
+        next(iter(ShardStream(spec, on_error=on_error)))  # an empty folder or glob: raised by the constructor
+    return info.value
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip", "warn"])
+@pytest.mark.parametrize("spec", ["nope/", "nope", "empty/", "nope/*.tar", "nope/shard-{000000..000003}.tar"])
+def test_a_spec_that_names_no_shard_is_an_error_in_every_mode(tmp_path, monkeypatch, caplog, on_error, spec):
+    """Issue #44: ``ShardStream("nope/", on_error="skip")`` yielded 0 samples (a training loop ran 0 steps) with
+    only ``errors=1`` in stats(): a spec with no shard at all is a DataError whatever ``on_error`` says."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("empty")
+    text = str(_no_data_error(spec, on_error, caplog))
+    if spec.startswith("nope/shard"):
+        assert text.startswith("4 of 4 shards do not exist: nope/shard-000000.tar"), text
+    elif spec in ("nope/", "nope"):
+        assert text.startswith(f"no such folder: {spec}: check the path (relative to the current directory, "), text
+    assert "skipped:" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_error", ["skip", "warn"])
+@pytest.mark.parametrize("spec", ["nope/", "nope", "shards/shard-{000000..000001}.tar", "shards/x-000000.tar"])
+def test_a_remote_spec_that_names_no_shard_is_an_error_in_every_mode(tmp_path, caplog, on_error, spec):
+    (tmp_path / "web" / "shards").mkdir(parents=True)
+    with http_server(str(tmp_path / "web")) as (base, _):
+        error = _no_data_error(f"{base}/{spec}", on_error, caplog)
+    text = str(error)
+    if spec.startswith("nope"):
+        assert text.startswith(f"no such folder: {base}/{spec}: check the path, or give the shards by a pattern "
+                               f"like '{base}/nope/shard-{{000000..000009}}.tar'"), text
+        assert "FileNotFoundError" not in text and "cannot list" not in text and error.what == "folder"
+    elif "{" in spec:
+        assert text.startswith(f"2 of 2 shards do not exist: {base}/shards/shard-000000.tar, "), text
+    else:
+        assert text.startswith(f"the shard does not exist: {base}/{spec}"), text
+    assert "FileNotFoundError" not in text
+
+
+@pytest.mark.parametrize("on_error", ["skip", "warn"])
+def test_missing_shards_among_existing_ones_stay_counted_skips(tmp_path, caplog, on_error):
+    """The other side of the rule: a stream with some shard that exists reads it and counts the missing ones."""
+    from tests.shards import write_shards
+
+    write_shards(tmp_path / "out", [4, 4])
+    stream = ShardStream([str(tmp_path / "nope/"), str(tmp_path / "out" / "shard-{000000..000002}.tar")],
+                         on_error=on_error)
+    with caplog.at_level(logging.WARNING, logger="datapipe"):
+        assert len(list(stream)) == 8
+    stats = stream.stats()
+    assert stats["errors"] == 2, stats
+    assert any(e.startswith("no such folder") for e in stats["last_errors"]), stats
+    assert any("1 of 4 shards does not exist" in e for e in stats["last_errors"]), stats
+    assert ("skipped: " in caplog.text) == (on_error == "warn")

@@ -114,6 +114,22 @@ def test_an_http_folder_ending_in_a_slash_is_listed(tmp_path):
         assert expand_urls(f"{base}/a/shard-000000.tar") == [f"{base}/a/shard-000000.tar"]
 
 
+@pytest.mark.parametrize("suffix", ["/", ""])
+def test_an_http_folder_that_is_not_there_is_no_such_folder_with_or_without_its_slash(tmp_path, suffix):
+    """Issue #44: ``http://host/nope/`` said "cannot list the folder: FileNotFoundError: ..." with no advice, while
+    ``http://host/nope`` said "no such folder ... check the path": both say the latter."""
+    from datapipe import ShardStream
+    from tests.servers import plain_http_server
+
+    with plain_http_server(str(tmp_path)) as (base, _):
+        with pytest.raises(DataError) as info:
+            len(ShardStream(f"{base}/nope{suffix}", on_error="skip"))
+    text = str(info.value)
+    assert text.startswith(f"no such folder: {base}/nope{suffix}: check the path, or give the shards by a pattern "
+                           f"like '{base}/nope/shard-{{000000..000009}}.tar' or a glob like '{base}/nope/*.tar'"), text
+    assert "FileNotFoundError" not in text and info.value.what == "folder"
+
+
 def test_redact_text_hides_credentials_of_every_url_in_any_text():
     from datapipe.storage.urls import redact_text
 
