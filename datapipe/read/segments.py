@@ -25,6 +25,14 @@ class _Lost:
 LOST = _Lost()
 
 
+def _view_of(reader: MmapReader):
+    """``read(offset, size)``: a zero-copy view of the mapped shard (the reader lets go of pages behind it)."""
+    def view(offset: int, size: int):
+        reader.offset = offset
+        return reader.read_view(size)
+    return view
+
+
 class _Cursor:
     """Where the read of a segment stands: the next sample ordinal expected, the key of the last one seen."""
 
@@ -174,8 +182,9 @@ class SegmentReader:
 
     def _table_walk(self, reader, url: str, start: int, stop: int, keep=None):
         """``(position, samples)`` read through the shard's member table (a local plain shard that has a sound
-        one: each value one ``pread``, no header walked), or None: the shard is walked."""
-        if self.zero_copy or type(reader) is not MmapReader:
+        one: each value one ``pread``, or a view into the mapped file with ``zero_copy``; no header walked), or
+        None: the shard is walked."""
+        if type(reader) is not MmapReader:
             return None
         table = member_table.load(reader._fd, reader.size)
         if table is None:
@@ -183,7 +192,8 @@ class SegmentReader:
         reader.offset = table.end  # where the table read ends, for messages about a shard that ends early
         where = member_table.Position()
         return where, member_table.samples(table, reader._fd, url, where, start=start, stop=stop, keep=keep,
-                                           read_large=lambda offset, size: reader.mm[offset:offset + size])
+                                           read_large=lambda offset, size: reader.mm[offset:offset + size],
+                                           read=_view_of(reader) if self.zero_copy else None)
 
     def _error(self, message: str, url: str, key: str | None) -> DataError:
         return DataError(message, url=redact_url(url), key=key)

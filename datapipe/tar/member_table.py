@@ -185,11 +185,12 @@ PASSED: dict = {}  # in place of a sample the caller did not want read (``sample
 
 
 def samples(table: MemberTable, fd: int, url: str, position: Position, *, start: int, stop: int | None,
-            read_large=None, keep=None) -> Iterator[dict]:
+            read_large=None, keep=None, read=None) -> Iterator[dict]:
     """The samples ``start <= i < stop`` of the table's shard as dicts (``__key__``, ``__url__``, one ``bytes``
     per extension), each value one ``pread``; ``position`` follows the ordinal and key. A value the file no
     longer holds whole (it shrank) raises ``TarTruncated``. ``read_large(offset, size)`` reads values over
-    32 MB (the reader's memory map). Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read."""
+    32 MB (the reader's memory map); ``read(offset, size)``, if given, reads every value (zero-copy views).
+    Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read."""
     from datapipe.tar.headers import TarTruncated
 
     pread = os.pread
@@ -203,8 +204,11 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
             continue
         sample = {"__key__": key, "__url__": url}
         for ext, offset, size in members[i]:
-            data = pread(fd, size, offset) if size <= _MAX_READ or read_large is None else read_large(offset, size)
-            if len(data) != size:
+            if read is not None:
+                data = read(offset, size)
+            else:
+                data = pread(fd, size, offset) if size <= _MAX_READ or read_large is None else read_large(offset, size)
+            if data is None or len(data) != size:
                 raise TarTruncated(f"tar stream ends inside member {key}.{ext} ({size} bytes expected)", offset, key)
             sample[ext] = data
         position.ordinal, position.key = i, key

@@ -148,6 +148,21 @@ def test_no_table_where_the_walk_would_see_damage(tmp_path, monkeypatch):
         assert member_table.NAME not in tf.getnames()
 
 
+def test_zero_copy_views_through_the_table_are_the_walks(tmp_path, monkeypatch):
+    from datapipe import StorageOptions
+
+    _write(str(tmp_path), _samples(60), max_count=25)
+    opts = {"storage": StorageOptions(zero_copy=True), "shuffle": True, "seed": 4}
+    used = []
+    real = member_table.samples
+    monkeypatch.setattr(member_table, "samples", lambda *a, **k: used.append(k.get("read")) or real(*a, **k))
+    views = _read(str(tmp_path), False, monkeypatch, **opts)
+    assert used and all(r is not None for r in used)
+    assert any(isinstance(v, memoryview) for s in views for v in s.values())
+    as_bytes = [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()} for s in views]
+    assert as_bytes == _read(str(tmp_path), True, monkeypatch, shuffle=True, seed=4)
+
+
 def test_large_values_are_read_through_the_memory_map(tmp_path, monkeypatch):
     monkeypatch.setattr(member_table, "_MAX_READ", 1000)
     _write(str(tmp_path), _samples(30))
