@@ -163,6 +163,23 @@ def test_zero_copy_views_through_the_table_are_the_walks(tmp_path, monkeypatch):
     assert as_bytes == _read(str(tmp_path), True, monkeypatch, shuffle=True, seed=4)
 
 
+def test_shards_without_a_manifest_are_counted_from_their_tables(tmp_path, monkeypatch):
+    import datapipe.tar.reader as reader
+    from datapipe.tar import counts
+
+    paths = _write(str(tmp_path), _samples(90), max_count=40)
+    os.remove(tmp_path / "manifest.json")
+
+    def walk(*args, **kwargs):
+        raise AssertionError("a shard with a member table was walked to count it")
+
+    with monkeypatch.context() as m:
+        m.setattr(reader, "count_until_damage", walk)
+        assert [counts.count_shard(p)["count"] for p in paths] == [40, 40, 14]
+    keys = [s["__key__"] for s in ShardStream(paths)]
+    assert len(keys) == len(set(keys)) == 94
+
+
 def test_large_values_are_read_through_the_memory_map(tmp_path, monkeypatch):
     monkeypatch.setattr(member_table, "_MAX_READ", 1000)
     _write(str(tmp_path), _samples(30))
