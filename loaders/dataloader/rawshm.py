@@ -43,6 +43,7 @@ import weakref
 import numpy as np
 import torch
 
+from loaders.dataloader.copyout import copied_out
 from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
 
@@ -250,9 +251,8 @@ def _unpack(packed: Packed, view: memoryview | None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
     their block, each on a storage of its own)."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
-    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass
-        it = iter(spans)
-        out = [bytes(view[offset:offset + n]) for offset, n in zip(it, it)]
+    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large
+        out = copied_out(view, spans)
     else:
         buf = np.frombuffer(view, np.uint8) if view is not None else None
         if block is not None:

@@ -1,0 +1,71 @@
+"""Raw leaves copied out of a segment in threads are the bytes a plain copy gives, each a bytes of its own."""
+import random
+
+import numpy as np
+import pytest
+
+from loaders.dataloader import copyout
+
+
+def _segment(sizes, seed=0):
+    rnd = random.Random(seed)
+    data = bytearray(rnd.randbytes(sum(sizes) + 100))
+    spans, offset = [], 7
+    for n in sizes:
+        spans += [offset, n]
+        offset += n
+    return memoryview(np.frombuffer(data, np.uint8)), spans
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_threaded_copies_equal_plain_ones(monkeypatch, threads):
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    monkeypatch.setattr(copyout, "MIN_LEAF", 64)
+    sizes = [0, 1, 63, 64, 65, 5000, 100_000, 3, 250_000, 64] * 3
+    view, spans = _segment(sizes)
+    got = copyout.copied_out(view, spans, threads=threads)
+    want = [bytes(view[o:o + n]) for o, n in zip(spans[::2], spans[1::2])]
+    assert got == want and all(type(b) is bytes for b in got)
+    assert [hash(b) for b in got] == [hash(b) for b in want]
+    assert len({id(b) for b in got if len(b) >= 64}) == len([b for b in got if len(b) >= 64])
+    view[7] = view[7] ^ 0xFF  # the copies do not alias the segment
+    assert got[0:2] == want[0:2] and got[3] == want[3]
+
+
+def test_small_batches_and_small_machines_copy_plainly(monkeypatch):
+    made = []
+    monkeypatch.setattr(copyout, "_new_bytes", lambda *a: made.append(a) or bytes(a[1]))
+    view, spans = _segment([100_000] * 8)
+    assert copyout.copied_out(view, spans, threads=1) == [bytes(view[o:o + n]) for o, n in
+                                                          zip(spans[::2], spans[1::2])]
+    assert copyout.copied_out(view, spans[:2], threads=4)  # 100 KB: under MIN_BATCH_BYTES
+    assert not made
+
+
+def test_a_span_outside_the_segment_is_refused(monkeypatch):
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    view, spans = _segment([1000, 1000])
+    with pytest.raises(ValueError, match="outside"):
+        copyout.copied_out(view, spans[:2] + [len(view) - 10, 100], threads=2)
+
+
+def test_worker_batches_copied_in_threads_come_out_exact(monkeypatch, tmp_path):
+    from datapipe import ShardStream, ShardWriter
+    from loaders import DataLoader
+
+    monkeypatch.setattr(copyout, "copy_threads", lambda: 3)
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 1 << 16)
+    monkeypatch.setattr(copyout, "MIN_LEAF", 1024)
+    rnd = random.Random(1)
+    samples = [{"__key__": f"k{i:04d}", "bin": rnd.randbytes(rnd.randrange(500, 40_000)), "cls": str(i)}
+               for i in range(300)]
+    with ShardWriter(str(tmp_path / "s-%03d.tar"), max_count=100) as w:
+        for s in samples:
+            w.write(s)
+    calls = []
+    real = copyout._copy
+    monkeypatch.setattr(copyout, "_copy", lambda jobs: calls.append(len(jobs)) or real(jobs))
+    loader = DataLoader(ShardStream(str(tmp_path)), batch_size=32, num_workers=2, collate_fn=lambda b: b)
+    got = {s["__key__"]: (s["bin"], s["cls"]) for batch in loader for s in batch}
+    assert got == {s["__key__"]: (s["bin"], s["cls"].encode()) for s in samples}
+    assert sum(calls) > 0  # the threaded copy ran
