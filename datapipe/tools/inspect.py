@@ -17,7 +17,7 @@ from datapipe.storage.files import describe, is_permanent, open_shard, secrets_o
 from datapipe.tar.blocks import reader_for
 from datapipe.tar.headers import BLOCK, TarFormatError, _checksum_ok
 from datapipe.tar.reader import iter_samples
-from datapipe.storage.urls import expand_urls, redact_text, redact_url
+from datapipe.storage.urls import expand_urls, folder_advice, redact_text, redact_url
 from datapipe.words import counted
 
 
@@ -37,6 +37,8 @@ def shard_urls(target: str, *, storage_options: dict | None = None) -> list[str]
         fs.info(path)
     except Exception as e:  # fsspec's HTTP reports an unreachable host as FileNotFoundError too
         if isinstance(e, FileNotFoundError) and is_permanent(e):
+            if not target.rstrip("/").endswith((".tar", ".tgz", ".tar.gz", ".gz")):  # a folder, as ShardStream says
+                raise FileNotFoundError(f"no such folder: {redact_url(target)}: {folder_advice(target)}") from None
             raise FileNotFoundError(f"{redact_url(target)} does not exist: {_WHAT}") from None
         text, cause = describe(e, secrets_of(target, options))
         raise DataError(f"cannot read: {text}", url=redact_url(target), what="target") from cause

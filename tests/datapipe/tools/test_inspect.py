@@ -62,8 +62,12 @@ def test_a_file_that_is_not_a_tar_is_one_line(tmp_path, capsys, content):
 
 
 def test_a_missing_target_and_bad_storage_options(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path / "nothing")]) == 1
-    assert "does not exist" in capsys.readouterr().err
+    for missing in ("nothing", "nothing/"):  # a folder: worded as ShardStream words it, with what to check
+        assert main(["inspect", str(tmp_path / "nothing") + missing[7:]]) == 1
+        err = capsys.readouterr().err
+        assert "no such folder" in err and "check the path" in err and "does not exist" not in err
+    assert main(["inspect", str(tmp_path / "nothing.tar")]) == 1
+    assert "nothing.tar does not exist" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path), "--storage-options", "{not json"]) == 2
     assert "--storage-options must be a JSON object" in capsys.readouterr().err
 
