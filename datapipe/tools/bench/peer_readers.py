@@ -246,13 +246,22 @@ class EnergonLoader:
         return iter(self.loader)
 
 
+def _copy_threads_said() -> str:
+    """How the main process copies large raw batches out of the workers' segments here (the row says it)."""
+    from loaders.dataloader.copyout import copy_threads
+
+    n = copy_threads()
+    return f", raw leaves of large batches copied out in {n} threads" if n > 1 else ""
+
+
 def describe(system: str, workers: int) -> str:
     """What ``system``'s loader does with ``workers`` (the words every row carries)."""
     procs = f"{workers} worker processes" if workers else "in the main process"
     return {
         "torch": f"torch DataLoader over a files Dataset, shuffle=True, {procs}",
         "webdataset": f"webdataset.WebDataset (shardshuffle, .shuffle(1000)) in torch's DataLoader, {procs}",
-        "datapipe": f"loaders.DataLoader over ShardStream(shuffle=True, shuffle_buffer=200), {procs}",
+        "datapipe": f"loaders.DataLoader over ShardStream(shuffle=True, shuffle_buffer=200), {procs}"
+                    + (_copy_threads_said() if workers else ""),
         "litdata": f"litdata StreamingDataset(shuffle=True) + StreamingDataLoader, {procs}",
         "mosaicml": f"streaming.StreamingDataset(shuffle=True) + StreamingDataLoader, {procs}",
         "spdl": f"spdl.dataloader.DataLoader over the shuffled file paths, "
