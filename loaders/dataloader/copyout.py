@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -85,8 +85,14 @@ def copied_out(view: memoryview, spans, *, threads: int | None = None) -> list[b
             chunk, filled = [], 0
     if chunk:
         chunks.append(chunk)
-    pending = [_executor(threads - 1).submit(_copy, c) for c in chunks[1:]]
-    _copy(chunks[0] if chunks else [])
+    pending = []
+    try:
+        pool = _executor(threads - 1)
+        for c in chunks[1:]:
+            pending.append(pool.submit(_copy, c))
+        _copy(chunks[0] if chunks else [])
+    finally:
+        wait(pending)  # no thread may still write into a leaf once this returns or raises (the leaves go with it)
     for future in pending:
         future.result()
     return out

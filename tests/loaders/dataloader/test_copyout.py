@@ -69,3 +69,39 @@ def test_worker_batches_copied_in_threads_come_out_exact(monkeypatch, tmp_path):
     got = {s["__key__"]: (s["bin"], s["cls"]) for batch in loader for s in batch}
     assert got == {s["__key__"]: (s["bin"], s["cls"].encode()) for s in samples}
     assert sum(calls) > 0  # the threaded copy ran
+
+
+def test_a_failed_submit_waits_for_the_copies_under_way(monkeypatch):
+    """If handing a share to the pool fails, the shares already running finish before the error comes out: no
+    thread writes into a leaf after the leaves are gone."""
+    import threading
+
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    view, spans = _segment([200_000] * 6)
+    started, release = threading.Event(), threading.Event()
+    real_copy = copyout._copy
+
+    def slow_copy(jobs):
+        started.set()
+        release.wait(5)
+        real_copy(jobs)
+
+    class Pool:
+        def __init__(self):
+            self.real = copyout.ThreadPoolExecutor(1)
+            self.n = 0
+
+        def submit(self, fn, arg):
+            self.n += 1
+            if self.n == 2:
+                started.wait(5)
+                threading.Timer(0.2, release.set).start()
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            return self.real.submit(slow_copy, arg)
+
+    pool = Pool()
+    monkeypatch.setattr(copyout, "_executor", lambda workers: pool)
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        copyout.copied_out(view, spans, threads=3)
+    assert release.is_set()  # the running share was waited for before the error came out
+    pool.real.shutdown(wait=True)
