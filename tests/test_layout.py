@@ -81,7 +81,7 @@ def test_dependencies_flow_one_way():
         layer = layer_of(_module_of(path))
         allowed = ALLOWED[layer] | DISPATCH.get(rel, set())
         wrong += [f"{rel} imports {m}" for m in sorted(_imports(path)) if layer_of(m) not in allowed]
-    assert not wrong, "imports against the layout (see README, Layout):\n" + "\n".join(wrong)
+    assert not wrong, "imports against the layout (see docs/internals.md):\n" + "\n".join(wrong)
 
 
 def test_no_import_cycles():
