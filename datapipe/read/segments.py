@@ -184,9 +184,7 @@ class SegmentReader:
         """``(position, samples)`` read through the shard's member table (a local plain shard that has a sound
         one: each value one ``pread``, or a view into the mapped file with ``zero_copy``; no header walked), or
         None: the shard is walked."""
-        if type(reader) is not MmapReader:
-            return None
-        table = member_table.load(reader._fd, reader.size)
+        table = member_table.of_reader(reader)
         if table is None:
             return None
         reader.offset = table.end  # where the table read ends, for messages about a shard that ends early

@@ -131,13 +131,12 @@ def count_shard(url: str, *, storage_options: dict | None = None, retries: int =
     from datapipe.tar.reader import count_until_damage
 
     from datapipe.tar import member_table
-    from datapipe.tar.blocks import MmapReader
 
     version = stamp(url, storage_options)
     f, seekable = open_shard(url, storage_options=storage_options, retries=retries)
     try:
         reader = reader_for(f, seekable=seekable)
-        table = member_table.load(reader._fd, reader.size) if type(reader) is MmapReader else None
+        table = member_table.of_reader(reader)
         # a sound member table holds what a read of the shard yields (reads go through it too): no walk
         n, err = (len(table), None) if table is not None else count_until_damage(reader)
     except OSError as e:

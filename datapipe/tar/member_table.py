@@ -25,7 +25,7 @@ import zlib
 from array import array
 from typing import Iterator
 
-from datapipe.tar.headers import BLOCK, is_meta, split_key
+from datapipe.tar.headers import BLOCK, TarTruncated, _plain_member, is_meta, split_key
 
 NAME = ".datapipe-members"
 _HEAD = struct.Struct("<8sQQQII")
@@ -130,9 +130,15 @@ def load(fd: int, size: int) -> MemberTable | None:
     return _parse(blob, header_at)
 
 
-def _sound_header(header: bytes, length: int) -> bool:
-    from datapipe.tar.headers import _plain_member
+def of_reader(reader) -> MemberTable | None:
+    """The member table of the shard a tar reader reads, where it is a local plain file (``MmapReader``) with a
+    sound one; else None."""
+    from datapipe.tar.blocks import MmapReader
 
+    return load(reader._fd, reader.size) if type(reader) is MmapReader else None
+
+
+def _sound_header(header: bytes, length: int) -> bool:
     member = _plain_member(header, 0, None)
     return member is not None and member[0] == NAME and member[1] == length
 
@@ -191,8 +197,6 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
     longer holds whole (it shrank) raises ``TarTruncated``. ``read_large(offset, size)`` reads values over
     32 MB (the reader's memory map); ``read(offset, size)``, if given, reads every value (zero-copy views).
     Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read."""
-    from datapipe.tar.headers import TarTruncated
-
     pread = os.pread
     keys, members = table.keys, table.members
     stop = len(keys) if stop is None else min(stop, len(keys))

@@ -55,11 +55,17 @@ def _plain_http_server(folder):
         server.server_close()
 
 
-def test_a_server_that_ignores_range_is_named_and_not_counted_as_bytes_read(shard_dir, caplog):
+@contextlib.contextmanager
+def _range_ignoring_store(shard_dir):
+    """``(store, sizes)`` of the shards served by a server that ignores Range headers."""
     names = sorted(f for f in os.listdir(shard_dir) if f.endswith(".tar"))
     with _plain_http_server(shard_dir) as base:
         store = Store([f"{base}/{n}" for n in names])
-        sizes = [store.size(u) for u in store.urls]
+        yield store, [store.size(u) for u in store.urls]
+
+
+def test_a_server_that_ignores_range_is_named_and_not_counted_as_bytes_read(shard_dir, caplog):
+    with _range_ignoring_store(shard_dir) as (store, sizes):
         with caplog.at_level(logging.WARNING, logger="datapipe.tools.bench.storage_reads"):
             r = measure_reads(store, sizes, block=5000, concurrency=1, seconds=600, mode="threads")
     assert r["bytes"] == sum(sizes)  # whole files came back for every 5000-byte read: not counted
@@ -68,10 +74,7 @@ def test_a_server_that_ignores_range_is_named_and_not_counted_as_bytes_read(shar
 
 def test_a_server_that_ignores_range_is_named_once_per_store(shard_dir, caplog):
     """Issue #44: `datapipe bench storage` printed the warning 5 times (once per thread of each measurement)."""
-    names = sorted(f for f in os.listdir(shard_dir) if f.endswith(".tar"))
-    with _plain_http_server(shard_dir) as base:
-        store = Store([f"{base}/{n}" for n in names])
-        sizes = [store.size(u) for u in store.urls]
+    with _range_ignoring_store(shard_dir) as (store, sizes):
         with caplog.at_level(logging.WARNING, logger="datapipe.tools.bench.storage_reads"):
             for concurrency, mode in [(1, "threads"), (2, "threads"), (4, "threads"), (2, "processes")]:
                 measure_reads(store, sizes, block=5000, concurrency=concurrency, seconds=600, mode=mode)
