@@ -418,7 +418,8 @@ def main(argv=None) -> dict:
         import tempfile
 
         trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="ceiling-trace-")
-        profiles = []
+        earlier_profiles = out.get("profile") or []  # --append keeps the file's profiles beside this run's
+        profiles = list(earlier_profiles) if isinstance(earlier_profiles, list) else [earlier_profiles]
         for config in args.profile_configs:  # after the rows, whatever --budget-s says (it bounds the rows)
             profiles.append(profile_part(bench, args, trace_dir, config))
             out["profile"] = profiles[0] if len(profiles) == 1 else profiles
