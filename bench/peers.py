@@ -18,7 +18,8 @@ The run of record (the H200 host, 16 cores; 50,000 ImageNet-like JPEGs of ~100 K
 a 420 s budget so that it ends within 8 minutes, epochs cut at 3 s where slower peers take longer):
 
     python bench/peers.py --num-images 50000 --batch-size 256 --workers 0,4,8 --resume-workers 4 \
-        --decode-workers 14 --epoch-cap-s 3 --budget-s 420 --name peers_h200
+        --decode-workers 14 --epoch-cap-s 3 --timeout 60 --budget-s 420 --name peers_h200
+    python bench/peers.py ... the same ... --rest     # a second call: the rows the budget left unrun
 
 The 2-core machine (a few minutes):
 
@@ -66,6 +67,9 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=None, help="start no row after this many seconds")
     p.add_argument("--quick", action="store_true",
                    help="a tiny smoke run (24 small images, batch 8, 0 and 2 workers; resume and decode in 2)")
+    p.add_argument("--rest", action="store_true",
+                   help="run only the rows that the results file already in --out (--name) left unrun at its budget, "
+                        "on the same --data and settings, keeping its other rows: a run of record over two calls")
     p.add_argument("--note", default=None, help="a sentence about this run, kept in the JSON")
     p.add_argument("--name", default="peers", help="results file name (default peers: peers.json, peers.png)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
@@ -79,6 +83,16 @@ def main(argv=None) -> dict:
         args.num_images, args.batch_size, args.workers, args.image_size = 24, 8, "0,2", 16
         args.decode_workers, args.resume_workers, args.decode_seconds, size = 2, 2, None, (48, 36)
         args.data = args.data.rstrip("/") + "-quick"
+    earlier = None
+    if args.rest:
+        import json
+
+        path = os.path.join(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                            f"{args.name}.json")
+        if not os.path.exists(path):
+            p.error(f"--rest: there is no {path} to go on from")
+        with open(path) as f:
+            earlier = json.load(f)
     t0 = time.perf_counter()
     source = args.source or peers.make_image_folder(os.path.join(args.data, f"images-{args.num_images}"),
                                                     num_images=args.num_images, size=size,
@@ -91,7 +105,7 @@ def main(argv=None) -> dict:
                              workers=tuple(int(w) for w in args.workers.split(",")),
                              decode_workers=args.decode_workers, resume_workers=args.resume_workers,
                              image_size=args.image_size, timeout=args.timeout, epoch_cap_s=args.epoch_cap_s,
-                             decode_seconds=args.decode_seconds, budget_s=args.budget_s,
+                             decode_seconds=args.decode_seconds, budget_s=args.budget_s, earlier=earlier,
                              on_row=lambda so_far: _save(args.name, {**so_far, **extra}, args.out))
     result.update(extra)
     path = _save(args.name, result, args.out)

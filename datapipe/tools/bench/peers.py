@@ -230,11 +230,34 @@ def _short_epochs(result: dict) -> list[str]:
     return out
 
 
+_BUDGET_CUT = ("not run: the run's budget", "stopped at the run's budget")
+_SAME_SETTINGS = ("batch_size", "workers", "decode_workers", "resume_workers", "image_size", "seed", "epoch_cap_s",
+                  "decode_seconds")
+
+
+def _finished(row: Any) -> bool:
+    """A row an earlier run finished (its figures, or a failure of its own), not one that run's budget cut."""
+    return isinstance(row, dict) and not str(row.get("error", "")).startswith(_BUDGET_CUT)
+
+
+def _earlier_systems(earlier: dict | None, settings: dict, images: int) -> dict:
+    """The systems of ``earlier`` (a result whose budget cut it short), checked to be a run of these settings."""
+    if not earlier:
+        return {}
+    theirs = earlier.get("settings", {})
+    differ = [k for k in _SAME_SETTINGS if theirs.get(k) != settings[k]]
+    if differ or earlier.get("source", {}).get("images") != images:
+        what = ", ".join(f"{k} {theirs.get(k)!r} -> {settings[k]!r}" for k in differ) or "another image count"
+        raise ValueError(f"the earlier run was made with other settings ({what}): run it whole instead")
+    return earlier.get("systems", {})
+
+
 def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | None = None, batch_size: int = 256,
               workers: tuple[int, ...] = (0, 4, 8), decode_workers: int | None = None, resume_workers: int = 4,
               image_size: int = 224, write_workers: int | None = None, seed: int = 0, timeout: float = 600.0,
               epoch_cap_s: float | None = None, decode_seconds: float | None = 3.0, budget_s: float | None = None,
-              progress: bool = True, on_row: Callable[[dict], None] | None = None) -> dict[str, Any]:
+              progress: bool = True, on_row: Callable[[dict], None] | None = None,
+              earlier: dict | None = None) -> dict[str, Any]:
     """Every row for every installed system, on the images of ``source`` (a class-folder tree).
 
     Args:
@@ -256,6 +279,9 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         progress: a line on stderr per row.
         on_row: called with the result so far (its table included, ``partial``) after every row, so that a run
             cut short still leaves what it measured.
+        earlier: the result of a run of the same settings and ``work_dir`` whose budget cut it short: its rows are
+            kept (its formats too, where it wrote them) and only the rows it left unrun are run, each in a fresh
+            process as ever: a run of record split over calls that each have a time limit.
     """
     from datapipe.device.autotune import usable_cores
     from datapipe.tools.bench.peer_process import RowRunner
@@ -299,6 +325,10 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                      "processes": "every row a fresh process, forked from a per-system process that has only "
                                   "imported the system (import_s)"},
         "notes": notes, "systems": {}}
+    before = _earlier_systems(earlier, result["settings"], len(images))
+    if before:
+        result["settings"]["continues"] = (earlier.get("settings", {}).get("continues", [])
+                                           + [earlier.get("environment", {}).get("date")])
     clock = _Clock(budget_s, timeout)
 
     def say(text):
@@ -324,7 +354,9 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         runners[system] = RowRunner(list(IMPORTS[system] + COMMON_IMPORTS), target="datapipe.tools.bench.peers.row_main")
         live.append(system)
 
-    def row(system: str, spec: dict, label: str) -> dict:
+    def row(system: str, spec: dict, label: str, kept: Any = None) -> dict:
+        if _finished(kept):
+            return kept
         limit = clock.timeout_now()
         if limit is None:
             return {"error": f"not run: the run's budget of {budget_s:g} s was spent"}
@@ -345,11 +377,14 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                 live.remove(system)
         data = {s: source if s == "spdl" else os.path.join(work_dir, s) for s in live}
         for system in list(live):
-            if system != "spdl" and os.path.exists(data[system]):
-                shutil.rmtree(data[system])
             entry = result["systems"][system]
+            written = before.get(system, {}).get("write")
+            if not (_finished(written) and "error" not in written and os.path.exists(data[system])):
+                written = None
+                if system != "spdl" and os.path.exists(data[system]):
+                    shutil.rmtree(data[system])
             entry["write"] = row(system, {"row": "write", "source": source, "out": data[system],
-                                          "workers": write_workers}, "write")
+                                          "workers": write_workers}, "write", written)
             if "error" in entry["write"]:
                 live.remove(system)
             saved()
@@ -361,14 +396,19 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         for w in workers:
             for system in live:
                 entry = result["systems"][system]
+                kept = (before.get(system, {}).get("raw") or {}).get(str(w))
                 entry.setdefault("raw", {})[str(w)] = row(system, {"row": "raw", **common(system), "workers": w,
-                                                                   "cap_s": epoch_cap_s}, f"raw bytes, {w} workers")
+                                                                   "cap_s": epoch_cap_s}, f"raw bytes, {w} workers",
+                                                          kept)
                 saved()
         half = max(1, -(-len(images) // batch_size) // 2)
         for system in live:
             entry = result["systems"][system]
             if system not in RESUMABLE:
                 entry["resume"] = {"error": "no mid-epoch resume"}
+                continue
+            if _finished(before.get(system, {}).get("resume")):
+                entry["resume"] = before[system]["resume"]
                 continue
             state = os.path.join(work_dir, f"{system}-state.pkl")
             save = row(system, {"row": "resume_save", **common(system), "workers": resume_workers,
@@ -382,7 +422,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         for system in live:
             result["systems"][system]["decode"] = row(
                 system, {"row": "decode", **common(system), "workers": decode_workers, "image_size": image_size,
-                         "seconds": decode_seconds}, f"decode, {decode_workers} workers")
+                         "seconds": decode_seconds}, f"decode, {decode_workers} workers",
+                before.get(system, {}).get("decode"))
             saved()
     finally:
         for r in runners.values():

@@ -144,3 +144,34 @@ def test_folder_from_shards_gives_every_system_the_same_images(tmp_path):
     urls = expand_urls(str(tmp_path / "shards"))
     folder = peers.folder_from_shards(urls, str(tmp_path / "images"))
     assert len(peers.list_images(folder)) == 10
+
+
+def test_a_run_cut_by_its_budget_goes_on_with_the_rows_it_left(source, tmp_path, monkeypatch):
+    work = str(tmp_path / "w")
+    kw = dict(work_dir=work, systems=["torch"], batch_size=8, workers=(0,), decode_workers=0, resume_workers=0,
+              image_size=16, timeout=240, decode_seconds=None, progress=False)
+    first = peers.run_peers(source, **kw)
+    entry = first["systems"]["torch"]
+    assert "error" not in entry["raw"]["0"] and "error" not in entry["decode"]
+    cut = json.loads(json.dumps(first))  # as if its budget had stopped it before the decode row
+    cut["systems"]["torch"]["decode"] = {"error": "not run: the run's budget of 1 s was spent"}
+    cut["environment"] = {"date": "2026-12-06T06:00:00+00:00"}
+    ran = []
+    from datapipe.tools.bench import peer_process
+
+    original = peer_process.RowRunner.run
+
+    def counting(self, spec, **kw):
+        ran.append(spec["row"])
+        return original(self, spec, **kw)
+
+    monkeypatch.setattr(peer_process.RowRunner, "run", counting)
+    rest = peers.run_peers(source, **kw, earlier=cut)
+    assert ran == ["decode"]  # the write, raw and resume rows were kept, with the format already written
+    assert rest["systems"]["torch"]["raw"] == entry["raw"] and rest["systems"]["torch"]["write"] == entry["write"]
+    assert "error" not in rest["systems"]["torch"]["decode"]
+    assert rest["settings"]["continues"] == ["2026-12-06T06:00:00+00:00"]
+    other = json.loads(json.dumps(cut))
+    other["settings"]["batch_size"] = 4
+    with pytest.raises(ValueError, match="other settings"):
+        peers.run_peers(source, **kw, earlier=other)
