@@ -14,11 +14,13 @@ The peers need installing: ``pip install -c constraints.txt spdl grain megatron-
 Streaming 0.13 pins numpy<2.2: install it into a folder of its own with ``pip install --target DIR`` and run
 with ``PYTHONPATH=DIR``). Systems not installed are listed as such.
 
-The run of record (the H200 host, 16 cores; 50,000 ImageNet-like JPEGs of ~100 KB, batch 256, in the page cache;
-a 420 s budget so that it ends within 8 minutes, epochs cut at 3 s where slower peers take longer):
+The run of record (the 16-core GPU host; 150,000 ImageNet-like JPEGs of ~100 KB, so that even the fastest reader's
+epoch lasts 3 s or more; batch 256, in the page cache; each system's format removed once its rows are done, so the
+disk holds the source and one format, ~30 GB; epochs cut at 3 s where slower peers take longer; two calls of a
+420 s budget each, the second going on with the rows the first left):
 
-    python bench/peers.py --num-images 50000 --batch-size 256 --workers 0,4,8 --resume-workers 4 \
-        --decode-workers 14 --epoch-cap-s 3 --timeout 60 --budget-s 420 --name peers_h200
+    python bench/peers.py --num-images 150000 --batch-size 256 --workers 0,4,8 --resume-workers 4 \
+        --decode-workers 14 --epoch-cap-s 3 --timeout 60 --budget-s 420 --drop-formats --name peers_h200
     python bench/peers.py ... the same ... --rest     # a second call: the rows the budget left unrun
 
 The 2-core machine (a few minutes):
@@ -70,6 +72,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rest", action="store_true",
                    help="run only the rows that the results file already in --out (--name) left unrun at its budget, "
                         "on the same --data and settings, keeping its other rows: a run of record over two calls")
+    p.add_argument("--drop-formats", action="store_true",
+                   help="remove each system's format once its rows are done (disk for the source and one format)")
     p.add_argument("--note", default=None, help="a sentence about this run, kept in the JSON")
     p.add_argument("--name", default="peers", help="results file name (default peers: peers.json, peers.png)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
@@ -106,6 +110,7 @@ def main(argv=None) -> dict:
                              decode_workers=args.decode_workers, resume_workers=args.resume_workers,
                              image_size=args.image_size, timeout=args.timeout, epoch_cap_s=args.epoch_cap_s,
                              decode_seconds=args.decode_seconds, budget_s=args.budget_s, earlier=earlier,
+                             drop_formats=args.drop_formats,
                              on_row=lambda so_far: _save(args.name, {**so_far, **extra}, args.out))
     result.update(extra)
     path = _save(args.name, result, args.out)

@@ -9,7 +9,8 @@ format, reads the files where they are) and reads it with its documented loader,
 (:mod:`~datapipe.tools.bench.peer_readers`, whose :func:`~datapipe.tools.bench.peer_readers.describe` words go into
 every row as ``did``).
 
-Rows, run phase by phase over all systems (writes, raw bytes, resume, decode), every row in a fresh process
+Rows, run system by system (its write, raw bytes, resume, decode; so that with ``drop_formats`` one format at a
+time is on disk), every row in a fresh process
 forked from a per-system process that has only imported that system (:mod:`~datapipe.tools.bench.peer_process`;
 import time reported apart), so that a first epoch is a first epoch:
 
@@ -257,7 +258,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
               image_size: int = 224, write_workers: int | None = None, seed: int = 0, timeout: float = 600.0,
               epoch_cap_s: float | None = None, decode_seconds: float | None = 3.0, budget_s: float | None = None,
               progress: bool = True, on_row: Callable[[dict], None] | None = None,
-              earlier: dict | None = None) -> dict[str, Any]:
+              earlier: dict | None = None, drop_formats: bool = False) -> dict[str, Any]:
     """Every row for every installed system, on the images of ``source`` (a class-folder tree).
 
     Args:
@@ -282,6 +283,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         earlier: the result of a run of the same settings and ``work_dir`` whose budget cut it short: its rows are
             kept (its formats too, where it wrote them) and only the rows it left unrun are run, each in a fresh
             process as ever: a run of record split over calls that each have a time limit.
+        drop_formats: remove each system's format once all its rows are done, so that the run needs room on disk
+            for the source and one format at a time (more images than eight formats would fit).
     """
     from datapipe.device.autotune import usable_cores
     from datapipe.tools.bench.peer_process import RowRunner
@@ -376,55 +379,56 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                 result["systems"][system]["error"] = str(e)
                 live.remove(system)
         data = {s: source if s == "spdl" else os.path.join(work_dir, s) for s in live}
-        for system in list(live):
-            entry = result["systems"][system]
-            written = before.get(system, {}).get("write")
+        half = max(1, -(-len(images) // batch_size) // 2)
+
+        def common(system):
+            return {"data": data[system], "batch_size": batch_size, "seed": seed,
+                    "cache_dir": os.path.join(work_dir, f"{system}-cache")}
+
+        def rows_of(system: str, entry: dict, old: dict) -> None:
+            """Every row of one system: write its format, read it (raw bytes at each worker count, resume,
+            decode), then, with ``drop_formats``, remove the format."""
+            written = old.get("write")
             if not (_finished(written) and "error" not in written and os.path.exists(data[system])):
                 written = None
                 if system != "spdl" and os.path.exists(data[system]):
                     shutil.rmtree(data[system])
             entry["write"] = row(system, {"row": "write", "source": source, "out": data[system],
                                           "workers": write_workers}, "write", written)
-            if "error" in entry["write"]:
-                live.remove(system)
             saved()
-
-        def common(system):
-            return {"data": data[system], "batch_size": batch_size, "seed": seed,
-                    "cache_dir": os.path.join(work_dir, f"{system}-cache")}
-
-        for w in workers:
-            for system in live:
-                entry = result["systems"][system]
-                kept = (before.get(system, {}).get("raw") or {}).get(str(w))
+            if "error" in entry["write"]:
+                return
+            for w in workers:
                 entry.setdefault("raw", {})[str(w)] = row(system, {"row": "raw", **common(system), "workers": w,
                                                                    "cap_s": epoch_cap_s}, f"raw bytes, {w} workers",
-                                                          kept)
+                                                          (old.get("raw") or {}).get(str(w)))
                 saved()
-        half = max(1, -(-len(images) // batch_size) // 2)
-        for system in live:
-            entry = result["systems"][system]
             if system not in RESUMABLE:
                 entry["resume"] = {"error": "no mid-epoch resume"}
-                continue
-            if _finished(before.get(system, {}).get("resume")):
-                entry["resume"] = before[system]["resume"]
-                continue
-            state = os.path.join(work_dir, f"{system}-state.pkl")
-            save = row(system, {"row": "resume_save", **common(system), "workers": resume_workers,
-                                "state_path": state, "stop_after": half, "verify_batches": 4},
-                       f"resume (save), {resume_workers} workers")
-            entry["resume"] = save if "error" in save else {
-                **row(system, {"row": "resume_load", **common(system), "workers": resume_workers,
-                               "state_path": state, "total": len(images)}, f"resume (load), {resume_workers} workers"),
-                "saved": save}
+            elif _finished(old.get("resume")):
+                entry["resume"] = old["resume"]
+            else:
+                state = os.path.join(work_dir, f"{system}-state.pkl")
+                save = row(system, {"row": "resume_save", **common(system), "workers": resume_workers,
+                                    "state_path": state, "stop_after": half, "verify_batches": 4},
+                           f"resume (save), {resume_workers} workers")
+                entry["resume"] = save if "error" in save else {
+                    **row(system, {"row": "resume_load", **common(system), "workers": resume_workers,
+                                   "state_path": state, "total": len(images)},
+                          f"resume (load), {resume_workers} workers"),
+                    "saved": save}
+                saved()
+            entry["decode"] = row(system, {"row": "decode", **common(system), "workers": decode_workers,
+                                           "image_size": image_size, "seconds": decode_seconds},
+                                  f"decode, {decode_workers} workers", old.get("decode"))
             saved()
-        for system in live:
-            result["systems"][system]["decode"] = row(
-                system, {"row": "decode", **common(system), "workers": decode_workers, "image_size": image_size,
-                         "seconds": decode_seconds}, f"decode, {decode_workers} workers",
-                before.get(system, {}).get("decode"))
-            saved()
+            done = all(_finished(entry.get(k)) for k in ("write", "resume", "decode")) and all(
+                _finished(r) for r in entry.get("raw", {}).values())
+            if drop_formats and done and system != "spdl":
+                shutil.rmtree(data[system], ignore_errors=True)
+
+        for system in live:  # one system's rows after another's, so that one format at a time need be on disk
+            rows_of(system, result["systems"][system], before.get(system, {}))
     finally:
         for r in runners.values():
             r.close()

@@ -175,3 +175,16 @@ def test_a_run_cut_by_its_budget_goes_on_with_the_rows_it_left(source, tmp_path,
     other["settings"]["batch_size"] = 4
     with pytest.raises(ValueError, match="other settings"):
         peers.run_peers(source, **kw, earlier=other)
+
+
+def test_systems_run_one_after_another_and_their_formats_can_go(source, tmp_path):
+    work = tmp_path / "w"
+    order = []
+    res = peers.run_peers(source, work_dir=str(work), systems=["torch", "datapipe"], batch_size=8, workers=(0,),
+                          decode_workers=0, resume_workers=0, image_size=16, timeout=240, decode_seconds=None,
+                          progress=False, drop_formats=True,
+                          on_row=lambda r: order.append([s for s, e in r["systems"].items() if "decode" in e]))
+    assert order[3] == ["torch"] and order[4] == ["torch"]  # torch's rows all came before datapipe's write
+    for system in ("torch", "datapipe"):
+        assert "error" not in res["systems"][system]["decode"]
+        assert not (work / system).exists()  # its format went once its rows were done
