@@ -35,8 +35,8 @@ copies, the loader's own work (streams other than the training one) and its copy
 longer the training stream's kernels ran than in the ceiling.
 
 A probe (``--rows config/loader[/loop],...``) runs the rows listed instead of the plan; a loader there or in
-``--loaders`` may be ``imageloader@hw<share>+t<threads>+nohold``: ImageLoader with a fixed hardware decoder
-share, DALI threads and, with ``nohold``, no step hold.
+``--loaders`` may be ``imageloader@hw<share>+t<threads>+q<depth>+nohold``: ImageLoader with a fixed hardware
+decoder share, DALI threads, batches made ahead and, with ``nohold``, no step hold.
 
     python bench/ceiling.py                      # the run of record: bench/results/ceiling.json
     python bench/ceiling.py --configs cuda_graphs,compiled,resnet18 --rounds 1 --out /tmp/c   # part of it
@@ -324,7 +324,7 @@ def parse(argv=None):
                    help="comma list of the row sets --profile profiles (default: eager)")
     p.add_argument("--rows", default="",
                    help="a probe: comma list of config/loader[/loop] rows run instead of the plan (loop default "
-                        "runs_ahead; loader may be imageloader@hw<share>+t<threads>+nohold)")
+                        "runs_ahead; loader may be imageloader@hw<share>+t<threads>+q<depth>+nohold)")
     p.add_argument("--trace-dir", default=None, help="where the profiler's traces go (default: a temporary folder)")
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new row after this many seconds")
     p.add_argument("--quick", action="store_true",

@@ -36,9 +36,10 @@ def torch_idiom(loader, device):
 
 
 def variant(name: str) -> tuple[str, dict]:
-    """``imageloader@hw0.5+t14+nohold`` -> ``("imageloader", {"hw": 0.5, "threads": 14, "hold": False})``: a probe's
-    ImageLoader with a fixed hardware decoder share (``hw``), DALI threads (``t``) and, with ``nohold``, no
-    ``StepHold`` (the loader's own hold for a hardware share on few queues). A plain name has no options."""
+    """``imageloader@hw0.5+t14+q4+nohold`` -> ``("imageloader", {"hw": 0.5, "threads": 14, "depth": 4, "hold": False})``:
+    a probe's ImageLoader with a fixed hardware decoder share (``hw``), DALI threads (``t``), batches made ahead
+    (``q``, ``ReadOptions.prefetch_queue_depth``) and, with ``nohold``, no ``StepHold`` (the loader's own hold for a
+    hardware share on few queues). A plain name has no options."""
     base, _, spec = name.partition("@")
     opts: dict = {}
     for part in filter(None, spec.split("+")):
@@ -48,8 +49,10 @@ def variant(name: str) -> tuple[str, dict]:
             opts["hw"] = float(part[2:])
         elif part.startswith("t") and part[1:].isdigit():
             opts["threads"] = int(part[1:])
+        elif part.startswith("q") and part[1:].isdigit():
+            opts["depth"] = int(part[1:])
         else:
-            raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, nohold)")
+            raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, q<depth>, nohold)")
     if opts and base != "imageloader":
         raise ValueError(f"loader {name!r}: options (@...) are for imageloader only")
     return base, opts
@@ -60,13 +63,14 @@ def make_feed(name: str, args, data: dict):
     dev = args.device
     name, opts = variant(name)
     if name in ("imageloader", "imageloader_cuda"):
-        from loaders import DecodeOptions, ImageLoader
+        from loaders import DecodeOptions, ImageLoader, ReadOptions
 
         decode = DecodeOptions(hw_decoder_load=0.0) if name == "imageloader_cuda" else None
         if opts:
             decode = DecodeOptions(hw_decoder_load=opts.get("hw"), num_threads=opts.get("threads"))
+        read = ReadOptions(prefetch_queue_depth=opts["depth"]) if "depth" in opts else None
         loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev,
-                             decode=decode)
+                             decode=decode, read=read)
         if opts.get("hold") is False:
             loader._hold.active = False  # a probe: the hardware share without the hold
         return endless(loader), loader

@@ -11,6 +11,7 @@ def test_variants_name_a_share_threads_and_no_hold():
     assert ceiling.variant("imageloader") == ("imageloader", {})
     assert ceiling.variant("imageloader@hw0.25+t14+nohold") == ("imageloader", {"hw": 0.25, "threads": 14,
                                                                                  "hold": False})
+    assert ceiling.variant("imageloader@q4") == ("imageloader", {"depth": 4})
     assert ceiling.fmt_of("imageloader@t14") == "images" and ceiling.fmt_of("tokenloader") == "tokens"
     with pytest.raises(ValueError, match="unknown option"):
         ceiling.variant("imageloader@fast")
