@@ -241,6 +241,13 @@ def _finished(row: Any) -> bool:
     return isinstance(row, dict) and not str(row.get("error", "")).startswith(_BUDGET_CUT)
 
 
+def _all_finished(entry: dict, workers) -> bool:
+    """Whether every row of a system's ``entry`` was run to its end (a failure of its own counts as run)."""
+    raw = entry.get("raw") or {}
+    return (all(_finished(entry.get(k)) for k in ("write", "resume", "decode"))
+            and all(_finished(raw.get(str(w))) for w in workers))
+
+
 def _earlier_systems(earlier: dict | None, settings: dict, images: int) -> dict:
     """The systems of ``earlier`` (a result whose budget cut it short), checked to be a run of these settings."""
     if not earlier:
@@ -388,6 +395,9 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         def rows_of(system: str, entry: dict, old: dict) -> None:
             """Every row of one system: write its format, read it (raw bytes at each worker count, resume,
             decode), then, with ``drop_formats``, remove the format."""
+            if _all_finished(old, workers):  # an earlier run did every row (its format may be gone): kept whole
+                entry.update({k: old[k] for k in ("write", "raw", "resume", "decode") if k in old})
+                return
             written = old.get("write")
             if not (_finished(written) and "error" not in written and os.path.exists(data[system])):
                 written = None
@@ -422,9 +432,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                                            "image_size": image_size, "seconds": decode_seconds},
                                   f"decode, {decode_workers} workers", old.get("decode"))
             saved()
-            done = all(_finished(entry.get(k)) for k in ("write", "resume", "decode")) and all(
-                _finished(r) for r in entry.get("raw", {}).values())
-            if drop_formats and done and system != "spdl":
+            if drop_formats and _all_finished(entry, workers) and system != "spdl":
                 shutil.rmtree(data[system], ignore_errors=True)
 
         for system in live:  # one system's rows after another's, so that one format at a time need be on disk

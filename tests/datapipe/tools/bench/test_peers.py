@@ -188,3 +188,16 @@ def test_systems_run_one_after_another_and_their_formats_can_go(source, tmp_path
     for system in ("torch", "datapipe"):
         assert "error" not in res["systems"][system]["decode"]
         assert not (work / system).exists()  # its format went once its rows were done
+
+
+def test_a_system_an_earlier_run_finished_is_kept_whole_even_with_its_format_gone(source, tmp_path, monkeypatch):
+    kw = dict(work_dir=str(tmp_path / "w"), systems=["torch"], batch_size=8, workers=(0,), decode_workers=0,
+              resume_workers=0, image_size=16, timeout=240, decode_seconds=None, progress=False)
+    first = peers.run_peers(source, **kw, drop_formats=True)
+    assert not (tmp_path / "w" / "torch").exists()
+    from datapipe.tools.bench import peer_process
+
+    ran = []
+    monkeypatch.setattr(peer_process.RowRunner, "run", lambda self, spec, **k: ran.append(spec["row"]) or {})
+    rest = peers.run_peers(source, **kw, earlier=json.loads(json.dumps(first)))
+    assert ran == [] and rest["systems"]["torch"]["raw"] == first["systems"]["torch"]["raw"]
