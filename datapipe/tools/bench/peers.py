@@ -231,35 +231,6 @@ def _short_epochs(result: dict) -> list[str]:
     return out
 
 
-_BUDGET_CUT = ("not run: the run's budget", "stopped at the run's budget")
-_SAME_SETTINGS = ("batch_size", "workers", "decode_workers", "resume_workers", "image_size", "seed", "epoch_cap_s",
-                  "decode_seconds")
-
-
-def _finished(row: Any) -> bool:
-    """A row an earlier run finished (its figures, or a failure of its own), not one that run's budget cut."""
-    return isinstance(row, dict) and not str(row.get("error", "")).startswith(_BUDGET_CUT)
-
-
-def _all_finished(entry: dict, workers) -> bool:
-    """Whether every row of a system's ``entry`` was run to its end (a failure of its own counts as run)."""
-    raw = entry.get("raw") or {}
-    return (all(_finished(entry.get(k)) for k in ("write", "resume", "decode"))
-            and all(_finished(raw.get(str(w))) for w in workers))
-
-
-def _earlier_systems(earlier: dict | None, settings: dict, images: int) -> dict:
-    """The systems of ``earlier`` (a result whose budget cut it short), checked to be a run of these settings."""
-    if not earlier:
-        return {}
-    theirs = earlier.get("settings", {})
-    differ = [k for k in _SAME_SETTINGS if theirs.get(k) != settings[k]]
-    if differ or earlier.get("source", {}).get("images") != images:
-        what = ", ".join(f"{k} {theirs.get(k)!r} -> {settings[k]!r}" for k in differ) or "another image count"
-        raise ValueError(f"the earlier run was made with other settings ({what}): run it whole instead")
-    return earlier.get("systems", {})
-
-
 def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | None = None, batch_size: int = 256,
               workers: tuple[int, ...] = (0, 4, 8), decode_workers: int | None = None, resume_workers: int = 4,
               image_size: int = 224, write_workers: int | None = None, seed: int = 0, timeout: float = 600.0,
@@ -295,6 +266,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
     """
     from datapipe.device.autotune import usable_cores
     from datapipe.tools.bench.peer_process import RowRunner
+    from datapipe.tools.bench.peer_continue import all_finished, earlier_systems, finished
     from datapipe.tools.bench.peer_writers import FORMATS
 
     chosen = list(systems or SYSTEMS)
@@ -335,7 +307,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                      "processes": "every row a fresh process, forked from a per-system process that has only "
                                   "imported the system (import_s)"},
         "notes": notes, "systems": {}}
-    before = _earlier_systems(earlier, result["settings"], len(images))
+    before = earlier_systems(earlier, result["settings"], len(images))
     if before:
         result["settings"]["continues"] = (earlier.get("settings", {}).get("continues", [])
                                            + [earlier.get("environment", {}).get("date")])
@@ -365,7 +337,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         live.append(system)
 
     def row(system: str, spec: dict, label: str, kept: Any = None) -> dict:
-        if _finished(kept):
+        if finished(kept):
             return kept
         limit = clock.timeout_now()
         if limit is None:
@@ -395,11 +367,11 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         def rows_of(system: str, entry: dict, old: dict) -> None:
             """Every row of one system: write its format, read it (raw bytes at each worker count, resume,
             decode), then, with ``drop_formats``, remove the format."""
-            if _all_finished(old, workers):  # an earlier run did every row (its format may be gone): kept whole
+            if all_finished(old, workers):  # an earlier run did every row (its format may be gone): kept whole
                 entry.update({k: old[k] for k in ("write", "raw", "resume", "decode") if k in old})
                 return
             written = old.get("write")
-            if not (_finished(written) and "error" not in written and os.path.exists(data[system])):
+            if not (finished(written) and "error" not in written and os.path.exists(data[system])):
                 written = None
                 if system != "spdl" and os.path.exists(data[system]):
                     shutil.rmtree(data[system])
@@ -408,6 +380,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
             saved()
             if "error" in entry["write"]:
                 return
+            if written is None and hasattr(os, "sync"):
+                os.sync()  # the format's pages written back before its reads are timed (they stay in the page cache)
             for w in workers:
                 entry.setdefault("raw", {})[str(w)] = row(system, {"row": "raw", **common(system), "workers": w,
                                                                    "cap_s": epoch_cap_s}, f"raw bytes, {w} workers",
@@ -415,7 +389,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                 saved()
             if system not in RESUMABLE:
                 entry["resume"] = {"error": "no mid-epoch resume"}
-            elif _finished(old.get("resume")):
+            elif finished(old.get("resume")):
                 entry["resume"] = old["resume"]
             else:
                 state = os.path.join(work_dir, f"{system}-state.pkl")
@@ -432,7 +406,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                                            "image_size": image_size, "seconds": decode_seconds},
                                   f"decode, {decode_workers} workers", old.get("decode"))
             saved()
-            if drop_formats and _all_finished(entry, workers) and system != "spdl":
+            if drop_formats and all_finished(entry, workers) and system != "spdl":
                 shutil.rmtree(data[system], ignore_errors=True)
 
         for system in live:  # one system's rows after another's, so that one format at a time need be on disk
