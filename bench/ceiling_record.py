@@ -2,8 +2,6 @@
 run's rows to the ceiling.json already there (``--append``)."""
 from __future__ import annotations
 
-import json
-import os
 import statistics
 
 
@@ -38,11 +36,9 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def earlier_record(args) -> dict:
     """The ceiling.json already in ``--out`` (``{}`` if there is none)."""
-    path = os.path.join(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "ceiling.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    from bench.common import read_result
+
+    return read_result("ceiling", args.out) or {}
 
 
 def appended(earlier: dict, run: dict) -> dict:

@@ -17,11 +17,25 @@ from datapipe.tools.bench.baselines import endless, replay  # noqa: F401  (re-ex
 from datapipe.tools.bench.cli import environment, table  # noqa: F401  (re-exported for the scripts)
 
 
+def result_path(name: str, directory: str | None = None) -> str:
+    """``bench/results/<name>.json``, or ``<directory>/<name>.json``."""
+    return os.path.join(directory or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        f"{name}.json")
+
+
+def read_result(name: str, directory: str | None = None) -> dict | None:
+    """The result :func:`write_result` wrote there, or None if there is none."""
+    path = result_path(name, directory)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def write_result(name: str, result: dict, directory: str | None = None) -> str:
     """Write ``bench/results/<name>.json`` (or under ``directory``) and return the path."""
-    directory = directory or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{name}.json")
+    path = result_path(name, directory)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"environment": environment(), **result}, f, indent=1, default=str)
         f.write("\n")

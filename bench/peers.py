@@ -39,13 +39,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import table, write_result  # noqa: E402
+from bench.common import read_result, result_path, table, write_result  # noqa: E402
 
 
 def _save(name: str, result: dict, directory: str | None) -> str:
     """``write_result`` under a temporary name, then renamed: a run killed mid-write leaves the last whole file."""
     tmp = write_result(f"{name}.partial", result, directory)
-    path = os.path.join(os.path.dirname(tmp), f"{name}.json")
+    path = result_path(name, directory)
     os.replace(tmp, path)
     return path
 
@@ -87,16 +87,9 @@ def main(argv=None) -> dict:
         args.num_images, args.batch_size, args.workers, args.image_size = 24, 8, "0,2", 16
         args.decode_workers, args.resume_workers, args.decode_seconds, size = 2, 2, None, (48, 36)
         args.data = args.data.rstrip("/") + "-quick"
-    earlier = None
-    if args.rest:
-        import json
-
-        path = os.path.join(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                            f"{args.name}.json")
-        if not os.path.exists(path):
-            p.error(f"--rest: there is no {path} to go on from")
-        with open(path) as f:
-            earlier = json.load(f)
+    earlier = read_result(args.name, args.out) if args.rest else None
+    if args.rest and earlier is None:
+        p.error(f"--rest: there is no {result_path(args.name, args.out)} to go on from")
     t0 = time.perf_counter()
     source = args.source or peers.make_image_folder(os.path.join(args.data, f"images-{args.num_images}"),
                                                     num_images=args.num_images, size=size,
