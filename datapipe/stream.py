@@ -29,6 +29,7 @@ from datapipe.order.plan import SHARD_ORDER, samples_per_rank, shard_order, work
 from datapipe.order.ranks import rank_world
 from datapipe.order.shared_epoch import SharedEpoch
 from datapipe.order.shuffle import shuffled
+from datapipe.read.heap import keep_freed_memory
 from datapipe.read.ledger import Ledger
 from datapipe.read.options import StorageOptions, check_types
 from datapipe.read.segments import LOST, SegmentReader
@@ -363,6 +364,8 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         if done:
             return
         self._ledger.counts["padded"] += plan.padded
+        if self.storage.keep_freed_memory:
+            keep_freed_memory()
         reader = SegmentReader(self._shards, zero_copy=self.storage.zero_copy)
         if self.shuffle_buffer <= 1:
             items = reader.items(plan, draws)

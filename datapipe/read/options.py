@@ -33,6 +33,9 @@ class StorageOptions:
         backoff: the first retry's wait in seconds, doubling each time.
         allow_pipe: accept ``pipe:`` URLs (shell commands); refused otherwise.
         zero_copy: hand out values of local uncompressed shards as memoryviews into the mapped file.
+        keep_freed_memory: when reading starts, raise glibc malloc's trim and mmap thresholds in this process,
+            so that freed samples' memory is reused instead of faulted in afresh (about 2x at 100 KB samples;
+            the process keeps up to 1 GiB freed; :mod:`datapipe.read.heap`).
     """
 
     retries: int = 5
@@ -40,11 +43,12 @@ class StorageOptions:
     backoff: float = 0.2
     allow_pipe: bool = False
     zero_copy: bool = False
+    keep_freed_memory: bool = True
 
     def __post_init__(self):
         check_types("StorageOptions.", retries=(self.retries, Integral), timeout=(self.timeout, (Real, type(None))),
                     backoff=(self.backoff, Real), allow_pipe=(self.allow_pipe, bool),
-                    zero_copy=(self.zero_copy, bool))
+                    zero_copy=(self.zero_copy, bool), keep_freed_memory=(self.keep_freed_memory, bool))
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds (or None for the clients' own), "
                              f"got {self.timeout}")
