@@ -41,6 +41,13 @@ CUDA decoder's Huffman stage is CPU-bound: 8 threads capped it at ~5.4k images/s
 ``torch.compile`` (which wants ~6.7k: 0.80 of its ceiling), 12 threads reach 6.5k there (0.977; the hand
 loop 0.905).
 
+Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, read from the consumer's thread when the judge would
+move: :func:`datapipe.device.step_kind.step_kind`) on few queues the loader never moves: there the hardware
+decoder measured slower than the CUDA decoder every time, and a move and its trial cost their one-offs on top
+(H100, 8 queues, 2026-12-06: the hardware decoder with the hold from the start 0.819 of the ceiling, 3 rounds; rows
+that moved and moved back 0.55-0.77; the CUDA decoder throughout 0.86-0.92 on two machines; H200 earlier: 0.81
+against 0.92-0.94). The choice then settles on the CUDA decoder (``why``: ``"cuda_graphs"``).
+
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
 repeating nothing; about 0.3 s). Few cores
 (fewer than ``MIN_CORES`` for this process) start on the hardware decoder. The images the two
@@ -49,6 +56,7 @@ decoders make differ in their low bits: pass a number for bit-identical reruns.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 HARDWARE_LOAD = 0.75  # the hardware decoder's share of each batch once switched (the rest: the CUDA decoder)
 CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (compiled ResNet-50: 8 gave 5.4k img/s, 12 6.5k)
@@ -98,7 +106,7 @@ class DecoderChoice:
     """
 
     def __init__(self, setting: float | str | None, *, cuda: bool, threads: int | None, hardware_threads: int,
-                 cores: int | None = None, queues: int | None = None):
+                 cores: int | None = None, queues: int | None = None, step_kind: Callable[[], str] | None = None):
         cores = cores_per_process() if cores is None else cores
         self.auto = setting == "auto" and cuda
         self.threads_asked = threads
@@ -107,11 +115,14 @@ class DecoderChoice:
         self.cuda = cuda
         self.switchable = self.auto  # may move to the hardware decoder once (see the module)
         few_queues = cuda and _few_queues(queues)
+        self.few_queues = few_queues
+        self._step_kind = step_kind  # (consumer's thread) the step it runs; None: read torch's state
         self.threshold = FEW_QUEUES_THRESHOLD if few_queues else THRESHOLD
         self.early_threshold = FEW_QUEUES_EARLY_THRESHOLD if few_queues else EARLY_THRESHOLD
         self.keep = FEW_QUEUES_KEEP if few_queues else 1.0  # the trial's rate / the window's that moved it, to keep
         # why: "cpu" (no GPU decoder), "set" (a share the user gave), "few_queues" (the CUDA decoder: the hardware
-        # decoder stalls beside training), "wide_queues" (the hardware decoder runs beside it), "few_cores"
+        # decoder stalls beside training), "wide_queues" (the hardware decoder runs beside it), "few_cores",
+        # "cuda_graphs" (later: settled on the CUDA decoder, the step runs CUDA graphs on few queues)
         if not cuda:  # a CPU pipeline: no GPU decoder at all (a share the user gave is kept, unused)
             self.load = 0.0 if setting in (None, "auto") else float(setting)
             self.why = "cpu"
@@ -204,11 +215,21 @@ class DecoderChoice:
         self.starved = starving
         early = self._batches >= EARLY and starving > self.early_threshold
         if starving > self.threshold and (self._batches >= WINDOW or early):
+            if self.few_queues and self._step() == "CUDA graphs":  # the hardware decoder loses there (module)
+                self.settled, self.why = True, "cuda_graphs"
+                return
             self.due = True
             self.switched_after = self.handed
             self.rates.append(self._batches / elapsed)
         elif self._batches >= WINDOW:
             self._window_start, self._batches, self._wait = now, 0, 0.0
+
+    def _step(self) -> str:
+        if self._step_kind is not None:
+            return self._step_kind()
+        from datapipe.device.step_kind import step_kind
+
+        return step_kind()
 
     def switching(self, in_flight: int = 0) -> None:
         """(Producer) the next pipeline decodes with the other decoder (call before building it): the hardware
@@ -226,7 +247,7 @@ class DecoderChoice:
     def stats(self) -> dict:
         """The share and threads in use, whether and when it moved, and the rates before the move and in its trial
         (``ImageLoader.stats()["decoder"]``; two switches: the trial took the move back)."""
-        return {"hw_decoder_load": self.load, "auto": self.auto, "switchable": self.switchable,
+        return {"hw_decoder_load": self.load, "auto": self.auto, "switchable": self.switchable, "settled": self.settled,
                 "threads": self.threads,
                 "switched_after_batches": self.switched_after, "switches": self.switches,
                 "rebuild_s": round(self.rebuild_s, 3), "batches_per_s": [round(r, 2) for r in self.rates],

@@ -50,6 +50,8 @@ _WHY = {  # DecoderChoice.stats()["why"] -> why the loader started on that decod
     "wide_queues": "{queues} hardware queues let the hardware decoder run beside the step",
     "few_cores": "too few cores for the CUDA decoder's Huffman stage",
     "set": "the decoder share you set",
+    "cuda_graphs": "nvJPEG's CUDA decoder, kept under CUDA graphs: with {queues} hardware queues the hardware "
+                   "decoder is slower there (docs/performance.md)",
 }
 
 
@@ -68,7 +70,7 @@ def _decoder(name: str, d: dict, connections, step: str | None = None) -> str:
     elif trial in ("moving back", "taken back"):
         line += (f"; {tried} and {'moves' if trial == 'moving back' else 'moved'} back, slower there ({rates} "
                  "batches/s; DecodeOptions(hw_decoder_load=0.0) skips the try and its one-off seconds)")
-    elif d.get("switchable"):
+    elif d.get("switchable") and not d.get("settled"):
         line += "; moves there by itself if the loop starves"
         if d.get("starved") is not None and d.get("threshold") is not None:
             line += (f" (its GPU idled {d['starved']:.1%} of the last window for want of a batch; the move needs "

@@ -88,8 +88,8 @@ def test_a_steady_shortfall_switches_at_the_end_of_a_window():
     stats = c.stats()
     assert stats.pop("batches_per_s") == [pytest.approx(1 / 0.0525, abs=0.01)]  # the window that moved it
     assert stats.pop("starved") == pytest.approx(0.05 * 0.05 / 0.0525, abs=1e-3)  # the share that moved it
-    assert stats == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "threads": 8,
-                     "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5, "trial": "on",
+    assert stats == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "settled": False,
+                     "threads": 8, "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5, "trial": "on",
                      "threshold": THRESHOLD, "why": "set", "queues": 32}
 
 
@@ -227,3 +227,30 @@ def test_the_choice_says_why_it_was_made(setting, queues, cores, cuda, why):
     assert c.stats()["why"] == why
     assert c.stats()["queues"] == (queues if cuda else None)
 
+
+
+@pytest.mark.parametrize("step, queues, moves", [
+    ("CUDA graphs", 8, False),  # the hardware decoder measured slower there on few queues: stays
+    ("CUDA graphs", 32, True),  # on wide queues it runs beside the step (0.981 under CUDA graphs)
+    ("compiled", 8, True),
+    ("eager", 8, True)])
+def test_under_cuda_graphs_on_few_queues_a_starved_loop_keeps_the_cuda_decoder(step, queues, moves):
+    seen = []
+    c = DecoderChoice("auto", cuda=True, threads=None, hardware_threads=8, cores=16, queues=queues,
+                      step_kind=lambda: seen.append(1) or step)
+    feed(c, 10 * WINDOW, step_s=0.03, wait_s=0.02)  # 40% starved: a move is due on any step but CUDA graphs
+    assert c.due is moves and c.load == 0.0
+    assert (c.why == "cuda_graphs") is (not moves) and c.settled is (not moves)
+    assert DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=queues).switchable is (
+        queues == 8)  # the default judges the same way where it starts on the CUDA decoder
+    if not moves:
+        assert len(seen) == 1 and not c.judging  # asked once, when the judge would move; then settled
+        feed(c, 5 * WINDOW, step_s=0.03, wait_s=0.02)
+        assert not c.due and c.stats()["settled"] and c.stats()["trial"] is None
+
+
+def test_the_step_is_read_only_when_a_move_would_be_due():
+    c = DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8,
+                      step_kind=lambda: pytest.fail("read without a move in sight"))
+    feed(c, 10 * WINDOW, step_s=0.05)  # never waits
+    assert not c.due and c.why == "few_queues"

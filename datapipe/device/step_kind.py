@@ -1,4 +1,5 @@
-"""Which training step the doctor saw: ``"CUDA graphs"``, ``"compiled"`` or ``"eager"``.
+"""Which training step this thread runs: ``"CUDA graphs"``, ``"compiled"`` or ``"eager"`` (the doctor reports it;
+ImageLoader's decoder choice reads it before moving to the hardware decoder).
 
 Read from torch's own state, without importing anything torch has not imported itself: a CUDA-graph tree
 manager (``torch.compile(mode="reduce-overhead")``) means CUDA graphs; graphs captured by ``torch.compile``

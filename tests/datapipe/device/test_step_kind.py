@@ -1,9 +1,10 @@
-"""The doctor names the step it saw (eager, compiled, CUDA graphs) and, in one line, ImageLoader's decoder and why."""
+"""step_kind: the step this thread runs (eager, compiled, CUDA graphs), read from torch's own state."""
 from collections import Counter, defaultdict
 from types import SimpleNamespace
 
-from datapipe.tools.doctor.report_text import _decoder
-from datapipe.tools.doctor.step_kind import step_kind
+import pytest
+
+from datapipe.device.step_kind import step_kind
 
 
 def fake_torch(initialized=True, devices=1):
@@ -39,16 +40,22 @@ def test_a_cuda_graph_tree_means_cuda_graphs():
     assert step_kind(mods) == "compiled"
 
 
-def test_the_decoder_line_says_the_step_the_choice_and_why():
-    chosen = {"hw_decoder_load": 0.0, "switchable": True, "threads": 12, "trial": None, "starved": 0.012,
-              "threshold": 0.15, "why": "few_queues", "queues": 8}
-    line = _decoder("ImageLoader", chosen, None, "CUDA graphs")
-    assert line.startswith("  decoder: ImageLoader 0% of JPEGs on the hardware decoder, 12 DALI threads; ")
-    assert "its GPU idled 1.2% of the last window for want of a batch; the move needs over 15%" in line
-    assert "; step: CUDA graphs;" in line
-    assert "why: nvJPEG's CUDA decoder, since with 8 hardware queues the hardware decoder stalls" in line
-    assert "\n" not in line
-    wide = {**chosen, "hw_decoder_load": 0.75, "switchable": False, "threads": 8, "why": "wide_queues", "queues": 32}
-    assert "why: 32 hardware queues let the hardware decoder run beside the step" in _decoder("ImageLoader", wide,
-                                                                                              "32", "eager")
-    assert "why: the decoder share you set" in _decoder("ImageLoader", {**wide, "why": "set"}, "32", "compiled")
+@pytest.mark.gpu
+def test_a_reduce_overhead_step_reads_as_cuda_graphs_in_its_own_thread_only():
+    import threading
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    step = torch.compile(lambda x: (x * 2).sum(), mode="reduce-overhead")
+    x = torch.ones(64, device="cuda")
+    for _ in range(3):  # recorded, then replayed
+        step(x)
+    torch.cuda.synchronize()
+    assert step_kind() == "CUDA graphs"
+    other = []
+    reader = threading.Thread(target=lambda: other.append(step_kind()))
+    reader.start()
+    reader.join(timeout=30)
+    assert other == ["compiled"]  # CUDA graph trees are per thread: another thread's step is not this one's
