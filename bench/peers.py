@@ -29,6 +29,12 @@ The 2-core machine (a few minutes):
 
 ``--quick`` is a smoke run on tiny images (what CI runs: 0 and 2 workers, every worker path); ``--source DIR``
 measures your own images (a folder of class folders of JPEGs) instead.
+
+``--floor`` measures, instead, where one process's read time goes (bench/results/read_floor.json): a bare ``pread``,
+ShardStream with and without its kept heap, the datapipe row's loader, a loose-files loop and torch's row, per
+sample the user and system CPU and page faults (``datapipe.tools.bench.read_floor``):
+
+    python bench/peers.py --floor        # 40,000 images, 3 passes per way, 2 rounds (~2 minutes on 16 cores)
 """
 from __future__ import annotations
 
@@ -48,6 +54,19 @@ def _save(name: str, result: dict, directory: str | None) -> str:
     path = result_path(name, directory)
     os.replace(tmp, path)
     return path
+
+
+def _floor(args, default_images: int) -> dict:
+    from datapipe.tools.bench.read_floor import run_floor
+
+    quick = args.quick
+    images = 600 if quick else 40000 if args.num_images == default_images else args.num_images
+    result = run_floor(os.path.join(args.data, "floor"), num_images=images, epochs=2 if quick else 3,
+                       rounds=1 if quick else 2, log=lambda line: print(line, file=sys.stderr))
+    print(table(result["summary"], ["way", "epoch", "samples_per_s", "user_us", "sys_us", "faults"]))
+    if not quick or args.out:
+        print("wrote", write_result("read_floor", result, args.out), file=sys.stderr)
+    return result
 
 
 def main(argv=None) -> dict:
@@ -77,7 +96,13 @@ def main(argv=None) -> dict:
     p.add_argument("--note", default=None, help="a sentence about this run, kept in the JSON")
     p.add_argument("--name", default="peers", help="results file name (default peers: peers.json, peers.png)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    p.add_argument("--floor", action="store_true",
+                   help="instead: where one process's read time goes, per layer, from a bare pread up to the "
+                        "datapipe and torch rows (datapipe.tools.bench.read_floor; read_floor.json; --num-images, "
+                        "default 40,000 here; --quick: 600)")
     args = p.parse_args(argv)
+    if args.floor:
+        return _floor(args, p.get_default("num_images"))
 
     from datapipe.tools import plots
     from datapipe.tools.bench import peers

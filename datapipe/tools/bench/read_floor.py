@@ -1,0 +1,191 @@
+"""Where a one-process read's time goes: the CPU a sample costs at each layer, from a bare ``pread`` up to the peers' rows.
+
+The same ~100 KB JPEGs (``datapipe.tools.bench.peer_images``), read by one process in the page cache, each way in a
+fresh Python process, ``--epochs`` passes each (the first is a fresh process's first epoch), batches of 256 held
+until the next is full (as a consumer holds the batch it trains on):
+
+- ``pread``: the floor, a bare ``os.pread`` per value over ``datapipe shard``'s tars, in file order;
+- ``mmap_keep``: the same values copied out of a memory map of each shard (mapped afresh every pass, as a reader
+  opens its shards), ``bytes(view[a:b])``: the copy in user space instead of the kernel's;
+- ``stream``: ``ShardStream(shuffle=True)`` over the same tars (its reader, member table, shuffle buffer);
+- ``loader``: the peers benchmark's datapipe row, ``loaders.DataLoader`` over that stream, 0 workers;
+- ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
+- ``torch``: the peers benchmark's torch row, torch's ``DataLoader`` over a files ``Dataset``, 0 workers;
+
+and the ``pread``, ``stream`` and ``files`` ways again with glibc's freed memory kept
+(``datapipe.read.heap.keep_freed_memory``, which ShardStream does by default; ``_plain`` rows with
+``StorageOptions(keep_freed_memory=False)`` and the allocator as Python leaves it). Per row and pass:
+samples/s, and per sample the process's user and system CPU (us) and minor page faults. Subtract a row from the
+one above it for what that layer costs.
+
+``python bench/peers.py --floor`` runs it (``bench/results/read_floor.json``); every way runs in a fresh process
+(``python -m datapipe.tools.bench.read_floor WAY SPEC_JSON EPOCHS`` prints its passes as JSON).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+
+WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "loader", "files", "files_keep", "torch")
+BATCH = 256
+
+
+def prepare(root: str, num_images: int) -> dict:
+    """The image folder and ``datapipe shard``'s tars of it under ``root`` (made once)."""
+    from datapipe.tools.bench.peer_images import make_image_folder
+    from datapipe.tools.bench.peer_writers import write
+
+    images = make_image_folder(os.path.join(root, "images"), num_images=num_images, num_classes=1)
+    tars = os.path.join(root, "datapipe")
+    if not os.path.exists(os.path.join(tars, "manifest.json")):
+        write("datapipe", images, tars, workers=os.cpu_count() or 1)
+        os.sync()
+    return {"images": images, "tars": tars}
+
+
+def _usage() -> tuple[float, float, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime, r.ru_minflt
+
+
+def timed(samples, *, batches=False) -> dict:
+    """One pass: samples/s and, per sample, user and system CPU (us) and minor faults. ``batches``: the loader
+    hands out batches of ``(keys, values, labels)`` itself."""
+    u0, s0, f0 = _usage()
+    t0, n, batch, held = time.perf_counter(), 0, [], None
+    for item in samples:
+        if batches:
+            held = item  # noqa: F841 (the consumer holds the last batch)
+            n += len(item[0])
+            continue
+        batch.append(item)
+        n += 1
+        if len(batch) == BATCH:
+            held, batch = batch, []  # noqa: F841
+    seconds = time.perf_counter() - t0
+    u1, s1, f1 = _usage()
+    n = max(n, 1)
+    return {"samples": n, "samples_per_s": round(n / seconds), "user_us": round((u1 - u0) / n * 1e6, 1),
+            "sys_us": round((s1 - s0) / n * 1e6, 1), "faults": round((f1 - f0) / n, 2)}
+
+
+def _tar_values(tars: str):
+    """``(fd, [(offset, size) per value])`` of every sample in the tars, from their member tables, in file order."""
+    from datapipe.tar import member_table
+
+    out = []
+    for name in sorted(f for f in os.listdir(tars) if f.endswith(".tar")):
+        fd = os.open(os.path.join(tars, name), os.O_RDONLY)
+        table = member_table.load(fd, os.fstat(fd).st_size)
+        if table is None:
+            raise RuntimeError(f"{name} has no member table (not written by this datapipe?)")
+        out += [(fd, [(offset, size) for _, offset, size in members]) for members in table.members]
+    return out
+
+
+def _mapped(tars: str):
+    """Every sample's values copied out of a fresh memory map of its shard, in file order."""
+    import mmap
+
+    from datapipe.tar import member_table
+
+    for name in sorted(f for f in os.listdir(tars) if f.endswith(".tar")):
+        with open(os.path.join(tars, name), "rb") as f:
+            table = member_table.load(f.fileno(), os.fstat(f.fileno()).st_size)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                for members in table.members:
+                    yield [bytes(view[offset:offset + size]) for _, offset, size in members]
+                view.release()
+
+
+def passes(way: str, data: dict, epochs: int) -> list[dict]:
+    """``epochs`` passes of one way, in this process."""
+    if way.endswith("_keep"):
+        from datapipe.read.heap import keep_freed_memory
+
+        keep_freed_memory()
+    if way == "mmap_keep":
+        return [timed(_mapped(data["tars"])) for _ in range(epochs)]
+    if way.startswith("pread"):
+        values = _tar_values(data["tars"])
+        return [timed([os.pread(fd, size, offset) for offset, size in sample] for fd, sample in values)
+                for _ in range(epochs)]
+    if way.startswith("files"):
+        folder = os.path.join(data["images"], sorted(os.listdir(data["images"]))[0])
+        names = [os.path.join(folder, n) for n in sorted(os.listdir(folder))]
+
+        def read_all():
+            for i in random.sample(range(len(names)), len(names)):
+                with open(names[i], "rb") as f:
+                    yield f.read()
+        return [timed(read_all()) for _ in range(epochs)]
+    if way.startswith("stream"):
+        from datapipe import ShardStream
+        from datapipe.read.options import StorageOptions
+
+        stream = ShardStream(data["tars"], shuffle=True, seed=0,
+                             storage=StorageOptions(keep_freed_memory=way == "stream"))
+        out = []
+        for epoch in range(epochs):
+            stream.set_epoch(epoch)
+            out.append(timed(iter(stream)))
+        return out
+    from datapipe.tools.bench.peer_readers import open_loader, set_epoch_of
+
+    loader = open_loader("datapipe" if way == "loader" else "torch",
+                         data["tars"] if way == "loader" else data["images"], batch_size=BATCH, workers=0, seed=0)
+    out = []
+    for epoch in range(epochs):
+        set_epoch_of(loader, epoch)
+        out.append(timed(loader, batches=True))
+    return out
+
+
+def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 2, ways=WAYS, log=print) -> dict:
+    """Every way in ``rounds`` interleaved rounds (the order reversed every other round), each in a fresh process:
+    the rows, the best pass per way and epoch (``summary``) and the machine."""
+    from datapipe.tools.bench.cli import environment
+
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown:
+        raise ValueError(f"unknown ways {', '.join(unknown)}: choose from {', '.join(WAYS)}")
+    t0 = time.perf_counter()
+    data = prepare(os.path.join(root, str(num_images)), num_images)
+    log(f"data ready ({time.perf_counter() - t0:.1f} s)")
+    rows = []
+    for rnd in range(rounds):
+        for way in ways if rnd % 2 == 0 else ways[::-1]:
+            run = subprocess.run([sys.executable, "-m", "datapipe.tools.bench.read_floor", way, json.dumps(data),
+                                  str(epochs)], capture_output=True, text=True, timeout=600)
+            if run.returncode:
+                rows.append({"way": way, "round": rnd, "error": (run.stderr.strip().splitlines() or ["?"])[-1]})
+                log(f"[{way} round {rnd}] failed: {rows[-1]['error']}")
+                continue
+            for epoch, r in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
+                rows.append({"way": way, "round": rnd, "epoch": epoch + 1, **r})
+            log(f"[{way} round {rnd}] " + ", ".join(f"{r['samples_per_s']:,}" for r in rows[-epochs:]))
+    summary = []
+    for way in ways:
+        for epoch in range(1, epochs + 1):
+            got = [r for r in rows if r["way"] == way and r.get("epoch") == epoch]
+            if got:
+                best = max(got, key=lambda r: r["samples_per_s"])
+                summary.append({"way": way, "epoch": epoch, **{k: best[k] for k in
+                                                                ("samples_per_s", "user_us", "sys_us", "faults")}})
+    return {"what": "one process's read of ~100 KB JPEGs, per layer (bench/peers.py --floor)",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu_count": os.cpu_count(), "kernel": os.uname().release, "environment": environment(),
+            "config": {"num_images": num_images, "epochs": epochs, "rounds": rounds, "batch": BATCH},
+            "rows": rows, "summary": summary}
+
+
+if __name__ == "__main__":
+    way, spec, epochs = sys.argv[1:4]
+    print(json.dumps(passes(way, json.loads(spec), int(epochs))))

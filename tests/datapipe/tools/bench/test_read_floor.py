@@ -1,0 +1,25 @@
+"""bench/peers.py --floor (datapipe.tools.bench.read_floor): every way read in its own process, each layer's cost
+per sample."""
+import json
+
+import pytest
+
+from bench import peers
+from datapipe.tools.bench import read_floor
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_way(tmp_path):
+    out = peers.main(["--floor", "--quick", "--out", str(tmp_path), "--data", str(tmp_path / "data")])
+    saved = json.loads((tmp_path / "read_floor.json").read_text())
+    assert saved["summary"] == out["summary"] and saved["cpu_count"] >= 1 and saved["kernel"]
+    assert not [r for r in saved["rows"] if "error" in r]
+    assert {(s["way"], s["epoch"]) for s in saved["summary"]} == {(w, e) for w in read_floor.WAYS for e in (1, 2)}
+    for s in saved["summary"]:
+        assert s["samples_per_s"] > 0 and s["user_us"] >= 0 and s["sys_us"] >= 0 and s["faults"] >= 0
+    assert {r["samples"] for r in saved["rows"]} == {600}  # every way reads every image once a pass
+
+
+def test_unknown_way_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown ways mmap"):
+        read_floor.run_floor(str(tmp_path), num_images=10, ways=("pread", "mmap"))
