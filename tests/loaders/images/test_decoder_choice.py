@@ -6,6 +6,13 @@ from loaders.images import decoder_choice
 from loaders.images.decoder_choice import EARLY, HARDWARE_LOAD, SKIP, THRESHOLD, WINDOW, DecoderChoice
 
 
+@pytest.fixture(autouse=True)
+def eager_step(monkeypatch):
+    """The step these tests judge is eager unless a test says otherwise (a CUDA graph run earlier in the process
+    would otherwise change what the choice reads)."""
+    monkeypatch.setattr("datapipe.device.step_kind.step_kind", lambda modules=None: "eager")
+
+
 def auto(cores=16, threads=None, cuda=True, queues=32):
     """An "auto" choice; on wide hardware queues (32) unless told: the hardware decoder costs the step nothing."""
     return DecoderChoice("auto", cuda=cuda, threads=threads, hardware_threads=8, cores=cores, queues=queues)

@@ -281,8 +281,10 @@ class _DecodingLoader:
         return {"decoder": self.decoder}
 
 
-def test_an_image_loaders_decoder_choice_is_one_line_of_a_cuda_report():
+def test_an_image_loaders_decoder_choice_is_one_line_of_a_cuda_report(monkeypatch):
     from datapipe.tools.doctor.report_text import format_report
+
+    monkeypatch.setattr("datapipe.tools.doctor.report.step_kind", lambda: "eager")  # whatever ran before in this process
 
     chosen = {"hw_decoder_load": 0.0, "auto": False, "switchable": True, "threads": 12,
               "switched_after_batches": None, "switches": 0, "rebuild_s": 0.0}
