@@ -72,7 +72,9 @@ def test_the_parent_is_thawed_after_the_fork_and_a_users_freeze_is_kept():
         if pid == 0:
             os._exit(0)
         os.waitpid(pid, 0)
-        assert gc.get_freeze_count() == frozen  # the process's own freeze is left as it was
+        # the process's own freeze is left as it was (a thaw would leave 0; a thread of an earlier test may free a
+        # few frozen objects meanwhile: a CI run saw 2 fewer of 587,501)
+        assert 0 <= frozen - gc.get_freeze_count() < 1000
     finally:
         gc.unfreeze()
 
