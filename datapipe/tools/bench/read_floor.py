@@ -1,7 +1,7 @@
 """Where a one-process read's time goes: the CPU a sample costs at each layer, from a bare ``pread`` up to the peers' rows.
 
 The same ~100 KB JPEGs (``datapipe.tools.bench.peer_images``), read by one process in the page cache, each way in a
-fresh Python process, ``--epochs`` passes each (the first is a fresh process's first epoch), batches of 256 held
+fresh Python process, ``epochs`` passes each (the first is a fresh process's first epoch), batches of 256 held
 until the next is full (as a consumer holds the batch it trains on):
 
 - ``pread``: the floor, a bare ``os.pread`` per value over ``datapipe shard``'s tars, in file order;
@@ -10,13 +10,13 @@ until the next is full (as a consumer holds the batch it trains on):
 - ``stream``: ``ShardStream(shuffle=True)`` over the same tars (its reader, member table, shuffle buffer);
 - ``loader``: the peers benchmark's datapipe row, ``loaders.DataLoader`` over that stream, 0 workers;
 - ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
-- ``torch``: the peers benchmark's torch row, torch's ``DataLoader`` over a files ``Dataset``, 0 workers;
+- ``torch``: the peers benchmark's torch row, torch's ``DataLoader`` over a files ``Dataset``, 0 workers.
 
-and the ``pread``, ``stream`` and ``files`` ways again with glibc's freed memory kept
-(``datapipe.read.heap.keep_freed_memory``, which ShardStream does by default; ``_plain`` rows with
-``StorageOptions(keep_freed_memory=False)`` and the allocator as Python leaves it). Per row and pass:
-samples/s, and per sample the process's user and system CPU (us) and minor page faults. Subtract a row from the
-one above it for what that layer costs.
+Ways ending in ``_keep`` first keep glibc's freed memory (:func:`datapipe.read.heap.keep_freed_memory`); ``stream``
+and ``loader`` do it themselves (ShardStream's default), ``stream_plain`` is the stream with
+``StorageOptions(keep_freed_memory=False)``, and the other ways run with the allocator as Python leaves it. Per way
+and pass: samples/s, and per sample the process's user and system CPU (us) and minor page faults. A way against the one
+it builds on (``stream`` on ``pread_keep``, ``loader`` on ``stream``, ``torch`` on ``files``) is what that layer costs.
 
 ``python bench/peers.py --floor`` runs it (``bench/results/read_floor.json``); every way runs in a fresh process
 (``python -m datapipe.tools.bench.read_floor WAY SPEC_JSON EPOCHS`` prints its passes as JSON).
