@@ -30,9 +30,10 @@ round. Each row says ``config``, ``loader``, ``loop``, ``step`` (eager / compile
 ``arch`` and ``round``; the JSON is written after every row, so a run cut short keeps its rows.
 
 ``--profile``: one ``runs_ahead`` window under the torch profiler for the ceiling, ImageLoader and
-the hand DALI loop, per row set of ``--profile-configs`` (default eager): per CUDA stream the kernels and
-copies, the loader's own work (streams other than the training one) and its copy time, and how much
-longer the training stream's kernels ran than in the ceiling.
+the hand DALI loop, per row set of ``--profile-configs`` (default eager; with eager, TokenLoader against its
+ceiling too): per CUDA stream the kernels and copies, the loader's own work (streams other than the training
+one) and its copy time, how much longer the training stream's kernels ran than in the ceiling, and the host's
+waits for the GPU (``...Synchronize`` calls per step).
 
 A probe (``--rows config/loader[/loop],...``) runs the rows listed instead of the plan; a loader there or in
 ``--loaders`` may be ``imageloader@hw<share>+t<threads>+q<depth>+nohold``: ImageLoader with a fixed hardware
@@ -59,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import analyse, sync, table, write_result  # noqa: E402
+from bench.common import DEVICE_EVENTS, analyse, sync, table, write_result  # noqa: E402
 from bench.ceiling_record import appended, decoder_choice, earlier_record, next_round, summary  # noqa: E402,F401
 from bench.models import ImageStep, LlamaStep  # noqa: E402
 from bench.ceiling_feeds import LOADER_NAMES, Uint8Images, close_feed, make_feed, torch_idiom, variant  # noqa: E402,F401
@@ -212,7 +213,8 @@ def _trace_events(prof, path: str) -> list[dict]:
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    return [e for e in events if "dur" in e and (e.get("cat") in DEVICE_EVENTS or (
+        e.get("cat") == "cuda_runtime" and "ynchronize" in e.get("name", "")))]
 
 
 def profile_window(batches, step, args, steps: int, trace_dir: str, name: str) -> list[dict]:
@@ -230,19 +232,20 @@ def profile_window(batches, step, args, steps: int, trace_dir: str, name: str) -
     return _trace_events(prof, os.path.join(trace_dir, f"trace_{name}.json"))
 
 
-def profile_part(bench: Bench, args, trace_dir: str, config: str = "eager") -> dict:
-    """ImageLoader and the hand loop beside the ceiling of row set ``config``, one runs_ahead window each, under the
-    profiler."""
+def profile_part(bench: Bench, args, trace_dir: str, config: str = "eager", fmt: str = "images") -> dict:
+    """The loaders of format ``fmt`` (images: ImageLoader and the hand loop; tokens: TokenLoader) beside the ceiling of
+    row set ``config``, one runs_ahead window each, under the profiler."""
     steps = 10
-    step = bench.step("images", CONFIGS[config])
-    base = profile_window(replay(bench.cached["images"]), step, args, steps, trace_dir, f"{config}_ceiling")
+    step = bench.step(fmt, CONFIGS[config])
+    base = profile_window(replay(bench.cached[fmt]), step, args, steps, trace_dir, f"{config}_{fmt}_ceiling")
     kernel_streams: dict = {}
     for e in base:
-        s = e.get("args", {}).get("stream")
-        kernel_streams[s] = kernel_streams.get(s, 0) + e["dur"]
+        if e.get("cat") in DEVICE_EVENTS:
+            s = e.get("args", {}).get("stream")
+            kernel_streams[s] = kernel_streams.get(s, 0) + e["dur"]
     train_stream = max(kernel_streams, key=kernel_streams.get)
-    out = {"config": config, "steps": steps, "ceiling": analyse(base, steps, train_stream)}
-    for name in ("imageloader", "dali"):
+    out = {"config": config, "format": fmt, "steps": steps, "ceiling": analyse(base, steps, train_stream)}
+    for name in (("imageloader", "dali") if fmt == "images" else ("tokenloader",)):
         feed = owner = None
         try:
             feed, owner = make_feed(name, args, bench.data)
@@ -414,14 +417,17 @@ def main(argv=None) -> dict:
             write_result("ceiling", out, args.out)  # after every row: a call cut short keeps what it ran
     if skipped:
         out["budget_skipped_rows"] = skipped
-    if args.profile and args.device.type == "cuda" and "images" in bench.cached:
+    if args.profile and args.device.type == "cuda" and bench.cached:
         import tempfile
 
         trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="ceiling-trace-")
         earlier_profiles = out.get("profile") or []  # --append keeps the file's profiles beside this run's
         profiles = list(earlier_profiles) if isinstance(earlier_profiles, list) else [earlier_profiles]
-        for config in args.profile_configs:  # after the rows, whatever --budget-s says (it bounds the rows)
-            profiles.append(profile_part(bench, args, trace_dir, config))
+        parts = [(config, "images") for config in args.profile_configs if "images" in bench.cached]
+        if "eager" in args.profile_configs and "tokens" in bench.cached:
+            parts.append(("eager", "tokens"))  # TokenLoader's row is an eager one
+        for config, fmt in parts:  # after the rows, whatever --budget-s says (it bounds the rows)
+            profiles.append(profile_part(bench, args, trace_dir, config, fmt))
             out["profile"] = profiles[0] if len(profiles) == 1 else profiles
             write_result("ceiling", out, args.out)
     out["summary"] = summary(bench.rows)

@@ -157,9 +157,15 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's device work; "cuda_runtime" is the host's calls
+
+
 def analyse(events: list[dict], steps: int, train_stream) -> dict:
     """Per step: device ms per stream (top kernels), the loader's own work (other streams) and its overlap
-    with the training stream's kernels."""
+    with the training stream's kernels; and the host's waits for the GPU (``cuda_runtime`` calls named
+    ``...Synchronize``, from any thread: ``host_syncs_per_step`` and their ms)."""
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "ynchronize" in e.get("name", "")]
+    events = [e for e in events if e.get("cat", "kernel") in DEVICE_EVENTS]
     streams: dict = {}
     for e in events:
         s = e.get("args", {}).get("stream")
@@ -183,4 +189,6 @@ def analyse(events: list[dict], steps: int, train_stream) -> dict:
     if events:
         span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
         out["wall_ms_per_step"] = round(span / 1e3 / steps, 3)
+    out["host_syncs_per_step"] = round(len(syncs) / steps, 2)
+    out["host_sync_ms_per_step"] = round(sum(e["dur"] for e in syncs) / 1e3 / steps, 3)
     return out

@@ -57,6 +57,17 @@ def test_overlap_of_training_and_loader_streams():
     assert set(a["streams"]) == {"7", "13"}
 
 
+def test_host_waits_for_the_gpu_are_counted_apart_from_the_device_work():
+    events = [{"name": "k", "cat": "kernel", "ts": 0, "dur": 10, "args": {"stream": 7}},
+              {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 12, "dur": 30, "args": {}},
+              {"name": "cudaDeviceSynchronize", "cat": "cuda_runtime", "ts": 50, "dur": 10, "args": {}},
+              {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 1, "dur": 2, "args": {}}]
+    a = analyse(events, 2, 7)
+    assert a["host_syncs_per_step"] == 1.0 and a["host_sync_ms_per_step"] == 0.02  # 40 us over 2 steps
+    assert set(a["streams"]) == {"7"} and a["loader_device_ms_per_step"] == 0.0  # host calls are not device work
+    assert a["wall_ms_per_step"] == 0.005  # the device events' span only
+
+
 def test_summary_groups_rows_by_loader_and_loop():
     rows = [{"loader": "a", "loop": "runs_ahead", "step": "eager", "ceiling_ratio": r, "wait_fraction": 0.0,
              "rate": 1.0} for r in (0.9, 1.0)] + [{"loader": "a", "loop": "runs_ahead", "error": "x"}]
@@ -131,3 +142,31 @@ def test_imageloader_cuda_keeps_the_cuda_decoder_and_is_not_run_by_default(tmp_p
         assert next(feed)[0].shape[0] == args.batch_size
     finally:
         ceiling.close_feed(feed, owner)
+
+
+def test_the_profile_of_the_token_rows_takes_tokenloader_against_its_own_ceiling(monkeypatch, tmp_path):
+    """profile_part's plumbing, with the profiler's windows stood in for: the ceiling's heaviest stream is the
+    training one, each loader's window is analysed against it, and the stretch is their kernels' ratio."""
+    from types import SimpleNamespace
+
+    windows = []
+
+    def window(batches, step, args, steps, trace_dir, name):
+        windows.append(name)
+        train = 11.0 if name.endswith("ceiling") else 12.1  # ms of training kernels per step x 10 steps
+        return [{"name": "gemm", "cat": "kernel", "ts": 0, "dur": train * 1e3 * steps, "args": {"stream": 7}},
+                {"name": "copy", "cat": "gpu_memcpy", "ts": 0, "dur": 50.0 * steps, "args": {"stream": 9}},
+                {"name": "cudaStreamSynchronize", "cat": "cuda_runtime", "ts": 5, "dur": 100.0, "args": {}}]
+
+    monkeypatch.setattr(ceiling, "profile_window", window)
+    monkeypatch.setattr(ceiling, "make_feed", lambda name, args, data: (iter(()), SimpleNamespace()))
+    monkeypatch.setattr(ceiling, "close_feed", lambda feed, owner: None)
+    bench = ceiling.Bench(SimpleNamespace(arch=None), {})
+    bench.cached["tokens"] = {"input_ids": None}
+    monkeypatch.setattr(bench, "step", lambda fmt, cfg: fmt)
+    out = ceiling.profile_part(bench, SimpleNamespace(), str(tmp_path), "eager", "tokens")
+    assert windows == ["eager_tokens_ceiling", "eager_tokenloader"]
+    assert out["format"] == "tokens" and set(out) == {"config", "format", "steps", "ceiling", "tokenloader"}
+    t = out["tokenloader"]
+    assert t["train_stream"] == "7" and t["train_kernel_stretch"] == 1.1 and t["loader_copy_ms_per_step"] == 0.05
+    assert t["host_syncs_per_step"] == 0.1
