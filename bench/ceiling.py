@@ -36,8 +36,9 @@ one) and its copy time, how much longer the training stream's kernels ran than i
 waits for the GPU (``...Synchronize`` calls per step).
 
 A probe (``--rows config/loader[/loop],...``) runs the rows listed instead of the plan; a loader there or in
-``--loaders`` may be ``imageloader@hw<share>+t<threads>+q<depth>+nohold``: ImageLoader with a fixed hardware
-decoder share, DALI threads, batches made ahead and, with ``nohold``, no step hold.
+``--loaders`` may be ``imageloader@hw<share>+t<threads>+q<depth>+e<percent>+nohold``: ImageLoader with a fixed
+hardware decoder share, DALI threads, batches made ahead, an earlier move (its default choice, moving after the
+first judged batches at that starved share) and, with ``nohold``, no step hold.
 
     python bench/ceiling.py                      # the run of record: bench/results/ceiling.json
     python bench/ceiling.py --configs cuda_graphs,compiled,resnet18 --rounds 1 --out /tmp/c   # part of it

@@ -39,7 +39,9 @@ def variant(name: str) -> tuple[str, dict]:
     """``imageloader@hw0.5+t14+q4+nohold`` -> ``("imageloader", {"hw": 0.5, "threads": 14, "depth": 4, "hold": False})``:
     a probe's ImageLoader with a fixed hardware decoder share (``hw``), DALI threads (``t``), batches made ahead
     (``q``, ``ReadOptions.prefetch_queue_depth``) and, with ``nohold``, no ``StepHold`` (the loader's own hold for a
-    hardware share on few queues). A plain name has no options."""
+    hardware share on few queues). ``e<percent>`` (``imageloader@e15``) keeps the default decoder choice but moves
+    early, after the first few judged batches, at that starved share instead of its own early bar (30% on few
+    queues). A plain name has no options."""
     base, _, spec = name.partition("@")
     opts: dict = {}
     for part in filter(None, spec.split("+")):
@@ -51,8 +53,11 @@ def variant(name: str) -> tuple[str, dict]:
             opts["threads"] = int(part[1:])
         elif part.startswith("q") and part[1:].isdigit():
             opts["depth"] = int(part[1:])
+        elif part.startswith("e") and part[1:].isdigit():
+            opts["early"] = int(part[1:]) / 100
         else:
-            raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, q<depth>, nohold)")
+            raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, q<depth>, "
+                             "e<percent>, nohold)")
     if opts and base != "imageloader":
         raise ValueError(f"loader {name!r}: options (@...) are for imageloader only")
     return base, opts
@@ -66,13 +71,15 @@ def make_feed(name: str, args, data: dict):
         from loaders import DecodeOptions, ImageLoader, ReadOptions
 
         decode = DecodeOptions(hw_decoder_load=0.0) if name == "imageloader_cuda" else None
-        if opts:
+        if set(opts) - {"early"}:
             decode = DecodeOptions(hw_decoder_load=opts.get("hw"), num_threads=opts.get("threads"))
         read = ReadOptions(prefetch_queue_depth=opts["depth"]) if "depth" in opts else None
         loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev,
                              decode=decode, read=read)
         if opts.get("hold") is False:
             loader._hold.active = False  # a probe: the hardware share without the hold
+        if "early" in opts:
+            loader._decoder.early_threshold = opts["early"]  # a probe: the default choice, an earlier move
         return endless(loader), loader
     if name == "dali":
         dali = DaliBaseline(data["images"], batch_size=args.batch_size, image_size=args.image_size,

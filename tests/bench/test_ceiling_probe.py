@@ -12,11 +12,37 @@ def test_variants_name_a_share_threads_and_no_hold():
     assert ceiling.variant("imageloader@hw0.25+t14+nohold") == ("imageloader", {"hw": 0.25, "threads": 14,
                                                                                  "hold": False})
     assert ceiling.variant("imageloader@q4") == ("imageloader", {"depth": 4})
+    assert ceiling.variant("imageloader@e15") == ("imageloader", {"early": 0.15})
     assert ceiling.fmt_of("imageloader@t14") == "images" and ceiling.fmt_of("tokenloader") == "tokens"
     with pytest.raises(ValueError, match="unknown option"):
         ceiling.variant("imageloader@fast")
     with pytest.raises(ValueError, match="imageloader only"):
         ceiling.variant("dali@t4")
+
+
+def test_an_early_move_probe_keeps_the_default_choice_and_lowers_its_early_bar(monkeypatch):
+    from types import SimpleNamespace
+
+    import loaders
+
+    made = []
+
+    class FakeImageLoader:
+        def __init__(self, source, **kwargs):
+            made.append(kwargs)
+            self._hold = SimpleNamespace(active=True)
+            self._decoder = SimpleNamespace(early_threshold=0.30)
+
+        def __iter__(self):
+            return iter(())
+
+    monkeypatch.setattr(loaders, "ImageLoader", FakeImageLoader)
+    args = SimpleNamespace(device="cpu", batch_size=8, image_size=32)
+    _, loader = ceiling.make_feed("imageloader@e15", args, {"images": "x"})
+    assert made[0]["decode"] is None and made[0]["read"] is None  # the defaults, as a plain imageloader row
+    assert loader._decoder.early_threshold == 0.15 and loader._hold.active
+    _, loader = ceiling.make_feed("imageloader@t14+e20+nohold", args, {"images": "x"})
+    assert made[1]["decode"].num_threads == 14 and loader._decoder.early_threshold == 0.2 and not loader._hold.active
 
 
 def test_rows_replace_the_plan_and_bad_ones_are_refused():
