@@ -45,8 +45,9 @@ Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, read from the cons
 move: :func:`datapipe.device.step_kind.step_kind`) on few queues the loader never moves: there the hardware
 decoder measured slower than the CUDA decoder every time, and a move and its trial cost their one-offs on top
 (H100, 8 queues, 2026-12-06: the hardware decoder with the hold from the start 0.819 of the ceiling, 3 rounds; rows
-that moved and moved back 0.55-0.77; the CUDA decoder throughout 0.86-0.92 on two machines; H200 earlier: 0.81
-against 0.92-0.94). The choice then settles on the CUDA decoder (``why``: ``"cuda_graphs"``).
+that moved (five, 15-26% starved; four moved back) 0.55-0.75; the CUDA decoder throughout 0.86-0.92 on two
+machines; H200 earlier: 0.81 against 0.92-0.94). The choice then settles on the CUDA decoder (``why``:
+``"cuda_graphs"``).
 
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
 repeating nothing; about 0.3 s). Few cores
