@@ -8,6 +8,8 @@ until the next is full (as a consumer holds the batch it trains on):
 - ``mmap_keep``: the same values copied out of a memory map of each shard (mapped afresh every pass, as a reader
   opens its shards), ``bytes(view[a:b])``: the copy in user space instead of the kernel's;
 - ``stream``: ``ShardStream(shuffle=True)`` over the same tars (its reader, member table, shuffle buffer);
+- ``stream_mmap``: the same stream with each value copied out of the reader's memory map (``bytes`` of a slice,
+  the pages behind let go as its zero-copy views do) instead of a ``pread``: a probe of that read, not an option;
 - ``loader``: the peers benchmark's datapipe row, ``loaders.DataLoader`` over that stream, 0 workers;
 - ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
 - ``torch``: the peers benchmark's torch row, torch's ``DataLoader`` over a files ``Dataset``, 0 workers.
@@ -32,7 +34,8 @@ import subprocess
 import sys
 import time
 
-WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "loader", "files", "files_keep", "torch")
+WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "stream_mmap", "loader", "files", "files_keep",
+        "torch")
 BATCH = 256
 
 
@@ -105,6 +108,23 @@ def _mapped(tars: str):
                 view.release()
 
 
+def _read_values_from_the_map() -> None:
+    """(This process only) the reader's zero-copy values become copies out of its memory map: ``zero_copy=True``
+    then reads each value as ``bytes(map[a:b])`` instead of a ``pread``."""
+    from datapipe.read import segments
+
+    def copy_of(reader):
+        def read(offset: int, size: int) -> bytes:
+            data = reader.mm[offset:offset + size]
+            reader.offset = offset + size
+            if reader.offset >= reader._next_release:
+                reader._release()  # the pages behind are let go, as with views
+            return data
+        return read
+
+    segments._view_of = copy_of
+
+
 def passes(way: str, data: dict, epochs: int) -> list[dict]:
     """``epochs`` passes of one way, in this process."""
     if way.endswith("_keep"):
@@ -130,8 +150,11 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
         from datapipe import ShardStream
         from datapipe.read.options import StorageOptions
 
+        if way == "stream_mmap":
+            _read_values_from_the_map()
         stream = ShardStream(data["tars"], shuffle=True, seed=0,
-                             storage=StorageOptions(keep_freed_memory=way == "stream"))
+                             storage=StorageOptions(keep_freed_memory=way != "stream_plain",
+                                                    zero_copy=way == "stream_mmap"))
         out = []
         for epoch in range(epochs):
             stream.set_epoch(epoch)
