@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import DEVICE_EVENTS, analyse, sync, table, write_result  # noqa: E402
+from bench.common import DEVICE_EVENTS, analyse, is_host_sync, sync, table, write_result  # noqa: E402
 from bench.ceiling_record import appended, decoder_choice, earlier_record, next_round, summary  # noqa: E402,F401
 from bench.models import ImageStep, LlamaStep  # noqa: E402
 from bench.ceiling_feeds import LOADER_NAMES, Uint8Images, close_feed, make_feed, torch_idiom, variant  # noqa: E402,F401
@@ -214,8 +214,7 @@ def _trace_events(prof, path: str) -> list[dict]:
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    return [e for e in events if "dur" in e and (e.get("cat") in DEVICE_EVENTS or (
-        e.get("cat") == "cuda_runtime" and "ynchronize" in e.get("name", "")))]
+    return [e for e in events if "dur" in e and (e.get("cat") in DEVICE_EVENTS or is_host_sync(e))]
 
 
 def profile_window(batches, step, args, steps: int, trace_dir: str, name: str) -> list[dict]:

@@ -160,11 +160,16 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's device work; "cuda_runtime" is the host's calls
 
 
+def is_host_sync(event: dict) -> bool:
+    """A host call that waits for the GPU (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ...)."""
+    return event.get("cat") == "cuda_runtime" and "ynchronize" in event.get("name", "")
+
+
 def analyse(events: list[dict], steps: int, train_stream) -> dict:
     """Per step: device ms per stream (top kernels), the loader's own work (other streams) and its overlap
     with the training stream's kernels; and the host's waits for the GPU (``cuda_runtime`` calls named
     ``...Synchronize``, from any thread: ``host_syncs_per_step`` and their ms)."""
-    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "ynchronize" in e.get("name", "")]
+    syncs = [e for e in events if is_host_sync(e)]
     events = [e for e in events if e.get("cat", "kernel") in DEVICE_EVENTS]
     streams: dict = {}
     for e in events:

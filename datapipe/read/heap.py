@@ -4,7 +4,7 @@ A reader hands out every sample as new ``bytes``. With glibc's defaults a batch 
 heap is given back to the kernel (the trim threshold, 128 KB, rising to at most 64 MB) and values over the mmap
 threshold get pages of their own; either way the next batch's memory is fresh pages, each one a page fault that
 the kernel zeroes before the read copies over it. At ~100 KB a sample that costs more than the copy itself
-(docs/performance.md, "The one-process floor"). :func:`keep_freed_memory` raises both thresholds once per
+(docs/performance.md, "One process, raw bytes"). :func:`keep_freed_memory` raises both thresholds once per
 process (``mallopt``): allocations under 32 MB come from the heap, and up to 1 GiB of it freed at the top stays
 mapped. The process's resident memory then stays near its peak instead of shrinking between batches.
 

@@ -78,8 +78,8 @@ def timed(samples, *, batches=False) -> dict:
             "sys_us": round((s1 - s0) / n * 1e6, 1), "faults": round((f1 - f0) / n, 2)}
 
 
-def _tar_values(tars: str):
-    """``(fd, [(offset, size) per value])`` of every sample in the tars, from their member tables, in file order."""
+def _shards(tars: str) -> list[tuple[int, object]]:
+    """``(fd, member table)`` of every tar, in name order: read once, before any pass is timed."""
     from datapipe.tar import member_table
 
     out = []
@@ -88,24 +88,27 @@ def _tar_values(tars: str):
         table = member_table.load(fd, os.fstat(fd).st_size)
         if table is None:
             raise RuntimeError(f"{name} has no member table (not written by this datapipe?)")
-        out += [(fd, [(offset, size) for _, offset, size in members]) for members in table.members]
+        out.append((fd, table))
     return out
 
 
-def _mapped(tars: str):
+def _preads(shards):
+    """Every sample's values, one ``pread`` each, in file order."""
+    for fd, table in shards:
+        for members in table.members:
+            yield [os.pread(fd, size, offset) for _, offset, size in members]
+
+
+def _mapped(shards):
     """Every sample's values copied out of a fresh memory map of its shard, in file order."""
     import mmap
 
-    from datapipe.tar import member_table
-
-    for name in sorted(f for f in os.listdir(tars) if f.endswith(".tar")):
-        with open(os.path.join(tars, name), "rb") as f:
-            table = member_table.load(f.fileno(), os.fstat(f.fileno()).st_size)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                for members in table.members:
-                    yield [bytes(view[offset:offset + size]) for _, offset, size in members]
-                view.release()
+    for fd, table in shards:
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            for members in table.members:
+                yield [bytes(view[offset:offset + size]) for _, offset, size in members]
+            view.release()
 
 
 def _read_values_from_the_map() -> None:
@@ -131,12 +134,10 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
         from datapipe.read.heap import keep_freed_memory
 
         keep_freed_memory()
-    if way == "mmap_keep":
-        return [timed(_mapped(data["tars"])) for _ in range(epochs)]
-    if way.startswith("pread"):
-        values = _tar_values(data["tars"])
-        return [timed([os.pread(fd, size, offset) for offset, size in sample] for fd, sample in values)
-                for _ in range(epochs)]
+    if way == "mmap_keep" or way.startswith("pread"):
+        shards = _shards(data["tars"])
+        read = _mapped if way == "mmap_keep" else _preads
+        return [timed(read(shards)) for _ in range(epochs)]
     if way.startswith("files"):
         folder = os.path.join(data["images"], sorted(os.listdir(data["images"]))[0])
         names = [os.path.join(folder, n) for n in sorted(os.listdir(folder))]
