@@ -47,7 +47,9 @@ decoder measured slower than the CUDA decoder every time, and a move and its tri
 (H100, 8 queues, 2026-12-06: the hardware decoder with the hold from the start 0.819 of the ceiling, 3 rounds; rows
 that moved (five, 15-26% starved; four moved back) 0.55-0.75; the CUDA decoder throughout 0.86-0.92 on two
 machines; H200 earlier: 0.81 against 0.92-0.94). The choice then settles on the CUDA decoder (``why``:
-``"cuda_graphs"``).
+``"cuda_graphs"``). The step counts as CUDA graphs only if a graph ran after the judging window began
+(``step_kind(since=...)``): a graph tree an earlier model left in the thread does not (H100, 2026-12-06: an
+eager ResNet-18 after CUDA-graph rows in one process read that way and stayed, 0.59 against 0.84 moved).
 
 The switch rebuilds DALI's pipeline where the last one stopped (the readers do it, losing and
 repeating nothing; about 0.3 s). Few cores
@@ -159,6 +161,7 @@ class DecoderChoice:
     def _reset(self, skip: int) -> None:
         self._skip = skip  # batches not judged from now on
         self._window_start: float | None = None  # the clock when judging started in this iteration
+        self._graphs_mark: tuple | None = None  # the consumer thread's CUDA graph trees then (few queues)
         self._last = 0.0  # the clock at the last batch
         self._done_s = 0.0  # a trial's judged seconds in earlier iterations
         self._batches = 0
@@ -200,6 +203,7 @@ class DecoderChoice:
             self._skip -= 1
             if self._skip == 0:
                 self._window_start = now
+                self._graphs_mark = self._mark()
             return
         self._batches += 1
         self._wait += starved_s
@@ -224,13 +228,23 @@ class DecoderChoice:
             self.rates.append(self._batches / elapsed)
         elif self._batches >= WINDOW:
             self._window_start, self._batches, self._wait = now, 0, 0.0
+            self._graphs_mark = self._mark()
+
+    def _mark(self) -> tuple | None:
+        """(Consumer's thread, on few queues) where its CUDA graph trees stand as a window starts: the step read at
+        a move counts as CUDA graphs only if a graph ran since (not one an earlier model left behind)."""
+        if not self.few_queues or self._step_kind is not None:
+            return None
+        from datapipe.device.step_kind import graph_marks
+
+        return graph_marks()
 
     def _step(self) -> str:
         if self._step_kind is not None:
             return self._step_kind()
         from datapipe.device.step_kind import step_kind
 
-        return step_kind()
+        return step_kind(since=self._graphs_mark)
 
     def switching(self, in_flight: int = 0) -> None:
         """(Producer) the next pipeline decodes with the other decoder (call before building it): the hardware
