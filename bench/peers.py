@@ -34,7 +34,7 @@ measures your own images (a folder of class folders of JPEGs) instead.
 ShardStream with and without its kept heap, the datapipe row's loader, a loose-files loop and torch's row, per
 sample the user and system CPU and page faults (``datapipe.tools.bench.read_floor``):
 
-    python bench/peers.py --floor        # 40,000 images, 3 passes per way, 2 rounds (~2 minutes on 16 cores)
+    python bench/peers.py --floor        # 40,000 images, 3 passes per way, 3 rounds (~3 minutes on 16 cores)
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _floor(args, default_images: int) -> dict:
     quick = args.quick
     images = 600 if quick else 40000 if args.num_images == default_images else args.num_images
     result = run_floor(os.path.join(args.data, "floor"), num_images=images, epochs=2 if quick else 3,
-                       rounds=1 if quick else 2, log=lambda line: print(line, file=sys.stderr))
+                       rounds=1 if quick else 3, log=lambda line: print(line, file=sys.stderr))
     print(table(result["summary"], ["way", "epoch", "samples_per_s", "user_us", "sys_us", "faults"]))
     if not quick or args.out:
         print("wrote", write_result("read_floor", result, args.out), file=sys.stderr)

@@ -17,7 +17,8 @@ until the next is full (as a consumer holds the batch it trains on):
 Ways ending in ``_keep`` first keep glibc's freed memory (:func:`datapipe.read.heap.keep_freed_memory`); ``stream``
 and ``loader`` do it themselves (ShardStream's default), ``stream_plain`` is the stream with
 ``StorageOptions(keep_freed_memory=False)``, and the other ways run with the allocator as Python leaves it. Per way
-and pass: samples/s, and per sample the process's user and system CPU (us) and minor page faults. A way against the one
+and pass: samples/s, per sample the process's user and system CPU (us) and minor page faults, and the CPU and NUMA
+node it ended on; the summary has each way's best pass and its median. A way against the one
 it builds on (``stream`` on ``pread_keep``, ``loader`` on ``stream``, ``torch`` on ``files``) is what that layer costs.
 
 ``python bench/peers.py --floor`` runs it (``bench/results/read_floor.json``); every way runs in a fresh process
@@ -57,6 +58,26 @@ def _usage() -> tuple[float, float, int]:
     return r.ru_utime, r.ru_stime, r.ru_minflt
 
 
+def _where() -> dict:
+    """The CPU this process last ran on and its NUMA node (the kernel's copy out of the page cache runs at the speed
+    of the memory between them: on the GPU host the same way read 13-15 us or 19-22 us of system time a sample,
+    process by process)."""
+    try:
+        with open("/proc/self/stat") as f:
+            cpu = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor"
+        nodes = [n for n in os.listdir(f"/sys/devices/system/cpu/cpu{cpu}") if n.startswith("node")]
+        return {"cpu": cpu, "node": int(nodes[0][4:]) if nodes else None}
+    except (OSError, ValueError, IndexError):
+        return {"cpu": None, "node": None}
+
+
+def numa_nodes() -> int | None:
+    try:
+        return len([n for n in os.listdir("/sys/devices/system/node") if n[4:].isdigit() and n.startswith("node")])
+    except OSError:
+        return None
+
+
 def timed(samples, *, batches=False) -> dict:
     """One pass: samples/s and, per sample, user and system CPU (us) and minor faults. ``batches``: the loader
     hands out batches of ``(keys, values, labels)`` itself."""
@@ -75,7 +96,7 @@ def timed(samples, *, batches=False) -> dict:
     u1, s1, f1 = _usage()
     n = max(n, 1)
     return {"samples": n, "samples_per_s": round(n / seconds), "user_us": round((u1 - u0) / n * 1e6, 1),
-            "sys_us": round((s1 - s0) / n * 1e6, 1), "faults": round((f1 - f0) / n, 2)}
+            "sys_us": round((s1 - s0) / n * 1e6, 1), "faults": round((f1 - f0) / n, 2), **_where()}
 
 
 def _shards(tars: str) -> list[tuple[int, object]]:
@@ -172,7 +193,7 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
     return out
 
 
-def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 2, ways=WAYS, log=print) -> dict:
+def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 3, ways=WAYS, log=print) -> dict:
     """Every way in ``rounds`` interleaved rounds (the order reversed every other round), each in a fresh process:
     the rows, the best pass per way and epoch (``summary``) and the machine."""
     from datapipe.tools.bench.cli import environment
@@ -201,11 +222,14 @@ def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 2, w
             got = [r for r in rows if r["way"] == way and r.get("epoch") == epoch]
             if got:
                 best = max(got, key=lambda r: r["samples_per_s"])
+                rates = sorted(r["samples_per_s"] for r in got)
                 summary.append({"way": way, "epoch": epoch, **{k: best[k] for k in
-                                                                ("samples_per_s", "user_us", "sys_us", "faults")}})
+                                                                ("samples_per_s", "user_us", "sys_us", "faults")},
+                                "median_samples_per_s": rates[len(rates) // 2], "min_samples_per_s": rates[0]})
     return {"what": "one process's read of ~100 KB JPEGs, per layer (bench/peers.py --floor)",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu_count": os.cpu_count(), "kernel": os.uname().release, "environment": environment(),
+            "cpu_count": os.cpu_count(), "numa_nodes": numa_nodes(), "kernel": os.uname().release,
+            "environment": environment(),
             "config": {"num_images": num_images, "epochs": epochs, "rounds": rounds, "batch": BATCH},
             "rows": rows, "summary": summary}
 

@@ -18,6 +18,15 @@ def test_quick_run_measures_every_way(tmp_path):
     for s in saved["summary"]:
         assert s["samples_per_s"] > 0 and s["user_us"] >= 0 and s["sys_us"] >= 0 and s["faults"] >= 0
     assert {r["samples"] for r in saved["rows"]} == {600}  # every way reads every image once a pass
+    for r in saved["rows"]:  # where each pass ran: a CPU of this machine and, where the kernel says, its node
+        assert 0 <= r["cpu"] < (saved["cpu_count"] or 1) * 64 and (r["node"] is None or r["node"] >= 0)
+    assert all(s["min_samples_per_s"] <= s["median_samples_per_s"] <= s["samples_per_s"] for s in saved["summary"])
+
+
+def test_where_a_process_runs_is_read_from_the_kernel():
+    where = read_floor._where()
+    assert isinstance(where["cpu"], int) and where["cpu"] >= 0
+    assert read_floor.numa_nodes() is None or read_floor.numa_nodes() >= 1
 
 
 def test_unknown_way_is_refused(tmp_path):
