@@ -11,6 +11,7 @@ def eager_step(monkeypatch):
     """The step these tests judge is eager unless a test says otherwise (a CUDA graph run earlier in the process
     would otherwise change what the choice reads)."""
     monkeypatch.setattr("datapipe.device.step_kind.step_kind", lambda modules=None, since=None: "eager")
+    monkeypatch.setattr(decoder_choice, "_ADVISED", [])  # each test sees the once-per-process warning afresh
 
 
 def auto(cores=16, threads=None, cuda=True, queues=32):
@@ -281,3 +282,23 @@ def test_a_cuda_graph_tree_left_by_an_earlier_model_does_not_stop_a_move(monkeyp
     manager.current_gen = 8  # a graph replays while the loader judges
     feed(c, 10 * WINDOW, step_s=0.03, wait_s=0.02, t0=now)
     assert not c.due and c.why == "cuda_graphs"
+
+
+@pytest.mark.parametrize("step, queues, warns", [("CUDA graphs", 8, True), ("eager", 8, True), ("eager", 32, False)])
+def test_a_starved_loop_on_few_queues_is_told_once_what_32_queues_give(caplog, step, queues, warns):
+    caplog.set_level("WARNING", logger="loaders.images")
+    for _ in range(2):  # a second loader in the process: no second warning
+        c = DecoderChoice("auto", cuda=True, threads=None, hardware_threads=8, cores=16, queues=queues,
+                          step_kind=lambda: step)
+        feed(c, 10 * WINDOW, step_s=0.03, wait_s=0.02)
+    said = [r.getMessage() for r in caplog.records if "CUDA_DEVICE_MAX_CONNECTIONS=32" in r.getMessage()]
+    assert len(said) == (1 if warns else 0)
+    if warns:
+        assert f"({step} step, 8 CUDA hardware queues)" in said[0] and "idled 40%" in said[0]
+
+
+def test_a_loop_that_does_not_starve_is_told_nothing(caplog):
+    caplog.set_level("WARNING", logger="loaders.images")
+    c = DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8, step_kind=lambda: "eager")
+    feed(c, 10 * WINDOW, step_s=0.05)
+    assert not [r for r in caplog.records if "CUDA_DEVICE_MAX_CONNECTIONS" in r.getMessage()]
