@@ -179,6 +179,7 @@ class Bench:
                 "compile_mode": cfg["compile"], "arch": "llama-162m" if fmt == "tokens" else a.arch or cfg["arch"],
                 "round": round_}
         print(f"[{config}: {name} {loop} round {round_}]", file=sys.stderr, flush=True)
+        started = time.perf_counter()  # the row's wall time, loader start and ceilings included (for planning runs)
         feed = owner = None
         try:
             feed, owner = make_feed(name, a, self.data)
@@ -202,7 +203,8 @@ class Bench:
                "rate": round(r["rate"], 1), "ceiling": round(ceiling, 1), "ceiling_before": round(before, 1),
                "ceiling_after": round(after, 1), "ceiling_ratio": round(r["rate"] / ceiling, 4),
                "wait_fraction": round(r["wait_fraction"], 4), "step_ms": round(r["step_ms"], 2),
-               "unit": "tokens/s" if fmt == "tokens" else "images/s", **chosen}
+               "unit": "tokens/s" if fmt == "tokens" else "images/s", **chosen,
+               "row_s": round(time.perf_counter() - started, 1)}
         print(f"    {out}", file=sys.stderr, flush=True)
         self.rows.append(out)
         return out
