@@ -9,8 +9,9 @@ One process, one GPU. Loaders (``--loaders``):
   mixed + ``resize`` + ``crop_mirror_normalize``, ``pipe.run()`` in the training thread, outputs copied on
   its stream: ``datapipe.tools.bench.baselines.DaliBaseline``);
 - ``dataloader``: ``loaders.DataLoader(device=...)`` over a map-style uint8 224x224 dataset that keeps up,
-  ``--epoch-batches`` long (64: every row's timed steps cross one epoch start, which costs ~45 ms of the
-  workers' first batch, torch's ~117 ms; 5004, ImageNet-1k's train split at batch 256, crosses none);
+  ``--epoch-batches`` long (64: a row's 40 + 300 steps cross about five epoch starts, each ~45 ms of the
+  workers' first batch, torch's ~117 ms: in the loop that waits each step ~1% of the row; 5004, ImageNet-1k's
+  train split at batch 256, crosses none);
 - ``torch_dataloader``: torch's DataLoader over the same dataset, ``pin_memory=True`` +
   ``.to(device, non_blocking=True)`` (the usual idiom);
 - ``tokenloader``: ``loaders.TokenLoader`` (4 x 4096 packed rows) into a ~162M-parameter Llama.
