@@ -227,8 +227,9 @@ class DecoderChoice:
         self.starved = starving
         early = self._batches >= EARLY and starving > self.early_threshold
         if starving > self.threshold and (self._batches >= WINDOW or early):
-            step = self._step() if self.few_queues else None
+            step = None
             if self.few_queues:
+                step = self._step()
                 advise_wide_queues(starving, step, self.queues)
             if step == "CUDA graphs":  # the hardware decoder loses there on few queues (module)
                 self.settled, self.why = True, "cuda_graphs"

@@ -32,10 +32,10 @@ import time
 from typing import Any, Iterable
 
 from datapipe.device.autotune import usable_cores
+from datapipe.device.step_kind import step_kind
 from datapipe.tools.doctor.advice import _torch, advise, inspect_batch
 from datapipe.tools.doctor.ceiling import CeilingReplay, ceiling_meaning
 from datapipe.tools.doctor.report_text import format_report
-from datapipe.device.step_kind import step_kind
 from datapipe.tools.doctor.timed import TimedIteration, WrappedLoader
 from datapipe.units import percentiles
 
