@@ -18,6 +18,10 @@ if [ -f "$_setup_stamp" ]; then
   _setup_step "installed, setup.cfg and constraints.txt unchanged: import checks skipped (rm $_setup_stamp to redo them)"
 else
   _setup_step "checking the installed packages (torch, DALI, Ray, ...; ~30 s)"
+  _setup_free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ -n "$_setup_free_gb" ] && [ "$_setup_free_gb" -lt 6 ]; then
+    _setup_step "warning: ${_setup_free_gb} GB free on this disk; a fresh install takes ~4 GB (.venv) and pip's downloads more"
+  fi
   if ! python -c "import torch, webdataset, nvidia.dali, pytest, s3fs, moto, ray, tokenizers, transformers, accelerate, lightning, skimage" >/dev/null 2>&1 \
      || ! python -c "import datapipe" >/dev/null 2>&1; then
     if ! { _setup_step "installing 1/3: pip" && python -m pip install -q --upgrade pip \
@@ -25,7 +29,7 @@ else
            && python -m pip install $_setup_pip_quiet "torch==2.13.0" \
            && _setup_step "installing 3/3: datapipe with the extras test, dali, s3, ray, synthetic (constraints.txt)" \
            && python -m pip install $_setup_pip_quiet -c constraints.txt -e ".[test,dali,s3,ray,synthetic]"; }; then
-      _setup_step "the install failed (pip's messages above say why)"
+      _setup_step "the install failed (pip's messages above say why; $(df -Ph . | awk 'NR == 2 {print $4}') free on this disk)"
       return 1 2>/dev/null || exit 1
     fi
   fi

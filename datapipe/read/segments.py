@@ -54,12 +54,15 @@ class SegmentReader:
     Args:
         shards: the stream's shards (URLs, counts, how to open them; its ledger counts what is read and lost).
         zero_copy: values of local uncompressed shards as memoryviews into the mapped file.
+        read_threads: threads that read a local shard's values ahead through its member table (0: a ``pread``
+            per value; :mod:`datapipe.read.spans`).
     """
 
-    def __init__(self, shards: Shards, *, zero_copy: bool = False):
+    def __init__(self, shards: Shards, *, zero_copy: bool = False, read_threads: int = 0):
         self.shards = shards
         self.ledger = shards.ledger
         self.zero_copy = zero_copy
+        self.read_threads = read_threads
 
     def items(self, plan: WorkerPlan, first: int) -> Iterator[Any]:
         """The plan's samples (or LOST) from position ``first`` on."""
@@ -191,7 +194,8 @@ class SegmentReader:
         where = member_table.Position()
         return where, member_table.samples(table, reader._fd, url, where, start=start, stop=stop, keep=keep,
                                            read_large=lambda offset, size: reader.mm[offset:offset + size],
-                                           read=_view_of(reader) if self.zero_copy else None)
+                                           read=_view_of(reader) if self.zero_copy else None,
+                                           threads=self.read_threads)
 
     def _error(self, message: str, url: str, key: str | None) -> DataError:
         return DataError(message, url=redact_url(url), key=key)

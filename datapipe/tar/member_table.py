@@ -191,15 +191,18 @@ PASSED: dict = {}  # in place of a sample the caller did not want read (``sample
 
 
 def samples(table: MemberTable, fd: int, url: str, position: Position, *, start: int, stop: int | None,
-            read_large=None, keep=None, read=None) -> Iterator[dict]:
+            read_large=None, keep=None, read=None, threads: int = 0) -> Iterator[dict]:
     """The samples ``start <= i < stop`` of the table's shard as dicts (``__key__``, ``__url__``, one ``bytes``
     per extension), each value one ``pread``; ``position`` follows the ordinal and key. A value the file no
     longer holds whole (it shrank) raises ``TarTruncated``. ``read_large(offset, size)`` reads values over
     32 MB (the reader's memory map); ``read(offset, size)``, if given, reads every value (zero-copy views).
-    Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read."""
+    Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read. ``threads`` >= 1: the values of
+    the next few MB of samples are read together (:func:`datapipe.read.spans.read_spans`, in that many
+    threads) before the first of them is handed out."""
     pread = os.pread
     keys, members = table.keys, table.members
     stop = len(keys) if stop is None else min(stop, len(keys))
+    ahead = _ReadAhead(members, fd, stop, keep, threads) if threads and read is None else None
     for i in range(start, stop):
         key = keys[i]
         if keep is not None and not keep(i):
@@ -207,13 +210,62 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
             yield PASSED
             continue
         sample = {"__key__": key, "__url__": url}
-        for ext, offset, size in members[i]:
-            if read is not None:
-                data = read(offset, size)
-            else:
-                data = pread(fd, size, offset) if size <= _MAX_READ or read_large is None else read_large(offset, size)
-            if data is None or len(data) != size:
-                raise TarTruncated(f"tar stream ends inside member {key}.{ext} ({size} bytes expected)", offset, key)
-            sample[ext] = data
+        values = ahead.values(i) if ahead is not None else None
+        if values is not None:
+            for (ext, _, _), data in zip(members[i], values):
+                sample[ext] = data
+        else:
+            for ext, offset, size in members[i]:
+                if read is not None:
+                    data = read(offset, size)
+                else:
+                    data = (pread(fd, size, offset) if size <= _MAX_READ or read_large is None
+                            else read_large(offset, size))
+                if data is None or len(data) != size:
+                    raise TarTruncated(f"tar stream ends inside member {key}.{ext} ({size} bytes expected)",
+                                       offset, key)
+                sample[ext] = data
         position.ordinal, position.key = i, key
         yield sample
+
+
+class _ReadAhead:
+    """The values of the samples from ``i`` on, read together (``read_spans``) about ``CHUNK_BYTES`` a thread at
+    a time; ``values(i)`` is None where they could not be (a value over 32 MB, a file that shrank): that sample
+    is then read on its own, which says what went wrong."""
+
+    CHUNK_BYTES = 2 << 20  # read ahead per thread: a few samples' values, held until handed out
+    MAX_SAMPLES = 256
+
+    def __init__(self, members: list, fd: int, stop: int, keep, threads: int):
+        self.members, self.fd, self.stop, self.keep, self.threads = members, fd, stop, keep, threads
+        self.held: dict[int, list] = {}
+        self.until = -1  # samples before this were read ahead (or tried)
+
+    def values(self, i: int) -> list | None:
+        if i >= self.until:
+            self._read_from(i)
+        return self.held.pop(i, None)
+
+    def _read_from(self, i: int) -> None:
+        from datapipe.read.spans import read_spans
+
+        self.held.clear()
+        members, keep, budget = self.members, self.keep, self.CHUNK_BYTES * self.threads
+        wanted, spans, filled, j = [], [], 0, i
+        while j < self.stop and filled < budget and len(wanted) < self.MAX_SAMPLES:
+            if keep is None or keep(j):
+                wanted.append(j)
+                for _, offset, size in members[j]:
+                    spans.append((offset, size))
+                    filled += size
+            j += 1
+        self.until = j
+        values = read_spans(self.fd, spans, threads=self.threads) if len(wanted) > 1 else None
+        if values is None:
+            return
+        at = 0
+        for j in wanted:
+            n = len(members[j])
+            self.held[j] = values[at:at + n]
+            at += n

@@ -274,11 +274,13 @@ def describe(system: str, workers: int) -> str:
 
 
 def open_loader(system: str, data: str, *, batch_size: int, workers: int, seed: int = 0,
-                decode_size: int | None = None, cache_dir: str | None = None, endless: bool = False):
+                decode_size: int | None = None, cache_dir: str | None = None, endless: bool = False,
+                storage=None):
     """``system``'s documented loader over its own written ``data``: batches of ``(keys, values, labels)``.
 
     Values are the encoded bytes, or with ``decode_size`` the decoded, augmented image tensors.
     ``endless``: Energon's default endless stream (its save/restore path) instead of one epoch per pass.
+    ``storage``: datapipe's ``StorageOptions`` (a probe's; the rows take the defaults).
     """
     import torch.utils.data
 
@@ -309,7 +311,8 @@ def open_loader(system: str, data: str, *, batch_size: int, workers: int, seed: 
         from datapipe import ShardStream
         from loaders import DataLoader
 
-        stream = ShardStream(data, shuffle=True, shuffle_buffer=200, seed=seed)  # samples too (the README's)
+        stream = ShardStream(data, shuffle=True, shuffle_buffer=200, seed=seed,  # samples too (the README's)
+                             **({"storage": storage} if storage is not None else {}))
         stream = stream.map(_Then(_stream_tuple, decode) if decode else _stream_tuple)
         return DataLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=raw_collate, **extra)
     if system == "litdata":

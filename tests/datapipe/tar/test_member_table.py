@@ -7,7 +7,8 @@ import tarfile
 
 import pytest
 
-from datapipe import DataError, ShardStream, ShardWriter
+from datapipe import DataError, ShardStream, ShardWriter, StorageOptions
+from datapipe.read import spans
 from datapipe.tar import member_table
 
 
@@ -53,6 +54,51 @@ def test_a_read_through_the_table_is_the_walks(tmp_path, monkeypatch):
     walked = _read(str(tmp_path), True, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50)
     assert through_table == walked and len(walked) == 304
     assert {"x" * 150, "d/é", "dir.v2/a"} <= {s["__key__"] for s in walked}
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_values_read_ahead_in_threads_are_the_walks(tmp_path, monkeypatch, threads):
+    """``StorageOptions(read_threads=)``: the values of the next samples read together (``read_spans``), in
+    that many threads; small chunks so that a shard takes many."""
+    monkeypatch.setattr(member_table._ReadAhead, "CHUNK_BYTES", 20_000)
+    monkeypatch.setattr(spans, "MIN_THREAD_BYTES", 4096)
+    _write(str(tmp_path), _samples(300), max_count=100)
+    chunks = []
+    real = spans.read_spans
+    monkeypatch.setattr(spans, "read_spans", lambda fd, s, **k: chunks.append(len(s)) or real(fd, s, **k))
+    read = _read(str(tmp_path), False, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50,
+                 storage=StorageOptions(read_threads=threads))
+    assert read == _read(str(tmp_path), True, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50)
+    assert (len(chunks) >= 6) == (threads > 0), chunks
+    if threads > 1:
+        assert spans._pool_key == (os.getpid(), threads - 1)  # the calling thread reads a share itself
+
+
+def _cut_after_the_table_is_read(monkeypatch, path, size):
+    real = member_table.load
+
+    def load_then_cut(fd, n):
+        table = real(fd, n)
+        os.truncate(path, size)
+        return table
+
+    monkeypatch.setattr(member_table, "load", load_then_cut)
+
+
+def test_a_shard_that_shrank_under_the_read_ahead_hands_out_what_it_holds(tmp_path, monkeypatch):
+    """The chunk that crosses the cut is read value by value: the samples before it come, then the error."""
+    (path,) = _write(str(tmp_path), _samples(40))
+    _cut_after_the_table_is_read(monkeypatch, path, 30_000)
+    got = {}
+    for threads in (0, 2):
+        stream = ShardStream(str(tmp_path), storage=StorageOptions(read_threads=threads))
+        got[threads] = []
+        with pytest.raises(DataError, match="ends inside member"):
+            for sample in stream:
+                got[threads].append(sample["__key__"])
+        os.truncate(path, 0)
+        _write(str(tmp_path), _samples(40))
+    assert got[0] == got[2] and 0 < len(got[0]) < 40
 
 
 def test_resume_through_the_table_is_exact(tmp_path, monkeypatch):
@@ -107,14 +153,7 @@ def test_a_cut_shard_loses_what_the_walk_loses(tmp_path, monkeypatch):
 
 def test_a_shard_that_shrank_after_its_table_was_read_is_an_error(tmp_path, monkeypatch):
     (path,) = _write(str(tmp_path), _samples(40))
-    real = member_table.load
-
-    def load_then_cut(fd, size):
-        table = real(fd, size)
-        os.truncate(path, 5000)
-        return table
-
-    monkeypatch.setattr(member_table, "load", load_then_cut)
+    _cut_after_the_table_is_read(monkeypatch, path, 5000)
     with pytest.raises(DataError, match="ends inside member"):
         list(ShardStream(str(tmp_path)))
 
@@ -239,23 +278,24 @@ def test_the_size_limit_counts_the_table(tmp_path):
     assert len(paths) > 3 and all(os.path.getsize(p) <= 100_000 for p in paths)
 
 
-def test_resume_reads_only_the_samples_its_buffer_holds(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [0, 1])
+def test_resume_reads_only_the_samples_its_buffer_holds(tmp_path, monkeypatch, threads):
     """Rebuilding the shuffle buffer after a resume reads the samples in its slots; the ones drawn before it,
-    between them, are passed over unread (the walk reads and drops them)."""
+    between them, are passed over unread (the walk reads and drops them): each value of the rest is read once,
+    and no other (one ``pread`` each, or read ahead together)."""
     _write(str(tmp_path), [{"__key__": f"k{i:04d}", "jpg": b"x" * 100, "cls": b"1"} for i in range(400)])
-    stream = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2)
+    options = StorageOptions(read_threads=threads)
+    stream = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2, storage=options)
     it = iter(stream)
     for _ in range(300):
         next(it)
     state = stream.state_dict()
     rest = [s["__key__"] for s in it]
     reads = []
-    real = os.pread
+    real, real_spans = os.pread, spans.read_spans
     monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or real(fd, n, off))
-    again = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2)
+    monkeypatch.setattr(spans, "read_spans", lambda fd, s, **k: reads.extend(n for _, n in s) or real_spans(fd, s, **k))
+    again = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2, storage=options)
     again.load_state_dict(state)
-    it = iter(again)
-    first = next(it)["__key__"]
-    value_reads = sum(1 for n in reads if n in (100, 1))
-    assert [first] + [s["__key__"] for s in it] == rest
-    assert value_reads <= 2 * 52, value_reads  # the 50 slots and the next sample, two values each
+    assert [s["__key__"] for s in again] == rest
+    assert sum(1 for n in reads if n in (100, 1)) == 2 * len(rest) == 200

@@ -1,0 +1,164 @@
+"""Many values of one local file read into fresh ``bytes`` with few system calls, in a few threads.
+
+A one-process reader hands out each value as new ``bytes``, and on a fast host the kernel's copy of the value
+from the page cache into that new memory is most of its time per sample (docs/performance.md). ``read_spans``
+reads a run of values (the next samples of a shard, from its member table) with one ``preadv`` per stretch of
+the file: each value's ``bytes`` is made uninitialised (``PyBytes_FromStringAndSize(NULL, n)``, as C code makes
+them, and written before anyone sees it) and is one of the call's buffers; what lies between values (tar
+headers, padding) lands in a scratch buffer. The stretches are shared among a few threads, each calling
+``preadv`` through ctypes, which lets go of the interpreter lock for the whole call, so the copies run on
+several cores at once while the calling thread reads its own share and then waits.
+
+A read that comes back short (the file shrank) returns None and hands out nothing: the caller reads those values
+one by one, as before, and reports where the file ends.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import numpy as np
+
+MAX_GAP = 64 << 10  # a gap wider than this between two values ends a stretch (it is not read)
+MAX_IOV = 1024  # buffers in one preadv (Linux's IOV_MAX)
+MIN_THREAD_BYTES = 1 << 20  # a thread is worth its hand-over for at least this many bytes
+MAX_VALUE = 32 << 20  # larger values are read on their own (one pread may return less than asked past 2 GB)
+
+_lib = None  # (preadv, new_bytes, data_offset, scratch address), made on first use
+_scratch = None
+_pool: ThreadPoolExecutor | None = None
+_pool_key: tuple[int, int] | None = None  # (pid, threads) the pool was made for
+_pool_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether this platform has what ``read_spans`` needs (Linux's ``preadv`` in the C library, CPython)."""
+    return _functions() is not None
+
+
+def _functions():
+    global _lib
+    if _lib is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            preadv = libc.preadv  # a CDLL function: the interpreter lock is let go while it runs
+            preadv.restype = ctypes.c_ssize_t
+            preadv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+            new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+            new_bytes.restype, new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+            address = ctypes.pythonapi.PyBytes_AsString
+            address.restype, address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+            probe = b"datapipe"
+            data_offset = address(probe) - id(probe)  # where a bytes object's data starts (CPython's layout)
+            global _scratch
+            _scratch = ctypes.create_string_buffer(MAX_GAP)  # gaps land here (threads may share it: never read)
+            _lib = (preadv, new_bytes, data_offset, ctypes.addressof(_scratch))
+        except (AttributeError, OSError, TypeError, ValueError):
+            _lib = False
+    return _lib or None
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    """This process's reading threads (made on first use; a forked child makes its own)."""
+    global _pool, _pool_key
+    with _pool_lock:
+        if _pool is None or _pool_key != (os.getpid(), threads):
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="datapipe-read")
+            _pool_key = (os.getpid(), threads)
+        return _pool
+
+
+def _stretches(spans: list[tuple[int, int]], most: int) -> list[list[int]]:
+    """Indices of ``spans`` grouped into stretches one ``preadv`` reads: in file order, gaps under ``MAX_GAP``,
+    at most ``MAX_IOV`` buffers (values and gaps) and, past its first value, at most ``most`` bytes each."""
+    groups: list[list[int]] = []
+    end = None
+    buffers = filled = 0
+    for i, (offset, size) in enumerate(spans):
+        gap = None if end is None else offset - end
+        if gap is None or gap < 0 or gap > MAX_GAP or buffers + 2 > MAX_IOV or filled + gap + size > most:
+            groups.append([i])
+            buffers, filled = 1, size
+        else:
+            groups[-1].append(i)
+            buffers += 2 if gap else 1
+            filled += gap + size
+        end = offset + size
+    return groups
+
+
+def _read_stretch(preadv, fd: int, iov: np.ndarray, count: int, offset: int, want: int) -> bool:
+    """One ``preadv`` of ``count`` buffers described by ``iov``; whether all ``want`` bytes came."""
+    got = preadv(fd, iov.ctypes.data, count, offset)
+    if got == want:
+        return True
+    if got <= 0:
+        return False  # the file ends first (or an error: the caller's own reads say which)
+    return _read_rest(fd, iov, count, offset, got, want)  # cut short (a regular file does so only at its end)
+
+
+def _read_rest(fd: int, iov: np.ndarray, count: int, offset: int, got: int, want: int) -> bool:
+    """Finish a stretch whose ``preadv`` stopped ``got`` bytes in, buffer by buffer with ``os.pread``."""
+    at = 0
+    for base, length in iov.reshape(-1, 2)[:count].tolist():
+        skip = min(max(got - at, 0), length)
+        if skip < length:
+            data = os.pread(fd, length - skip, offset + at + skip)
+            if len(data) != length - skip:
+                return False
+            ctypes.memmove(base + skip, data, len(data))
+        at += length
+    return at == want
+
+
+def read_spans(fd: int, spans: list[tuple[int, int]], *, threads: int = 1) -> list[bytes] | None:
+    """``os.pread(fd, size, offset)`` for each ``(offset, size)`` of ``spans``, in order, or None where the file
+    no longer holds one of them whole (nothing is handed out then). ``threads`` share the stretches."""
+    lib = _functions()
+    if lib is None or any(size > MAX_VALUE or size < 0 for _, size in spans):
+        return None
+    preadv, new_bytes, data_offset, scratch = lib
+    out = [new_bytes(None, size) for _, size in spans]
+    total = sum(size for _, size in spans)
+    threads = max(1, min(threads, total // MIN_THREAD_BYTES))
+    jobs = []  # (iov, count, offset, bytes) per stretch
+    for group in _stretches(spans, -(-total // threads)):
+        flat: list[int] = []
+        first = end = spans[group[0]][0]
+        for i in group:
+            offset, size = spans[i]
+            if offset > end:
+                flat += (scratch, offset - end)  # the gap (headers, padding): into the scratch, never read
+            flat += (id(out[i]) + data_offset, size)
+            end = offset + size
+        jobs.append((np.array(flat, np.uint64), len(flat) // 2, first, end - first))
+    shares = _shares(jobs, threads)
+    pending = []
+    try:
+        if len(shares) > 1:
+            pool = _executor(threads - 1)
+            pending = [pool.submit(_read_share, preadv, fd, share) for share in shares[1:]]
+        whole = _read_share(preadv, fd, shares[0])
+    finally:
+        wait(pending)  # no thread may still write into a value once this returns or raises
+    whole = whole and all(f.result() for f in pending)
+    return out if whole else None
+
+
+def _shares(jobs: list, threads: int) -> list[list]:
+    """The stretches in ``threads`` runs of about equal bytes (each stretch goes where its middle falls)."""
+    if threads < 2:
+        return [jobs]
+    per = sum(job[3] for job in jobs) / threads
+    shares: list[list] = [[] for _ in range(threads)]
+    filled = 0
+    for job in jobs:
+        shares[min(threads - 1, int((filled + job[3] / 2) // per))].append(job)
+        filled += job[3]
+    return [share for share in shares if share]
+
+
+def _read_share(preadv, fd: int, share: list) -> bool:
+    return all(_read_stretch(preadv, fd, iov, count, offset, want) for iov, count, offset, want in share)

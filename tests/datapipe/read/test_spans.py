@@ -1,0 +1,91 @@
+"""read_spans: many values of a file read into fresh bytes with preadv, in threads; equal to a pread each, or None."""
+import os
+import random
+
+import numpy as np
+import pytest
+
+from datapipe.read import spans
+from datapipe.read.spans import read_spans
+
+pytestmark = pytest.mark.skipif(not spans.available(), reason="needs preadv in the C library (Linux)")
+
+
+@pytest.fixture()
+def blob_fd(tmp_path):
+    data = random.Random(0).randbytes(3 << 20)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, data, path
+    os.close(fd)
+
+
+def _tar_like(size: int, seed: int = 1) -> list[tuple[int, int]]:
+    """Values with small gaps between them (headers, padding), a few empty ones, one far jump."""
+    rnd = random.Random(seed)
+    out, at = [], 0
+    while True:
+        at += rnd.choice((0, 512, 1024, 700))
+        n = rnd.choice((0, 1, 3, rnd.randrange(10, 40000)))
+        if at + n > size:
+            return out
+        out.append((at, n))
+        at += n
+        if rnd.random() < 0.02:
+            at += 200_000  # wider than MAX_GAP: a stretch ends
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_values_are_what_pread_gives(blob_fd, monkeypatch, threads):
+    fd, data, _ = blob_fd
+    monkeypatch.setattr(spans, "MIN_THREAD_BYTES", 1 << 16)  # so that a few MB use every thread
+    wanted = _tar_like(len(data))
+    got = read_spans(fd, wanted, threads=threads)
+    assert got == [data[o:o + n] for o, n in wanted]
+    assert all(type(v) is bytes for v in got)
+
+
+def test_spans_out_of_order_and_overlapping(blob_fd):
+    fd, data, _ = blob_fd
+    wanted = [(5000, 100), (10, 20), (15, 30), (2_000_000, 5), (0, 0)]
+    assert read_spans(fd, wanted) == [data[o:o + n] for o, n in wanted]
+
+
+def test_a_stretch_holds_at_most_iov_max_buffers(blob_fd, monkeypatch):
+    fd, data, _ = blob_fd
+    monkeypatch.setattr(spans, "MAX_IOV", 4)
+    calls = []
+    real = spans._read_stretch
+    monkeypatch.setattr(spans, "_read_stretch", lambda *a: calls.append(a[3]) or real(*a))
+    wanted = [(i * 600, 100) for i in range(30)]
+    assert read_spans(fd, wanted) == [data[o:o + n] for o, n in wanted]
+    assert all(count <= 4 for count in calls) and len(calls) >= 15
+
+
+def test_values_past_the_end_give_none(blob_fd):
+    fd, data, _ = blob_fd
+    assert read_spans(fd, [(0, 10), (len(data) - 5, 10)]) is None
+    assert read_spans(fd, [(len(data) + 100, 10)]) is None
+
+
+def test_values_over_the_largest_read_give_none(blob_fd, monkeypatch):
+    fd, _, _ = blob_fd
+    monkeypatch.setattr(spans, "MAX_VALUE", 1000)
+    assert read_spans(fd, [(0, 10), (100, 1001)]) is None
+
+
+def test_a_preadv_cut_short_is_finished_value_by_value(blob_fd):
+    fd, data, _ = blob_fd
+    _, new_bytes, offset, scratch = spans._functions()
+    wanted = [(0, 5000), (5512, 3000), (9000, 4000)]
+    real_preadv = spans._functions()[0]
+
+    def short(fd_, iov, count, at):  # a signal after the first 6,000 bytes
+        return min(real_preadv(fd_, iov, count, at), 6000)
+
+    values = [new_bytes(None, n) for _, n in wanted]
+    iov = np.array([id(values[0]) + offset, 5000, scratch, 512, id(values[1]) + offset, 3000,
+                    scratch, 488, id(values[2]) + offset, 4000], np.uint64)
+    assert spans._read_stretch(short, fd, iov, 5, 0, 13000)
+    assert values == [data[o:o + n] for o, n in wanted]
