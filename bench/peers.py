@@ -61,8 +61,9 @@ def _floor(args, default_images: int) -> dict:
 
     quick = args.quick
     images = 600 if quick else 40000 if args.num_images == default_images else args.num_images
+    ways = {"ways": tuple(w.strip() for w in args.ways.split(",") if w.strip())} if args.ways else {}
     result = run_floor(os.path.join(args.data, "floor"), num_images=images, epochs=2 if quick else 3,
-                       rounds=1 if quick else 3, log=lambda line: print(line, file=sys.stderr))
+                       rounds=1 if quick else 3, log=lambda line: print(line, file=sys.stderr), **ways)
     print(table(result["summary"], ["way", "epoch", "samples_per_s", "user_us", "sys_us", "faults"]))
     if not quick or args.out:
         print("wrote", write_result("read_floor", result, args.out), file=sys.stderr)
@@ -100,7 +101,15 @@ def main(argv=None) -> dict:
                    help="instead: where one process's read time goes, per layer, from a bare pread up to the "
                         "datapipe and torch rows (datapipe.tools.bench.read_floor; read_floor.json; --num-images, "
                         "default 40,000 here; --quick: 600)")
+    p.add_argument("--ways", default=None,
+                   help="--floor: the ways to run, comma-separated (default all; see datapipe.tools.bench.read_floor)")
     args = p.parse_args(argv)
+    if args.ways:
+        from datapipe.tools.bench.read_floor import WAYS
+
+        unknown = sorted(set(w.strip() for w in args.ways.split(",")) - set(WAYS) - {""})
+        if unknown:
+            p.error(f"unknown --ways {', '.join(unknown)}: choose from {', '.join(WAYS)}")
     if args.floor:
         return _floor(args, p.get_default("num_images"))
 

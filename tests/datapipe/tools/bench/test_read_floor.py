@@ -32,3 +32,12 @@ def test_where_a_process_runs_is_read_from_the_kernel():
 def test_unknown_way_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown ways mmap"):
         read_floor.run_floor(str(tmp_path), num_images=10, ways=("pread", "mmap"))
+
+
+def test_the_cli_runs_the_ways_asked_and_refuses_unknown_ones(tmp_path, capsys):
+    out = peers.main(["--floor", "--quick", "--ways", "stream,stream_threads", "--out", str(tmp_path),
+                      "--data", str(tmp_path / "data")])
+    assert {s["way"] for s in out["summary"]} == {"stream", "stream_threads"}
+    with pytest.raises(SystemExit) as exit_:
+        peers.main(["--floor", "--ways", "stream,mmap"])
+    assert exit_.value.code == 2 and "unknown --ways mmap" in capsys.readouterr().err
