@@ -34,7 +34,7 @@ from datapipe.read.ledger import Ledger
 from datapipe.read.options import StorageOptions, check_types
 from datapipe.read.segments import LOST, SegmentReader
 from datapipe.read.shards import Shards
-from datapipe.read.spans import available as spans_available
+from datapipe.read.spans import read_threads
 from datapipe.state import check_identity, check_state
 from datapipe.storage.cache import ShardCache
 from datapipe.storage.urls import shard_urls
@@ -368,7 +368,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         if self.storage.keep_freed_memory:
             keep_freed_memory()
         reader = SegmentReader(self._shards, zero_copy=self.storage.zero_copy,
-                               read_threads=self.storage.read_threads if spans_available() else 0)
+                               read_threads=read_threads(self.storage.read_threads, in_worker=info is not None))
         if self.shuffle_buffer <= 1:
             items = reader.items(plan, draws)
         else:

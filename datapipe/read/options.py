@@ -37,10 +37,10 @@ class StorageOptions:
             so that freed samples' memory is reused instead of faulted in afresh (1.5-3x at 100 KB samples
             where the heap's top was given back, no different where it stays in use; the process keeps up to
             1 GiB freed; :mod:`datapipe.read.heap`).
-        read_threads: 0 (the default): each value of a local shard read with a ``pread`` of its own; n: the
-            values of the next few MB of samples read together, one ``preadv`` per thread in n threads
-            (:mod:`datapipe.read.spans`), so that the kernel's copies leave the consuming thread. Not the
-            default until a 16-core host measures it ahead (docs/performance.md).
+        read_threads: threads that read a local shard's values ahead, ~8 MB a thread at a time, with one
+            ``preadv`` each (:mod:`datapipe.read.spans`), so that the kernel's copies leave the consuming thread;
+            None (the default): one per 4 usable cores, at least 2 and at most 4 (0 on one core, and 0 in a
+            DataLoader worker, where the workers are the parallelism); 0: one ``pread`` per value.
     """
 
     retries: int = 5
@@ -49,17 +49,17 @@ class StorageOptions:
     allow_pipe: bool = False
     zero_copy: bool = False
     keep_freed_memory: bool = True
-    read_threads: int = 0
+    read_threads: int | None = None
 
     def __post_init__(self):
         check_types("StorageOptions.", retries=(self.retries, Integral), timeout=(self.timeout, (Real, type(None))),
                     backoff=(self.backoff, Real), allow_pipe=(self.allow_pipe, bool),
                     zero_copy=(self.zero_copy, bool), keep_freed_memory=(self.keep_freed_memory, bool),
-                    read_threads=(self.read_threads, Integral))
+                    read_threads=(self.read_threads, (Integral, type(None))))
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds (or None for the clients' own), "
                              f"got {self.timeout}")
         if self.retries < 0 or self.backoff < 0:
             raise ValueError("retries and backoff must be >= 0")
-        if not 0 <= self.read_threads <= 64:
-            raise ValueError(f"read_threads must be 0 to 64, got {self.read_threads}")
+        if self.read_threads is not None and not 0 <= self.read_threads <= 64:
+            raise ValueError(f"read_threads must be 0 to 64 (or None: chosen from the cores), got {self.read_threads}")

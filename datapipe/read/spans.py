@@ -29,8 +29,26 @@ MAX_VALUE = 32 << 20  # larger values are read on their own (one pread may retur
 _lib = None  # (preadv, new_bytes, data_offset, scratch address), made on first use
 _scratch = None
 _pool: ThreadPoolExecutor | None = None
-_pool_key: tuple[int, int] | None = None  # (pid, threads) the pool was made for
+_pool_pid: int | None = None  # the process the pool was made in
 _pool_lock = threading.Lock()
+
+
+CORES_PER_THREAD = 4  # by default one reading thread per this many usable cores, MIN_THREADS to MAX_THREADS
+MIN_THREADS, MAX_THREADS = 2, 4
+
+
+def read_threads(asked: int | None, *, in_worker: bool) -> int:
+    """The threads a stream reads local values with (``StorageOptions.read_threads``; 0: a ``pread`` each)."""
+    if not available():
+        return 0
+    if asked is not None:
+        return asked
+    from datapipe.device.autotune import usable_cores
+
+    cores = usable_cores()
+    if in_worker or cores < 2:
+        return 0
+    return max(MIN_THREADS, min(MAX_THREADS, cores // CORES_PER_THREAD))
 
 
 def available() -> bool:
@@ -43,7 +61,7 @@ def _functions():
     if _lib is None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            preadv = libc.preadv  # a CDLL function: the interpreter lock is let go while it runs
+            preadv = getattr(libc, "preadv64", None) or libc.preadv  # CDLL: the interpreter lock is let go
             preadv.restype = ctypes.c_ssize_t
             preadv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
             new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
@@ -61,12 +79,13 @@ def _functions():
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
-    """This process's reading threads (made on first use; a forked child makes its own)."""
-    global _pool, _pool_key
+    """This process's reading threads, at least ``threads`` of them (made on first use and when more are asked
+    for; a forked child makes its own)."""
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None or _pool_key != (os.getpid(), threads):
+        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < threads:
             _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="datapipe-read")
-            _pool_key = (os.getpid(), threads)
+            _pool_pid = os.getpid()
         return _pool
 
 

@@ -13,9 +13,8 @@ until the next is full (as a consumer holds the batch it trains on):
 - ``stream_mmap``: the same stream with each value copied out of the reader's memory map (``bytes`` of a slice,
   the pages behind let go as its zero-copy views do) instead of a ``pread``: a probe of that read, not an option;
 - ``loader``: the peers benchmark's datapipe row, ``loaders.DataLoader`` over that stream, 0 workers;
-- ``stream_threads`` and ``loader_threads``: ``stream`` and ``loader`` with ``StorageOptions(read_threads=4)``
-  (values read a few MB at a time by ``preadv`` in 4 threads, :mod:`datapipe.read.spans`): whether moving the
-  kernel's copies off the main thread lifts the row on a host with cores and memory bandwidth to spare;
+- ``stream_pread`` and ``loader_pread``: ``stream`` and ``loader`` with ``StorageOptions(read_threads=0)``, a
+  ``pread`` per value, against their default read ahead in threads (:mod:`datapipe.read.spans`);
 - ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
 - ``torch``: the peers benchmark's torch row, torch's ``DataLoader`` over a files ``Dataset``, 0 workers.
 
@@ -40,9 +39,8 @@ import subprocess
 import sys
 import time
 
-WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "stream_buffer", "stream_mmap", "stream_threads",
-        "loader", "loader_threads", "files", "files_keep", "torch")
-THREADS = 4  # the ``_threads`` ways' read_threads
+WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "stream_pread", "stream_buffer", "stream_mmap",
+        "loader", "loader_pread", "files", "files_keep", "torch")
 BUFFER = 200  # the peers' datapipe row's (and the README's) sample shuffle buffer
 BATCH = 256
 
@@ -185,7 +183,7 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
         stream = ShardStream(data["tars"], shuffle=True, seed=0, shuffle_buffer=buffer,
                              storage=StorageOptions(keep_freed_memory=way != "stream_plain",
                                                     zero_copy=way == "stream_mmap",
-                                                    read_threads=THREADS if way == "stream_threads" else 0))
+                                                    read_threads=0 if way == "stream_pread" else None))
         out = []
         for epoch in range(epochs):
             stream.set_epoch(epoch)
@@ -198,7 +196,7 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
     ours = way.startswith("loader")
     loader = open_loader("datapipe" if ours else "torch", data["tars"] if ours else data["images"], batch_size=BATCH,
                          workers=0, seed=0,
-                         storage=StorageOptions(read_threads=THREADS) if way == "loader_threads" else None)
+                         storage=StorageOptions(read_threads=0) if way == "loader_pread" else None)
     out = []
     for epoch in range(epochs):
         set_epoch_of(loader, epoch)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from datapipe.read import spans
-from datapipe.read.spans import read_spans
+from datapipe.read.spans import read_spans, read_threads
 
 pytestmark = pytest.mark.skipif(not spans.available(), reason="needs preadv in the C library (Linux)")
 
@@ -89,3 +89,14 @@ def test_a_preadv_cut_short_is_finished_value_by_value(blob_fd):
                     scratch, 488, id(values[2]) + offset, 4000], np.uint64)
     assert spans._read_stretch(short, fd, iov, 5, 0, 13000)
     assert values == [data[o:o + n] for o, n in wanted]
+
+
+def test_read_threads_follow_the_setting_and_the_cores(monkeypatch):
+    from datapipe.device import autotune
+
+    assert read_threads(0, in_worker=False) == 0
+    assert read_threads(3, in_worker=True) == 3  # asked for: as asked
+    assert read_threads(None, in_worker=True) == 0  # the workers are the parallelism
+    for cores, threads in ((1, 0), (2, 2), (8, 2), (12, 3), (16, 4), (128, spans.MAX_THREADS)):
+        monkeypatch.setattr(autotune, "usable_cores", lambda: cores)
+        assert read_threads(None, in_worker=False) == threads, cores

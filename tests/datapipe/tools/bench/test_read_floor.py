@@ -35,9 +35,9 @@ def test_unknown_way_is_refused(tmp_path):
 
 
 def test_the_cli_runs_the_ways_asked_and_refuses_unknown_ones(tmp_path, capsys):
-    out = peers.main(["--floor", "--quick", "--ways", "stream,stream_threads", "--out", str(tmp_path),
+    out = peers.main(["--floor", "--quick", "--ways", "stream,stream_pread", "--out", str(tmp_path),
                       "--data", str(tmp_path / "data")])
-    assert {s["way"] for s in out["summary"]} == {"stream", "stream_threads"}
+    assert {s["way"] for s in out["summary"]} == {"stream", "stream_pread"}
     with pytest.raises(SystemExit) as exit_:
         peers.main(["--floor", "--ways", "stream,mmap"])
     assert exit_.value.code == 2 and "unknown --ways mmap" in capsys.readouterr().err
