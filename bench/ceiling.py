@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import DEVICE_EVENTS, analyse, is_host_sync, sync, table, write_result  # noqa: E402
-from bench.ceiling_record import appended, decoder_choice, earlier_record, next_round, summary  # noqa: E402,F401
+from bench.ceiling_record import appended, decoder_choice, earlier_record, merged, next_round, summary  # noqa: E402,F401
 from bench.models import ImageStep, LlamaStep  # noqa: E402
 from bench.ceiling_feeds import LOADER_NAMES, Uint8Images, close_feed, make_feed, torch_idiom, variant  # noqa: E402,F401
 from datapipe.tools.bench.baselines import replay  # noqa: E402
@@ -400,6 +400,7 @@ def main(argv=None) -> dict:
            "cpu_count": os.cpu_count(), "versions": versions(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "usable_cores": len(os.sched_getaffinity(0)),
            "config": {k: str(v) for k, v in vars(args).items()}, "loops": LOOPS,
            "configs": {k: CONFIGS[k] for k in args.configs}, "rows": bench.rows}
     earlier = earlier_record(args) if args.append else {}

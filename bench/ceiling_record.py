@@ -48,7 +48,8 @@ def appended(earlier: dict, run: dict) -> dict:
         raise SystemExit(f"ceiling.py: --append: the file's rows were measured on {earlier.get('gpu')!r}, this run "
                          f"is on {run['gpu']!r}; give another --out")
     out = {k: v for k, v in earlier.items() if k not in ("environment", "summary", "seconds")}
-    keys = ("date", "versions", "config", "cpu_count", "cuda_device_max_connections")
+    keys = ("date", "versions", "config", "cpu_count", "cuda_device_max_connections", "cuda_visible_devices",
+            "usable_cores")
     out["appended"] = earlier.get("appended", []) + [{k: run.get(k) for k in keys}]
     run["rows"][:0] = earlier.get("rows", [])
     out["rows"] = run["rows"]
@@ -59,3 +60,35 @@ def next_round(rows: list[dict], step: str | None = None) -> int:
     """The round number after the last of ``rows`` (of this ``step``, "eager" or "compiled", if given): --append
     goes on."""
     return 1 + max((r.get("round", -1) for r in rows if step is None or r.get("step") == step), default=-1)
+
+
+def merged(runs: list[dict]) -> dict:
+    """One record of runs made side by side, one round each on its own GPU of one host (each run's rounds
+    numbered by ``--first-round``): the first run's keys, the others' in ``appended``, every row, their summary.
+    Two runs with a round of the same number, or on GPUs of different names, are refused."""
+    rounds = [{r.get("round") for r in run.get("rows", [])} for run in runs]
+    if any(a & b for i, a in enumerate(rounds) for b in rounds[i + 1:]):
+        raise SystemExit("ceiling_record: two runs hold rounds of the same number: give each --first-round")
+    out = dict(runs[0])
+    for run in runs[1:]:
+        out = appended(out, dict(run))
+    out["summary"] = summary(out["rows"])
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+        print("usage: python -m bench.ceiling_record OUT_DIR RUN.json [RUN.json ...]\n"
+              "merge runs of bench/ceiling.py made side by side (one --first-round each, one GPU each) into "
+              "OUT_DIR/ceiling.json", file=sys.stderr)
+        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
+    from bench.common import write_result
+
+    runs = []
+    for path in sys.argv[2:]:
+        with open(path) as f:
+            runs.append({k: v for k, v in json.load(f).items() if k != "environment"})
+    print("wrote", write_result("ceiling", merged(runs), sys.argv[1]))

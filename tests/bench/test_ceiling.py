@@ -1,5 +1,6 @@
 """bench/ceiling.py: the CPU smoke run writes rows for every loader and loop style; the profile's arithmetic."""
 import json
+import os
 
 import pytest
 
@@ -96,12 +97,43 @@ def test_append_keeps_the_files_keys_and_numbers_rounds_on():
     assert out["date"] == "first" and out["config"] == {"steps": "100"} and out["probe"] == {"kept": True}
     assert "summary" not in out and out["appended"] == [{"date": "second", "versions": {"torch": "x"},
                                                           "config": {"steps": "50"}, "cpu_count": None,
-                                                          "cuda_device_max_connections": None}]
+                                                          "cuda_device_max_connections": None,
+                                                          "cuda_visible_devices": None, "usable_cores": None}]
     assert out["rows"] is run["rows"] and [r["round"] for r in out["rows"]] == [0, 1, 0, 2]
     assert ceiling.next_round(out["rows"], "eager") == 3 and ceiling.next_round(out["rows"], "compiled") == 1
     assert ceiling.next_round([], "eager") == 0
     with pytest.raises(SystemExit, match="measured on 'G'"):
         ceiling.appended(earlier, {**run, "gpu": "other"})
+
+
+def test_runs_side_by_side_merge_into_one_record(tmp_path):
+    """Three processes, one round each on its own GPU (``--first-round``), make one ceiling.json."""
+    import subprocess
+    import sys
+
+    def run(round_, gpu="G"):
+        return {"gpu": gpu, "date": f"d{round_}", "cuda_visible_devices": str(round_), "usable_cores": 16,
+                "rows": [{"config": "eager", "loader": "a", "loop": "runs_ahead", "step": "eager", "round": round_,
+                          "ceiling_ratio": 0.9 + round_ / 100, "wait_fraction": 0.0, "rate": 1.0}]}
+
+    out = ceiling.merged([run(0), run(1), run(2)])
+    assert [r["round"] for r in out["rows"]] == [0, 1, 2] and out["date"] == "d0"
+    assert [a["cuda_visible_devices"] for a in out["appended"]] == ["1", "2"]
+    assert out["summary"][0]["rows"] == 3 and out["summary"][0]["ceiling_ratio"] == 0.91
+    with pytest.raises(SystemExit, match="same number"):
+        ceiling.merged([run(0), run(0)])
+    with pytest.raises(SystemExit, match="measured on 'G'"):
+        ceiling.merged([run(0), run(1, gpu="H")])
+    paths = []
+    for r in range(3):
+        paths.append(tmp_path / f"r{r}.json")
+        paths[-1].write_text(json.dumps({"environment": {}, **run(r)}))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "bench.ceiling_record", str(tmp_path / "out"), *map(str, paths)],
+                          cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads((tmp_path / "out" / "ceiling.json").read_text())["rows"]) == 3
+    assert subprocess.run([sys.executable, "-m", "bench.ceiling_record"], cwd=root).returncode == 2
 
 
 def test_the_main_run_plans_every_row_set_and_configs_pick_some():

@@ -334,10 +334,16 @@ def test_constructor_arguments_are_type_checked(arg, value):
 
 
 @pytest.mark.parametrize("arg, value", [("retries", None), ("timeout", "60"), ("zero_copy", 1), ("backoff", "0.1"),
-                                        ("allow_pipe", "yes")])
+                                        ("allow_pipe", "yes"), ("read_threads", True), ("read_threads", 2.0)])
 def test_storage_options_are_type_checked(arg, value):
     with pytest.raises(TypeError, match=f"^StorageOptions.{arg} must be"):
         StorageOptions(**{arg: value})
+
+
+def test_read_threads_out_of_range_are_refused():
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="read_threads must be 0 to 64"):
+            StorageOptions(read_threads=bad)
 
 
 def test_replace_takes_storage_option_names(tmp_path):
