@@ -15,6 +15,7 @@ one by one, as before, and reports where the file ends.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -113,6 +114,9 @@ def _read_stretch(preadv, fd: int, iov: np.ndarray, count: int, offset: int, wan
     got = preadv(fd, iov.ctypes.data, count, offset)
     if got == want:
         return True
+    if got < 0 and ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+        global _lib
+        _lib = False  # a sandbox that refuses preadv: read a pread a value from now on
     if got <= 0:
         return False  # the file ends first (or an error: the caller's own reads say which)
     return _read_rest(fd, iov, count, offset, got, want)  # cut short (a regular file does so only at its end)

@@ -100,3 +100,20 @@ def test_read_threads_follow_the_setting_and_the_cores(monkeypatch):
     for cores, threads in ((1, 0), (2, 2), (8, 2), (12, 3), (16, 4), (128, spans.MAX_THREADS)):
         monkeypatch.setattr(autotune, "usable_cores", lambda: cores)
         assert read_threads(None, in_worker=False) == threads, cores
+
+
+def test_a_sandbox_that_refuses_preadv_turns_the_read_ahead_off(blob_fd, monkeypatch):
+    import ctypes
+    import errno
+
+    fd, data, _ = blob_fd
+    lib = spans._functions()
+    monkeypatch.setattr(spans, "_lib", lib)
+
+    def refused(*args):
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+
+    monkeypatch.setattr(spans, "_lib", (refused, *lib[1:]))
+    assert read_spans(fd, [(0, 10)]) is None
+    assert not spans.available() and read_threads(None, in_worker=False) == 0
