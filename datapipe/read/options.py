@@ -37,7 +37,7 @@ class StorageOptions:
             so that freed samples' memory is reused instead of faulted in afresh (1.5-3x at 100 KB samples
             where the heap's top was given back, no different where it stays in use; the process keeps up to
             1 GiB freed; :mod:`datapipe.read.heap`).
-        read_threads: threads that read a local shard's values ahead, ~8 MB a thread at a time, with one
+        read_threads: pool threads that read a local shard's values ahead, ~8 MB a thread at a time, with one
             ``preadv`` each (:mod:`datapipe.read.spans`), so that the kernel's copies leave the consuming thread;
             None (the default): one per 4 usable cores, at least 2 and at most 4 (0 on one core, and 0 in a
             DataLoader worker, where the workers are the parallelism); 0: one ``pread`` per value.

@@ -1,15 +1,16 @@
-"""Many values of one local file read into fresh ``bytes`` with few system calls, in a few threads.
+"""Many values of one local file read ahead into fresh ``bytes`` by a few threads, while the caller goes on.
 
 A one-process reader hands out each value as new ``bytes``, and on a fast host the kernel's copy of the value
-from the page cache into that new memory is most of its time per sample (docs/performance.md). ``read_spans``
+from the page cache into that new memory is most of its time per sample (docs/performance.md). ``start_spans``
 reads a run of values (the next samples of a shard, from its member table) with one ``preadv`` per stretch of
 the file: each value's ``bytes`` is made uninitialised (``PyBytes_FromStringAndSize(NULL, n)``, as C code makes
 them, and written before anyone sees it) and is one of the call's buffers; what lies between values (tar
-headers, padding) lands in a scratch buffer. The stretches are shared among a few threads, each calling
-``preadv`` through ctypes, which lets go of the interpreter lock for the whole call, so the copies run on
-several cores at once while the calling thread reads its own share and then waits.
+headers, padding) lands in a scratch buffer. The stretches are shared among pool threads, each calling
+``preadv`` through ctypes, which lets go of the interpreter lock for the whole call, so the copies run on other
+cores while the caller hands out the values read before (the consuming thread's work per sample is then its
+Python alone).
 
-A read that comes back short (the file shrank) returns None and hands out nothing: the caller reads those values
+A read that comes back short (the file shrank) gives None and hands out nothing: the caller reads those values
 one by one, as before, and reports where the file ends.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ def read_threads(asked: int | None, *, in_worker: bool) -> int:
 
 
 def available() -> bool:
-    """Whether this platform has what ``read_spans`` needs (Linux's ``preadv`` in the C library, CPython)."""
+    """Whether this platform has what ``start_spans`` needs (Linux's ``preadv`` in the C library, CPython)."""
     return _functions() is not None
 
 
@@ -136,9 +137,9 @@ def _read_rest(fd: int, iov: np.ndarray, count: int, offset: int, got: int, want
     return at == want
 
 
-def read_spans(fd: int, spans: list[tuple[int, int]], *, threads: int = 1) -> list[bytes] | None:
-    """``os.pread(fd, size, offset)`` for each ``(offset, size)`` of ``spans``, in order, or None where the file
-    no longer holds one of them whole (nothing is handed out then). ``threads`` share the stretches."""
+def _prepare(fd: int, spans: list[tuple[int, int]], threads: int):
+    """The values made (uninitialised) and their stretches in shares a thread each: ``(values, shares, preadv)``,
+    or None where they cannot be read this way."""
     lib = _functions()
     if lib is None or any(size > MAX_VALUE or size < 0 for _, size in spans):
         return None
@@ -157,17 +158,33 @@ def read_spans(fd: int, spans: list[tuple[int, int]], *, threads: int = 1) -> li
             flat += (id(out[i]) + data_offset, size)
             end = offset + size
         jobs.append((np.array(flat, np.uint64), len(flat) // 2, first, end - first))
-    shares = _shares(jobs, threads)
-    pending = []
-    try:
-        if len(shares) > 1:
-            pool = _executor(threads - 1)
-            pending = [pool.submit(_read_share, preadv, fd, share) for share in shares[1:]]
-        whole = _read_share(preadv, fd, shares[0])
-    finally:
-        wait(pending)  # no thread may still write into a value once this returns or raises
-    whole = whole and all(f.result() for f in pending)
-    return out if whole else None
+    return out, _shares(jobs, threads), preadv
+
+
+class Reading:
+    """Values being read by pool threads while the caller goes on (:func:`start_spans`)."""
+
+    def __init__(self, out: list[bytes], futures: list):
+        self._out, self._futures = out, futures
+
+    def result(self) -> list[bytes] | None:
+        """The values once every thread is done, or None where the file no longer held one of them whole."""
+        wait(self._futures)  # all of them, also where one fails: none may still write into a value after this
+        return self._out if all([f.result() for f in self._futures]) else None
+
+
+def start_spans(fd: int, spans: list[tuple[int, int]], *, threads: int = 1) -> Reading | None:
+    """Start reading ``os.pread(fd, size, offset)`` for each ``(offset, size)`` of ``spans``, in ``threads`` pool
+    threads, while the caller goes on; None where they cannot be read this way (a value over ``MAX_VALUE``, no
+    ``preadv``: the caller reads them itself). ``result()`` waits and gives the values in order, or None where the
+    file no longer held one of them whole (nothing is handed out then). The file must stay open until it returns
+    (a reader that stops early waits for it first)."""
+    prepared = _prepare(fd, spans, threads)
+    if prepared is None:
+        return None
+    out, shares, preadv = prepared
+    pool = _executor(len(shares))
+    return Reading(out, [pool.submit(_read_share, preadv, fd, share, out) for share in shares])
 
 
 def _shares(jobs: list, threads: int) -> list[list]:
@@ -183,5 +200,6 @@ def _shares(jobs: list, threads: int) -> list[list]:
     return [share for share in shares if share]
 
 
-def _read_share(preadv, fd: int, share: list) -> bool:
+def _read_share(preadv, fd: int, share: list, values: list) -> bool:
+    """One thread's stretches; ``values`` (the bytes they are read into) stay alive until it returns."""
     return all(_read_stretch(preadv, fd, iov, count, offset, want) for iov, count, offset, want in share)

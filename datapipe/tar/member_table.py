@@ -196,13 +196,21 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
     per extension), each value one ``pread``; ``position`` follows the ordinal and key. A value the file no
     longer holds whole (it shrank) raises ``TarTruncated``. ``read_large(offset, size)`` reads values over
     32 MB (the reader's memory map); ``read(offset, size)``, if given, reads every value (zero-copy views).
-    Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read. ``threads`` >= 1: the values of
-    the next few MB of samples are read together (:func:`datapipe.read.spans.read_spans`, in that many
-    threads) before the first of them is handed out."""
-    pread = os.pread
+    Where ``keep(i)`` is false, ``PASSED`` comes instead and nothing is read. ``threads`` >= 1: the values are
+    read ahead instead, a few MB of samples at a time in that many pool threads
+    (:func:`datapipe.read.spans.start_spans`), the next chunk while this one is handed out."""
     keys, members = table.keys, table.members
     stop = len(keys) if stop is None else min(stop, len(keys))
     ahead = _ReadAhead(members, fd, stop, keep, threads) if threads and read is None else None
+    try:
+        yield from _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead) -> Iterator[dict]:
+    pread = os.pread
     for i in range(start, stop):
         key = keys[i]
         if keep is not None and not keep(i):
@@ -229,10 +237,21 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
         yield sample
 
 
+class _Chunk:
+    """The kept samples ``wanted`` of positions ``start <= i < until`` and their values being read (``reading``,
+    None where they cannot be read together: a value over 32 MB, a single sample)."""
+
+    __slots__ = ("start", "until", "wanted", "reading")
+
+    def __init__(self, start: int, until: int, wanted: list[int], reading):
+        self.start, self.until, self.wanted, self.reading = start, until, wanted, reading
+
+
 class _ReadAhead:
-    """The values of the samples from ``i`` on, read together (``read_spans``) about ``CHUNK_BYTES`` a thread at
-    a time; ``values(i)`` is None where they could not be (a value over 32 MB, a file that shrank): that sample
-    is then read on its own, which says what went wrong."""
+    """The values of the samples ahead, read by pool threads (``start_spans``) about ``CHUNK_BYTES`` a thread at
+    a time, the next chunk read while the caller hands out this one's. ``values(i)`` is None where they could not
+    be (a value over 32 MB, a file that shrank): that sample is then read on its own, which says what went wrong.
+    ``close()`` waits for a read still running (the file must stay open until then)."""
 
     CHUNK_BYTES = 8 << 20  # read ahead per thread: the values of ~80 samples of 100 KB, held until handed out
     MAX_SAMPLES = 256
@@ -241,16 +260,40 @@ class _ReadAhead:
         self.members, self.fd, self.stop, self.keep, self.threads = members, fd, stop, keep, threads
         self.held: dict[int, list] = {}
         self.until = -1  # samples before this were read ahead (or tried)
+        self.next: _Chunk | None = None
 
     def values(self, i: int) -> list | None:
         if i >= self.until:
-            self._read_from(i)
+            self._take(i)
         return self.held.pop(i, None)
 
-    def _read_from(self, i: int) -> None:
-        from datapipe.read.spans import read_spans
+    def close(self) -> None:
+        if self.next is not None and self.next.reading is not None:
+            self.next.reading.result()
+        self.next = None
 
+    def _take(self, i: int) -> None:
         self.held.clear()
+        chunk, self.next = self.next, None
+        if chunk is None or not chunk.start <= i < chunk.until:
+            if chunk is not None and chunk.reading is not None:
+                chunk.reading.result()  # not wanted after all: let its threads finish writing first
+            chunk = self._start(i)
+        self.until = chunk.until
+        if chunk.until < self.stop:
+            self.next = self._start(chunk.until)  # read on while this chunk's samples are handed out
+        values = chunk.reading.result() if chunk.reading is not None else None
+        if values is None:
+            return
+        at = 0
+        for j in chunk.wanted:
+            n = len(self.members[j])
+            self.held[j] = values[at:at + n]
+            at += n
+
+    def _start(self, i: int) -> _Chunk:
+        from datapipe.read.spans import start_spans
+
         members, keep, budget = self.members, self.keep, self.CHUNK_BYTES * self.threads
         wanted, spans, filled, j = [], [], 0, i
         while j < self.stop and filled < budget and len(wanted) < self.MAX_SAMPLES:
@@ -260,12 +303,5 @@ class _ReadAhead:
                     spans.append((offset, size))
                     filled += size
             j += 1
-        self.until = j
-        values = read_spans(self.fd, spans, threads=self.threads) if len(wanted) > 1 else None
-        if values is None:
-            return
-        at = 0
-        for j in wanted:
-            n = len(members[j])
-            self.held[j] = values[at:at + n]
-            at += n
+        reading = start_spans(self.fd, spans, threads=self.threads) if len(wanted) > 1 else None
+        return _Chunk(i, j, wanted, reading)

@@ -1,4 +1,5 @@
-"""read_spans: many values of a file read into fresh bytes with preadv, in threads; equal to a pread each, or None."""
+"""start_spans: many values of a file read ahead into fresh bytes with preadv in pool threads; equal to a pread each,
+or None."""
 import os
 import random
 
@@ -6,9 +7,14 @@ import numpy as np
 import pytest
 
 from datapipe.read import spans
-from datapipe.read.spans import read_spans, read_threads
+from datapipe.read.spans import read_threads, start_spans
 
 pytestmark = pytest.mark.skipif(not spans.available(), reason="needs preadv in the C library (Linux)")
+
+
+def read_spans(fd, wanted, threads=1):
+    reading = start_spans(fd, wanted, threads=threads)
+    return None if reading is None else reading.result()
 
 
 @pytest.fixture()
@@ -116,4 +122,36 @@ def test_a_sandbox_that_refuses_preadv_turns_the_read_ahead_off(blob_fd, monkeyp
 
     monkeypatch.setattr(spans, "_lib", (refused, *lib[1:]))
     assert read_spans(fd, [(0, 10)]) is None
+    assert start_spans(fd, [(0, 10)]) is None  # refused before any value is made
     assert not spans.available() and read_threads(None, in_worker=False) == 0
+
+
+def test_the_caller_goes_on_while_the_threads_read(blob_fd, monkeypatch):
+    import threading
+
+    fd, data, _ = blob_fd
+    release = threading.Event()
+    real = spans._read_share
+    monkeypatch.setattr(spans, "_read_share", lambda *a: release.wait(5) and real(*a))
+    reading = start_spans(fd, [(0, 1000), (3000, 5)], threads=2)
+    assert not reading._futures[0].done()  # started, not finished: start_spans did not wait
+    release.set()
+    assert reading.result() == [data[:1000], data[3000:3005]]
+
+
+def test_a_thread_that_fails_is_raised_after_every_thread_is_done(blob_fd, monkeypatch):
+    fd, _, _ = blob_fd
+    monkeypatch.setattr(spans, "MIN_THREAD_BYTES", 1000)
+    calls = []
+
+    def failing(preadv, fd_, share, values):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("boom")
+        return True
+
+    monkeypatch.setattr(spans, "_read_share", failing)
+    reading = start_spans(fd, [(0, 5000), (200_000, 5000)], threads=2)
+    with pytest.raises(OSError, match="boom"):
+        reading.result()
+    assert len(calls) == 2 and all(f.done() for f in reading._futures)

@@ -58,20 +58,36 @@ def test_a_read_through_the_table_is_the_walks(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("threads", [0, 1, 3])
 def test_values_read_ahead_in_threads_are_the_walks(tmp_path, monkeypatch, threads):
-    """``StorageOptions(read_threads=)``: the values of the next samples read together (``read_spans``), in
-    that many threads; small chunks so that a shard takes many."""
+    """``StorageOptions(read_threads=)``: the values of the next samples read ahead together (``start_spans``)
+    in that many pool threads; small chunks so that a shard takes many."""
     monkeypatch.setattr(member_table._ReadAhead, "CHUNK_BYTES", 20_000)
     monkeypatch.setattr(spans, "MIN_THREAD_BYTES", 4096)
     _write(str(tmp_path), _samples(300), max_count=100)
     chunks = []
-    real = spans.read_spans
-    monkeypatch.setattr(spans, "read_spans", lambda fd, s, **k: chunks.append(len(s)) or real(fd, s, **k))
+    real = spans.start_spans
+    monkeypatch.setattr(spans, "start_spans", lambda fd, s, **k: chunks.append(len(s)) or real(fd, s, **k))
     read = _read(str(tmp_path), False, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50,
                  storage=StorageOptions(read_threads=threads))
     assert read == _read(str(tmp_path), True, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50)
     assert (len(chunks) >= 6) == (threads > 0), chunks
     if threads > 1:
-        assert spans._pool_pid == os.getpid() and spans._pool._max_workers >= threads - 1  # the caller reads a share
+        assert spans._pool_pid == os.getpid() and spans._pool._max_workers >= threads
+
+
+def test_a_reader_that_stops_early_waits_for_the_read_ahead(tmp_path, monkeypatch):
+    """The shard's file closes only once no thread reads into it any more."""
+    import time
+
+    monkeypatch.setattr(member_table._ReadAhead, "CHUNK_BYTES", 20_000)
+    _write(str(tmp_path), _samples(300))
+    readings = []
+    real_start, real_share = spans.start_spans, spans._read_share
+    monkeypatch.setattr(spans, "start_spans", lambda *a, **k: readings.append(real_start(*a, **k)) or readings[-1])
+    monkeypatch.setattr(spans, "_read_share", lambda *a: (len(readings) < 2 or time.sleep(0.3)) and real_share(*a))
+    it = iter(ShardStream(str(tmp_path), storage=StorageOptions(read_threads=1)))
+    next(it)
+    it.close()
+    assert len(readings) >= 2 and all(f.done() for r in readings if r for f in r._futures)
 
 
 def _cut_after_the_table_is_read(monkeypatch, path, size):
@@ -292,9 +308,9 @@ def test_resume_reads_only_the_samples_its_buffer_holds(tmp_path, monkeypatch, t
     state = stream.state_dict()
     rest = [s["__key__"] for s in it]
     reads = []
-    real, real_spans = os.pread, spans.read_spans
+    real, real_spans = os.pread, spans.start_spans
     monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or real(fd, n, off))
-    monkeypatch.setattr(spans, "read_spans", lambda fd, s, **k: reads.extend(n for _, n in s) or real_spans(fd, s, **k))
+    monkeypatch.setattr(spans, "start_spans", lambda fd, s, **k: reads.extend(n for _, n in s) or real_spans(fd, s, **k))
     again = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2, storage=options)
     again.load_state_dict(state)
     assert [s["__key__"] for s in again] == rest
