@@ -251,10 +251,13 @@ class _ReadAhead:
     """The values of the samples ahead, read by pool threads (``start_spans``) about ``CHUNK_BYTES`` a thread at
     a time, the next chunk read while the caller hands out this one's. ``values(i)`` is None where they could not
     be (a value over 32 MB, a file that shrank): that sample is then read on its own, which says what went wrong.
-    ``close()`` waits for a read still running (the file must stay open until then)."""
+    ``close()`` waits for a read still running (the file must stay open until then). A shard of small values
+    (under ``MIN_MEAN_VALUE`` a value in its first chunk) is read a ``pread`` a value instead: making their
+    ``bytes`` for the threads costs the consuming thread what the reads would."""
 
     CHUNK_BYTES = 8 << 20  # read ahead per thread: the values of ~80 samples of 100 KB, held until handed out
     MAX_SAMPLES = 256
+    MIN_MEAN_VALUE = 16 << 10
 
     def __init__(self, members: list, fd: int, stop: int, keep, threads: int):
         self.members, self.fd, self.stop, self.keep, self.threads = members, fd, stop, keep, threads
@@ -264,6 +267,8 @@ class _ReadAhead:
 
     def values(self, i: int) -> list | None:
         if i >= self.until:
+            if self.threads == 0:
+                return None  # small values: a pread each
             self._take(i)
         return self.held.pop(i, None)
 
@@ -280,7 +285,7 @@ class _ReadAhead:
                 chunk.reading.result()  # not wanted after all: let its threads finish writing first
             chunk = self._start(i)
         self.until = chunk.until
-        if chunk.until < self.stop:
+        if chunk.until < self.stop and self.threads:
             self.next = self._start(chunk.until)  # read on while this chunk's samples are handed out
         values = chunk.reading.result() if chunk.reading is not None else None
         if values is None:
@@ -303,5 +308,8 @@ class _ReadAhead:
                     spans.append((offset, size))
                     filled += size
             j += 1
+        if spans and filled < self.MIN_MEAN_VALUE * len(spans):
+            self.threads = 0
+            return _Chunk(i, j, wanted, None)
         reading = start_spans(self.fd, spans, threads=self.threads) if len(wanted) > 1 else None
         return _Chunk(i, j, wanted, reading)
