@@ -26,6 +26,7 @@ from array import array
 from typing import Iterator
 
 from datapipe.tar.headers import BLOCK, TarTruncated, _plain_member, is_meta, split_key
+from datapipe.tar.read_ahead import ReadAhead
 
 NAME = ".datapipe-members"
 _HEAD = struct.Struct("<8sQQQII")
@@ -201,7 +202,7 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
     (:func:`datapipe.read.spans.start_spans`), the next chunk while this one is handed out."""
     keys, members = table.keys, table.members
     stop = len(keys) if stop is None else min(stop, len(keys))
-    ahead = _ReadAhead(members, fd, stop, keep, threads) if threads and read is None else None
+    ahead = ReadAhead(members, fd, stop, keep, threads) if threads and read is None else None
     try:
         yield from _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead)
     finally:
@@ -235,81 +236,3 @@ def _samples(keys, members, fd, url, position, start, stop, read_large, keep, re
                 sample[ext] = data
         position.ordinal, position.key = i, key
         yield sample
-
-
-class _Chunk:
-    """The kept samples ``wanted`` of positions ``start <= i < until`` and their values being read (``reading``,
-    None where they cannot be read together: a value over 32 MB, a single sample)."""
-
-    __slots__ = ("start", "until", "wanted", "reading")
-
-    def __init__(self, start: int, until: int, wanted: list[int], reading):
-        self.start, self.until, self.wanted, self.reading = start, until, wanted, reading
-
-
-class _ReadAhead:
-    """The values of the samples ahead, read by pool threads (``start_spans``) about ``CHUNK_BYTES`` a thread at
-    a time, the next chunk read while the caller hands out this one's. ``values(i)`` is None where they could not
-    be (a value over 32 MB, a file that shrank): that sample is then read on its own, which says what went wrong.
-    ``close()`` waits for a read still running (the file must stay open until then). A shard of small values
-    (under ``MIN_MEAN_VALUE`` a value in its first chunk) is read a ``pread`` a value instead: making their
-    ``bytes`` for the threads costs the consuming thread what the reads would."""
-
-    CHUNK_BYTES = 8 << 20  # read ahead per thread: the values of ~80 samples of 100 KB, held until handed out
-    MAX_SAMPLES = 256
-    MIN_MEAN_VALUE = 16 << 10
-
-    def __init__(self, members: list, fd: int, stop: int, keep, threads: int):
-        self.members, self.fd, self.stop, self.keep, self.threads = members, fd, stop, keep, threads
-        self.held: dict[int, list] = {}
-        self.until = -1  # samples before this were read ahead (or tried)
-        self.next: _Chunk | None = None
-
-    def values(self, i: int) -> list | None:
-        if i >= self.until:
-            if self.threads == 0:
-                return None  # small values: a pread each
-            self._take(i)
-        return self.held.pop(i, None)
-
-    def close(self) -> None:
-        if self.next is not None and self.next.reading is not None:
-            self.next.reading.result()
-        self.next = None
-
-    def _take(self, i: int) -> None:
-        self.held.clear()
-        chunk, self.next = self.next, None
-        if chunk is None or not chunk.start <= i < chunk.until:
-            if chunk is not None and chunk.reading is not None:
-                chunk.reading.result()  # not wanted after all: let its threads finish writing first
-            chunk = self._start(i)
-        self.until = chunk.until
-        if chunk.until < self.stop and self.threads:
-            self.next = self._start(chunk.until)  # read on while this chunk's samples are handed out
-        values = chunk.reading.result() if chunk.reading is not None else None
-        if values is None:
-            return
-        at = 0
-        for j in chunk.wanted:
-            n = len(self.members[j])
-            self.held[j] = values[at:at + n]
-            at += n
-
-    def _start(self, i: int) -> _Chunk:
-        from datapipe.read.spans import start_spans
-
-        members, keep, budget = self.members, self.keep, self.CHUNK_BYTES * self.threads
-        wanted, spans, filled, j = [], [], 0, i
-        while j < self.stop and filled < budget and len(wanted) < self.MAX_SAMPLES:
-            if keep is None or keep(j):
-                wanted.append(j)
-                for _, offset, size in members[j]:
-                    spans.append((offset, size))
-                    filled += size
-            j += 1
-        if spans and filled < self.MIN_MEAN_VALUE * len(spans):
-            self.threads = 0
-            return _Chunk(i, j, wanted, None)
-        reading = start_spans(self.fd, spans, threads=self.threads) if len(wanted) > 1 else None
-        return _Chunk(i, j, wanted, reading)

@@ -9,7 +9,7 @@ import pytest
 
 from datapipe import DataError, ShardStream, ShardWriter, StorageOptions
 from datapipe.read import spans
-from datapipe.tar import member_table
+from datapipe.tar import member_table, read_ahead
 
 
 def _samples(n, seed=0):
@@ -56,55 +56,6 @@ def test_a_read_through_the_table_is_the_walks(tmp_path, monkeypatch):
     assert {"x" * 150, "d/é", "dir.v2/a"} <= {s["__key__"] for s in walked}
 
 
-@pytest.mark.parametrize("threads", [0, 1, 3])
-def test_values_read_ahead_in_threads_are_the_walks(tmp_path, monkeypatch, threads):
-    """``StorageOptions(read_threads=)``: the values of the next samples read ahead together (``start_spans``)
-    in that many pool threads; small chunks so that a shard takes many."""
-    monkeypatch.setattr(member_table._ReadAhead, "CHUNK_BYTES", 20_000)
-    monkeypatch.setattr(member_table._ReadAhead, "MIN_MEAN_VALUE", 0)  # these values are small
-    monkeypatch.setattr(spans, "MIN_THREAD_BYTES", 4096)
-    _write(str(tmp_path), _samples(300), max_count=100)
-    chunks = []
-    real = spans.start_spans
-    monkeypatch.setattr(spans, "start_spans", lambda fd, s, **k: chunks.append(len(s)) or real(fd, s, **k))
-    read = _read(str(tmp_path), False, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50,
-                 storage=StorageOptions(read_threads=threads))
-    assert read == _read(str(tmp_path), True, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50)
-    assert (len(chunks) >= 6) == (threads > 0), chunks
-    if threads > 1:
-        assert spans._pool_pid == os.getpid() and spans._pool._max_workers >= threads
-
-
-def test_a_reader_that_stops_early_waits_for_the_read_ahead(tmp_path, monkeypatch):
-    """The shard's file closes only once no thread reads into it any more."""
-    import time
-
-    monkeypatch.setattr(member_table._ReadAhead, "CHUNK_BYTES", 20_000)
-    monkeypatch.setattr(member_table._ReadAhead, "MIN_MEAN_VALUE", 0)
-    _write(str(tmp_path), _samples(300))
-    readings = []
-    real_start, real_share = spans.start_spans, spans._read_share
-    monkeypatch.setattr(spans, "start_spans", lambda *a, **k: readings.append(real_start(*a, **k)) or readings[-1])
-    monkeypatch.setattr(spans, "_read_share", lambda *a: (len(readings) < 2 or time.sleep(0.3)) and real_share(*a))
-    it = iter(ShardStream(str(tmp_path), storage=StorageOptions(read_threads=1)))
-    next(it)
-    it.close()
-    assert len(readings) >= 2 and all(f.done() for r in readings if r for f in r._futures)
-
-
-def test_small_values_are_read_a_pread_each(tmp_path, monkeypatch):
-    """Under MIN_MEAN_VALUE a value, the first chunk turns the read-ahead off for the shard."""
-    _write(str(tmp_path), [{"__key__": f"k{i:04d}", "bin": b"x" * 1000, "cls": b"1"} for i in range(500)])
-    started = []
-    real = spans.start_spans
-    monkeypatch.setattr(spans, "start_spans", lambda *a, **k: started.append(1) or real(*a, **k))
-    assert len(list(ShardStream(str(tmp_path), storage=StorageOptions(read_threads=2)))) == 500
-    assert not started
-    monkeypatch.setattr(member_table._ReadAhead, "MIN_MEAN_VALUE", 100)
-    assert len(list(ShardStream(str(tmp_path), storage=StorageOptions(read_threads=2)))) == 500
-    assert started
-
-
 def _cut_after_the_table_is_read(monkeypatch, path, size):
     real = member_table.load
 
@@ -114,23 +65,6 @@ def _cut_after_the_table_is_read(monkeypatch, path, size):
         return table
 
     monkeypatch.setattr(member_table, "load", load_then_cut)
-
-
-def test_a_shard_that_shrank_under_the_read_ahead_hands_out_what_it_holds(tmp_path, monkeypatch):
-    """The chunk that crosses the cut is read value by value: the samples before it come, then the error."""
-    monkeypatch.setattr(member_table._ReadAhead, "MIN_MEAN_VALUE", 0)  # read ahead these small values too
-    (path,) = _write(str(tmp_path), _samples(40))
-    _cut_after_the_table_is_read(monkeypatch, path, 30_000)
-    got = {}
-    for threads in (0, 2):
-        stream = ShardStream(str(tmp_path), storage=StorageOptions(read_threads=threads))
-        got[threads] = []
-        with pytest.raises(DataError, match="ends inside member"):
-            for sample in stream:
-                got[threads].append(sample["__key__"])
-        os.truncate(path, 0)
-        _write(str(tmp_path), _samples(40))
-    assert got[0] == got[2] and 0 < len(got[0]) < 40
 
 
 def test_resume_through_the_table_is_exact(tmp_path, monkeypatch):
@@ -315,7 +249,7 @@ def test_resume_reads_only_the_samples_its_buffer_holds(tmp_path, monkeypatch, t
     """Rebuilding the shuffle buffer after a resume reads the samples in its slots; the ones drawn before it,
     between them, are passed over unread (the walk reads and drops them): each value of the rest is read once,
     and no other (one ``pread`` each, or read ahead together)."""
-    monkeypatch.setattr(member_table._ReadAhead, "MIN_MEAN_VALUE", 0)  # read ahead these small values too
+    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_MEAN_VALUE", 0)  # read ahead these small values too
     _write(str(tmp_path), [{"__key__": f"k{i:04d}", "jpg": b"x" * 100, "cls": b"1"} for i in range(400)])
     options = StorageOptions(read_threads=threads)
     stream = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2, storage=options)
