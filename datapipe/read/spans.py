@@ -28,8 +28,9 @@ MAX_IOV = 1024  # buffers in one preadv (Linux's IOV_MAX)
 MIN_THREAD_BYTES = 1 << 20  # a thread is worth its hand-over for at least this many bytes
 MAX_VALUE = 32 << 20  # larger values are read on their own (one pread may return less than asked past 2 GB)
 
-_lib = None  # (preadv, new_bytes, data_offset, scratch address), made on first use
+_lib = None  # what _functions() returns, made on first use; False where this platform cannot
 _scratch = None
+_init_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_pid: int | None = None  # the process the pool was made in
 _pool_lock = threading.Lock()
@@ -59,24 +60,30 @@ def available() -> bool:
 
 
 def _functions():
-    global _lib
+    """``(preadv, new_bytes, data_offset, scratch address, scratch size)``, made once per process under a lock
+    (two threads starting at once must not make two scratch buffers), or None where this platform lacks them."""
+    global _lib, _scratch
     if _lib is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            preadv = getattr(libc, "preadv64", None) or libc.preadv  # CDLL: the interpreter lock is let go
-            preadv.restype = ctypes.c_ssize_t
-            preadv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
-            new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-            new_bytes.restype, new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
-            address = ctypes.pythonapi.PyBytes_AsString
-            address.restype, address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
-            probe = b"datapipe"
-            data_offset = address(probe) - id(probe)  # where a bytes object's data starts (CPython's layout)
-            global _scratch
-            _scratch = ctypes.create_string_buffer(MAX_GAP)  # gaps land here (threads may share it: never read)
-            _lib = (preadv, new_bytes, data_offset, ctypes.addressof(_scratch))
-        except (AttributeError, OSError, TypeError, ValueError):
-            _lib = False
+        with _init_lock:
+            if _lib is None:
+                try:
+                    if ctypes.sizeof(ctypes.c_void_p) != 8:
+                        raise OSError("the iovecs are built as two 64-bit words: 64-bit platforms only")
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    preadv = getattr(libc, "preadv64", None) or libc.preadv  # CDLL: the interpreter lock is let go
+                    preadv.restype = ctypes.c_ssize_t
+                    preadv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+                    new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+                    new_bytes.restype, new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+                    address = ctypes.pythonapi.PyBytes_AsString
+                    address.restype, address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+                    probe = b"datapipe"
+                    data_offset = address(probe) - id(probe)  # where a bytes object's data starts (CPython)
+                    if _scratch is None:  # never replaced: reads may still write gaps into it
+                        _scratch = ctypes.create_string_buffer(MAX_GAP)  # threads share it: never read
+                    _lib = (preadv, new_bytes, data_offset, ctypes.addressof(_scratch), len(_scratch))
+                except (AttributeError, OSError, TypeError, ValueError):
+                    _lib = False
     return _lib or None
 
 
@@ -91,15 +98,16 @@ def _executor(threads: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _stretches(spans: list[tuple[int, int]], most: int) -> list[list[int]]:
-    """Indices of ``spans`` grouped into stretches one ``preadv`` reads: in file order, gaps under ``MAX_GAP``,
-    at most ``MAX_IOV`` buffers (values and gaps) and, past its first value, at most ``most`` bytes each."""
+def _stretches(spans: list[tuple[int, int]], most: int, max_gap: int = MAX_GAP) -> list[list[int]]:
+    """Indices of ``spans`` grouped into stretches one ``preadv`` reads: in file order, gaps of at most ``max_gap``
+    (the scratch buffer's size), at most ``MAX_IOV`` buffers (values and gaps) and, past its first value, at most
+    ``most`` bytes each."""
     groups: list[list[int]] = []
     end = None
     buffers = filled = 0
     for i, (offset, size) in enumerate(spans):
         gap = None if end is None else offset - end
-        if gap is None or gap < 0 or gap > MAX_GAP or buffers + 2 > MAX_IOV or filled + gap + size > most:
+        if gap is None or gap < 0 or gap > max_gap or buffers + 2 > MAX_IOV or filled + gap + size > most:
             groups.append([i])
             buffers, filled = 1, size
         else:
@@ -143,12 +151,12 @@ def _prepare(fd: int, spans: list[tuple[int, int]], threads: int):
     lib = _functions()
     if lib is None or any(size > MAX_VALUE or size < 0 for _, size in spans):
         return None
-    preadv, new_bytes, data_offset, scratch = lib
+    preadv, new_bytes, data_offset, scratch, scratch_size = lib
     out = [new_bytes(None, size) for _, size in spans]
     total = sum(size for _, size in spans)
     threads = max(1, min(threads, total // MIN_THREAD_BYTES))
     jobs = []  # (iov, count, offset, bytes) per stretch
-    for group in _stretches(spans, -(-total // threads)):
+    for group in _stretches(spans, -(-total // threads), scratch_size):
         flat: list[int] = []
         first = end = spans[group[0]][0]
         for i in group:
@@ -165,10 +173,13 @@ class Reading:
     """Values being read by pool threads while the caller goes on (:func:`start_spans`)."""
 
     def __init__(self, out: list[bytes], futures: list):
-        self._out, self._futures = out, futures
+        self._out, self._futures, self._pid = out, futures, os.getpid()
 
     def result(self) -> list[bytes] | None:
-        """The values once every thread is done, or None where the file no longer held one of them whole."""
+        """The values once every thread is done, or None where the file no longer held one of them whole (or in a
+        forked child, which has none of the threads: the caller reads the values itself)."""
+        if self._pid != os.getpid():
+            return None
         wait(self._futures)  # all of them, also where one fails: none may still write into a value after this
         return self._out if all([f.result() for f in self._futures]) else None
 
@@ -176,15 +187,47 @@ class Reading:
 def start_spans(fd: int, spans: list[tuple[int, int]], *, threads: int = 1) -> Reading | None:
     """Start reading ``os.pread(fd, size, offset)`` for each ``(offset, size)`` of ``spans``, in ``threads`` pool
     threads, while the caller goes on; None where they cannot be read this way (a value over ``MAX_VALUE``, no
-    ``preadv``: the caller reads them itself). ``result()`` waits and gives the values in order, or None where the
-    file no longer held one of them whole (nothing is handed out then). The file must stay open until it returns
-    (a reader that stops early waits for it first)."""
+    ``preadv``, an interpreter shutting down: the caller reads them itself). ``result()`` waits and gives the values
+    in order, or None where the file no longer held one of them whole (nothing is handed out then). The threads
+    read a duplicate of ``fd``, closed when they are done: the caller may close its own at any time, and need not
+    wait for a read it no longer wants (its values stay alive until the threads let them go)."""
     prepared = _prepare(fd, spans, threads)
     if prepared is None:
         return None
     out, shares, preadv = prepared
-    pool = _executor(len(shares))
-    return Reading(out, [pool.submit(_read_share, preadv, fd, share, out) for share in shares])
+    own = os.dup(fd)
+    futures: list = []
+    try:
+        pool = _executor(len(shares))
+        for share in shares:
+            futures.append(pool.submit(_read_share, preadv, own, share, out))
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        _close_when_done(own, futures)
+        return None
+    except BaseException:
+        _close_when_done(own, futures)
+        raise
+    _close_when_done(own, futures)
+    return Reading(out, futures)
+
+
+def _close_when_done(fd: int, futures: list) -> None:
+    """Close ``fd`` once every one of ``futures`` is done (at once if there are none)."""
+    if not futures:
+        os.close(fd)
+        return
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            os.close(fd)
+
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _shares(jobs: list, threads: int) -> list[list]:

@@ -22,13 +22,14 @@ class ReadAhead:
     """The values of the samples ahead, read by pool threads (``start_spans``) about ``CHUNK_BYTES`` a thread at
     a time, the next chunk read while the caller hands out this one's. ``values(i)`` is None where they could not
     be (a value over 32 MB, a file that shrank): that sample is then read on its own, which says what went wrong.
-    ``close()`` waits for a read still running (the file must stay open until then). A shard of small values
-    (under ``MIN_MEAN_VALUE`` a value in its first chunk) is read a ``pread`` a value instead: making their
-    ``bytes`` for the threads costs the consuming thread what the reads would."""
+    A read no longer wanted (the caller stopped early) is let run to its end on its own duplicate of the file
+    descriptor, so the caller may close its file at once. A shard of small samples (under ``MIN_SAMPLE_BYTES`` a
+    sample in a chunk) is read a ``pread`` a value from there on: making their ``bytes`` for the threads costs the
+    consuming thread what the reads would."""
 
     CHUNK_BYTES = 8 << 20  # read ahead per thread: the values of ~80 samples of 100 KB, held until handed out
     MAX_SAMPLES = 256
-    MIN_MEAN_VALUE = 16 << 10
+    MIN_SAMPLE_BYTES = 16 << 10
 
     def __init__(self, members: list, fd: int, stop: int, keep, threads: int):
         self.members, self.fd, self.stop, self.keep, self.threads = members, fd, stop, keep, threads
@@ -44,17 +45,15 @@ class ReadAhead:
         return self.held.pop(i, None)
 
     def close(self) -> None:
-        if self.next is not None and self.next.reading is not None:
-            self.next.reading.result()
+        """Drop what was read ahead (a read still running ends by itself; nothing waits for it)."""
         self.next = None
+        self.held.clear()
 
     def _take(self, i: int) -> None:
         self.held.clear()
         chunk, self.next = self.next, None
         if chunk is None or not chunk.start <= i < chunk.until:
-            if chunk is not None and chunk.reading is not None:
-                chunk.reading.result()  # not wanted after all: let its threads finish writing first
-            chunk = self._start(i)
+            chunk = self._start(i)  # (a chunk read ahead that is not wanted after all ends by itself)
         self.until = chunk.until
         if chunk.until < self.stop and self.threads:
             self.next = self._start(chunk.until)  # read on while this chunk's samples are handed out
@@ -77,7 +76,7 @@ class ReadAhead:
                     at.append((offset, size))
                     filled += size
             j += 1
-        if at and filled < self.MIN_MEAN_VALUE * len(at):
+        if wanted and filled < self.MIN_SAMPLE_BYTES * len(wanted):
             self.threads = 0
             return Chunk(i, j, wanted, None)
         reading = spans.start_spans(self.fd, at, threads=self.threads) if len(wanted) > 1 else None

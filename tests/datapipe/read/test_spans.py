@@ -83,7 +83,7 @@ def test_values_over_the_largest_read_give_none(blob_fd, monkeypatch):
 
 def test_a_preadv_cut_short_is_finished_value_by_value(blob_fd):
     fd, data, _ = blob_fd
-    _, new_bytes, offset, scratch = spans._functions()
+    _, new_bytes, offset, scratch, _ = spans._functions()
     wanted = [(0, 5000), (5512, 3000), (9000, 4000)]
     real_preadv = spans._functions()[0]
 
@@ -155,3 +155,44 @@ def test_a_thread_that_fails_is_raised_after_every_thread_is_done(blob_fd, monke
     with pytest.raises(OSError, match="boom"):
         reading.result()
     assert len(calls) == 2 and all(f.done() for f in reading._futures)
+
+
+def test_a_read_after_the_interpreter_began_to_shut_down_is_left_to_the_caller(blob_fd, monkeypatch):
+    fd, _, _ = blob_fd
+
+    class Closed:
+        def submit(self, *args):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(spans, "_executor", lambda threads: Closed())
+    before = len(os.listdir("/proc/self/fd"))
+    assert start_spans(fd, [(0, 10)]) is None
+    assert len(os.listdir("/proc/self/fd")) == before  # the duplicate descriptor is closed
+
+
+def test_a_forked_child_reads_for_itself(blob_fd):
+    """A read started before a fork has no threads in the child: its result there is None (the caller reads the
+    values itself), never a wait that cannot end."""
+    fd, _, _ = blob_fd
+    reading = start_spans(fd, [(0, 10), (100, 10)])
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if reading.result() is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reading.result() is not None
+
+
+def test_the_threads_read_a_descriptor_of_their_own(blob_fd, monkeypatch):
+    """The caller may close its descriptor while the threads read."""
+    import threading
+
+    fd, data, path = blob_fd
+    release = threading.Event()
+    real = spans._read_share
+    monkeypatch.setattr(spans, "_read_share", lambda *a: release.wait(5) and real(*a))
+    mine = os.open(path, os.O_RDONLY)
+    reading = start_spans(mine, [(0, 1000), (2000, 10)])
+    os.close(mine)
+    release.set()
+    assert reading.result() == [data[:1000], data[2000:2010]]

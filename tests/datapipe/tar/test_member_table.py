@@ -249,7 +249,7 @@ def test_resume_reads_only_the_samples_its_buffer_holds(tmp_path, monkeypatch, t
     """Rebuilding the shuffle buffer after a resume reads the samples in its slots; the ones drawn before it,
     between them, are passed over unread (the walk reads and drops them): each value of the rest is read once,
     and no other (one ``pread`` each, or read ahead together)."""
-    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_MEAN_VALUE", 0)  # read ahead these small values too
+    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_SAMPLE_BYTES", 0)  # read ahead these small values too
     _write(str(tmp_path), [{"__key__": f"k{i:04d}", "jpg": b"x" * 100, "cls": b"1"} for i in range(400)])
     options = StorageOptions(read_threads=threads)
     stream = ShardStream(str(tmp_path), shuffle_buffer=50, seed=2, storage=options)

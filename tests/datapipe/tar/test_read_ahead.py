@@ -15,7 +15,7 @@ def test_values_read_ahead_in_threads_are_the_walks(tmp_path, monkeypatch, threa
     """``StorageOptions(read_threads=)``: the values of the next samples read ahead together (``start_spans``)
     in that many pool threads; small chunks so that a shard takes many."""
     monkeypatch.setattr(read_ahead.ReadAhead, "CHUNK_BYTES", 20_000)
-    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_MEAN_VALUE", 0)  # these values are small
+    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_SAMPLE_BYTES", 0)  # these values are small
     monkeypatch.setattr(spans, "MIN_THREAD_BYTES", 4096)
     _write(str(tmp_path), _samples(300), max_count=100)
     chunks = []
@@ -30,38 +30,52 @@ def test_values_read_ahead_in_threads_are_the_walks(tmp_path, monkeypatch, threa
 
 
 def test_small_values_are_read_a_pread_each(tmp_path, monkeypatch):
-    """Under MIN_MEAN_VALUE a value, the first chunk turns the read-ahead off for the shard."""
+    """Under MIN_SAMPLE_BYTES a sample, a chunk turns the read-ahead off for the rest of the shard."""
     _write(str(tmp_path), [{"__key__": f"k{i:04d}", "bin": b"x" * 1000, "cls": b"1"} for i in range(500)])
     started = []
     real = spans.start_spans
     monkeypatch.setattr(spans, "start_spans", lambda *a, **k: started.append(1) or real(*a, **k))
     assert len(list(ShardStream(str(tmp_path), storage=StorageOptions(read_threads=2)))) == 500
     assert not started
-    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_MEAN_VALUE", 100)
+    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_SAMPLE_BYTES", 100)
     assert len(list(ShardStream(str(tmp_path), storage=StorageOptions(read_threads=2)))) == 500
     assert started
 
 
-def test_a_reader_that_stops_early_waits_for_the_read_ahead(tmp_path, monkeypatch):
-    """The shard's file closes only once no thread reads into it any more."""
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_reader_that_stops_early_does_not_wait_and_leaves_no_descriptor(tmp_path, monkeypatch):
+    """A read in flight goes on on its own duplicate of the file descriptor (the shard's file closes at once,
+    nothing waits: a collector running on a pool thread could not), and the duplicate closes when it ends."""
+    import threading
     import time
 
     monkeypatch.setattr(read_ahead.ReadAhead, "CHUNK_BYTES", 20_000)
-    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_MEAN_VALUE", 0)
+    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_SAMPLE_BYTES", 0)
     _write(str(tmp_path), _samples(300))
-    readings = []
-    real_start, real_share = spans.start_spans, spans._read_share
-    monkeypatch.setattr(spans, "start_spans", lambda *a, **k: readings.append(real_start(*a, **k)) or readings[-1])
-    monkeypatch.setattr(spans, "_read_share", lambda *a: (len(readings) < 2 or time.sleep(0.3)) and real_share(*a))
+    release = threading.Event()
+    real_share = spans._read_share
+    calls = []
+    monkeypatch.setattr(spans, "_read_share", lambda *a: (calls.append(1) or len(calls) < 2 or release.wait(5))
+                        and real_share(*a))
+    before = _open_fds()
     it = iter(ShardStream(str(tmp_path), storage=StorageOptions(read_threads=1)))
     next(it)
+    started = time.perf_counter()
     it.close()
-    assert len(readings) >= 2 and all(f.done() for r in readings if r for f in r._futures)
+    assert time.perf_counter() - started < 1  # the blocked read was not waited for
+    release.set()
+    deadline = time.time() + 5
+    while _open_fds() > before and time.time() < deadline:
+        time.sleep(0.01)
+    assert _open_fds() == before
 
 
 def test_a_shard_that_shrank_under_the_read_ahead_hands_out_what_it_holds(tmp_path, monkeypatch):
     """The chunk that crosses the cut is read value by value: the samples before it come, then the error."""
-    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_MEAN_VALUE", 0)  # read ahead these small values too
+    monkeypatch.setattr(read_ahead.ReadAhead, "MIN_SAMPLE_BYTES", 0)  # read ahead these small values too
     (path,) = _write(str(tmp_path), _samples(40))
     _cut_after_the_table_is_read(monkeypatch, path, 30_000)
     got = {}
