@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
+from datapipe.read.pools import process_pool
+
 MAX_GAP = 64 << 10  # a gap wider than this between two values ends a stretch (it is not read)
 MAX_IOV = 1024  # buffers in one preadv (Linux's IOV_MAX)
 MIN_THREAD_BYTES = 1 << 20  # a thread is worth its hand-over for at least this many bytes
@@ -31,9 +33,7 @@ MAX_VALUE = 32 << 20  # larger values are read on their own (one pread may retur
 _lib = None  # what _functions() returns, made on first use; False where this platform cannot
 _scratch = None
 _init_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_pid: int | None = None  # the process the pool was made in
-_pool_lock = threading.Lock()
+POOL = "datapipe-read"  # the reading threads' name (datapipe.read.pools)
 
 
 CORES_PER_THREAD = 4  # by default one reading thread per this many usable cores, MIN_THREADS to MAX_THREADS
@@ -88,14 +88,8 @@ def _functions():
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
-    """This process's reading threads, at least ``threads`` of them (made on first use and when more are asked
-    for; a forked child makes its own)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < threads:
-            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="datapipe-read")
-            _pool_pid = os.getpid()
-        return _pool
+    """This process's reading threads, at least ``threads`` of them."""
+    return process_pool(POOL, threads)
 
 
 def _stretches(spans: list[tuple[int, int]], most: int, max_gap: int = MAX_GAP) -> list[list[int]]:

@@ -10,11 +10,11 @@ Small batches, small leaves and small machines copy as before (``bytes(view[a:b]
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
+
+from datapipe.read.pools import process_pool
 
 MIN_BATCH_BYTES = 4 << 20  # a batch smaller than this is copied in the calling thread
 MIN_LEAF = 16 << 10  # leaves smaller than this are copied as before (a bytes of their own, in one call)
@@ -27,9 +27,6 @@ _bytes_address = ctypes.pythonapi.PyBytes_AsString
 _bytes_address.restype, _bytes_address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
 _memmove = ctypes.memmove  # a foreign function: it releases the interpreter lock while it copies
 
-_pool: ThreadPoolExecutor | None = None
-_pool_pid: int | None = None
-_pool_lock = threading.Lock()
 
 
 def copy_threads() -> int:
@@ -40,13 +37,8 @@ def copy_threads() -> int:
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
-    """This process's copying threads (made on first use; a forked child makes its own)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datapipe-copy")
-            _pool_pid = os.getpid()
-        return _pool
+    """This process's copying threads (datapipe.read.pools: made on first use; a forked child makes its own)."""
+    return process_pool("datapipe-copy", workers)
 
 
 def _copy(jobs: list[tuple[int, int, int]]) -> None:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from datapipe import DataError, ShardStream, StorageOptions
-from datapipe.read import spans
+from datapipe.read import pools, spans
 from datapipe.tar import read_ahead
 from tests.datapipe.tar.test_member_table import _cut_after_the_table_is_read, _read, _samples, _write
 
@@ -26,7 +26,7 @@ def test_values_read_ahead_in_threads_are_the_walks(tmp_path, monkeypatch, threa
     assert read == _read(str(tmp_path), True, monkeypatch, shuffle=True, seed=3, shuffle_buffer=50)
     assert (len(chunks) >= 6) == (threads > 0), chunks
     if threads > 1:
-        assert spans._pool_pid == os.getpid() and spans._pool._max_workers >= threads
+        assert pools.current(spans.POOL)._max_workers >= threads
 
 
 def test_small_values_are_read_a_pread_each(tmp_path, monkeypatch):
