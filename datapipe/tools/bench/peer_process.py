@@ -67,6 +67,14 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def _kill_session(pid: int) -> None:
+    """Kill what is left in the process group a row's child led (it called ``setsid``)."""
+    try:
+        os.killpg(pid, 9)
+    except OSError:
+        pass
+
+
 # ---- the per-system parent (runs in its own process) -----------------------------------------------------------
 def serve(modules: list[str], target: str) -> None:
     """Import ``modules``, say ``ready``, then per spec line on stdin fork a child that runs ``target(spec)``.
@@ -88,9 +96,10 @@ def serve(modules: list[str], target: str) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         pid = os.fork()
-        if pid == 0:  # the row's fresh process
+        if pid == 0:  # the row's fresh process, in a session of its own: what it starts goes with it
             code = 1
             try:
+                os.setsid()
                 fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
@@ -119,6 +128,7 @@ def serve(modules: list[str], target: str) -> None:
         out.write(json.dumps({"pid": pid}) + "\n")
         out.flush()
         _, status = os.waitpid(pid, 0)
+        _kill_session(pid)  # a daemon a row left (reparented, so not a descendant) would load the next rows
         out.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
         out.flush()
 
@@ -181,6 +191,7 @@ class RowRunner:
         self.count += 1
         result_path = os.path.join(self.dir, f"row-{self.count}.json")
         log = os.path.join(self.dir, f"row-{self.count}.log")
+        load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # a busy host shows here
         t0 = time.perf_counter()
         self.proc.stdin.write(json.dumps({"spec": spec, "result": result_path, "log": log}) + "\n")
         self.proc.stdin.flush()
@@ -201,6 +212,7 @@ class RowRunner:
             finished = self._read(max(0.1, timeout - (time.perf_counter() - t0)))
             if finished is None:
                 kill_tree(started["pid"])
+                _kill_session(started["pid"])
                 self._read(30.0)
                 return {"error": f"timed out after {timeout:.0f} s", "process_s": round(time.perf_counter() - t0, 2)}
         finally:
@@ -213,8 +225,8 @@ class RowRunner:
         except (OSError, ValueError):
             result = {"error": f"exit {finished.get('rc')}: {self._tail(log)}"}
         if "error" in result:
-            return {**result, "process_s": wall, "log_tail": self._tail(log)}
-        return {**result, "process_s": wall, "peak_pss_mb": peak[0] or None}
+            return {**result, "process_s": wall, "log_tail": self._tail(log), "loadavg_1m_before": load}
+        return {**result, "process_s": wall, "peak_pss_mb": peak[0] or None, "loadavg_1m_before": load}
 
     def close(self) -> None:
         if self.proc.poll() is None and self.import_s is None:

@@ -416,6 +416,11 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
             r.close()
         if own_tmp:
             shutil.rmtree(work_dir, ignore_errors=True)
+    left_out = {s: e for s, e in before.items() if s not in result["systems"]}
+    if left_out:  # a continuation over fewer systems keeps the others' rows as the earlier run had them
+        merged = {**left_out, **result["systems"]}
+        order = [s for s in SYSTEMS if s in merged] + [s for s in merged if s not in SYSTEMS]
+        result["systems"] = {s: merged[s] for s in order}
     short = _short_epochs(result)
     if short:
         result["notes"].append(f"{len(short)} epochs read to their end took under {SHORT_EPOCH_S:.0f} s (more "

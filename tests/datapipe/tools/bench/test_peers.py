@@ -201,3 +201,15 @@ def test_a_system_an_earlier_run_finished_is_kept_whole_even_with_its_format_gon
     monkeypatch.setattr(peer_process.RowRunner, "run", lambda self, spec, **k: ran.append(spec["row"]) or {})
     rest = peers.run_peers(source, **kw, earlier=json.loads(json.dumps(first)))
     assert ran == [] and rest["systems"]["torch"]["raw"] == first["systems"]["torch"]["raw"]
+
+
+def test_a_continuation_over_fewer_systems_keeps_the_others(source, tmp_path, monkeypatch):
+    kw = dict(work_dir=str(tmp_path / "w"), batch_size=8, workers=(0,), decode_workers=0, resume_workers=0,
+              image_size=16, timeout=240, decode_seconds=None, progress=False)
+    first = peers.run_peers(source, systems=["torch"], **kw)
+    cut = json.loads(json.dumps(first))
+    cut["systems"]["datapipe"] = {"version": "x", "write": {"error": "not run: the run's budget of 1 s was spent"}}
+    rest = peers.run_peers(source, systems=["datapipe"], **kw, earlier=cut)
+    assert list(rest["systems"]) == ["torch", "datapipe"]  # the order of SYSTEMS, not of the call
+    assert rest["systems"]["torch"] == first["systems"]["torch"]
+    assert "error" not in rest["systems"]["datapipe"]["raw"]["0"]
