@@ -64,7 +64,8 @@ def _floor(args, default_images: int) -> dict:
     ways = {"ways": tuple(w.strip() for w in args.ways.split(",") if w.strip())} if args.ways else {}
     result = run_floor(os.path.join(args.data, "floor"), num_images=images, epochs=2 if quick else 3,
                        rounds=1 if quick else 3, log=lambda line: print(line, file=sys.stderr), **ways)
-    print(table(result["summary"], ["way", "epoch", "samples_per_s", "user_us", "sys_us", "faults"]))
+    print(table(result["summary"], ["way", "epoch", "samples_per_s", "user_us", "sys_us", "main_thread_us", "main_busy",
+                                     "faults"]))
     if not quick or args.out:
         print("wrote", write_result("read_floor", result, args.out), file=sys.stderr)
     return result

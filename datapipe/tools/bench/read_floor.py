@@ -13,6 +13,8 @@ until the next is full (as a consumer holds the batch it trains on):
 - ``stream_mmap``: the same stream with each value copied out of the reader's memory map (``bytes`` of a slice,
   the pages behind let go as its zero-copy views do) instead of a ``pread``: a probe of that read, not an option;
 - ``loader``: the peers benchmark's datapipe row, ``loaders.DataLoader`` over that stream, 0 workers;
+- ``loader_w4`` and ``loader_w8``: ``loader`` with 4 or 8 worker processes (the peers' worker rows): whether the
+  main process caps them shows in ``main_busy``, the share of the pass its main thread spent on the CPU;
 - ``stream_pread`` and ``loader_pread``: ``stream`` and ``loader`` with ``StorageOptions(read_threads=0)``, a
   ``pread`` per value, against their default read ahead in threads (:mod:`datapipe.read.spans`);
 - ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
@@ -21,7 +23,8 @@ until the next is full (as a consumer holds the batch it trains on):
 Ways ending in ``_keep`` first keep glibc's freed memory (:func:`datapipe.read.heap.keep_freed_memory`); ``stream``
 and ``loader`` do it themselves (ShardStream's default), ``stream_plain`` is the stream with
 ``StorageOptions(keep_freed_memory=False)``, and the other ways run with the allocator as Python leaves it. Per way
-and pass: samples/s, per sample the process's user and system CPU (us) and minor page faults, and the CPU and NUMA
+and pass: samples/s, per sample the process's user and system CPU (us; its threads, not its worker processes), the
+main thread's CPU (us) and minor page faults, and the CPU and NUMA
 node it ended on; the summary has each way's best pass and its median. A way against the one
 it builds on (``stream`` on ``pread_keep``, ``loader`` on ``stream``, ``torch`` on ``files``) is what that layer costs.
 
@@ -40,7 +43,7 @@ import sys
 import time
 
 WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "stream_pread", "stream_buffer", "stream_mmap",
-        "loader", "loader_pread", "files", "files_keep", "torch")
+        "loader", "loader_pread", "loader_w4", "loader_w8", "files", "files_keep", "torch")
 BUFFER = 200  # the peers' datapipe row's (and the README's) sample shuffle buffer
 BATCH = 256
 
@@ -87,6 +90,7 @@ def timed(samples, *, batches=False) -> dict:
     """One pass: samples/s and, per sample, user and system CPU (us) and minor faults. ``batches``: the loader
     hands out batches of ``(keys, values, labels)`` itself."""
     u0, s0, f0 = _usage()
+    m0 = time.thread_time()
     t0, n, batch, held = time.perf_counter(), 0, [], None
     for item in samples:
         if batches:
@@ -98,10 +102,12 @@ def timed(samples, *, batches=False) -> dict:
         if len(batch) == BATCH:
             held, batch = batch, []  # noqa: F841
     seconds = time.perf_counter() - t0
+    main = time.thread_time() - m0
     u1, s1, f1 = _usage()
     n = max(n, 1)
     return {"samples": n, "samples_per_s": round(n / seconds), "user_us": round((u1 - u0) / n * 1e6, 1),
-            "sys_us": round((s1 - s0) / n * 1e6, 1), "faults": round((f1 - f0) / n, 2), **_where()}
+            "sys_us": round((s1 - s0) / n * 1e6, 1), "main_thread_us": round(main / n * 1e6, 1),
+            "main_busy": round(main / seconds, 2), "faults": round((f1 - f0) / n, 2), **_where()}
 
 
 def _shards(tars: str) -> list[tuple[int, object]]:
@@ -194,8 +200,9 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
     from datapipe.read.options import StorageOptions
 
     ours = way.startswith("loader")
+    workers = int(way[len("loader_w"):]) if way.startswith("loader_w") else 0
     loader = open_loader("datapipe" if ours else "torch", data["tars"] if ours else data["images"], batch_size=BATCH,
-                         workers=0, seed=0,
+                         workers=workers, seed=0,
                          storage=StorageOptions(read_threads=0) if way == "loader_pread" else None)
     out = []
     for epoch in range(epochs):
@@ -234,8 +241,8 @@ def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 3, w
             if got:
                 best = max(got, key=lambda r: r["samples_per_s"])
                 rates = sorted(r["samples_per_s"] for r in got)
-                summary.append({"way": way, "epoch": epoch, **{k: best[k] for k in
-                                                                ("samples_per_s", "user_us", "sys_us", "faults")},
+                kept = ("samples_per_s", "user_us", "sys_us", "main_thread_us", "main_busy", "faults")
+                summary.append({"way": way, "epoch": epoch, **{k: best[k] for k in kept},
                                 "median_samples_per_s": rates[len(rates) // 2], "min_samples_per_s": rates[0]})
     return {"what": "one process's read of ~100 KB JPEGs, per layer (bench/peers.py --floor)",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
