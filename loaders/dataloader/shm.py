@@ -253,22 +253,44 @@ class PooledCollate:
         return torch.stack(batch, 0, out=out)
 
 
-def _tensors(batch):
+_NO_TENSORS = frozenset({bytes, bytearray, str, int, float, bool, type(None)})  # leaves known to hold no tensor
+_NOT_OPAQUE = frozenset({bytes, str, int, float, bool, complex, type(None)})  # leaves _opaque passes at once
+
+
+def _tensors(batch) -> list:
     """The tensor leaves of ``batch`` (dicts, lists, tuples, namedtuples), depth first."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
+    out: list = []
+    _collect_tensors(batch, out)
+    return out
+
+
+def _collect_tensors(batch, out: list) -> None:
+    kind = type(batch)
+    if kind is dict or kind is list or kind is tuple:  # the common containers and leaves without ABC checks
+        for v in (batch.values() if kind is dict else batch):
+            if type(v) not in _NO_TENSORS:
+                _collect_tensors(v, out)
+    elif kind in _NO_TENSORS:
+        return
+    elif isinstance(batch, torch.Tensor):
+        out.append(batch)
     elif isinstance(batch, Mapping):
         for v in batch.values():
-            yield from _tensors(v)
+            _collect_tensors(v, out)
     elif isinstance(batch, (list, tuple)):
         for v in batch:
-            yield from _tensors(v)
+            _collect_tensors(v, out)
 
 
 def _opaque(batch) -> bool:
     """Whether ``batch`` holds anything but tensors, numbers, strings, bytes, None and the containers
     :func:`_tensors` walks: a custom batch type, a dataclass or a numpy view may carry segments that
     neither this worker nor the main process can find."""
+    kind = type(batch)
+    if kind in _NOT_OPAQUE or kind is torch.Tensor:
+        return False
+    if kind is dict or kind is list or kind is tuple:
+        return any(type(v) not in _NOT_OPAQUE and _opaque(v) for v in (batch.values() if kind is dict else batch))
     if isinstance(batch, (torch.Tensor, numbers.Number, str, bytes)) or batch is None:
         return False
     if isinstance(batch, Mapping):

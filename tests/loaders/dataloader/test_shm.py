@@ -401,3 +401,19 @@ def test_a_new_pass_frees_what_the_last_one_left_in_flight():
     assert all(state(t) == BUSY for t in held)
     pool.new_pass(1)
     assert all(state(t) == FREE for t in held) and pool.place(torch.uint8, (10,)) is not None
+
+
+def test_the_batch_walks_find_every_tensor_in_order_and_every_type_they_cannot_see_into():
+    from loaders.dataloader.shm import _opaque, _shared_storages, _tensors
+
+    class Param(torch.Tensor):
+        pass
+
+    Pair = collections.namedtuple("Pair", "a b")
+    a, b, c = torch.zeros(2), torch.ones(3), torch.arange(4).as_subclass(Param)
+    batch = [{"k": "x", "v": b"1", "t": a}, (None, 3, 2.5, True, c), Pair(b, collections.OrderedDict(z=a[:1]))]
+    assert [id(t) for t in _tensors(batch)] == [id(a), id(c), id(b), id(batch[2].b["z"])]
+    assert _shared_storages(batch) == {a.untyped_storage().data_ptr()}  # a and its view a[:1]
+    assert not _opaque(batch) and not _opaque([1j, b"", "s", None, c])
+    for inside in (bytearray(b"x"), object(), dataclasses.make_dataclass("D", [])()):
+        assert _opaque([{"ok": a}, {"x": inside}]) and _opaque((inside,))
