@@ -67,12 +67,30 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def _kill_session(pid: int) -> None:
-    """Kill what is left in the process group a row's child led (it called ``setsid``)."""
+def _adopt_orphans() -> None:
+    """Make this process its descendants' reaper (Linux): a process a row leaves behind whose parent exits (a
+    daemon, a pool's helper) becomes this process's child instead of init's, so that :func:`descendants` still
+    finds it and it is killed with the row. Best effort elsewhere."""
     try:
-        os.killpg(pid, 9)
-    except OSError:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
         pass
+
+
+def _kill_leftovers() -> None:
+    """(The per-system parent, between rows) kill and reap whatever a finished row left running."""
+    for p in descendants(os.getpid()):
+        try:
+            os.kill(p, 9)
+        except OSError:
+            pass
+    while True:  # the row is reaped already: every child left is one of those, dying
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 # ---- the per-system parent (runs in its own process) -----------------------------------------------------------
@@ -85,6 +103,7 @@ def serve(modules: list[str], target: str) -> None:
     """
     import importlib
 
+    _adopt_orphans()
     t0 = time.perf_counter()
     for m in modules:
         importlib.import_module(m)
@@ -96,10 +115,9 @@ def serve(modules: list[str], target: str) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         pid = os.fork()
-        if pid == 0:  # the row's fresh process, in a session of its own: what it starts goes with it
+        if pid == 0:  # the row's fresh process
             code = 1
             try:
-                os.setsid()
                 fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
@@ -128,7 +146,7 @@ def serve(modules: list[str], target: str) -> None:
         out.write(json.dumps({"pid": pid}) + "\n")
         out.flush()
         _, status = os.waitpid(pid, 0)
-        _kill_session(pid)  # a daemon a row left (reparented, so not a descendant) would load the next rows
+        _kill_leftovers()  # a daemon a row left (reparented here) would load the next rows
         out.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
         out.flush()
 
@@ -211,10 +229,10 @@ class RowRunner:
         try:
             finished = self._read(max(0.1, timeout - (time.perf_counter() - t0)))
             if finished is None:
-                kill_tree(started["pid"])
-                _kill_session(started["pid"])
+                kill_tree(started["pid"])  # what it left behind the parent kills once it has reaped the row
                 self._read(30.0)
-                return {"error": f"timed out after {timeout:.0f} s", "process_s": round(time.perf_counter() - t0, 2)}
+                return {"error": f"timed out after {timeout:.0f} s", "process_s": round(time.perf_counter() - t0, 2),
+                        "loadavg_1m_before": load}
         finally:
             done.set()
             sampler.join()

@@ -317,9 +317,16 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         if progress:
             print(f"bench peers: {text}", file=sys.stderr, flush=True)
 
-    def saved():
+    def with_left_out() -> dict:
+        """``result`` with the earlier run's systems this continuation leaves out, in :data:`SYSTEMS` order."""
+        merged = {**{s: e for s, e in before.items() if s not in result["systems"]}, **result["systems"]}
+        order = [s for s in SYSTEMS if s in merged] + [s for s in merged if s not in SYSTEMS]
+        return {**result, "systems": {s: merged[s] for s in order}}
+
+    def saved():  # the file a continuation read is rewritten whole, even if this call is cut short
         if on_row is not None:
-            on_row({**result, "table": summary(result), "partial": True})
+            so_far = with_left_out()
+            on_row({**so_far, "table": summary(so_far), "partial": True})
 
     runners: dict[str, RowRunner] = {}
     live = []
@@ -416,11 +423,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
             r.close()
         if own_tmp:
             shutil.rmtree(work_dir, ignore_errors=True)
-    left_out = {s: e for s, e in before.items() if s not in result["systems"]}
-    if left_out:  # a continuation over fewer systems keeps the others' rows as the earlier run had them
-        merged = {**left_out, **result["systems"]}
-        order = [s for s in SYSTEMS if s in merged] + [s for s in merged if s not in SYSTEMS]
-        result["systems"] = {s: merged[s] for s in order}
+    result = with_left_out()  # a continuation over fewer systems keeps the others' rows as the earlier run had them
     short = _short_epochs(result)
     if short:
         result["notes"].append(f"{len(short)} epochs read to their end took under {SHORT_EPOCH_S:.0f} s (more "

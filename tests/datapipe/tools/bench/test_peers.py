@@ -209,7 +209,9 @@ def test_a_continuation_over_fewer_systems_keeps_the_others(source, tmp_path, mo
     first = peers.run_peers(source, systems=["torch"], **kw)
     cut = json.loads(json.dumps(first))
     cut["systems"]["datapipe"] = {"version": "x", "write": {"error": "not run: the run's budget of 1 s was spent"}}
-    rest = peers.run_peers(source, systems=["datapipe"], **kw, earlier=cut)
+    partial = []
+    rest = peers.run_peers(source, systems=["datapipe"], **kw, earlier=cut, on_row=partial.append)
     assert list(rest["systems"]) == ["torch", "datapipe"]  # the order of SYSTEMS, not of the call
+    assert partial and all(p["systems"]["torch"] == first["systems"]["torch"] for p in partial)  # saved at each row
     assert rest["systems"]["torch"] == first["systems"]["torch"]
     assert "error" not in rest["systems"]["datapipe"]["raw"]["0"]
