@@ -233,7 +233,8 @@ def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 3, w
                 continue
             for epoch, r in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
                 rows.append({"way": way, "round": rnd, "epoch": epoch + 1, **r})
-            log(f"[{way} round {rnd}] " + ", ".join(f"{r['samples_per_s']:,}" for r in rows[-epochs:]))
+            log(f"[{way} round {rnd}] " + ", ".join(f"{r['samples_per_s']:,} (main busy {r['main_busy']})"
+                                                      for r in rows[-epochs:]))
     summary = []
     for way in ways:
         for epoch in range(1, epochs + 1):
