@@ -341,13 +341,14 @@ def set_epoch_of(loader, epoch: int) -> None:
 
 def one_epoch(loader, *, cap_s: float | None = None) -> dict:
     """One epoch: samples, bytes, seconds, first batch time; with ``cap_s``, cut after that many seconds
-    (``capped``: the epoch was not read to its end; the rate is over what was read). A cut epoch's iterator is
-    closed, unless the loader's next ``iter()`` goes on with it (``continues_cut_pass``, Energon's workers)."""
+    (``capped``: the epoch was not read to its end; the rate is over what was read, up to the cut). A cut epoch's
+    iterator is closed, unless the loader's next ``iter()`` goes on with it (``continues_cut_pass``, Energon's
+    workers); that close is the harness's doing, not the epoch's: it is timed apart (``close_s``)."""
     from datapipe.tools.bench.baselines import close
 
     n = nbytes = 0
     t0 = time.perf_counter()
-    first, capped = None, False
+    first, capped, closed = None, False, None
     it = iter(loader)
     try:
         for keys, values, _ in it:
@@ -359,10 +360,13 @@ def one_epoch(loader, *, cap_s: float | None = None) -> dict:
                 capped = True
                 break
     finally:
+        seconds = time.perf_counter() - t0
         if capped and not getattr(loader, "continues_cut_pass", False):
             close(it)
-    seconds = time.perf_counter() - t0
+            closed = time.perf_counter() - t0 - seconds
     out = {"samples": n, "seconds": round(seconds, 3), "samples_per_s": round(n / seconds, 1) if seconds else None,
            "mb_per_s": round(nbytes / seconds / 1e6, 1) if seconds else None,
            "first_batch_s": round(first, 3) if first is not None else None}
+    if closed is not None:
+        out["close_s"] = round(closed, 3)
     return {**out, "capped": True} if capped else out

@@ -1,6 +1,7 @@
 """datapipe.tools.bench.peers: the rows on tiny data (a smoke test, no timing), the image folder, the budget."""
 import json
 import os
+import time
 
 import pytest
 
@@ -111,6 +112,19 @@ def test_a_capped_epoch_stops_and_says_so():
     assert full["samples"] == 10 and "capped" not in full
     cut = one_epoch(batches, cap_s=1e-9)
     assert cut["samples"] == 2 and cut["capped"] is True
+
+
+def test_a_cut_epochs_rate_does_not_count_the_close_the_cut_makes():
+    class SlowToClose:  # a loader whose iterator takes long to shut down (Grain's workers took ~100 s on a host)
+        def __iter__(self):
+            try:
+                while True:
+                    yield ["a"], [b"x"], [0]
+            finally:
+                time.sleep(0.5)
+
+    cut = one_epoch(SlowToClose(), cap_s=0.05)
+    assert cut["capped"] and cut["seconds"] < 0.4 and cut["close_s"] >= 0.5
 
 
 def test_bad_arguments_say_what_to_choose(source):
