@@ -35,7 +35,9 @@ else
   fi
   # The peers (bench rows only). litdata 0.2.76 imports with its own code and obstore beside the pins above, but
   # pip's resolver would pull torchvision and a CUDA torch for it: so --no-deps, kept only if it imports.
-  # MosaicML Streaming 0.13 pins numpy<2.2 and transformers<5, which these pins do not meet: its rows skip.
+  # MosaicML Streaming 0.13 pins numpy<2.2 and transformers<5, which these pins do not meet, and imports torchvision,
+  # which does not import beside this CPU torch 2.13 (tried with --no-deps: 'operator torchvision::nms does not
+  # exist'): its rows skip here, saying why; the GPU host runs them.
   if ! python -c "import litdata" >/dev/null 2>&1; then
     _setup_step "installing litdata (optional: the peers' bench rows)"
     { python -m pip install -q --no-deps "litdata==0.2.76" "obstore==0.12.1" && python -c "import litdata" >/dev/null 2>&1; } \

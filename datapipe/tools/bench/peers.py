@@ -53,8 +53,10 @@ MODULES = {"litdata": "litdata", "mosaicml": "streaming", "spdl": "spdl.dataload
            "energon": "megatron.energon"}
 NOT_INSTALLED = {  # why a peer may be missing beside the project's pins, and what to do
     "mosaicml": "not installed: MosaicML Streaming 0.13 pins numpy<2.2 and transformers<5, which the project's pins "
-                "do not meet: install it into a folder of its own (pip install --target DIR mosaicml-streaming) "
-                "and run with PYTHONPATH=DIR",
+                "do not meet, and imports torchvision, whose wheels need another torch than the CPU 2.13 build here: "
+                "where torch and torchvision match (the GPU host), pip install --no-deps mosaicml-streaming==0.13.0 "
+                "brotli python-snappy cramjam zstd xxhash catalogue into a folder of its own and run with "
+                "PYTHONPATH=DIR",
     "litdata": "not installed: pip install --no-deps litdata==0.2.76 obstore==0.12.1 (datapipe[peers]; its "
                "resolver would otherwise pull another torch)",
 }
