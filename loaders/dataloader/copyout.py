@@ -4,8 +4,10 @@ With workers, the main process copies every raw leaf into a ``bytes`` of its own
 work per sample (docs/performance.md): one thread copies ~5-7 GB/s, which caps what any number of workers
 deliver. For a batch of large leaves on a machine with cores to spare, the ``bytes`` objects are made here
 uninitialised (``PyBytes_FromStringAndSize(NULL, n)``, the way C code makes them, written before anyone sees
-them) and filled with ``memmove`` in a few threads, which release the interpreter lock while they copy.
-Small batches, small leaves and small machines copy as before (``bytes(view[a:b])``).
+them) and filled with ``memmove`` in a few threads, which release the interpreter lock while they copy; the
+calling thread meanwhile builds the batch around the leaves (:func:`copying_out`) and copies nothing itself, so
+its work per sample is the batch's Python alone. Small batches, small leaves and small machines copy as before
+(``bytes(view[a:b])``).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ _memmove = ctypes.memmove  # a foreign function: it releases the interpreter loc
 
 
 def copy_threads() -> int:
-    """Threads a large batch is copied in here (1: the calling thread alone)."""
+    """Pool threads a large batch is copied in here (1: the calling thread copies it alone)."""
     from datapipe.device.autotune import usable_cores
 
     return max(1, min(MAX_THREADS, usable_cores() // CORES_PER_THREAD))
@@ -48,11 +50,34 @@ def _copy(jobs: list[tuple[int, int, int]]) -> None:
 
 def copied_out(view: memoryview, spans, *, threads: int | None = None) -> list[bytes]:
     """``bytes(view[offset:offset + n])`` for each ``(offset, n)`` pair in the flat ``spans``, in order."""
+    out, copying = copying_out(view, spans, threads=threads)
+    copying.wait()
+    return out
+
+
+class Copying:
+    """The copies :func:`copying_out` started: ``wait()`` returns once every one is done (raising a thread's
+    error); until then no leaf may be read, and the segment must stay as it is."""
+
+    def __init__(self, pending=()):
+        self.pending = list(pending)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        wait(pending)  # every copy finishes before anything raises: no thread writes into a leaf after this
+        for future in pending:
+            future.result()
+
+
+def copying_out(view: memoryview, spans, *, threads: int | None = None) -> tuple[list[bytes], Copying]:
+    """The leaves :func:`copied_out` gives, and the copies into them still under way in the pool's threads
+    (:class:`Copying`): the caller may do other work (build the batch around the leaves) before it waits, but
+    must wait, also on an error, before any leaf is read or the segment is handed back."""
     it = iter(spans)
     pairs = list(zip(it, it))
     threads = copy_threads() if threads is None else threads
     if threads < 2 or sum(n for _, n in pairs) < MIN_BATCH_BYTES:
-        return [bytes(view[offset:offset + n]) for offset, n in pairs]
+        return [bytes(view[offset:offset + n]) for offset, n in pairs], Copying()
     size = len(view)
     if any(offset < 0 or n < 0 or offset + n > size for offset, n in pairs):
         raise ValueError(f"loaders.DataLoader: a leaf lies outside its {size}-byte segment (an internal error; "
@@ -77,14 +102,12 @@ def copied_out(view: memoryview, spans, *, threads: int | None = None) -> list[b
             chunk, filled = [], 0
     if chunk:
         chunks.append(chunk)
-    pending = []
+    copying = Copying()
     try:
-        pool = _executor(threads - 1)
-        for c in chunks[1:]:
-            pending.append(pool.submit(_copy, c))
-        _copy(chunks[0] if chunks else [])
-    finally:
-        wait(pending)  # no thread may still write into a leaf once this returns or raises (the leaves go with it)
-    for future in pending:
-        future.result()
-    return out
+        pool = _executor(threads)
+        for c in chunks:
+            copying.pending.append(pool.submit(_copy, c))
+    except BaseException:
+        copying.wait()  # none may still write into a leaf once this raises (the leaves go with it)
+        raise
+    return out, copying

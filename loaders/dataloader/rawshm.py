@@ -43,7 +43,7 @@ import weakref
 import numpy as np
 import torch
 
-from loaders.dataloader.copyout import copied_out
+from loaders.dataloader.copyout import copying_out
 from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
 
@@ -251,30 +251,38 @@ def _unpack(packed: Packed, view: memoryview | None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
     their block, each on a storage of its own)."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
-    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large
-        out = copied_out(view, spans)
-    else:
-        buf = np.frombuffer(view, np.uint8) if view is not None else None
-        if block is not None:
-            storage, base = block.untyped_storage(), block.storage_offset()
-        out = []
-        arrays = 0
-        for i, kind in enumerate(kinds):
-            offset, n = spans[2 * i], spans[2 * i + 1]
-            if kind == "b":
-                out.append(bytes(view[offset:offset + n]))
-            elif kind == "a":
-                out.append(bytearray(view[offset:offset + n]))
-            elif kind == "t":
-                dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
-                start = base + offset
-                out.append(torch.empty(0, dtype=dtype).set_(_slice(storage, slice(start, start + n)), 0, shape,
-                                                            stride))
-                arrays += 1
-            else:
-                src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
-                out.append(src.copy(order="K"))
-                arrays += 1
+    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large,
+        out, copying = copying_out(view, spans)  # the batch built around the leaves while the threads copy
+        try:
+            return _batch_of(body, out, pickled, view)
+        finally:
+            copying.wait()
+    buf = np.frombuffer(view, np.uint8) if view is not None else None
+    if block is not None:
+        storage, base = block.untyped_storage(), block.storage_offset()
+    out = []
+    arrays = 0
+    for i, kind in enumerate(kinds):
+        offset, n = spans[2 * i], spans[2 * i + 1]
+        if kind == "b":
+            out.append(bytes(view[offset:offset + n]))
+        elif kind == "a":
+            out.append(bytearray(view[offset:offset + n]))
+        elif kind == "t":
+            dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
+            start = base + offset
+            out.append(torch.empty(0, dtype=dtype).set_(_slice(storage, slice(start, start + n)), 0, shape,
+                                                        stride))
+            arrays += 1
+        else:
+            src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
+            out.append(src.copy(order="K"))
+            arrays += 1
+    return _batch_of(body, out, pickled, view)
+
+
+def _batch_of(body, out: list, pickled, view):
+    """The batch: ``body`` with its slots filled from ``out``, or ``pickled`` loaded with them."""
     if pickled is None:
         return _filled(body, out)
     if type(pickled) is tuple:

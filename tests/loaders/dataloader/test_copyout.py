@@ -32,6 +32,35 @@ def test_threaded_copies_equal_plain_ones(monkeypatch, threads):
     assert got[0:2] == want[0:2] and got[3] == want[3]
 
 
+def test_the_copies_go_on_while_the_caller_works_and_a_failed_one_raises_at_the_wait(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    view, spans = _segment([100_000] * 6)
+    release, callers = threading.Event(), set()
+    original = copyout._copy
+
+    def held(jobs):  # each copy waits until the caller has come back with the leaves
+        callers.add(threading.get_ident())
+        release.wait(10)
+        original(jobs)
+
+    monkeypatch.setattr(copyout, "_copy", held)
+    out, copying = copyout.copying_out(view, spans, threads=3)
+    assert len(out) == 6 and copying.pending  # back before any copy is done
+    release.set()
+    copying.wait()
+    assert out == [bytes(view[o:o + n]) for o, n in zip(spans[::2], spans[1::2])]
+    assert threading.get_ident() not in callers  # the pool copied it all
+
+    def broken(jobs):
+        raise MemoryError("copy failed")
+
+    monkeypatch.setattr(copyout, "_copy", broken)
+    with pytest.raises(MemoryError, match="copy failed"):
+        copyout.copied_out(view, spans, threads=2)
+
+
 def test_small_batches_and_small_machines_copy_plainly(monkeypatch):
     made = []
     monkeypatch.setattr(copyout, "_new_bytes", lambda *a: made.append(a) or bytes(a[1]))

@@ -365,3 +365,44 @@ def test_stacked_batches_keep_torchs_shared_memory():
     batches = list(dl)
     assert len(batches) == 4 and all(b[1].shape == (16, 3, 8, 8) and b[1].is_shared() for b in batches)
     assert "raw_shared_memory" not in dl.stats()
+
+
+def test_the_batch_is_built_while_its_bytes_are_copied_and_an_error_waits_for_the_copies(monkeypatch):
+    import threading
+
+    from loaders.dataloader import copyout, rawshm
+
+    monkeypatch.setattr(copyout, "copy_threads", lambda: 2)
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    batch = [{"__key__": f"{i:06d}", "jpg": payload(i, 40_000)} for i in range(32)]
+    pool = SegmentPool(MARK, cap=1)
+    copies = RawCopies(MARK, workers=1, batches=1)
+    copying, done = threading.Event(), []
+    original = copyout._copy
+
+    def slow(jobs):
+        copying.set()
+        time.sleep(0.3)
+        original(jobs)
+        done.append(len(jobs))
+
+    monkeypatch.setattr(copyout, "_copy", slow)
+    built = rawshm._batch_of
+
+    def building(*args):
+        assert copying.wait(5) and not done  # the body is unpickled while the copies run
+        return built(*args)
+
+    monkeypatch.setattr(rawshm, "_batch_of", building)
+    out = copies.unpack(pack_raw(batch, pool))
+    assert same(out, batch) and len(done) == 2  # handed out only once both copies ended
+
+    def failing(*args):
+        raise pickle.UnpicklingError("a broken body")
+
+    monkeypatch.setattr(rawshm, "_batch_of", failing)
+    done.clear()
+    packed = pack_raw(batch, pool)
+    with pytest.raises(pickle.UnpicklingError):
+        copies.unpack(packed)
+    assert len(done) == 2 and segment_state(packed) == FREE  # the copies ended before the segment went back
