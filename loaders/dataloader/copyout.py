@@ -57,22 +57,36 @@ def copied_out(view: memoryview, spans, *, threads: int | None = None) -> list[b
 
 class Copying:
     """The copies :func:`copying_out` started: ``wait()`` returns once every one is done (raising a thread's
-    error); until then no leaf may be read, and the segment must stay as it is."""
+    error); until then no leaf may be read, and the segment must stay as it is. ``keep``: the leaves and the
+    segment's view, held until then (the threads have their addresses alone)."""
 
-    def __init__(self, pending=()):
-        self.pending = list(pending)
+    def __init__(self, keep=None):
+        self.pending: list = []
+        self.keep = keep
 
     def wait(self) -> None:
+        """Wait for every copy, even through an exception a signal raises meanwhile (Ctrl-C), which is raised
+        once they have ended: a leaf freed while a thread still writes into it would corrupt memory."""
         pending, self.pending = self.pending, []
-        wait(pending)  # every copy finishes before anything raises: no thread writes into a leaf after this
+        interrupted = None
+        while True:
+            try:
+                wait(pending)
+                break
+            except BaseException as e:  # noqa: BLE001 - raised below, once no thread writes any more
+                interrupted = interrupted or e
+        self.keep = None
+        if interrupted is not None:
+            raise interrupted
         for future in pending:
             future.result()
 
 
 def copying_out(view: memoryview, spans, *, threads: int | None = None) -> tuple[list[bytes], Copying]:
     """The leaves :func:`copied_out` gives, and the copies into them still under way in the pool's threads
-    (:class:`Copying`): the caller may do other work (build the batch around the leaves) before it waits, but
-    must wait, also on an error, before any leaf is read or the segment is handed back."""
+    (:class:`Copying`): the caller may do other work that never reads, hashes or hands out a leaf (unpickle a plain
+    body around them) before it waits, but must wait, also on an error, before any leaf is read or the segment is
+    handed back."""
     it = iter(spans)
     pairs = list(zip(it, it))
     threads = copy_threads() if threads is None else threads
@@ -102,7 +116,7 @@ def copying_out(view: memoryview, spans, *, threads: int | None = None) -> tuple
             chunk, filled = [], 0
     if chunk:
         chunks.append(chunk)
-    copying = Copying()
+    copying = Copying(keep=(out, view))
     try:
         pool = _executor(threads)
         for c in chunks:

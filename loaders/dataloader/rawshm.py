@@ -251,9 +251,12 @@ def _unpack(packed: Packed, view: memoryview | None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
     their block, each on a storage of its own)."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
-    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large,
-        out, copying = copying_out(view, spans)  # the batch built around the leaves while the threads copy
-        try:
+    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large
+        out, copying = copying_out(view, spans)
+        if pickled is None:  # a body of other types is rebuilt by their own code, which may read or hash a leaf
+            copying.wait()
+            return _filled(body, out)
+        try:  # a plain body (built-in types alone, no leaf a key) is unpickled while the threads copy
             return _batch_of(body, out, pickled, view)
         finally:
             copying.wait()

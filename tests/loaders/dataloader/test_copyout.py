@@ -134,3 +134,35 @@ def test_a_failed_submit_waits_for_the_copies_under_way(monkeypatch):
         copyout.copied_out(view, spans, threads=3)
     assert release.is_set()  # the running share was waited for before the error came out
     pool.real.shutdown(wait=True)
+
+
+def test_an_interrupt_while_waiting_is_raised_only_once_every_copy_has_ended(monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    view, spans = _segment([100_000] * 4)
+    ended = []
+    original = copyout._copy
+
+    def slow(jobs):
+        time.sleep(0.2)
+        original(jobs)
+        ended.append(threading.get_ident())
+
+    calls = []
+    real_wait = copyout.wait
+
+    def interrupted_once(futures):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the wait
+        return real_wait(futures)
+
+    monkeypatch.setattr(copyout, "_copy", slow)
+    monkeypatch.setattr(copyout, "wait", interrupted_once)
+    out, copying = copyout.copying_out(view, spans, threads=2)
+    with pytest.raises(KeyboardInterrupt):
+        copying.wait()
+    assert len(ended) == 2 and copying.keep is None  # raised after both copies ended
+    assert out == [bytes(view[o:o + n]) for o, n in zip(spans[::2], spans[1::2])]

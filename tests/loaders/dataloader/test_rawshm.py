@@ -406,3 +406,25 @@ def test_the_batch_is_built_while_its_bytes_are_copied_and_an_error_waits_for_th
     with pytest.raises(pickle.UnpicklingError):
         copies.unpack(packed)
     assert len(done) == 2 and segment_state(packed) == FREE  # the copies ended before the segment went back
+
+
+class _Indexed(list):
+    """A custom batch type whose constructor hashes its leaves (a user's collate result)."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.index = {blob: i for i, blob in enumerate(items)}
+
+
+def test_a_custom_batch_type_is_rebuilt_only_after_its_bytes_are_copied(monkeypatch):
+    from loaders.dataloader import copyout
+
+    monkeypatch.setattr(copyout, "copy_threads", lambda: 3)
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    blobs = [payload(i, 40_000) for i in range(32)]
+    pool = SegmentPool(MARK, cap=1)
+    packed = pack_raw(_Indexed(blobs), pool)
+    assert packed[7] is None  # not a plain body: rebuilt by its type's own code
+    out = RawCopies(MARK, workers=1, batches=1).unpack(packed)
+    assert type(out) is _Indexed and list(out) == blobs
+    assert [out.index[bytes(b)] for b in blobs] == list(range(32))  # hashed after the copies: equal bytes find it
