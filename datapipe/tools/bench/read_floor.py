@@ -15,6 +15,8 @@ until the next is full (as a consumer holds the batch it trains on):
 - ``loader``: the peers benchmark's datapipe row, ``loaders.DataLoader`` over that stream, 0 workers;
 - ``loader_w4`` and ``loader_w8``: ``loader`` with 4 or 8 worker processes (the peers' worker rows): whether the
   main process caps them shows in ``main_busy``, the share of the pass its main thread spent on the CPU;
+  ``loader_w8_ahead``: 8 workers that each read ahead in 2 threads (``StorageOptions(read_threads=2)``; workers
+  read a ``pread`` a value by default), whether the workers' own reads are what holds them;
 - ``stream_pread`` and ``loader_pread``: ``stream`` and ``loader`` with ``StorageOptions(read_threads=0)``, a
   ``pread`` per value, against their default read ahead in threads (:mod:`datapipe.read.spans`);
 - ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
@@ -43,7 +45,7 @@ import sys
 import time
 
 WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "stream_pread", "stream_buffer", "stream_mmap",
-        "loader", "loader_pread", "loader_w4", "loader_w8", "files", "files_keep", "torch")
+        "loader", "loader_pread", "loader_w4", "loader_w8", "loader_w8_ahead", "files", "files_keep", "torch")
 BUFFER = 200  # the peers' datapipe row's (and the README's) sample shuffle buffer
 BATCH = 256
 
@@ -200,10 +202,11 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
     from datapipe.read.options import StorageOptions
 
     ours = way.startswith("loader")
-    workers = int(way[len("loader_w"):]) if way.startswith("loader_w") else 0
+    workers = int(way[len("loader_w"):].split("_")[0]) if way.startswith("loader_w") else 0
+    threads = {"loader_pread": 0, "loader_w8_ahead": 2}.get(way)
     loader = open_loader("datapipe" if ours else "torch", data["tars"] if ours else data["images"], batch_size=BATCH,
                          workers=workers, seed=0,
-                         storage=StorageOptions(read_threads=0) if way == "loader_pread" else None)
+                         storage=StorageOptions(read_threads=threads) if threads is not None else None)
     out = []
     for epoch in range(epochs):
         set_epoch_of(loader, epoch)
