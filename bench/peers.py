@@ -61,7 +61,7 @@ def _floor(args, default_images: int) -> dict:
 
     quick = args.quick
     images = 600 if quick else 40000 if args.num_images == default_images else args.num_images
-    ways = {"ways": tuple(w.strip() for w in args.ways.split(",") if w.strip())} if args.ways else {}
+    ways = {"ways": args.ways} if args.ways else {}
     result = run_floor(os.path.join(args.data, "floor"), num_images=images, epochs=2 if quick else 3,
                        rounds=1 if quick else 3, log=lambda line: print(line, file=sys.stderr), **ways)
     print(table(result["summary"], ["way", "epoch", "samples_per_s", "user_us", "sys_us", "main_thread_us", "main_busy",
@@ -108,7 +108,8 @@ def main(argv=None) -> dict:
     if args.ways:
         from datapipe.tools.bench.read_floor import WAYS
 
-        unknown = sorted(set(w.strip() for w in args.ways.split(",")) - set(WAYS) - {""})
+        args.ways = tuple(w.strip() for w in args.ways.split(",") if w.strip())
+        unknown = sorted(set(args.ways) - set(WAYS))
         if unknown:
             p.error(f"unknown --ways {', '.join(unknown)}: choose from {', '.join(WAYS)}")
     if args.floor:

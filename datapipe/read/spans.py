@@ -69,19 +69,15 @@ def _functions():
                 try:
                     if ctypes.sizeof(ctypes.c_void_p) != 8:
                         raise OSError("the iovecs are built as two 64-bit words: 64-bit platforms only")
+                    from datapipe.read import rawbytes  # CPython's C API through ctypes
                     libc = ctypes.CDLL(None, use_errno=True)
                     preadv = getattr(libc, "preadv64", None) or libc.preadv  # CDLL: the interpreter lock is let go
                     preadv.restype = ctypes.c_ssize_t
                     preadv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
-                    new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-                    new_bytes.restype, new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
-                    address = ctypes.pythonapi.PyBytes_AsString
-                    address.restype, address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
-                    probe = b"datapipe"
-                    data_offset = address(probe) - id(probe)  # where a bytes object's data starts (CPython)
                     if _scratch is None:  # never replaced: reads may still write gaps into it
                         _scratch = ctypes.create_string_buffer(MAX_GAP)  # threads share it: never read
-                    _lib = (preadv, new_bytes, data_offset, ctypes.addressof(_scratch), len(_scratch))
+                    _lib = (preadv, rawbytes.new_bytes, rawbytes.DATA_OFFSET, ctypes.addressof(_scratch),
+                            len(_scratch))
                 except (AttributeError, OSError, TypeError, ValueError):
                     _lib = False
     return _lib or None

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
+from datapipe.read import rawbytes
 from datapipe.read.pools import process_pool
 
 MIN_BATCH_BYTES = 4 << 20  # a batch smaller than this is copied in the calling thread
@@ -23,10 +24,7 @@ MIN_LEAF = 16 << 10  # leaves smaller than this are copied as before (a bytes of
 CORES_PER_THREAD = 4  # one copying thread per this many usable cores, at most MAX_THREADS
 MAX_THREADS = 4
 
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
-_bytes_address = ctypes.pythonapi.PyBytes_AsString
-_bytes_address.restype, _bytes_address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+_new_bytes = rawbytes.new_bytes
 _memmove = ctypes.memmove  # a foreign function: it releases the interpreter lock while it copies
 
 
@@ -105,7 +103,7 @@ def copying_out(view: memoryview, spans, *, threads: int | None = None) -> tuple
         else:
             leaf = _new_bytes(None, n)
             out.append(leaf)
-            jobs.append((_bytes_address(leaf), base + offset, n))
+            jobs.append((rawbytes.data_address(leaf), base + offset, n))
     share = -(-sum(n for _, _, n in jobs) // threads)
     chunks, chunk, filled = [], [], 0
     for job in jobs:  # contiguous runs of about equal bytes, one a thread
