@@ -89,12 +89,15 @@ def numa_nodes() -> int | None:
 
 
 def timed(samples, *, batches=False) -> dict:
-    """One pass: samples/s and, per sample, user and system CPU (us) and minor faults. ``batches``: the loader
-    hands out batches of ``(keys, values, labels)`` itself."""
+    """One pass: samples/s and, per sample, user and system CPU (us) and minor faults; the time to the first item
+    (``first_s``: worker starts included) and the rate after it. ``batches``: the loader hands out batches of
+    ``(keys, values, labels)`` itself."""
     u0, s0, f0 = _usage()
     m0 = time.thread_time()
-    t0, n, batch, held = time.perf_counter(), 0, [], None
+    t0, n, batch, held, first = time.perf_counter(), 0, [], None, None
     for item in samples:
+        if first is None:
+            first, n_first = time.perf_counter(), (len(item[0]) if batches else 1)
         if batches:
             held = item  # noqa: F841 (the consumer holds the last batch)
             n += len(item[0])
@@ -103,13 +106,17 @@ def timed(samples, *, batches=False) -> dict:
         n += 1
         if len(batch) == BATCH:
             held, batch = batch, []  # noqa: F841
-    seconds = time.perf_counter() - t0
+    end = time.perf_counter()
+    seconds = end - t0
     main = time.thread_time() - m0
     u1, s1, f1 = _usage()
+    after = n - n_first if first is not None else 0
     n = max(n, 1)
     return {"samples": n, "samples_per_s": round(n / seconds), "user_us": round((u1 - u0) / n * 1e6, 1),
             "sys_us": round((s1 - s0) / n * 1e6, 1), "main_thread_us": round(main / n * 1e6, 1),
-            "main_busy": round(main / seconds, 2), "faults": round((f1 - f0) / n, 2), **_where()}
+            "main_busy": round(main / seconds, 2), "faults": round((f1 - f0) / n, 2),
+            "first_s": round((end if first is None else first) - t0, 4),
+            "after_first_per_s": round(after / (end - first)) if after and end > first else None, **_where()}
 
 
 def _shards(tars: str) -> list[tuple[int, object]]:
@@ -236,8 +243,8 @@ def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 3, w
                 continue
             for epoch, r in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
                 rows.append({"way": way, "round": rnd, "epoch": epoch + 1, **r})
-            log(f"[{way} round {rnd}] " + ", ".join(f"{r['samples_per_s']:,} (main busy {r['main_busy']})"
-                                                      for r in rows[-epochs:]))
+            log(f"[{way} round {rnd}] " + ", ".join(
+                f"{r['samples_per_s']:,} (main busy {r['main_busy']}, first {r['first_s']} s)" for r in rows[-epochs:]))
     summary = []
     for way in ways:
         for epoch in range(1, epochs + 1):
@@ -245,7 +252,8 @@ def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 3, w
             if got:
                 best = max(got, key=lambda r: r["samples_per_s"])
                 rates = sorted(r["samples_per_s"] for r in got)
-                kept = ("samples_per_s", "user_us", "sys_us", "main_thread_us", "main_busy", "faults")
+                kept = ("samples_per_s", "user_us", "sys_us", "main_thread_us", "main_busy", "faults", "first_s",
+                        "after_first_per_s")
                 summary.append({"way": way, "epoch": epoch, **{k: best[k] for k in kept},
                                 "median_samples_per_s": rates[len(rates) // 2], "min_samples_per_s": rates[0]})
     return {"what": "one process's read of ~100 KB JPEGs, per layer (bench/peers.py --floor)",

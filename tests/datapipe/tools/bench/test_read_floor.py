@@ -19,6 +19,9 @@ def test_quick_run_measures_every_way(tmp_path):
         assert s["samples_per_s"] > 0 and s["user_us"] >= 0 and s["sys_us"] >= 0 and s["faults"] >= 0
     for r in saved["rows"]:  # the main thread's share of the pass: at most all of it (timer grain aside)
         assert 0 <= r["main_thread_us"] and 0 <= r["main_busy"] <= 1.2
+        # the first item comes within the pass, and the rate after it is at least the pass's own
+        assert 0 <= r["first_s"] <= r["samples"] / r["samples_per_s"] + 0.01
+        assert r["after_first_per_s"] is None or r["after_first_per_s"] >= r["samples_per_s"] * 0.9
     assert {r["samples"] for r in saved["rows"]} == {600}  # every way reads every image once a pass
     for r in saved["rows"]:  # where each pass ran: a CPU of this machine and, where the kernel says, its node
         assert 0 <= r["cpu"] < (saved["cpu_count"] or 1) * 64 and (r["node"] is None or r["node"] >= 0)
