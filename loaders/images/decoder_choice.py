@@ -3,8 +3,8 @@
 nvJPEG's CUDA decoder (the Huffman stage on DALI's CPU threads, the rest on the GPU) decodes ~3x
 slower than the GPU's hardware decoder and uses more cores, but can slow a training step beside it
 less. ``"auto"`` starts on the CUDA decoder where the process has the cores for it, and moves to the
-hardware decoder once the consumer is seen starved of batches, and keeps it only if the loop then runs
-faster:
+hardware decoder once the consumer is seen starved of batches, and moves back only if the loop then runs
+slower (on few queues: clearly slower):
 
 - the first ``SKIP`` batches of every iteration are not judged (pipeline start, warm-up);
 - then, over windows of ``WINDOW`` batches, the consumer's *starved* time against the wall time: the part of
@@ -226,7 +226,7 @@ class DecoderChoice:
             if self._batches >= WINDOW:
                 self.rates.append(self._batches / elapsed)
                 self.settled = True
-                self.due = self.rates[-1] < self.keep * self.rates[0]  # not faster enough than before: back
+                self.due = self.rates[-1] < self.keep * self.rates[0]  # slower (on few queues: clearly) than before: back
             return
         starving = self._wait / elapsed
         self.starved = starving

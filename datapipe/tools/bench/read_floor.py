@@ -26,8 +26,8 @@ Ways ending in ``_keep`` first keep glibc's freed memory (:func:`datapipe.read.h
 and ``loader`` do it themselves (ShardStream's default), ``stream_plain`` is the stream with
 ``StorageOptions(keep_freed_memory=False)``, and the other ways run with the allocator as Python leaves it. Per way
 and pass: samples/s, per sample the process's user and system CPU (us; its threads, not its worker processes), the
-main thread's CPU (us) and minor page faults, and the CPU and NUMA
-node it ended on; the summary has each way's best pass and its median. A way against the one
+main thread's CPU (us) and minor page faults, the time to the first item (``first_s``: a fresh worker pass's
+start) and the rate after it (``after_first_per_s``), and the CPU and NUMA node it ended on; the summary has each way's best pass and its median. A way against the one
 it builds on (``stream`` on ``pread_keep``, ``loader`` on ``stream``, ``torch`` on ``files``) is what that layer costs.
 
 ``python bench/peers.py --floor`` runs it (``bench/results/read_floor.json``); every way runs in a fresh process
@@ -244,7 +244,8 @@ def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 3, w
             for epoch, r in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
                 rows.append({"way": way, "round": rnd, "epoch": epoch + 1, **r})
             log(f"[{way} round {rnd}] " + ", ".join(
-                f"{r['samples_per_s']:,} (main busy {r['main_busy']}, first {r['first_s']} s)" for r in rows[-epochs:]))
+                f"{r['samples_per_s']:,} (main busy {r['main_busy']}, first {r['first_s']} s, then {r['after_first_per_s']})"
+                for r in rows[-epochs:]))
     summary = []
     for way in ways:
         for epoch in range(1, epochs + 1):

@@ -66,7 +66,7 @@ def _decoder(name: str, d: dict, connections, step: str | None = None) -> str:
     if trial == "on":
         line += f"; {tried}, on trial"
     elif trial == "kept":
-        line += f"; {tried} and kept it, no slower there ({rates} batches/s)"
+        line += f"; {tried} and kept it, not clearly slower there ({rates} batches/s)"
     elif trial in ("moving back", "taken back"):
         line += (f"; {tried} and {'moves' if trial == 'moving back' else 'moved'} back, slower there ({rates} "
                  "batches/s; DecodeOptions(hw_decoder_load=0.0) skips the try and its one-off seconds)")

@@ -299,7 +299,7 @@ def test_an_image_loaders_decoder_choice_is_one_line_of_a_cuda_report(monkeypatc
     for decoder, tail in ((chosen, "moves there by itself if the loop starves"),
                           (stayed, "step: eager; why: nvJPEG's CUDA decoder, kept under CUDA graphs: with 8 hardware queues"),
                           (moved, f"{tried}, on trial"),
-                          (kept, f"{tried} and kept it, no slower there (17.5 -> 19.25 batches/s)"),
+                          (kept, f"{tried} and kept it, not clearly slower there (17.5 -> 19.25 batches/s)"),
                           (pending, f"{tried} and moves back, slower there (17.5 -> 9 batches/s; {skip}"),
                           (back, f"{tried} and moved back, slower there (17.5 -> 9 batches/s; {skip}")):
         d = Doctor(print_report=False)
