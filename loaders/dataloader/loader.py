@@ -58,6 +58,7 @@ from loaders.dataloader.shm import PooledCollate, recycling_available
 from loaders.dataloader.resume import IndexSampler, Plan
 from loaders.dataloader.state import LoaderState
 from loaders.dataloader.stats import LoaderStats
+from loaders.dataloader.stock import SegmentStock, note_workers, stock_for_pass
 from loaders.dataloader.tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
 from loaders.dataloader.workers import StatefulCollate, has_protocol
 
@@ -133,6 +134,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         # (loaders.dataloader.rawshm); None: pickled through torch's pipe
         self._raw: RawCopies | None = RawCopies(self._returns.mark, workers=0, batches=self._returns.batches)
         self._transport_used = False  # whether a pass got the current _returns / _raw (then a new pass makes new)
+        self._stock = SegmentStock()  # finished passes' raw segments, for the next pass's fresh workers
         self.prefetch_depth = prefetch_depth
         self.seed = seed
         self.max_workers = max_workers
@@ -226,7 +228,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             passes = returns.pass_counter() if self.persistent_workers else None
             # the batch's tensors travel in the raw segment unless recycled on their own (a thread of ours pins)
             inner = PooledCollate(collate, returns.mark, returns.batches, passes, tensors=tensors,
-                                  pack=functools.partial(pack_raw, tensors=not tensors) if raw else None)
+                                  pack=functools.partial(pack_raw, tensors=not tensors) if raw else None,
+                                  stock=stock_for_pass(self, copies, workers, raw=raw, tensors=tensors))
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
         self.collate_fn = inner
@@ -250,6 +253,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         finally:
             self.collate_fn, self.pin_memory = collate, pin
             self._plan = Plan()
+        note_workers(copies, it)
         rng.base_seed = getattr(it, "_base_seed", None)
         if workers == 0:
             fast_fetch(it)
@@ -367,7 +371,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             self.dataset.forget_resume()  # the workers took it: a later pass over this dataset is a whole epoch
         stream = self._epoch_stream(p, first, p.batches, transport)
         if copies is not None:
-            stream = unpacked(stream, copies, keep=self.persistent_workers)
+            stream = unpacked(stream, copies, keep=self.persistent_workers, stock=self._stock)
         if self.device is not None and self._prefetcher is None:
             self._prefetcher = DevicePrefetcher(EpochSource(), device=self.device, depth=self._depth)
         if pins_here:
@@ -432,6 +436,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             self._returns.clear()
         if self._raw is not None:
             self._raw.clear()
+        self._stock.clear()
 
     def _close_active(self) -> None:
         """Stop the latest pass's iterator (its threads; its workers unless persistent), if still alive."""

@@ -356,6 +356,7 @@ class RawCopies:
         self.batches = batches
         self.kept: dict = {}
         self.copied = 0
+        self.processes: list | None = None  # the workers that write into its segments, where they may be stocked
         _RECEIVERS[mark] = self
 
     def received(self, token, retired, data) -> _Mapped:
@@ -400,9 +401,10 @@ class RawCopies:
             self._drop(token)
 
 
-def unpacked(stream, copies: RawCopies, *, keep: bool = False):
+def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None):
     """``(batch, meta)`` of ``stream`` with each :class:`Packed` batch copied out (:meth:`RawCopies.unpack`);
-    at the end the kept segments are dropped unless ``keep`` (persistent workers reuse them)."""
+    at the end the kept segments are dropped unless ``keep`` (persistent workers reuse them) or ``stock`` takes
+    them for the next pass's workers (:class:`loaders.dataloader.stock.SegmentStock`: once its workers are gone)."""
     try:
         for batch, meta in stream:
             yield copies.unpack(batch), meta
@@ -411,5 +413,5 @@ def unpacked(stream, copies: RawCopies, *, keep: bool = False):
         close = getattr(stream, "close", None)
         if close is not None:
             close()
-        if not keep:
+        if not keep and not (stock is not None and stock.fill(copies)):
             copies.clear()
