@@ -41,7 +41,7 @@ class SegmentStock:
     """(Main process) the segments of finished passes, kept mapped, waiting for the next pass's workers."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # fill may run again in a collection while this thread is inside it
         self.entries: list[tuple] = []  # (token, rawshm._Mapped)
         self.reused = 0  # segments handed to later passes' workers (stats)
 
@@ -50,16 +50,23 @@ class SegmentStock:
 
     def fill(self, copies) -> bool:
         """A pass ended: if every process that wrote into its segments has exited, keep its mapped segments here
-        (each ``FREE``) and take them from ``copies``; whether it did (else the caller unmaps them)."""
+        (each ``FREE``) and take them from ``copies``; whether it did (else the caller unmaps them). The stock
+        keeps at most one pass's worth (the pass's workers x the segments each may hold), the largest: passes
+        that ran side by side give back more than the next one takes, and the rest are unmapped."""
         processes = getattr(copies, "processes", None)
         if not processes or any(p.is_alive() for p in processes):
             return False
-        with self._lock:
-            for token, entry in copies.kept.items():
-                entry.header[_STATE] = FREE  # in flight when the pass ended: nobody reads or writes it now
-                entry.header[MAPPED] = 1
-                self.entries.append((token, entry))
-            copies.kept.clear()
+        entries = list(copies.kept.items())
+        copies.kept.clear()
+        for _, entry in entries:
+            entry.header[_STATE] = FREE  # in flight when the pass ended: nobody reads or writes it now
+            entry.header[MAPPED] = 1
+        limit = max(1, copies.workers) * copies.batches
+        with self._lock:  # list operations alone under the lock (see __init__)
+            kept = sorted(self.entries + entries, key=lambda e: e[1].storage.nbytes(), reverse=True)
+            self.entries, extra = kept[:limit], kept[limit:]
+        for _, entry in extra:
+            entry.header[MAPPED] = 0
         return True
 
     def hand_out(self, copies, workers: int) -> list[list[tuple]] | None:

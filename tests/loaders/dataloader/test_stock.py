@@ -122,3 +122,30 @@ def test_persistent_workers_keep_their_own_and_stock_nothing():
         assert len(list(dl)) == 6
     assert len(dl._stock) == 0 and dl._stock.reused == 0
     dl.close()
+
+
+def test_the_stock_keeps_one_passs_worth_the_largest_and_unmaps_the_rest():
+    stock = SegmentStock()
+    small = copies_with(6, processes=[Process(False)])  # workers=2 x batches=4: room for 8
+    big = RawCopies(b"bigmark!", workers=2, batches=4)
+    big.processes = [Process(False)]
+    for i in range(4):
+        big.kept[("big", i)] = mapped(8192)
+    smalls = list(small.kept.values())
+    assert stock.fill(small) and stock.fill(big) and len(stock) == 8 and not small.kept and not big.kept
+    assert sum(t[0] == "big" for t, _ in stock.entries) == 4  # the largest stay
+    kept = {id(e) for _, e in stock.entries}
+    dropped = [e for e in smalls if id(e) not in kept]
+    assert len(dropped) == 2 and all(int(e.header[MAPPED]) == 0 for e in dropped)  # unmapped once let go
+
+
+def test_two_passes_at_once_again_and_again_hold_no_more_than_one_passs_worth():
+    if not forks(None):
+        pytest.skip("the default start method does not fork")
+    dl = DataLoader(Raw(32 * 4), batch_size=32, num_workers=2, collate_fn=as_list, prefetch_factor=2)
+    for _ in range(5):
+        a, b = iter(dl), iter(dl)
+        assert [len(x) for x in a] == [32] * 4 and [len(y) for y in b] == [32] * 4
+        del a, b
+        assert len(dl._stock) <= 2 * (2 + 2)  # workers x (prefetch factor + 2)
+    dl.close()
