@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset
 from datapipe.device import forks
 from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
-from datapipe.read.heap import keep_freed_memory
+from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
                                          pins_for_cuda, shutdown, tagged_batches)
@@ -59,7 +59,7 @@ from loaders.dataloader.resume import IndexSampler, Plan
 from loaders.dataloader.state import LoaderState
 from loaders.dataloader.stats import LoaderStats
 from loaders.dataloader.stock import SegmentStock, note_workers, stock_for_pass
-from loaders.dataloader.tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
+from loaders.dataloader.tuning import check_options, check_workers, retune, workers_for_iterable, workers_from_first_batches
 from loaders.dataloader.workers import StatefulCollate, has_protocol
 
 __all__ = ["DataLoader"]
@@ -158,7 +158,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._prefetcher: DevicePrefetcher | None = None
         self._auto: dict = {"num_workers": None, "prefetch_depth": None, "history": []}
         self._auto_workers: int | None = None if auto else num_workers
-        self.num_workers = self._auto_workers or 0
+        self.num_workers = self._workers_said = self._auto_workers or 0  # said: the last value the loader set
         self._depth = 2 if prefetch_depth == "auto" else prefetch_depth
         self._depth_hi = 8
 
@@ -209,7 +209,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             return self._make_torch_iter(workers, p, transport, skip=skip, replay=replay)
 
     def _make_torch_iter(self, workers: int, p: Progress, transport, *, skip: int, replay: bool):
-        self.num_workers = workers
+        self.num_workers = self._workers_said = workers
         rng = p.rng
         self._plan = Plan(skip, rng.sampler_rng if replay else None, rng)
         if rng.generator_state is not None and self.generator is not None:
@@ -223,7 +223,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                 returns.workers = workers
             if raw:
                 copies.workers = workers
-                self._keep_heap()
+                keep_heap_for(self.dataset)
             # persistent workers outlive a pass: a pass counter of their own frees what torch dropped unread
             passes = returns.pass_counter() if self.persistent_workers else None
             # the batch's tensors travel in the raw segment unless recycled on their own (a thread of ours pins)
@@ -279,15 +279,6 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         copied out as they arrive, so whoever consumes the batch."""
         return copies is not None and returns is not None and workers > 0 and recycling_available()
 
-    def _keep_heap(self) -> None:
-        """Raw samples are copied out here into new ``bytes`` each batch: keep the memory the last batches freed
-        (2-core machine, 2 workers: page faults 0.4-1.0 -> 0 a sample, 3-5% faster), unless the dataset's storage
-        options keep the allocator as it is."""
-        storage = getattr(self.dataset, "storage", None) or getattr(getattr(self.dataset, "stream", None), "storage",
-                                                                      None)
-        if getattr(storage, "keep_freed_memory", True):
-            keep_freed_memory()
-
     def _dataset_hook(self, name: str):
         """The dataset's method ``name`` for the loader (``open_ledger``, ``share_epoch``), or its ``stream``'s."""
         return getattr(self.dataset, name, None) or getattr(getattr(self.dataset, "stream", None), name, None)
@@ -342,6 +333,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     # ---- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> LoaderIterator:
         resume, self._pending = self._pending, None
+        if self.num_workers != self._workers_said and self._iterator is None:  # set by the user, as torch allows
+            self._auto_workers = self._workers_said = check_workers(self.num_workers)
+            self.prefetch_factor = self.prefetch_factor or (2 if self._auto_workers else None)  # torch's own fails
         if self._auto_workers is None and self._iterable:
             self._choose_iterable_workers()
         workers = self._auto_workers if self._auto_workers is not None else 0

@@ -7,7 +7,7 @@ import time
 
 from datapipe.device import autotune
 
-__all__ = ["check_options", "workers_from_first_batches", "workers_for_iterable", "retune"]
+__all__ = ["check_options", "check_workers", "workers_from_first_batches", "workers_for_iterable", "retune"]
 
 
 def check_options(*, num_workers, prefetch_depth, max_workers) -> None:
@@ -22,6 +22,16 @@ def check_options(*, num_workers, prefetch_depth, max_workers) -> None:
         raise ValueError(f"prefetch_depth={prefetch_depth!r}: pass an int >= 1 or 'auto'")
     if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 1):
         raise ValueError(f"max_workers={max_workers!r}: pass an int >= 1 or None")
+
+
+def check_workers(num_workers) -> int:
+    """A worker count set on a built loader (``loader.num_workers = 4``, which torch's loader takes for its next
+    pass): an int >= 0, else the error torch would give (``"auto"`` is for the constructor)."""
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool):
+        raise TypeError(f"num_workers={num_workers!r}: set an int >= 0 (num_workers='auto' goes to the constructor)")
+    if num_workers < 0:
+        raise ValueError("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+    return num_workers
 
 
 def workers_from_first_batches(times: list[float], stats, *, prefetch_factor: int, max_workers: int | None) -> dict:

@@ -433,10 +433,10 @@ def test_a_custom_batch_type_is_rebuilt_only_after_its_bytes_are_copied(monkeypa
 @pytest.mark.parametrize("keep", [True, False])
 def test_the_main_process_keeps_freed_memory_for_the_copies_unless_the_stream_says_no(tmp_path, monkeypatch, keep):
     from datapipe.read.options import StorageOptions
-    from loaders.dataloader import loader as loader_module
+    from loaders.dataloader import copyout
 
     kept = []
-    monkeypatch.setattr(loader_module, "keep_freed_memory", lambda: kept.append(1) or True)
+    monkeypatch.setattr(copyout, "keep_freed_memory", lambda: kept.append(1) or True)
     urls = write_big_shards(tmp_path, [40])
     stream = ShardStream(urls, storage=StorageOptions(keep_freed_memory=keep)).map(lambda s: s)
     got = list(DataLoader(stream, batch_size=20, num_workers=1, collate_fn=as_list))

@@ -2,6 +2,7 @@
 import types
 
 import pytest
+import torch
 
 from loaders.dataloader.tuning import check_options, retune, workers_for_iterable, workers_from_first_batches
 
@@ -40,3 +41,36 @@ def test_retune_chooses_a_depth_only_when_asked_and_the_batch_size_is_known():
     choice, res = retune(_stats(batch_bytes=1 << 20), workers=None, workers_hi=1, depth=2, depth_hi=8,
                          tune_depth=True)
     assert choice is not None and res["num_workers"] is None
+
+
+@pytest.mark.parametrize("before, after", [(0, 2), (2, 0), (2, 1)])
+def test_a_worker_count_set_on_a_built_loader_serves_its_next_pass_as_in_torch(before, after):
+    from loaders import DataLoader
+
+    class WhoReads(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            info = torch.utils.data.get_worker_info()
+            return -1 if info is None else info.id
+
+    dl = DataLoader(WhoReads(), batch_size=2, num_workers=before)
+    assert len({int(x) for b in dl for x in b}) == max(1, before)
+    dl.num_workers = after
+    assert len({int(x) for b in dl for x in b}) == max(1, after)
+    assert dl.stats()["num_workers"] == after
+    if before:  # torch's own, for comparison (from 0 workers it fails: its prefetch_factor stays None)
+        theirs = torch.utils.data.DataLoader(WhoReads(), batch_size=2, num_workers=before)
+        theirs.num_workers = after
+        assert len({int(x) for b in theirs for x in b}) == max(1, after)
+
+
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), ("auto", TypeError), (1.5, TypeError)])
+def test_a_bad_worker_count_set_on_a_built_loader_is_refused_at_the_next_pass(bad, error):
+    from loaders import DataLoader
+
+    dl = DataLoader(list(range(4)), batch_size=2)
+    dl.num_workers = bad
+    with pytest.raises(error):
+        iter(dl)
