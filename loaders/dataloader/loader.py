@@ -59,7 +59,8 @@ from loaders.dataloader.resume import IndexSampler, Plan
 from loaders.dataloader.state import LoaderState
 from loaders.dataloader.stats import LoaderStats
 from loaders.dataloader.stock import SegmentStock, note_workers, stock_for_pass
-from loaders.dataloader.tuning import check_options, check_workers, retune, workers_for_iterable, workers_from_first_batches
+from loaders.dataloader.tuning import (check_options, check_workers, retune, workers_for_iterable,
+                                       workers_from_first_batches)
 from loaders.dataloader.workers import StatefulCollate, has_protocol
 
 __all__ = ["DataLoader"]

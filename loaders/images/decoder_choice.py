@@ -226,7 +226,8 @@ class DecoderChoice:
             if self._batches >= WINDOW:
                 self.rates.append(self._batches / elapsed)
                 self.settled = True
-                self.due = self.rates[-1] < self.keep * self.rates[0]  # slower (on few queues: clearly) than before: back
+                # slower than before (on few queues: clearly slower): back to the CUDA decoder
+                self.due = self.rates[-1] < self.keep * self.rates[0]
             return
         starving = self._wait / elapsed
         self.starved = starving

@@ -244,7 +244,8 @@ def run_floor(root: str, *, num_images: int, epochs: int = 3, rounds: int = 3, w
             for epoch, r in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
                 rows.append({"way": way, "round": rnd, "epoch": epoch + 1, **r})
             log(f"[{way} round {rnd}] " + ", ".join(
-                f"{r['samples_per_s']:,} (main busy {r['main_busy']}, first {r['first_s']} s, then {r['after_first_per_s']})"
+                f"{r['samples_per_s']:,} (main busy {r['main_busy']}, first {r['first_s']} s, "
+                f"then {r['after_first_per_s']})"
                 for r in rows[-epochs:]))
     summary = []
     for way in ways:
