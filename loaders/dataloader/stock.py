@@ -75,9 +75,7 @@ class SegmentStock:
         nothing to hand out."""
         with self._lock:
             entries, self.entries = self.entries, []
-        if not entries or workers < 1:
-            with self._lock:
-                self.entries = entries + self.entries
+        if not entries:
             return None
         for token, entry in entries:
             copies.kept[token] = entry
