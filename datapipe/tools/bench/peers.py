@@ -23,7 +23,8 @@ import time reported apart), so that a first epoch is a first epoch:
   save/restore runs an endless stream, is checked for that only);
 - ``decode``: PIL decode + random-resized-crop + flip + normalise
   (:class:`~datapipe.tools.bench.baselines.PilTrain`) in ``decode_workers`` workers: the first batch's time, the
-  steady rate over the next ``decode_seconds`` once every worker's first batch is in, and the peak PSS (MB) of the process tree.
+  steady rate over the next ``decode_seconds`` once every worker's first batch is in, and the peak PSS (MB) of the
+  process tree.
 
 ``epoch_cap_s`` cuts an epoch that runs longer (the epoch is marked ``capped``); ``budget_s`` starts no row after
 that many seconds (the rows left are marked as not run). Peers need the ``peers`` extra; a system that is not
@@ -351,7 +352,8 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
             continue
         entry["how"].update({f"{w} workers": describe(system, w) for w in sorted({*workers, resume_workers,
                                                                                   decode_workers})})
-        runners[system] = RowRunner(list(IMPORTS[system] + COMMON_IMPORTS), target="datapipe.tools.bench.peers.row_main")
+        runners[system] = RowRunner(list(IMPORTS[system] + COMMON_IMPORTS),
+                                    target="datapipe.tools.bench.peers.row_main")
         live.append(system)
 
     def row(system: str, spec: dict, label: str, kept: Any = None) -> dict:
@@ -438,6 +440,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
     short = _short_epochs(result)
     if short:
         result["notes"].append(f"{len(short)} epochs read to their end took under {SHORT_EPOCH_S:.0f} s (more "
-                               f"images make them longer): " + ", ".join(short[:6]) + (", ..." if len(short) > 6 else ""))
+                               f"images make them longer): " + ", ".join(short[:6])
+                               + (", ..." if len(short) > 6 else ""))
     result["table"] = summary(result)
     return result
