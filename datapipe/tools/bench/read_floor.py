@@ -27,8 +27,9 @@ and ``loader`` do it themselves (ShardStream's default), ``stream_plain`` is the
 ``StorageOptions(keep_freed_memory=False)``, and the other ways run with the allocator as Python leaves it. Per way
 and pass: samples/s, per sample the process's user and system CPU (us; its threads, not its worker processes), the
 main thread's CPU (us) and minor page faults, the time to the first item (``first_s``: a fresh worker pass's
-start) and the rate after it (``after_first_per_s``), and the CPU and NUMA node it ended on; the summary has each way's best pass and its median. A way against the one
-it builds on (``stream`` on ``pread_keep``, ``loader`` on ``stream``, ``torch`` on ``files``) is what that layer costs.
+start) and the rate after it (``after_first_per_s``), and the CPU and NUMA node it ended on; the summary has each
+way's best pass and its median. A way against the one it builds on (``stream`` on ``pread_keep``, ``loader`` on
+``stream``, ``torch`` on ``files``) is what that layer costs.
 
 ``python bench/peers.py --floor`` runs it (``bench/results/read_floor.json``); every way runs in a fresh process
 (``python -m datapipe.tools.bench.read_floor WAY SPEC_JSON EPOCHS`` prints its passes as JSON).
