@@ -37,24 +37,29 @@ slower (on few queues: clearly slower):
 
 ``None`` (the default) is the loader's own choice by CUDA's hardware queues: with fewer than 32
 (``CUDA_DEVICE_MAX_CONNECTIONS`` unset or smaller) and the cores for it, the CUDA decoder alone, moving
-to ``HARDWARE_LOAD`` as ``"auto"`` does if that starves the loop (too few cores for the Huffman stage,
-a fast model); else ``HARDWARE_LOAD`` throughout. Measured on an H200 (ResNet-50, 8 queues, a loop
-that runs ahead of the GPU): the hardware decoder's streams stall behind one another there (0.92-0.93 of the data-free
-ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder with 12 threads does not
-(0.984, no hold; the hand-written DALI loop 0.90-0.94); with 32 queues the hardware decoder gives 0.985. The
-CUDA decoder's Huffman stage is CPU-bound: 8 threads capped it at ~5.4k images/s under ResNet-50 with
-``torch.compile`` (which wants ~6.7k: 0.80 of its ceiling), 12 threads reach 6.5k there (0.977; the hand
-loop 0.905).
+to the hardware decoder as ``"auto"`` does if that starves the loop (a fast model), for ``FEW_QUEUES_LOAD``;
+else ``HARDWARE_LOAD`` throughout (too few cores for the Huffman stage, or wide queues). Measured on an H200
+(ResNet-50, 8 queues, a loop that runs ahead of the GPU): the hardware decoder's streams stall behind one another
+there (0.92-0.93 of the data-free ceiling, 0.96 with :class:`~datapipe.device.queues.StepHold`), the CUDA decoder
+with 12 threads does not (0.984, no hold; the hand-written DALI loop 0.90-0.94); with 32 queues the hardware
+decoder gives 0.985. The CUDA decoder's Huffman stage is CPU-bound: 8 threads capped it at ~5.4k images/s under
+ResNet-50 with ``torch.compile`` (which wants ~6.7k: 0.80 of its ceiling), 12 threads reach 6.5k there (0.977; the
+hand loop 0.905). A move on few queues goes to half the batch (``FEW_QUEUES_LOAD``), not ``HARDWARE_LOAD``: H100,
+8 queues, ResNet-18 eager with the hold, 8 threads, each share set from the start (2026-12-06, 2 rounds each):
+0.4: 0.884-0.891, 0.5: 0.876-0.883, 0.6: 0.869-0.900, 0.75: 0.808-0.818, 0.9: 0.807-0.809; the move to 0.75
+0.812-0.833, the hand DALI loop 0.794-0.798.
 
-Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, read from the consumer's thread when the judge would
-move: :func:`datapipe.device.step_kind.step_kind`) on few queues the loader never moves: there the hardware
-decoder measured slower than the CUDA decoder every time, and a move and its trial cost their one-offs on top
-(H100, 8 queues, 2026-12-06: the hardware decoder with the hold from the start 0.819 of the ceiling, 3 rounds; rows
-that moved (five, 15-26% starved; four moved back) 0.55-0.75; the CUDA decoder throughout 0.86-0.92 on two
-machines; H200 earlier: 0.81 against 0.92-0.94). The choice then settles on the CUDA decoder (``why``:
-``"cuda_graphs"``). The step counts as CUDA graphs only if a graph ran after the judging window began
-(``step_kind(since=...)``): a graph tree an earlier model left in the thread does not (H100, 2026-12-06: an
-eager ResNet-18 after CUDA-graph rows in one process read that way and stayed, 0.59 against 0.84 moved).
+Under CUDA graphs (``torch.compile(mode="reduce-overhead")``, read from the consumer's thread once a move is in
+sight: :func:`datapipe.device.step_kind.step_kind`) on few queues, the bar is lower (``GRAPHS_THRESHOLD``; the CUDA
+decoder starves a graphs step 2.8-3.3% there) and the move goes to a tenth of the batch (``GRAPHS_LOAD``, ``why``:
+``"cuda_graphs"``), with the hold: the CUDA decoder keeps most of the work and the hardware decoder adds the rate it
+lacks. H100, 8 queues, ResNet-50, each set from the start (2026-12-06, 2 rounds): share 0.05: 0.953-0.954, 0.1:
+0.954-0.959 (3 rows), 0.15: 0.952-0.953, 0.2: 0.947, 0.3: 0.921-0.925; 0.1 without the hold 0.929; the CUDA
+decoder alone 0.931-0.938; the hand DALI loop 0.849-0.850. All of the batch on the hardware decoder measured
+slower than the CUDA decoder every time (0.819 with the hold; H200 earlier 0.81 against 0.92-0.94), so the loader
+used to settle on the CUDA decoder there. The step counts as CUDA graphs only if a graph ran after the judging
+window began (``step_kind(since=...)``): a graph tree an earlier model left in the thread does not (H100,
+2026-12-06: an eager ResNet-18 after CUDA-graph rows in one process read that way, 0.59 against 0.84 moved).
 Either way, a loop seen starving on few queues gets one warning per process naming ``CUDA_DEVICE_MAX_CONNECTIONS=32``
 (:func:`advise_wide_queues`): there the hardware decoder keeps up without stalling (0.982 under CUDA graphs,
 0.950 with ResNet-18 on an H100), and the variable only works if set before CUDA starts, which the library cannot
@@ -73,7 +78,10 @@ from typing import Callable
 
 log = logging.getLogger("loaders.images")
 
-HARDWARE_LOAD = 0.75  # the hardware decoder's share of each batch once switched (the rest: the CUDA decoder)
+HARDWARE_LOAD = 0.75  # the hardware decoder's share where it runs throughout (wide queues, few cores)
+FEW_QUEUES_LOAD = 0.5  # a move's share on few queues, eager or compiled step (ResNet-18: 0.88 against 0.81 at 0.75)
+GRAPHS_LOAD = 0.1  # a move's share on few queues under CUDA graphs (0.954-0.959 against the CUDA decoder's 0.93-0.94)
+GRAPHS_THRESHOLD = 0.02  # starved share that moves a CUDA-graphs step on few queues (its CUDA decoder: 2.8-3.3%)
 CUDA_THREADS = 12  # DALI threads for the CUDA decoder's Huffman stage (compiled ResNet-50: 8 gave 5.4k img/s, 12 6.5k)
 SPARE_CORES = 4  # left to the training loop's threads (Python, autograd) and the producer: threads <= cores - 4
 MIN_CORES = 12  # fewer cores for this process: the hardware decoder from the start
@@ -135,9 +143,10 @@ class DecoderChoice:
         self.threshold = FEW_QUEUES_THRESHOLD if few_queues else THRESHOLD
         self.early_threshold = FEW_QUEUES_EARLY_THRESHOLD if few_queues else EARLY_THRESHOLD
         self.keep = FEW_QUEUES_KEEP if few_queues else 1.0  # the trial's rate / the window's that moved it, to keep
+        self.target = HARDWARE_LOAD  # the share a move goes to (set when it is decided)
         # why: "cpu" (no GPU decoder), "set" (a share the user gave), "few_queues" (the CUDA decoder: the hardware
         # decoder stalls beside training), "wide_queues" (the hardware decoder runs beside it), "few_cores",
-        # "cuda_graphs" (later: settled on the CUDA decoder, the step runs CUDA graphs on few queues)
+        # "cuda_graphs" (later: the step runs CUDA graphs on few queues, so the move takes GRAPHS_LOAD)
         if not cuda:  # a CPU pipeline: no GPU decoder at all (a share the user gave is kept, unused)
             self.load = 0.0 if setting in (None, "auto") else float(setting)
             self.why = "cpu"
@@ -174,6 +183,7 @@ class DecoderChoice:
         self._skip = skip  # batches not judged from now on
         self._window_start: float | None = None  # the clock when judging started in this iteration
         self._graphs_mark: tuple | None = None  # the consumer thread's CUDA graph trees then (few queues)
+        self._kind: str | None = None  # the step read in this window (few queues, once a move is in sight)
         self._last = 0.0  # the clock at the last batch
         self._done_s = 0.0  # a trial's judged seconds in earlier iterations
         self._batches = 0
@@ -231,21 +241,29 @@ class DecoderChoice:
             return
         starving = self._wait / elapsed
         self.starved = starving
-        early = self._batches >= EARLY and starving > self.early_threshold
-        if starving > self.threshold and (self._batches >= WINDOW or early):
-            step = None
+        graphs = self._graphs(starving)
+        threshold, early_threshold = (GRAPHS_THRESHOLD,) * 2 if graphs else (self.threshold, self.early_threshold)
+        early = self._batches >= EARLY and starving > early_threshold
+        if starving > threshold and (self._batches >= WINDOW or early):
             if self.few_queues:
-                step = self._step()
-                advise_wide_queues(starving, step, self.queues)
-            if step == "CUDA graphs":  # the hardware decoder loses there on few queues (module)
-                self.settled, self.why = True, "cuda_graphs"
-                return
+                advise_wide_queues(starving, self._kind, self.queues)
+            if graphs:  # on few queues a small share with the hold beats both decoders alone there (module)
+                self.target, self.why = GRAPHS_LOAD, "cuda_graphs"
+            elif self.few_queues:
+                self.target = FEW_QUEUES_LOAD
             self.due = True
             self.switched_after = self.handed
             self.rates.append(self._batches / elapsed)
         elif self._batches >= WINDOW:
             self._window_start, self._batches, self._wait = now, 0, 0.0
-            self._graphs_mark = self._mark()
+            self._graphs_mark, self._kind = self._mark(), None
+
+    def _graphs(self, starving: float) -> bool:
+        """(Few queues) whether the step runs CUDA graphs, read once a window, once ``EARLY`` batches are in and the
+        loop starves more than ``GRAPHS_THRESHOLD`` (a move is in sight on any step)."""
+        if self.few_queues and self._kind is None and self._batches >= EARLY and starving > GRAPHS_THRESHOLD:
+            self._kind = self._step()
+        return self._kind == "CUDA graphs"
 
     def _mark(self) -> tuple | None:
         """(Consumer's thread, on few queues) where its CUDA graph trees stand as a window starts: the step read at
@@ -265,9 +283,9 @@ class DecoderChoice:
 
     def switching(self, in_flight: int = 0) -> None:
         """(Producer) the next pipeline decodes with the other decoder (call before building it): the hardware
-        decoder for ``HARDWARE_LOAD`` on a move, the CUDA decoder alone when the trial takes it back.
+        decoder for :attr:`target` on a move, the CUDA decoder alone when the trial takes it back.
         ``in_flight``: batches the old pipeline made that the consumer has yet to take (not judged either)."""
-        self.load = 0.0 if self.load > 0 else HARDWARE_LOAD
+        self.load = 0.0 if self.load > 0 else self.target
         self._reset(SKIP + in_flight)  # the trial skips them and the new pipeline's first batches
         self.due = False  # last: the consumer judges again only once the window is reset
 
@@ -284,7 +302,12 @@ class DecoderChoice:
                 "switched_after_batches": self.switched_after, "switches": self.switches,
                 "rebuild_s": round(self.rebuild_s, 3), "batches_per_s": [round(r, 2) for r in self.rates],
                 "trial": self.trial, "starved": None if self.starved is None else round(self.starved, 4),
-                "threshold": self.threshold, "why": self.why, "queues": self.queues}
+                "threshold": GRAPHS_THRESHOLD if self._graphs_bar() else self.threshold, "why": self.why,
+                "queues": self.queues}
+
+    def _graphs_bar(self) -> bool:
+        """Whether the bar in use is the CUDA-graphs step's (few queues): read in this window, or it moved on it."""
+        return self.few_queues and (self._kind == "CUDA graphs" or self.why == "cuda_graphs")
 
     @property
     def trial(self) -> str | None:

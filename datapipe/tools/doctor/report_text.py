@@ -50,8 +50,8 @@ _WHY = {  # DecoderChoice.stats()["why"] -> why the loader started on that decod
     "wide_queues": "{queues} hardware queues let the hardware decoder run beside the step",
     "few_cores": "too few cores for the CUDA decoder's Huffman stage",
     "set": "the decoder share you set",
-    "cuda_graphs": "nvJPEG's CUDA decoder, kept under CUDA graphs: with {queues} hardware queues the hardware "
-                   "decoder is slower there (docs/performance.md)",
+    "cuda_graphs": "a CUDA-graphs step on {queues} hardware queues: the CUDA decoder keeps most of each batch, a "
+                   "move gives the hardware decoder a tenth, next() waiting for the last step (docs/performance.md)",
 }
 
 

@@ -750,7 +750,8 @@ def test_gpu_auto_decoder_switches_once_when_the_consumer_waits(shards, reader):
     assert dl.hw_decoder_load == 0.0 and dl.decode.hw_decoder_load == "auto"
     x, y = collect(dl)
     decoder = dl.stats()["decoder"]
-    assert decoder["switches"] == 1 and dl.hw_decoder_load == decoder_choice.HARDWARE_LOAD
+    moved_to = decoder_choice.FEW_QUEUES_LOAD if decoder["queues"] < 32 else decoder_choice.HARDWARE_LOAD
+    assert decoder["switches"] == 1 and dl.hw_decoder_load == moved_to
     assert decoder["switched_after_batches"] == decoder_choice.SKIP + decoder_choice.EARLY
     assert y.cpu().tolist() == cpu_y.tolist()  # nothing lost or repeated across the rebuild
     assert (x.cpu() - cpu_x).abs().mean() < 0.05

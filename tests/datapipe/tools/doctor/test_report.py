@@ -297,7 +297,7 @@ def test_an_image_loaders_decoder_choice_is_one_line_of_a_cuda_report(monkeypatc
     tried = "tried the hardware decoder after 13 batches (the loop was starved)"
     skip = "DecodeOptions(hw_decoder_load=0.0) skips the try and its one-off seconds)"
     for decoder, tail in ((chosen, "moves there by itself if the loop starves"),
-                          (stayed, "step: eager; why: nvJPEG's CUDA decoder, kept under CUDA graphs: with 8 hardware queues"),
+                          (stayed, "step: eager; why: a CUDA-graphs step on 8 hardware queues: the CUDA decoder"),
                           (moved, f"{tried}, on trial"),
                           (kept, f"{tried} and kept it, not clearly slower there (17.5 -> 19.25 batches/s)"),
                           (pending, f"{tried} and moves back, slower there (17.5 -> 9 batches/s; {skip}"),

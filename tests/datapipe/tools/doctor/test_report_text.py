@@ -15,7 +15,9 @@ def test_the_decoder_line_says_the_step_the_choice_and_why():
     assert "why: 32 hardware queues let the hardware decoder run beside the step" in _decoder("ImageLoader", wide,
                                                                                               "32", "eager")
     assert "why: the decoder share you set" in _decoder("ImageLoader", {**wide, "why": "set"}, "32", "compiled")
-    stayed = {**chosen, "why": "cuda_graphs", "settled": True}
-    line = _decoder("ImageLoader", stayed, None, "CUDA graphs")
-    assert "moves there by itself" not in line
-    assert "why: nvJPEG's CUDA decoder, kept under CUDA graphs: with 8 hardware queues" in line
+    graphs = {**chosen, "hw_decoder_load": 0.1, "threads": 8, "why": "cuda_graphs", "settled": True,
+              "switched_after_batches": 13, "batches_per_s": [20.5, 21.0], "trial": "kept"}
+    line = _decoder("ImageLoader", graphs, None, "CUDA graphs")
+    assert line.startswith("  decoder: ImageLoader 10% of JPEGs on the hardware decoder, 8 DALI threads; ")
+    assert "moves there by itself" not in line and "kept it" in line
+    assert "why: a CUDA-graphs step on 8 hardware queues: the CUDA decoder keeps most of each batch" in line
