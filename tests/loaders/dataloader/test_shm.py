@@ -131,6 +131,37 @@ def test_pool_takes_the_smallest_free_fit_up_to_its_cap():
     assert pool.fresh == 3 and len(pool.segments) == 2
 
 
+def _resident_pages(storage) -> tuple[int, int]:
+    """(pages of ``storage`` in memory, pages in all), by mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-storage.nbytes() // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()), vec) == 0
+    return sum(v & 1 for v in vec), pages
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only (madvise MADV_POPULATE_WRITE, mincore)")
+def test_a_new_segment_comes_mapped_in_not_a_fault_a_page():
+    """A new segment's pages are made in one call as the pool takes it (the writes that follow fault nothing)."""
+    from loaders.dataloader import shm
+
+    if shm._madvise() is None:
+        pytest.skip("no madvise here")
+    storage = SegmentPool(MARK, cap=1).take(8 << 20)
+    resident, pages = _resident_pages(storage)
+    import re
+
+    kernel = tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+    if kernel < (5, 14):
+        pytest.skip("kernel older than 5.14: no MADV_POPULATE_WRITE")
+    assert resident == pages
+    unmapped = torch.UntypedStorage._new_shared(8 << 20)  # what the pool got from torch: nothing made yet
+    assert _resident_pages(unmapped)[0] < pages // 2
+
+
 def test_placed_tensors_keep_their_memory_format():
     pool = SegmentPool(MARK, cap=4)
     t = pool.place(torch.float32, (2, 3, 4, 5), torch.channels_last)
