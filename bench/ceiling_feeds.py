@@ -41,7 +41,8 @@ def variant(name: str) -> tuple[str, dict]:
     (``q``, ``ReadOptions.prefetch_queue_depth``) and, with ``nohold``, no ``StepHold`` (the loader's own hold for a
     hardware share on few queues). ``e<percent>`` (``imageloader@e15``) keeps the default decoder choice but moves
     early, after the first few judged batches, at that starved share instead of its own early bar (30% on few
-    queues). A plain name has no options."""
+    queues). ``s<steps>`` leaves that many steps queued when the hold waits (``StepHold.slack``). A plain name has
+    no options."""
     base, _, spec = name.partition("@")
     opts: dict = {}
     for part in filter(None, spec.split("+")):
@@ -55,9 +56,11 @@ def variant(name: str) -> tuple[str, dict]:
             opts["depth"] = int(part[1:])
         elif part.startswith("e") and part[1:].isdigit():
             opts["early"] = int(part[1:]) / 100
+        elif part.startswith("s") and part[1:].isdigit():
+            opts["slack"] = int(part[1:])
         else:
             raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, q<depth>, "
-                             "e<percent>, nohold)")
+                             "e<percent>, s<steps>, nohold)")
     if opts and base != "imageloader":
         raise ValueError(f"loader {name!r}: options (@...) are for imageloader only")
     return base, opts
@@ -71,13 +74,14 @@ def make_feed(name: str, args, data: dict):
         from loaders import DecodeOptions, ImageLoader, ReadOptions
 
         decode = DecodeOptions(hw_decoder_load=0.0) if name == "imageloader_cuda" else None
-        if set(opts) - {"early"}:
+        if set(opts) - {"early", "slack"}:
             decode = DecodeOptions(hw_decoder_load=opts.get("hw"), num_threads=opts.get("threads"))
         read = ReadOptions(prefetch_queue_depth=opts["depth"]) if "depth" in opts else None
         loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev,
                              decode=decode, read=read)
         if opts.get("hold") is False:
             loader._hold.active = False  # a probe: the hardware share without the hold
+        loader._hold.slack = opts.get("slack", 0)
         if "early" in opts:
             loader._decoder.early_threshold = opts["early"]  # a probe: the default choice, an earlier move
         return endless(loader), loader

@@ -57,18 +57,28 @@ class StepHold:
     ``active``: DALI decodes on the GPU (``decodes_on_gpu``) and CUDA has fewer than :data:`WIDE_QUEUES`
     hardware queues (ImageLoader calls it only while the hardware decoder is in use). Then every call waits
     for the consumer's current stream (the step launched before this ``next()``); in a loop that
-    already waits for the GPU each step this returns at once. ``seconds``: the time spent waiting.
+    already waits for the GPU each step this returns at once. ``slack``: steps left queued (0: none; 1: the
+    call waits for the step before the last, so the GPU runs the last one while the host launches the next;
+    a probe's setting, unmeasured). ``seconds``: the time spent waiting.
     """
 
-    def __init__(self, device: torch.device, *, decodes_on_gpu: bool = True):
+    def __init__(self, device: torch.device, *, decodes_on_gpu: bool = True, slack: int = 0):
         self.device = device
         self.active = decodes_on_gpu and device.type == "cuda" and hardware_queues() < WIDE_QUEUES
+        self.slack = slack
         self.seconds = 0.0
+        self._ends: list = []  # (slack) an event at the end of each step launched, the oldest first
 
     def __call__(self) -> None:
         if self.active:
             import torch
 
             t0 = time.perf_counter()
-            torch.cuda.current_stream(self.device).synchronize()
+            stream = torch.cuda.current_stream(self.device)
+            if self.slack <= 0:
+                stream.synchronize()
+            else:
+                self._ends.append(stream.record_event())
+                if len(self._ends) > self.slack:
+                    self._ends.pop(0).synchronize()
             self.seconds += time.perf_counter() - t0

@@ -68,3 +68,17 @@ def test_active_step_hold_returns_after_the_streams_work(monkeypatch):
     hold()
     assert torch.cuda.current_stream().query()  # nothing left queued when next() goes on
     assert hold.seconds > 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_hold_with_slack_leaves_the_last_step_queued(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    hold = StepHold(torch.device("cuda"), slack=1)
+    torch.cuda._sleep(50_000_000)  # step 1
+    hold()  # nothing older than step 1: returns at once
+    assert not torch.cuda.current_stream().query()
+    torch.cuda._sleep(50_000_000)  # step 2
+    hold()  # waits for step 1 alone
+    assert not torch.cuda.current_stream().query()  # step 2 still runs
+    torch.cuda.synchronize()
