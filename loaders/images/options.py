@@ -57,11 +57,11 @@ class DecodeOptions:
         hw_decoder_load: the share of JPEGs for the GPU's hardware decoder (the rest: nvJPEG's CUDA
             decoder). ``None`` (default): the loader chooses by the CUDA hardware queues: 0.75 with
             ``CUDA_DEVICE_MAX_CONNECTIONS=32``, else 0.0 (the CUDA decoder; the hardware decoder's streams
-            stall beside training on 8 queues) where the process has 12 cores or more, trying 0.75 once
+            stall beside training on 8 queues) where the process has 12 cores or more, trying 0.5 once
             if that starves the training loop (taken back only if the loop then runs clearly slower, under 0.95 of
-            its rate before; never under CUDA graphs on few queues, where it measured slower), else 0.75;
-            ``"auto"`` starts on the CUDA decoder (from 12 cores; fewer: 0.75) and tries 0.75 the same way
-            once the training loop is seen starved (:mod:`loaders.images.decoder_choice`).
+            its rate before; under CUDA graphs 0.1, from a 2% shortfall), else 0.75; ``"auto"`` starts on the
+            CUDA decoder (from 12 cores; fewer: 0.75) and tries the same way once the training loop is seen
+            starved (0.75 with 32 queues; :mod:`loaders.images.decoder_choice`).
         antialias: DALI's low-pass filter when it shrinks (as torchvision's PIL path); ``False`` costs
             less GPU time, with a little more aliasing.
     """

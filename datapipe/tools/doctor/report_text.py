@@ -44,7 +44,7 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-_WHY = {  # DecoderChoice.stats()["why"] -> why the loader started on that decoder
+_WHY = {  # DecoderChoice.stats()["why"] -> why the loader is on that decoder (or moved, for "cuda_graphs")
     "few_queues": "nvJPEG's CUDA decoder, since with {queues} hardware queues the hardware decoder stalls beside "
                   "a training step",
     "wide_queues": "{queues} hardware queues let the hardware decoder run beside the step",
@@ -72,9 +72,10 @@ def _decoder(name: str, d: dict, connections, step: str | None = None) -> str:
                  "batches/s; DecodeOptions(hw_decoder_load=0.0) skips the try and its one-off seconds)")
     elif d.get("switchable") and not d.get("settled"):
         line += "; moves there by itself if the loop starves"
-        if d.get("starved") is not None and d.get("threshold") is not None:
+        bar = d.get("graphs_threshold") if step == "CUDA graphs" and d.get("graphs_threshold") else d.get("threshold")
+        if d.get("starved") is not None and bar is not None:
             line += (f" (its GPU idled {d['starved']:.1%} of the last window for want of a batch; the move needs "
-                     f"over {d['threshold']:.0%})")
+                     f"over {bar:.0%})")
     if step:
         line += f"; step: {step}"
     why = _WHY.get(d.get("why"))

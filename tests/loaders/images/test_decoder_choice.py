@@ -100,7 +100,7 @@ def test_a_steady_shortfall_switches_at_the_end_of_a_window():
     assert stats.pop("starved") == pytest.approx(0.05 * 0.05 / 0.0525, abs=1e-3)  # the share that moved it
     assert stats == {"hw_decoder_load": HARDWARE_LOAD, "auto": True, "switchable": True, "settled": False,
                      "threads": 8, "switched_after_batches": SKIP + WINDOW, "switches": 1, "rebuild_s": 2.5, "trial": "on",
-                     "threshold": THRESHOLD, "why": "set", "queues": 32}
+                     "threshold": THRESHOLD, "graphs_threshold": None, "why": "set", "queues": 32}
 
 
 def moved(wait_before: float) -> DecoderChoice:
@@ -267,7 +267,8 @@ def test_on_few_queues_a_graphs_step_moves_at_a_lower_bar(step, moves):
     c = DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8, step_kind=lambda: step)
     feed(c, 10 * WINDOW, step_s=0.05, wait_s=0.05 * 0.035)
     assert c.due is moves and c.load == 0.0
-    assert c.stats()["threshold"] == (decoder_choice.GRAPHS_THRESHOLD if moves else decoder_choice.FEW_QUEUES_THRESHOLD)
+    assert c.stats()["threshold"] == decoder_choice.FEW_QUEUES_THRESHOLD  # an eager or compiled step's bar
+    assert c.stats()["graphs_threshold"] == decoder_choice.GRAPHS_THRESHOLD  # a CUDA-graphs step's (the doctor picks)
     if moves:
         assert c.switched_after == SKIP + EARLY and c.why == "cuda_graphs"  # early: inside a usual warm-up
         c.switching()
@@ -277,6 +278,41 @@ def test_on_few_queues_a_graphs_step_moves_at_a_lower_bar(step, moves):
     quiet = DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8, step_kind=lambda: step)
     feed(quiet, 10 * WINDOW, step_s=0.05, wait_s=0.05 * 0.01)  # 1% starved: fed well enough on any step
     assert not quiet.due and quiet.load == 0.0
+    assert DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=32).stats()[
+        "graphs_threshold"] is None  # wide queues: one bar for every step
+
+
+def test_one_stall_does_not_move_a_graphs_step():
+    """A CUDA-graphs loop fed in time but for one 100 ms stall (a checkpoint, a slow read) stays: its bar is judged
+    without the window's largest wait, so only a shortfall that lasts moves it."""
+    c = DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8,
+                      step_kind=lambda: "CUDA graphs")
+    now = feed(c, SKIP + 3, step_s=0.05)
+    c.took(0.1, now + 0.1)  # one stall, 4 batches into the window
+    feed(c, 10 * WINDOW, step_s=0.05, t0=now + 0.15)
+    assert not c.due and c.load == 0.0 and c.why == "few_queues"
+    twice = DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8,
+                          step_kind=lambda: "CUDA graphs")
+    now = feed(twice, SKIP + 3, step_s=0.05)
+    twice.took(0.1, now + 0.1)
+    twice.took(0.1, now + 0.25)  # a second stall in the same window: no longer one
+    feed(twice, 10 * WINDOW, step_s=0.05, t0=now + 0.3)
+    assert twice.due and twice.why == "cuda_graphs"
+
+
+def test_a_new_iteration_reads_the_step_again():
+    """The step read in one iteration is not carried into the next: a loop judged eager (5% starved, under its bar)
+    that runs CUDA graphs from the next epoch on moves within that epoch's first window."""
+    steps = ["eager"]
+    c = DecoderChoice(None, cuda=True, threads=None, hardware_threads=8, cores=16, queues=8,
+                      step_kind=lambda: steps[-1])
+    now = feed(c, SKIP + EARLY + 2, step_s=0.05, wait_s=0.05 * 0.05)
+    assert not c.due and c._kind == "eager"
+    c.start()
+    steps.append("CUDA graphs")
+    before = c.handed
+    feed(c, 10 * WINDOW, step_s=0.05, wait_s=0.05 * 0.05, t0=now)
+    assert c.due and c.why == "cuda_graphs" and c.switched_after == before + SKIP + EARLY
 
 
 def test_the_step_is_read_only_with_a_move_in_sight_and_once_a_window():

@@ -7,7 +7,10 @@ def test_the_decoder_line_says_the_step_the_choice_and_why():
               "threshold": 0.15, "why": "few_queues", "queues": 8}
     line = _decoder("ImageLoader", chosen, None, "CUDA graphs")
     assert line.startswith("  decoder: ImageLoader 0% of JPEGs on the hardware decoder, 12 DALI threads; ")
-    assert "its GPU idled 1.2% of the last window for want of a batch; the move needs over 15%" in line
+    assert "its GPU idled 1.2% of the last window for want of a batch; the move needs over 15%" in line  # no 2nd bar
+    assert "its GPU idled 1.2% of the last window for want of a batch; the move needs over 2%" in _decoder(
+        "ImageLoader", {**chosen, "graphs_threshold": 0.02}, None, "CUDA graphs")  # a graphs step's bar
+    assert "the move needs over 15%" in _decoder("ImageLoader", {**chosen, "graphs_threshold": 0.02}, None, "eager")
     assert "; step: CUDA graphs;" in line
     assert "why: nvJPEG's CUDA decoder, since with 8 hardware queues the hardware decoder stalls" in line
     assert "\n" not in line
