@@ -41,8 +41,10 @@ def variant(name: str) -> tuple[str, dict]:
     (``q``, ``ReadOptions.prefetch_queue_depth``) and, with ``nohold``, no ``StepHold`` (the loader's own hold for a
     hardware share on few queues). ``e<percent>`` (``imageloader@e15``) keeps the default decoder choice but moves
     early, after the first few judged batches, at that starved share instead of its own early bar (30% on few
-    queues). ``s<steps>`` leaves that many steps queued when the hold waits (``StepHold.slack``). A plain name has
-    no options."""
+    queues). ``s<steps>`` leaves that many steps queued when the hold waits (``StepHold.slack``). ``p<streams>``
+    makes that many CUDA streams first (kept open), shifting which hardware queue each of DALI's streams lands on
+    (the driver hands queues out in turn as streams are made; run one row a process). A plain name has no
+    options."""
     base, _, spec = name.partition("@")
     opts: dict = {}
     for part in filter(None, spec.split("+")):
@@ -58,12 +60,41 @@ def variant(name: str) -> tuple[str, dict]:
             opts["early"] = int(part[1:]) / 100
         elif part.startswith("s") and part[1:].isdigit():
             opts["slack"] = int(part[1:])
+        elif part.startswith("p") and part[1:].isdigit():
+            opts["pad"] = int(part[1:])
         else:
             raise ValueError(f"loader {name!r}: unknown option {part!r} (use hw<share>, t<threads>, q<depth>, "
-                             "e<percent>, s<steps>, nohold)")
+                             "e<percent>, s<steps>, p<streams>, nohold)")
     if opts and base != "imageloader":
         raise ValueError(f"loader {name!r}: options (@...) are for imageloader only")
     return base, opts
+
+
+_PADDING: list = []  # streams a probe made before its loader (kept open for the process)
+
+
+def pad_streams(count: int) -> list[int]:
+    """``count`` new non-blocking CUDA streams (their handles), made through the CUDA runtime (torch's pool makes 32
+    at once, and its ``cudaStreamCreate`` makes blocking ones)."""
+    if count <= 0:
+        return []
+    import ctypes
+    import glob
+
+    torch.zeros(1, device="cuda")  # the runtime loaded and started
+    libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line})
+    libs += glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so*"))
+    if not libs:
+        raise RuntimeError("p<streams>: no libcudart.so found in this process")
+    runtime = ctypes.CDLL(libs[0])
+    handles = []
+    for _ in range(count):
+        handle = ctypes.c_void_p(0)
+        err = runtime.cudaStreamCreateWithFlags(ctypes.byref(handle), ctypes.c_uint(1))  # cudaStreamNonBlocking
+        if err != 0:
+            raise RuntimeError(f"cudaStreamCreateWithFlags failed: {err}")
+        handles.append(handle.value)
+    return handles
 
 
 def make_feed(name: str, args, data: dict):
@@ -74,7 +105,8 @@ def make_feed(name: str, args, data: dict):
         from loaders import DecodeOptions, ImageLoader, ReadOptions
 
         decode = DecodeOptions(hw_decoder_load=0.0) if name == "imageloader_cuda" else None
-        if set(opts) - {"early", "slack"}:
+        _PADDING.extend(pad_streams(opts.get("pad", 0)))
+        if set(opts) - {"early", "slack", "pad"}:
             decode = DecodeOptions(hw_decoder_load=opts.get("hw"), num_threads=opts.get("threads"))
         read = ReadOptions(prefetch_queue_depth=opts["depth"]) if "depth" in opts else None
         loader = ImageLoader(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev,

@@ -14,6 +14,7 @@ def test_variants_name_a_share_threads_and_no_hold():
     assert ceiling.variant("imageloader@q4") == ("imageloader", {"depth": 4})
     assert ceiling.variant("imageloader@e15") == ("imageloader", {"early": 0.15})
     assert ceiling.variant("imageloader@hw0.5+s1") == ("imageloader", {"hw": 0.5, "slack": 1})
+    assert ceiling.variant("imageloader@hw0.75+nohold+p3") == ("imageloader", {"hw": 0.75, "hold": False, "pad": 3})
     assert ceiling.fmt_of("imageloader@t14") == "images" and ceiling.fmt_of("tokenloader") == "tokens"
     with pytest.raises(ValueError, match="unknown option"):
         ceiling.variant("imageloader@fast")
