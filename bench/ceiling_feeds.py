@@ -79,14 +79,13 @@ def pad_streams(count: int) -> list[int]:
     if count <= 0:
         return []
     import ctypes
-    import glob
+
+    from datapipe.device.host_register import _runtime
 
     torch.zeros(1, device="cuda")  # the runtime loaded and started
-    libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line})
-    libs += glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so*"))
-    if not libs:
-        raise RuntimeError("p<streams>: no libcudart.so found in this process")
-    runtime = ctypes.CDLL(libs[0])
+    runtime = _runtime()
+    if runtime is None:
+        raise RuntimeError("p<streams>: no libcudart.so loaded in this process")
     handles = []
     for _ in range(count):
         handle = ctypes.c_void_p(0)
