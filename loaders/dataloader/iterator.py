@@ -78,15 +78,16 @@ class Failed:
         self.exc = exc
 
 
-def tagged_batches(torch_it, *, protocol: bool):
+def tagged_batches(torch_it, *, protocol: bool, hold=None):
     """Torch's batches as ``(batch, meta)`` (``meta``: the worker state with the worker-state
     protocol, else None); a batch that raises becomes ``(None, Failed)``. A worker that died ends the
-    stream with torch's error (:mod:`loaders.dataloader.deaths`)."""
+    stream with torch's error (:mod:`loaders.dataloader.deaths`). ``hold``: an
+    :class:`~loaders.dataloader.handback.IndexAfterCopy` that takes each ``next()``."""
     watch(torch_it)
     box: list = []  # no local keeps the exception: its traceback holds this frame (a cycle)
     while True:
         try:
-            item = next(torch_it)
+            item = next(torch_it) if hold is None else hold.next(torch_it)
         except StopIteration:
             return
         except Exception as e:  # noqa: BLE001 - re-raised by the consumer, the pass goes on

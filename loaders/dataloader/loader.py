@@ -49,6 +49,7 @@ from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
+from loaders.dataloader import handback
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
                                          pins_for_cuda, shutdown, tagged_batches)
 from loaders.dataloader.progress import Progress
@@ -290,13 +291,14 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             self._iterator = None
 
     # ---- the epoch stream (runs in the prefetch thread when device is set) --------------------
-    def _epoch_stream(self, p: Progress, first, start: int, transport):
+    def _epoch_stream(self, p: Progress, first, start: int, transport, hold=None):
         """The pass's batches from position ``start``, as ``(batch, meta)``. ``first``: the torch
-        iterator, made in the main thread (see __iter__); ``transport``: the pass's shared memory."""
+        iterator, made in the main thread (see __iter__); ``transport``: the pass's shared memory; ``hold``:
+        the pass's :class:`~loaders.dataloader.handback.IndexAfterCopy`, or None."""
         torch_it, completed = first, False
         try:
             if not self._iterable and self._auto_workers is None:
-                times, stream = [], tagged_batches(torch_it, protocol=self._protocol)
+                times, stream = [], tagged_batches(torch_it, protocol=self._protocol, hold=hold)
                 for _ in range(max(4, self._depth + 3) if self.device is not None else 4):
                     t0 = time.perf_counter()
                     item = next(stream, _END)
@@ -314,7 +316,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                 for _ in range(start):  # replay: no way to skip without producing
                     if next(torch_it, _END) is _END:
                         break
-            yield from tagged_batches(torch_it, protocol=self._protocol)
+            yield from tagged_batches(torch_it, protocol=self._protocol, hold=hold)
             completed = True
         except RuntimeError as e:
             if fatal(e) and torch_it is not None and torch_it is self._iterator:  # persistent workers, one dead:
@@ -364,9 +366,11 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         first = self._torch_iter(workers, p, transport, skip=skip, replay=resume is not None)
         if resume is not None and workers and callable(getattr(self.dataset, "forget_resume", None)):
             self.dataset.forget_resume()  # the workers took it: a later pass over this dataset is a whole epoch
-        stream = self._epoch_stream(p, first, p.batches, transport)
+        hold = handback.IndexAfterCopy() if handback.holds(copies, workers, self.persistent_workers) else None
+        stream = self._epoch_stream(p, first, p.batches, transport, hold)
         if copies is not None:
-            stream = unpacked(stream, copies, keep=self.persistent_workers, stock=self._stock)
+            stream = unpacked(stream, copies, keep=self.persistent_workers, stock=self._stock,
+                              then=hold.send if hold is not None else None)
         if self.device is not None and self._prefetcher is None:
             self._prefetcher = DevicePrefetcher(EpochSource(), device=self.device, depth=self._depth)
         if pins_here:

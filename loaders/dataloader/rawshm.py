@@ -401,13 +401,19 @@ class RawCopies:
             self._drop(token)
 
 
-def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None):
-    """``(batch, meta)`` of ``stream`` with each :class:`Packed` batch copied out (:meth:`RawCopies.unpack`);
-    at the end the kept segments are dropped unless ``keep`` (persistent workers reuse them) or ``stock`` takes
-    them for the next pass's workers (:class:`loaders.dataloader.stock.SegmentStock`: once its workers are gone)."""
+def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=None):
+    """``(batch, meta)`` of ``stream`` with each :class:`Packed` batch copied out (:meth:`RawCopies.unpack`),
+    ``then()`` called after each (:class:`loaders.dataloader.handback.IndexAfterCopy`'s ``send``); at the end
+    the kept segments are dropped unless ``keep`` (persistent workers reuse them) or ``stock`` takes them for the
+    next pass's workers (:class:`loaders.dataloader.stock.SegmentStock`: once its workers are gone)."""
     try:
         for batch, meta in stream:
-            yield copies.unpack(batch), meta
+            try:
+                batch = copies.unpack(batch)
+            finally:
+                if then is not None:
+                    then()
+            yield batch, meta
             batch = meta = None
     finally:
         close = getattr(stream, "close", None)
