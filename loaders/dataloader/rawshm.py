@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from loaders.dataloader.copyout import copying_out
+from loaders.dataloader.iterator import Failed
 from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
 
@@ -401,6 +402,16 @@ class RawCopies:
             self._drop(token)
 
 
+def _called(then) -> Exception | None:
+    """``then()`` (None: nothing), or the error it raised."""
+    if then is not None:
+        try:
+            then()
+        except Exception as e:  # noqa: BLE001 - handed to the consumer in place of the batch
+            return e
+    return None
+
+
 def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=None):
     """``(batch, meta)`` of ``stream`` with each :class:`Packed` batch copied out (:meth:`RawCopies.unpack`),
     ``then()`` called after each (:class:`loaders.dataloader.handback.IndexAfterCopy`'s ``send``); at the end
@@ -411,10 +422,11 @@ def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=
             try:
                 batch = copies.unpack(batch)
             finally:
-                if then is not None:
-                    then()
+                failed = _called(then)
+            if failed is not None:  # torch's sampler raised as torch sends the index: the batch is lost, as in torch
+                batch, meta = None, Failed(failed)
             yield batch, meta
-            batch = meta = None
+            batch = meta = failed = None
     finally:
         close = getattr(stream, "close", None)
         if close is not None:

@@ -1,7 +1,9 @@
 """loaders.dataloader.handback: torch's next index for a worker held until the batch just received is copied out."""
 import time
 
+import numpy as np
 import pytest
+import torch.utils.data
 
 from loaders import DataLoader
 from loaders.dataloader.handback import IndexAfterCopy
@@ -68,3 +70,43 @@ def test_two_segments_serve_a_worker_and_every_batch_is_exact(workers):
     assert len(got) == 12 and all(same(b, reference[32 * i:32 * (i + 1)]) for i, b in enumerate(got))
     assert len(dl._stock) <= 2 * workers
     dl.close()
+
+
+class Numbered(torch.utils.data.Dataset):
+    def __len__(self):
+        return 320
+
+    def __getitem__(self, i):
+        return {"k": i, "b": bytes([i % 251]) * 20000, "a": np.full(300, i)}
+
+
+class BreaksAtSeven:
+    """A batch sampler whose seventh batch raises (torch asks for it as it sends a worker an index)."""
+
+    def __len__(self):
+        return 10
+
+    def __iter__(self):
+        for b in range(10):
+            if b == 6:
+                raise KeyError("sampler broke")
+            yield list(range(b * 32, b * 32 + 32))
+
+
+def first_keys(dl) -> list:
+    out, it = [], iter(dl)
+    while True:
+        try:
+            out.append(next(it)[0]["k"])
+        except StopIteration:
+            return out
+        except KeyError:
+            out.append("KeyError")
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_sampler_that_raises_as_a_held_index_goes_loses_the_batch_torch_loses_and_the_pass_goes_on(device):
+    options = dict(batch_sampler=BreaksAtSeven(), num_workers=2, prefetch_factor=2, collate_fn=list)
+    torchs = first_keys(torch.utils.data.DataLoader(Numbered(), **options))
+    assert "KeyError" in torchs and torchs[-1] != "KeyError"
+    assert first_keys(DataLoader(Numbered(), device=device, **options)) == torchs
