@@ -190,7 +190,7 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
     segment = block = None
     if end:
         size = end + (len(pickled) if pickled is not None else 0)
-        storage = pool.take(size)
+        storage = pool.take(size, room=True)  # raw batches vary in size
         if storage is None:
             return batch
         token, header = pool.number(storage)

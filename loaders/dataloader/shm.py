@@ -78,9 +78,9 @@ def _movable(t: Any) -> bool:
 class SegmentPool:
     """(Worker process) shared-memory segments this worker writes its batches' tensors into.
 
-    ``take(nbytes)``: the smallest free segment that holds ``nbytes``, marked ``BUSY``; a new one while
-    the pool has fewer than ``cap`` (a free one too small is replaced); None when every segment is
-    busy. ``fresh``: segments made so far. ``number(storage)``: a taken segment's token, unique over the
+    ``take(nbytes, room=False)``: the smallest free segment that holds ``nbytes``, marked ``BUSY``; a new one
+    while the pool has fewer than ``cap`` (a free one too small is replaced), a quarter larger with ``room`` or
+    where sizes grew; None when every segment is busy. ``fresh``: segments made so far. ``number(storage)``: a taken segment's token, unique over the
     loader's workers, and its header; ``retired``: the tokens of numbered segments the pool let go since the
     caller last emptied it.
     """
@@ -149,7 +149,7 @@ class SegmentPool:
         that may carry them out of sight went out in them."""
         self.taken = []
 
-    def take(self, nbytes: int) -> torch.UntypedStorage | None:
+    def take(self, nbytes: int, *, room: bool = False) -> torch.UntypedStorage | None:
         need = HEADER + nbytes
         free = [s for s in self.segments if int(s[1][_STATE]) == FREE]
         fits = [s for s in free if s[0].nbytes() >= need]
@@ -162,9 +162,10 @@ class SegmentPool:
                 token = self._numbers.pop(victim[0].data_ptr(), None)
                 if token is not None:
                     self.retired.append(token)
-            try:  # a quarter more room (torch reserves it all at once): a later, larger batch still fits, so a
-                # worker makes fewer segments and holds less in all (2-core machine: 2 workers 171-234 MB -> 128-131)
-                storage = torch.UntypedStorage._new_shared(need + need // 4)
+            try:  # a quarter more room (torch reserves it all at once) where sizes vary (``room``: raw batches) or
+                # grew: a later, larger batch still fits, so a worker makes fewer segments and holds less in all
+                # (2-core machine, raw batches of ~27 MB: 2 workers 171-234 MB -> 128-131 MB)
+                storage = torch.UntypedStorage._new_shared(need + need // 4 if room or free else need)
             except RuntimeError:  # shared memory short (/dev/shm full): torch's own path, and its error
                 return None
             _map_in(storage, need)  # its pages in one call: 27 MB made, mapped and written 13 ms, 17.5 faulting

@@ -146,12 +146,12 @@ def _resident_pages(storage) -> tuple[int, int]:
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux only (madvise MADV_POPULATE_WRITE, mincore)")
 def test_a_new_segment_comes_mapped_in_not_a_fault_a_page():
     """A new segment's pages are made in one call as the pool takes it (the writes that follow fault nothing), with a
-    quarter more room for a later, larger batch."""
+    quarter more room for a later, larger batch where asked (raw batches), none for a tensor's fixed size."""
     from loaders.dataloader import shm
 
     if shm._madvise() is None:
         pytest.skip("no madvise here")
-    storage = SegmentPool(MARK, cap=1).take(8 << 20)
+    storage = SegmentPool(MARK, cap=1).take(8 << 20, room=True)
     resident, pages = _resident_pages(storage)
     import re
 
@@ -163,6 +163,7 @@ def test_a_new_segment_comes_mapped_in_not_a_fault_a_page():
     asked = -(-(HEADER + (8 << 20)) // mmap.PAGESIZE)
     assert storage.nbytes() >= HEADER + (8 << 20) + (8 << 20) // 4
     assert asked <= resident <= pages
+    assert SegmentPool(MARK, cap=1).take(8 << 20).nbytes() == HEADER + (8 << 20)
     unmapped = torch.UntypedStorage._new_shared(8 << 20)  # what the pool got from torch: nothing made yet
     assert _resident_pages(unmapped)[0] < pages // 2
 
