@@ -78,9 +78,9 @@ def _movable(t: Any) -> bool:
 class SegmentPool:
     """(Worker process) shared-memory segments this worker writes its batches' tensors into.
 
-    ``take(nbytes, room=False)``: the smallest free segment that holds ``nbytes``, marked ``BUSY``; a new one
-    while the pool has fewer than ``cap`` (a free one too small is replaced), a quarter larger with ``room`` or
-    where sizes grew; None when every segment is busy. ``fresh``: segments made so far. ``number(storage)``: a taken segment's token, unique over the
+    ``take(nbytes, room=False)``: the smallest free segment that holds ``nbytes``, marked ``BUSY``; a new
+    one while the pool has fewer than ``cap`` (a free one too small is replaced), a quarter larger with
+    ``room`` or where sizes grew; None when every segment is busy. ``fresh``: segments made so far. ``number(storage)``: a taken segment's token, unique over the
     loader's workers, and its header; ``retired``: the tokens of numbered segments the pool let go since the
     caller last emptied it.
     """
