@@ -80,9 +80,9 @@ class SegmentPool:
 
     ``take(nbytes, room=False)``: the smallest free segment that holds ``nbytes``, marked ``BUSY``; a new
     one while the pool has fewer than ``cap`` (a free one too small is replaced), a quarter larger with
-    ``room`` or where sizes grew; None when every segment is busy. ``fresh``: segments made so far. ``number(storage)``: a taken segment's token, unique over the
-    loader's workers, and its header; ``retired``: the tokens of numbered segments the pool let go since the
-    caller last emptied it.
+    ``room`` or where sizes grew; None when every segment is busy. ``fresh``: segments made so far.
+    ``number(storage)``: a taken segment's token, unique over the loader's workers, and its header;
+    ``retired``: the tokens of numbered segments the pool let go since the caller last emptied it.
     """
 
     def __init__(self, mark: bytes, cap: int):
