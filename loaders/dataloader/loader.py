@@ -49,7 +49,7 @@ from datapipe.device.handoff import close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
-from loaders.dataloader import handback
+from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
                                          pins_for_cuda, shutdown, tagged_batches)
 from loaders.dataloader.progress import Progress
@@ -366,7 +366,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         first = self._torch_iter(workers, p, transport, skip=skip, replay=resume is not None)
         if resume is not None and workers and callable(getattr(self.dataset, "forget_resume", None)):
             self.dataset.forget_resume()  # the workers took it: a later pass over this dataset is a whole epoch
-        hold = handback.IndexAfterCopy() if handback.holds(copies, workers, self.persistent_workers) else None
+        hold = IndexAfterCopy() if holds(copies, workers, self.persistent_workers) else None
         stream = self._epoch_stream(p, first, p.batches, transport, hold)
         if copies is not None:
             stream = unpacked(stream, copies, keep=self.persistent_workers, stock=self._stock,
