@@ -160,18 +160,20 @@ def _prepare(fd: int, spans: list[tuple[int, int]], threads: int):
 
 
 class Reading:
-    """Values being read by pool threads while the caller goes on (:func:`start_spans`)."""
+    """Values being read by pool threads while the caller goes on (:func:`start_spans`). ``values``: the
+    ``bytes`` being filled, never to be read, hashed or handed out before every one of ``futures`` is done and
+    gave True (``result()`` waits for that)."""
 
     def __init__(self, out: list[bytes], futures: list):
-        self._out, self._futures, self._pid = out, futures, os.getpid()
+        self.values, self.futures, self._pid = out, futures, os.getpid()
 
     def result(self) -> list[bytes] | None:
         """The values once every thread is done, or None where the file no longer held one of them whole (or in a
         forked child, which has none of the threads: the caller reads the values itself)."""
         if self._pid != os.getpid():
             return None
-        wait(self._futures)  # all of them, also where one fails: none may still write into a value after this
-        return self._out if all([f.result() for f in self._futures]) else None
+        wait(self.futures)  # all of them, also where one fails: none may still write into a value after this
+        return self.values if all([f.result() for f in self.futures]) else None
 
 
 def start_spans(fd: int, spans: list[tuple[int, int]], *, threads: int = 1) -> Reading | None:

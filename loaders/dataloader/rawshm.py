@@ -43,7 +43,7 @@ import weakref
 import numpy as np
 import torch
 
-from loaders.dataloader.copyout import copying_out
+from loaders.dataloader.copyout import copying_out, segment_fd
 from loaders.dataloader.iterator import Failed
 from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
@@ -248,12 +248,12 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
     return flat.reshape(shape, order="F" if kind == "f" else "C")
 
 
-def _unpack(packed: Packed, view: memoryview | None):
+def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
-    their block, each on a storage of its own)."""
+    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
     if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large
-        out, copying = copying_out(view, spans)
+        out, copying = copying_out(view, spans, fd=fd, fd_offset=HEADER)
         if pickled is None:  # a body of other types is rebuilt by their own code, which may read or hash a leaf
             copying.wait()
             return _filled(body, out)
@@ -317,13 +317,15 @@ def _filled(x, out: list):
 
 
 class _Mapped:
-    """(Main process) a worker's segment kept mapped: its storage, header and data (a memoryview)."""
+    """(Main process) a worker's segment kept mapped: its storage, header, data (a memoryview) and file
+    descriptor (None where torch keeps none)."""
 
-    __slots__ = ("storage", "header", "view")
+    __slots__ = ("storage", "header", "view", "fd")
 
     def __init__(self, data: torch.Tensor):
         self.storage = data.untyped_storage()
         self.header = _header(self.storage)
+        self.fd = segment_fd(self.storage, bytes(self.header[:8].tolist()))  # its mark
         self.view = memoryview(torch.empty(0, dtype=torch.uint8).set_(
             self.storage, HEADER, (self.storage.nbytes() - HEADER,), (1,)).numpy())
 
@@ -386,7 +388,7 @@ class RawCopies:
             _, token, retired, _, data = segment
             segment = self.received(token, retired, data)
         try:
-            return _unpack(batch, segment.view if segment is not None else None)
+            return _unpack(batch, *((segment.view, segment.fd) if segment is not None else (None,)))
         finally:
             if segment is not None:
                 segment.header[_STATE] = FREE

@@ -134,7 +134,7 @@ def test_the_caller_goes_on_while_the_threads_read(blob_fd, monkeypatch):
     real = spans._read_share
     monkeypatch.setattr(spans, "_read_share", lambda *a: release.wait(5) and real(*a))
     reading = start_spans(fd, [(0, 1000), (3000, 5)], threads=2)
-    assert not reading._futures[0].done()  # started, not finished: start_spans did not wait
+    assert not reading.futures[0].done()  # started, not finished: start_spans did not wait
     release.set()
     assert reading.result() == [data[:1000], data[3000:3005]]
 
@@ -154,7 +154,7 @@ def test_a_thread_that_fails_is_raised_after_every_thread_is_done(blob_fd, monke
     reading = start_spans(fd, [(0, 5000), (200_000, 5000)], threads=2)
     with pytest.raises(OSError, match="boom"):
         reading.result()
-    assert len(calls) == 2 and all(f.done() for f in reading._futures)
+    assert len(calls) == 2 and all(f.done() for f in reading.futures)
 
 
 def test_a_read_after_the_interpreter_began_to_shut_down_is_left_to_the_caller(blob_fd, monkeypatch):

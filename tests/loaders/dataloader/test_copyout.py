@@ -166,3 +166,106 @@ def test_an_interrupt_while_waiting_is_raised_only_once_every_copy_has_ended(mon
         copying.wait()
     assert len(ended) == 2 and copying.keep is None  # raised after both copies ended
     assert out == [bytes(view[o:o + n]) for o, n in zip(spans[::2], spans[1::2])]
+
+
+def _file_segment(tmp_path, sizes, head=64, seed=2):
+    """A segment's data ``view`` over a file that holds ``head`` bytes before it, and the file's descriptor."""
+    import mmap
+    import os
+
+    view, spans = _segment(sizes, seed)
+    path = tmp_path / "segment"
+    path.write_bytes(bytes(head) + bytes(view))
+    fd = os.open(path, os.O_RDWR)
+    mapped = mmap.mmap(fd, 0)
+    return fd, memoryview(mapped)[head:], spans
+
+
+@pytest.mark.parametrize("reads", [2, 3, 8])
+def test_leaves_read_from_the_segments_file_equal_plain_copies(monkeypatch, tmp_path, reads):
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    fd, view, spans = _file_segment(tmp_path, [0, 1, 63, 64, 5000, 100_000, 3, 1 << 20, 64] * 3)
+    started = []
+    real = copyout.start_spans
+    monkeypatch.setattr(copyout, "start_spans", lambda *a, **k: started.append(k["threads"]) or real(*a, **k))
+    out, copying = copyout.copying_out(view, spans, threads=1, fd=fd, fd_offset=64, reads=reads)
+    assert type(copying) is copyout._ReadOut and started == [reads]
+    copying.wait()
+    want = [bytes(view[o:o + n]) for o, n in zip(spans[::2], spans[1::2])]
+    assert out == want and all(type(b) is bytes for b in out)
+    assert [hash(b) for b in out] == [hash(b) for b in want]
+    assert copying.keep is None
+
+
+def test_a_short_read_is_copied_from_the_mapping_instead(monkeypatch, tmp_path):
+    """The file holds less than the mapping claims (here: another, shorter file): the leaves still come out
+    exact, copied from the mapping once the reads are done."""
+    import os
+
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    _, view, spans = _file_segment(tmp_path, [200_000] * 6)
+    other = tmp_path / "short"
+    other.write_bytes(b"x" * 300_000)
+    fd = os.open(other, os.O_RDONLY)
+    out, copying = copyout.copying_out(view, spans, threads=1, fd=fd, fd_offset=64, reads=2)
+    copying.wait()
+    assert out == [bytes(view[o:o + n]) for o, n in zip(spans[::2], spans[1::2])]
+
+
+def test_no_reads_where_none_are_asked_or_they_cannot_start(monkeypatch, tmp_path):
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
+    fd, view, spans = _file_segment(tmp_path, [100_000] * 4)
+    want = [bytes(view[o:o + n]) for o, n in zip(spans[::2], spans[1::2])]
+    started = []
+    monkeypatch.setattr(copyout, "start_spans", lambda *a, **k: started.append(1))  # as where preadv is missing
+    for reads in (0, 1, 2):
+        out, copying = copyout.copying_out(view, spans, threads=1, fd=fd, fd_offset=64, reads=reads)
+        copying.wait()
+        assert out == want and type(copying) is copyout.Copying
+    assert started == [1]  # only reads=2 tried, and fell back to a plain copy
+    out, copying = copyout.copying_out(view, spans, threads=2, fd=None, reads=4)  # no file: the memmove threads
+    copying.wait()
+    assert out == want and started == [1]
+
+
+def test_segment_fd_is_torchs_kept_descriptor_only():
+    import torch
+
+    shared = torch.UntypedStorage._new_shared(4096)
+    torch.empty(0, dtype=torch.uint8).set_(shared, 0, (8,), (1,)).copy_(torch.arange(1, 9, dtype=torch.uint8))
+    assert copyout.segment_fd(shared, bytes(range(1, 9))) is not None
+    assert copyout.segment_fd(shared, b"another") is None  # the file does not start with the storage's bytes
+    assert copyout.segment_fd(torch.UntypedStorage(4096), bytes(8)) is None  # private memory: no file
+    assert copyout.segment_fd(object(), b"") is None
+
+
+def test_read_threads_need_a_large_machine(monkeypatch):
+    from datapipe.device import autotune
+
+    for cores, want in ((2, 0), (8, 0), (12, 6), (16, 8), (64, 8)):
+        monkeypatch.setattr(autotune, "usable_cores", lambda c=cores: c)
+        assert copyout.read_threads() == want
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_worker_batches_read_from_their_segments_files_come_out_exact(monkeypatch, tmp_path, workers):
+    from datapipe import ShardStream, ShardWriter
+    from loaders import DataLoader
+
+    monkeypatch.setattr(copyout, "read_threads", lambda: 3)
+    monkeypatch.setattr(copyout, "copy_threads", lambda: 1)
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 1 << 16)
+    rnd = random.Random(3)
+    samples = [{"__key__": f"k{i:04d}", "bin": rnd.randbytes(rnd.randrange(500, 40_000)), "cls": str(i)}
+               for i in range(300)]
+    with ShardWriter(str(tmp_path / "s-%03d.tar"), max_count=100) as w:
+        for s in samples:
+            w.write(s)
+    reads = []
+    real = copyout.start_spans
+    monkeypatch.setattr(copyout, "start_spans", lambda *a, **k: reads.append(1) or real(*a, **k))
+    loader = DataLoader(ShardStream(str(tmp_path)), batch_size=32, num_workers=workers, collate_fn=lambda b: b)
+    for _ in range(2):
+        got = {s["__key__"]: (s["bin"], s["cls"]) for batch in loader for s in batch}
+        assert got == {s["__key__"]: (s["bin"], s["cls"].encode()) for s in samples}
+    assert len(reads) > 4  # the batches were read from their segments' files
