@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch.utils.data
 
+from datapipe.device import autotune
 from loaders import DataLoader
-from loaders.dataloader.handback import IndexAfterCopy
+from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.shm import recycling_available
 from loaders.dataloader.stock import forks
 from tests.loaders.dataloader.test_rawshm import Raw, as_list, same, sample
@@ -56,11 +57,12 @@ def test_a_single_process_iterator_is_passed_through():
 
 @pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
 @pytest.mark.parametrize("workers", [1, 2])
-def test_two_segments_serve_a_worker_and_every_batch_is_exact(workers):
+def test_two_segments_serve_a_worker_and_every_batch_is_exact(monkeypatch, workers):
     """Held until the copy-out, a worker's next index finds the segment of its batch before last free again: with
     torch's prefetch factor of 2 a worker makes two segments in a pass (torch's timing: a third, often)."""
     if not forks(None):
         pytest.skip("the default start method does not fork")
+    monkeypatch.setattr(autotune, "usable_cores", lambda: workers)  # the workers and the main process outnumber them
     reference = [sample(i) for i in range(32 * 12)]
     dl = DataLoader(Raw(32 * 12), batch_size=32, num_workers=workers, collate_fn=as_list, prefetch_factor=2)
     got = []
@@ -70,6 +72,16 @@ def test_two_segments_serve_a_worker_and_every_batch_is_exact(workers):
     assert len(got) == 12 and all(same(b, reference[32 * i:32 * (i + 1)]) for i, b in enumerate(got))
     assert len(dl._stock) <= 2 * workers
     dl.close()
+
+
+def test_the_index_is_held_only_where_the_workers_and_the_main_process_outnumber_the_cores(monkeypatch):
+    copies = object()
+    for cores, workers, want in ((2, 1, False), (2, 2, True), (2, 4, True), (16, 4, False), (16, 8, False),
+                                 (16, 15, False), (16, 16, True)):
+        monkeypatch.setattr(autotune, "usable_cores", lambda c=cores: c)
+        assert holds(copies, workers, False) is want, (cores, workers)
+        assert not holds(copies, workers, True) and not holds(None, workers, False)
+    assert not holds(copies, 0, False)
 
 
 class Numbered(torch.utils.data.Dataset):
