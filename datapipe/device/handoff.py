@@ -279,6 +279,19 @@ class Producer(Iterator):
         if self._retirer is not None:
             self._retirer.clear()
 
+    def stopper(self) -> Callable[[], bool]:
+        """A function that stops this producer's thread and waits for it (at most ``join_s``), and says whether
+        it ended. It holds the thread, not the producer: dropping the producer still stops the thread."""
+        thread, stop, join_s = self._thread, self._stop, self._join_s
+
+        def stop_and_wait() -> bool:
+            stop.set()
+            if thread.is_alive() and threading.current_thread() is not thread:
+                thread.join(join_s)
+            return not thread.is_alive()
+
+        return stop_and_wait
+
     def __del__(self):
         try:
             self._done = True

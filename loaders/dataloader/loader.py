@@ -152,7 +152,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._pending: dict | None = None
         self._progress: Progress | None = None
         self._losses_before: dict = {}  # the dataset's loss totals when the current pass began
-        self._active = None  # weakref to the latest LoaderIterator
+        self._active, self._stop_last = None, None  # weakref to the latest LoaderIterator; its prefetch thread's stop
         self._live: weakref.WeakSet = weakref.WeakSet()  # every LoaderIterator not yet collected (close())
         # torch's iterators are made one at a time: _torch_iter swaps the loader's collate_fn, num_workers and
         # plan around it, and a pass's thread may make one (num_workers="auto") while another pass starts
@@ -262,23 +262,20 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         return it
 
     def _pins_here(self, workers: int) -> bool:
-        """Whether a thread of this loader pins a pass's batches (:func:`loaders.dataloader.iterator.pinned`), not
-        torch: the prefetch thread with ``device="cuda"``; with ``device=None`` and ``pin_memory=True`` (for a
-        CUDA device) and worker processes, a pin thread of ours in place of torch's. Without workers torch
-        pins in the training thread, the dataset running there too, and so it stays."""
+        """Whether a thread of ours pins a pass's batches (``iterator.pinned``), not torch: the prefetch thread with
+        ``device="cuda"``; with ``device=None``, ``pin_memory=True`` (for CUDA) and workers, a pin thread in torch's
+        place. Without workers torch pins in the training thread, the dataset running there too, and so it stays."""
         if self.device is not None:
             return self.device.type == "cuda"
         return (bool(self.pin_memory) and pins_for_cuda(self.pin_memory_device)
                 and (workers > 0 or self._auto_workers_mode))
 
     def _recycles(self, workers: int, returns) -> bool:
-        """Whether this pass's workers write batches into recycled shared memory (loaders.dataloader.shm):
-        our own thread pins, so it knows when a batch is done with."""
+        """Whether this pass's workers write batches into recycled shared memory (``shm``): a thread of ours pins."""
         return returns is not None and workers > 0 and recycling_available() and self._pass_pins
 
     def _packs(self, workers: int, returns, copies) -> bool:
-        """Whether this pass's workers send raw samples in recycled shared memory (loaders.dataloader.rawshm):
-        copied out as they arrive, so whoever consumes the batch."""
+        """Whether this pass's workers send raw samples in recycled shared memory (``rawshm``), copied out."""
         return copies is not None and returns is not None and workers > 0 and recycling_available()
 
     def _dataset_hook(self, name: str):
@@ -382,6 +379,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             source.stream = stream
             self._prefetcher.iterable = source
             stream = iter(self._prefetcher)
+            self._stop_last = stream.stopper()
         elif pins_here:  # in torch's place: a thread that pins, ``prefetch_depth`` batches ahead
             stream = threaded(stream, depth=self._depth, name="datapipe-pin-memory")
         it = LoaderIterator(self, stream, p)
@@ -438,8 +436,11 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._stock.clear()
 
     def _close_active(self) -> None:
-        """Stop the latest pass's iterator (its threads; its workers unless persistent), if still alive."""
+        """Stop the latest pass (its threads; workers unless persistent), and wait for its prefetch thread."""
         close_last(self._active)
+        stop, self._stop_last = self._stop_last, None
+        if stop is not None and not stop():
+            raise RuntimeError("loaders.DataLoader: the last pass's prefetch thread did not stop in 30 s")
 
     def __enter__(self) -> DataLoader:
         return self

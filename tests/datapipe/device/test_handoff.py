@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from datapipe.device.handoff import close_last, started, threaded
+from datapipe.device.handoff import Producer, close_last, started, threaded
 
 
 def test_threaded_keeps_order_and_reraises():
@@ -296,3 +296,30 @@ def test_a_retirer_and_its_items_go_with_their_last_reference_not_the_cyclic_col
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_stopper_waits_for_the_thread_of_a_producer_already_dropped():
+    """Dropping a producer only asks its thread to stop; its stopper waits until the thread is done with the
+    iterable (a loader's next pass must not share it with the last one's thread)."""
+    import gc
+    import time
+
+    inside, ended = threading.Event(), threading.Event()
+
+    def slow():
+        for i in range(100):
+            inside.set()
+            time.sleep(0.05)  # the thread is here, mid-item, when its producer goes
+            yield i
+        ended.set()
+
+    def made():
+        producer = Producer(slow(), depth=2)
+        next(producer)
+        return producer.stopper()
+
+    stop = made()
+    gc.collect()
+    assert inside.wait(5)
+    assert stop() is True  # the thread has ended
+    assert not ended.is_set()  # stopped early, not run to its end

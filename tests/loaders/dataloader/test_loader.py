@@ -287,6 +287,42 @@ def test_a_new_pass_over_persistent_workers_stops_the_last_ones_thread_first(mon
     dl.close()
 
 
+class Blobs(Dataset):
+    """Raw bytes large enough to travel in recycled shared memory, each sample telling which it is."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        return {"i": i, "blob": bytes([i]) * (40_000 + 1000 * i)}
+
+
+@pytest.mark.parametrize("where", ["pin", "cpu"])
+def test_a_pass_left_and_dropped_over_persistent_workers_is_stopped_before_the_next_starts(monkeypatch, where):
+    """``for b in dl: break`` drops the pass's iterator at once: its thread, still unpacking a batch, must be done
+    with the workers' one torch iterator before the next pass resets it (else: batches of the wrong samples,
+    torch's "Invalid iterator state")."""
+    import loaders.dataloader.rawshm as rawshm
+
+    _fake_pinning(monkeypatch)
+    real = rawshm.copying_out
+
+    def slow(*args, **kw):  # the copy-out under way as the next pass starts
+        time.sleep(0.01)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(rawshm, "copying_out", slow)
+    kw = dict(batch_size=4, num_workers=2, persistent_workers=True, collate_fn=list)
+    dl = DataLoader(Blobs(), **(dict(pin_memory=True) if where == "pin" else dict(device="cpu")), **kw)
+    for _ in range(6):
+        for batch in dl:
+            break
+        got = [s for batch in dl for s in batch]
+        assert [s["i"] for s in got] == list(range(48))
+        assert all(s["blob"] == bytes([s["i"]]) * (40_000 + 1000 * s["i"]) for s in got)
+    dl.close()
+
+
 @pytest.mark.parametrize("where", ["pin", "cpu"])
 def test_passes_of_non_persistent_workers_run_side_by_side_in_threads_of_ours(monkeypatch, where):
     _fake_pinning(monkeypatch)
