@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -22,7 +23,8 @@ import torch
 from datapipe.device import forks
 from datapipe.device.pacing import Pacer, check_pace
 
-__all__ = ["close_last", "CurrentStream", "Producer", "ProducerMeter", "Retirer", "started", "threaded", "wait_and_keep"]
+__all__ = ["close_last", "CurrentStream", "PassThreads", "Producer", "ProducerMeter", "Retirer", "started", "threaded",
+           "wait_and_keep"]
 
 _POLL_S = 0.05
 _END = object()
@@ -320,6 +322,29 @@ def close_last(ref) -> None:
     it = ref() if ref is not None else None
     if it is not None:
         it.close()
+
+
+class PassThreads:
+    """The producer threads of a loader's passes, each beside a weak reference to its pass's iterator. A dropped
+    iterator only asks its thread to stop; a new pass must not start while that thread still runs (it may be
+    calling the dataset, drawing from the sampler's generator or reading the workers' one torch iterator)."""
+
+    def __init__(self):
+        self._passes: list = []
+
+    def add(self, iterator, stop: Callable[[], bool]) -> None:
+        """A pass's ``iterator`` and its thread's :meth:`Producer.stopper`."""
+        self._passes = [(ref, s) for ref, s in self._passes if ref() is not None] + [(weakref.ref(iterator), stop)]
+
+    def wait(self, *, live: bool = False) -> None:
+        """Stop the threads of the passes whose iterator is gone (``live``: every pass's) and wait for them."""
+        keep = []
+        for ref, stop in self._passes:
+            if ref() is not None and not live:
+                keep.append((ref, stop))
+            elif not stop():
+                raise RuntimeError("loaders.DataLoader: an earlier pass's prefetch thread did not stop in 30 s")
+        self._passes = keep
 
 
 def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0,

@@ -45,7 +45,7 @@ import torch.utils.data as tud
 from torch.utils.data import IterableDataset
 
 from datapipe.device import forks
-from datapipe.device.handoff import close_last, threaded
+from datapipe.device.handoff import PassThreads, close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
@@ -152,7 +152,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._pending: dict | None = None
         self._progress: Progress | None = None
         self._losses_before: dict = {}  # the dataset's loss totals when the current pass began
-        self._active, self._stop_last = None, None  # weakref to the latest LoaderIterator; its prefetch thread's stop
+        self._active, self._threads = None, PassThreads()  # weakref to the latest LoaderIterator; the passes' threads
         self._live: weakref.WeakSet = weakref.WeakSet()  # every LoaderIterator not yet collected (close())
         # torch's iterators are made one at a time: _torch_iter swaps the loader's collate_fn, num_workers and
         # plan around it, and a pass's thread may make one (num_workers="auto") while another pass starts
@@ -213,7 +213,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     def _make_torch_iter(self, workers: int, p: Progress, transport, *, skip: int, replay: bool):
         self.num_workers = self._workers_said = workers
         rng = p.rng
-        self._plan = Plan(skip, rng.sampler_rng if replay else None, rng)
+        self._plan = Plan(skip, rng.sampler_rng if replay else None, rng, rng.sampler_generator if replay else None)
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
         collate, pin = self.collate_fn, self.pin_memory
@@ -332,6 +332,10 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
 
     # ---- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> LoaderIterator:
+        # the last pass's thread stops first over persistent workers: it would go on pulling from their one torch
+        # iterator (torch: a new iter() resets it). Other passes run side by side (each with its own workers and
+        # shared memory, _transport), but the threads of those dropped unfinished end before this one starts
+        self._close_active() if self.persistent_workers else self._threads.wait()
         resume, self._pending = self._pending, None
         if self.num_workers != self._workers_said and self._iterator is None:  # set by the user, as torch allows
             self._auto_workers = self._workers_said = check_workers(self.num_workers)
@@ -351,13 +355,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         # thread of a CUDA process can abort on CUDA objects they inherit)
         skip = p.batches if not self._iterable else 0
         pins_here = self._pass_pins = self._pins_here(workers)
-        if self.persistent_workers:
-            # the last pass's thread stops first: it would go on pulling from the persistent workers' one
-            # torch iterator (torch: a new iter() resets it). Other passes run side by side, each with its
-            # own workers and shared memory (_transport)
-            self._close_active()
-            if self._iterator is not None and dead(self._iterator):  # one died: all go, new ones start
-                self._drop_persistent()
+        if self.persistent_workers and self._iterator is not None and dead(self._iterator):  # one died: all go,
+            self._drop_persistent()  # new ones start
         transport = self._transport()
         returns, copies = transport
         first = self._torch_iter(workers, p, transport, skip=skip, replay=resume is not None)
@@ -379,10 +378,11 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             source.stream = stream
             self._prefetcher.iterable = source
             stream = iter(self._prefetcher)
-            self._stop_last = stream.stopper()
         elif pins_here:  # in torch's place: a thread that pins, ``prefetch_depth`` batches ahead
             stream = threaded(stream, depth=self._depth, name="datapipe-pin-memory")
         it = LoaderIterator(self, stream, p)
+        if self.device is not None:
+            self._threads.add(it, stream.stopper())
         self._active = weakref.ref(it)
         self._live.add(it)
         return it
@@ -436,11 +436,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._stock.clear()
 
     def _close_active(self) -> None:
-        """Stop the latest pass (its threads; workers unless persistent), and wait for its prefetch thread."""
+        """Stop the latest pass (its threads; workers unless persistent), and wait for every pass's prefetch thread."""
         close_last(self._active)
-        stop, self._stop_last = self._stop_last, None
-        if stop is not None and not stop():
-            raise RuntimeError("loaders.DataLoader: the last pass's prefetch thread did not stop in 30 s")
+        self._threads.wait(live=True)
 
     def __enter__(self) -> DataLoader:
         return self

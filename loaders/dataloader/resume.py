@@ -2,14 +2,16 @@
 and the map-style resume (the index sampler that replays the order and skips consumed batches).
 
 A loader state is ``{"kind": "DataLoader", "epoch", "batches", "num_workers", "generator_state",
-"rng_state", "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``:
+"rng_state", "sampler_rng_state", "sampler_generator_state", "sampler_epoch", "base_seed", "dataset"}``:
 
 - ``epoch`` / ``batches``: the pass and the batches handed out in it (failed ones included);
   ``num_workers``: the worker count the pass ran with.
 - map-style datasets: ``generator_state`` (the generator's state before the pass),
   ``rng_state`` (torch's global RNG before torch's iterator was made: the workers' base seed) and
   ``sampler_rng_state`` (the global RNG before the sampler's first draw, where ``RandomSampler``
-  draws its seed) let the resumed pass regenerate the same sampler order; the consumed batches are
+  draws its seed) and ``sampler_generator_state`` (the loader's generator before the sampler's first draw:
+  a pass over persistent workers draws no base seed from it first, a resumed one does) let the resumed pass
+  regenerate the same sampler order; the consumed batches are
   skipped in the index sampler, never loaded. ``sampler_epoch`` (e.g. a ``DistributedSampler``'s)
   is restored. Per-sample randomness inside workers is not replayed: after a resume batch ``n``
   runs on worker 0, not on worker ``n % num_workers``.
@@ -45,6 +47,7 @@ class RngRecord:
         self.generator_state = None
         self.rng_state = None  # global RNG before the torch iterator was made (base seed)
         self.sampler_rng = None  # global RNG before the sampler's first draw
+        self.sampler_generator = None  # the loader's generator before the sampler's first draw
         self.sampler_epoch = None
         self.base_seed = None
 
@@ -53,16 +56,17 @@ class RngRecord:
         self.generator_state = state.get("generator_state")
         self.rng_state = state.get("rng_state")
         self.sampler_rng = state.get("sampler_rng_state")
+        self.sampler_generator = state.get("sampler_generator_state")
 
 
 class Plan:
-    """How the next ``iter()`` of the index sampler runs: batches to skip, RNG state to replay, and
-    the record that notes the RNG state of the sampler's first draw."""
+    """How the next ``iter()`` of the index sampler runs: batches to skip, the global RNG's and the loader's
+    generator's states to replay, and the record that notes them as the sampler's first draw finds them."""
 
-    __slots__ = ("skip", "replay", "record")
+    __slots__ = ("skip", "replay", "record", "replay_generator")
 
-    def __init__(self, skip=0, replay=None, record: RngRecord | None = None):
-        self.skip, self.replay, self.record = skip, replay, record
+    def __init__(self, skip=0, replay=None, record: RngRecord | None = None, replay_generator=None):
+        self.skip, self.replay, self.record, self.replay_generator = skip, replay, record, replay_generator
 
 
 class IndexSampler:
@@ -77,10 +81,14 @@ class IndexSampler:
     def __iter__(self):
         loader = self._loader()  # torch may call iter() twice while making one iterator
         plan = loader._plan if loader is not None else Plan()
-        return self._run(iter(self.inner), plan)
+        return self._run(iter(self.inner), plan, getattr(loader, "generator", None))
 
     @staticmethod
-    def _run(it, plan: Plan):
+    def _run(it, plan: Plan, generator=None):
+        if generator is not None and plan.replay_generator is not None:
+            generator.set_state(plan.replay_generator)
+        elif generator is not None and plan.record is not None:
+            plan.record.sampler_generator = generator.get_state()
         if plan.replay is not None:
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(plan.replay)
@@ -105,7 +113,7 @@ class IndexSampler:
 def fresh_state(epoch: int, num_workers: int) -> dict:
     """The state of the start of ``epoch``."""
     return {"kind": KIND, "epoch": epoch, "batches": 0, "num_workers": num_workers,
-            "generator_state": None, "rng_state": None, "sampler_rng_state": None,
+            "generator_state": None, "rng_state": None, "sampler_rng_state": None, "sampler_generator_state": None,
             "sampler_epoch": None, "base_seed": None, "dataset": None}
 
 
@@ -118,7 +126,8 @@ def pass_state(p, *, protocol: bool) -> dict:
     rng = p.rng
     return {"kind": KIND, "epoch": p.epoch, "batches": p.batches, "num_workers": p.num_workers,
             "generator_state": rng.generator_state, "rng_state": rng.rng_state,
-            "sampler_rng_state": rng.sampler_rng, "sampler_epoch": rng.sampler_epoch,
+            "sampler_rng_state": rng.sampler_rng, "sampler_generator_state": rng.sampler_generator,
+            "sampler_epoch": rng.sampler_epoch,
             "base_seed": rng.base_seed, "dataset": ds}
 
 
@@ -176,7 +185,7 @@ def from_global(state: dict, *, rank: int, world_size: int, fixed_workers: int |
                          "the epoch; take the global state at a step every rank has reached")
     ds = elastic.merge_states(datasets)
     return {"epoch": int(state["epoch"]), "batches": 0, "num_workers": workers_now,
-            "generator_state": None, "rng_state": None, "sampler_rng_state": None,
+            "generator_state": None, "rng_state": None, "sampler_rng_state": None, "sampler_generator_state": None,
             "sampler_epoch": None, "base_seed": None, "dataset": ds}, True
 
 

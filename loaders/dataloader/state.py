@@ -79,7 +79,7 @@ class LoaderState:
     def state_dict(self) -> dict:
         """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader.resume`):
         ``{"kind", "epoch", "batches", "num_workers", "generator_state", "rng_state",
-        "sampler_rng_state", "sampler_epoch", "base_seed", "dataset"}``."""
+        "sampler_rng_state", "sampler_generator_state", "sampler_epoch", "base_seed", "dataset"}``."""
         if self._pending is not None:
             return dict(self._pending.get("global") or self._pending)
         p = self._progress

@@ -323,6 +323,47 @@ def test_a_pass_left_and_dropped_over_persistent_workers_is_stopped_before_the_n
     dl.close()
 
 
+class OneAtATime(Dataset):
+    """Counts calls of ``__getitem__`` that overlap (a dataset reading one open file assumes none, as torch's
+    loader without workers makes none)."""
+
+    def __init__(self):
+        self.lock, self.overlaps = threading.Lock(), 0
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if not self.lock.acquire(blocking=False):
+            self.overlaps += 1
+            self.lock.acquire()
+        try:
+            time.sleep(0.002)
+            return i
+        finally:
+            self.lock.release()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pass_left_and_dropped_ends_its_thread_before_the_next_pass_starts(workers):
+    """``for b in dl: break`` drops the pass; its prefetch thread, which calls the dataset itself without
+    workers and draws from the sampler's generator, is done before the next pass starts: as in torch, no two
+    calls of the dataset at once, and the next pass's order is the same every time."""
+    ds = OneAtATime()
+    firsts = set()
+    for _ in range(3):
+        dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=workers, device="cpu", prefetch_depth=4,
+                        generator=torch.Generator().manual_seed(3))
+        for _ in range(4):
+            for batch in dl:
+                break
+            got = [int(i) for batch in dl for i in batch]
+            assert sorted(got) == list(range(40))
+        firsts.add(tuple(got))
+        dl.close()
+    assert ds.overlaps == 0 and len(firsts) == 1
+
+
 @pytest.mark.parametrize("where", ["pin", "cpu"])
 def test_passes_of_non_persistent_workers_run_side_by_side_in_threads_of_ours(monkeypatch, where):
     _fake_pinning(monkeypatch)
