@@ -110,11 +110,13 @@ class IndexSampler:
         return len(self.inner)
 
 
-def fresh_state(epoch: int, num_workers: int) -> dict:
-    """The state of the start of ``epoch``."""
+def fresh_state(epoch: int, num_workers: int, generator_state=None, sampler_generator_state=None) -> dict:
+    """The state of the start of ``epoch``; ``generator_state``: the loader's generator as that pass will find it
+    (``sampler_generator_state`` too where the pass reuses persistent workers, and draws no base seed first)."""
     return {"kind": KIND, "epoch": epoch, "batches": 0, "num_workers": num_workers,
-            "generator_state": None, "rng_state": None, "sampler_rng_state": None, "sampler_generator_state": None,
-            "sampler_epoch": None, "base_seed": None, "dataset": None}
+            "generator_state": generator_state, "rng_state": None, "sampler_rng_state": None,
+            "sampler_generator_state": sampler_generator_state, "sampler_epoch": None, "base_seed": None,
+            "dataset": None}
 
 
 def pass_state(p, *, protocol: bool) -> dict:

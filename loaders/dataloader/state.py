@@ -84,8 +84,17 @@ class LoaderState:
             return dict(self._pending.get("global") or self._pending)
         p = self._progress
         if p is None or p.epoch != self._epoch or p.finished:
-            return fresh_state(self._next_epoch(), self._workers_now())
+            return fresh_state(self._next_epoch(), self._workers_now(), *self._next_generator_states())
         return pass_state(p, protocol=self._protocol)
+
+    def _next_generator_states(self) -> tuple:
+        """``(generator_state, sampler_generator_state)`` for the next pass's start: the user's generator as it
+        is now (``seed=`` re-seeds its own each pass: none), and also as the sampler finds it where that pass
+        reuses persistent workers (no base seed drawn first)."""
+        if self.generator is None or self.seed is not None:
+            return None, None
+        state = self.generator.get_state()
+        return state, (state if self.persistent_workers and self._iterator is not None else None)
 
     def _workers_now(self) -> int:
         return self._auto_workers if self._auto_workers is not None else 0
@@ -151,4 +160,5 @@ class LoaderState:
         self._epoch_forced = True
         self._tell_dataset = True
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
-        self._pending = dict(state) if (state["batches"] > 0 or state.get("dataset")) else None
+        keep = state["batches"] > 0 or state.get("dataset") or state.get("generator_state") is not None
+        self._pending = dict(state) if keep else None

@@ -88,6 +88,26 @@ def test_a_later_pass_over_persistent_workers_resumes_exact(seeding, device):
     b.close()
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_state_taken_between_epochs_carries_the_users_generator(persistent):
+    """Between epochs (0 batches of the next handed out) the next order hangs on the user's generator, which
+    the first pass moved on: the state carries it, so the resumed epoch is the one the run would have had."""
+    def make(seed):
+        return DataLoader(Squares(), batch_size=3, shuffle=True, num_workers=2 if persistent else 0,
+                          persistent_workers=persistent, generator=torch.Generator().manual_seed(seed))
+
+    a = make(1)
+    run(a)
+    state = a.state_dict()
+    assert state["batches"] == 0 and state["generator_state"] is not None
+    following = run(a)
+    a.close()
+    b = make(99)
+    b.load_state_dict(state)
+    assert run(b) == following
+    b.close()
+
+
 def test_resume_of_finished_epoch_moves_on():
     dl = DataLoader(Squares(), batch_size=5, shuffle=True, seed=0)
     run(dl)
