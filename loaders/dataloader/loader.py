@@ -56,7 +56,7 @@ from loaders.dataloader.progress import Progress
 from loaders.dataloader.rawshm import RawCopies, pack_raw, unpacked
 from loaders.dataloader.returns import SegmentReturns
 from loaders.dataloader.shm import PooledCollate, recycling_available
-from loaders.dataloader.resume import IndexSampler, Plan
+from loaders.dataloader.resume import IndexSampler, Plan, skip_base_seed
 from loaders.dataloader.state import LoaderState
 from loaders.dataloader.stats import LoaderStats
 from loaders.dataloader.stock import SegmentStock, note_workers, stock_for_pass
@@ -216,6 +216,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._plan = Plan(skip, rng.sampler_rng if replay else None, rng, rng.sampler_generator if replay else None)
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
+        if self.seed is not None and self.persistent_workers and self._iterator is not None:
+            skip_base_seed(self.generator)  # a reset torch iterator draws none: seed + epoch alone sets the order
         collate, pin = self.collate_fn, self.pin_memory
         inner = collate
         returns, copies = transport

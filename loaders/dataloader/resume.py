@@ -32,7 +32,7 @@ from datapipe.order import elastic
 from datapipe.order.ranks import rank_world  # (rank, world_size) as the dataset (or its stream) sees them
 from datapipe.state import check_state
 
-__all__ = ["KIND", "RngRecord", "Plan", "IndexSampler", "fresh_state", "pass_state", "as_loadable",
+__all__ = ["KIND", "RngRecord", "Plan", "IndexSampler", "fresh_state", "pass_state", "as_loadable", "skip_base_seed",
            "check_local", "from_global", "rank_world", "record_order"]
 
 KIND = "DataLoader"  # the "kind" of its states (datapipe.state)
@@ -108,6 +108,12 @@ class IndexSampler:
 
     def __len__(self) -> int:
         return len(self.inner)
+
+
+def skip_base_seed(generator: torch.Generator) -> None:
+    """Draw from ``generator`` what a new torch iterator draws for its workers' base seed (a pass over persistent
+    workers resets theirs, which draws none): with ``seed=``, the order is then ``seed + epoch``'s alone."""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
 
 
 def fresh_state(epoch: int, num_workers: int, generator_state=None, sampler_generator_state=None) -> dict:

@@ -19,6 +19,22 @@ def test_seed_plus_epoch_and_set_epoch():
     assert len(dl) == len(e0)
 
 
+def test_seed_plus_epoch_alone_sets_the_order_over_persistent_workers_too():
+    def make(persistent):
+        return DataLoader(Squares(), batch_size=4, shuffle=True, seed=3, num_workers=2, persistent_workers=persistent)
+
+    a = make(True)
+    run(a)
+    later = run(a)  # epoch 1, over the workers of epoch 0 (a reset torch iterator: no base seed drawn)
+    a.close()
+    b, c = make(True), make(False)
+    b.set_epoch(1)
+    c.set_epoch(1)
+    assert later == run(b) == run(c)
+    b.close()
+    c.close()
+
+
 @pytest.mark.parametrize("workers,device", [(0, None), (2, None), (0, "cpu")])
 def test_map_style_resume_exact_without_loading_skipped(workers, device):
     kw = dict(batch_size=4, shuffle=True, num_workers=workers, seed=5, device=device)
