@@ -61,12 +61,30 @@ def constant_batches(inner):
     return inner
 
 
-def fast_fetch(it) -> None:
+def fast_fetch(it, *, draw_now: bool = False) -> None:
     """Give torch's single-process iterator ``it`` the batch fetcher above (where it holds torch's own
-    fetcher of an iterable dataset)."""
+    fetcher of an iterable dataset). ``draw_now`` (a prefetch thread will run ``it``): its sampler's first
+    index is drawn here, in the thread that made ``it``, right after its base seed, as torch's iterator
+    with workers does; in the thread it would race the draws of a pass made after it from the same
+    generator. An error of that draw is raised by the first ``next()``, as torch's would be."""
     fetcher = getattr(it, "_dataset_fetcher", None)
     if type(fetcher) is _IterableDatasetFetcher:
         fetcher.__class__ = _IterableBatchFetcher
+    elif draw_now and getattr(it, "_sampler_iter", None) is not None:
+        rest = it._sampler_iter
+        try:
+            first = next(rest)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - raised where torch raises it
+            it._sampler_iter = _raising(e)
+            return
+        it._sampler_iter = itertools.chain((first,), rest)
+
+
+def _raising(e: Exception):
+    raise e
+    yield  # a generator: raises at its first next()
 
 
 class Failed:

@@ -260,7 +260,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         note_workers(copies, it)
         rng.base_seed = getattr(it, "_base_seed", None)
         if workers == 0:
-            fast_fetch(it)
+            fast_fetch(it, draw_now=self.device is not None)
         return it
 
     def _pins_here(self, workers: int) -> bool:

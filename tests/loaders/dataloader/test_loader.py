@@ -364,6 +364,21 @@ def test_a_pass_left_and_dropped_ends_its_thread_before_the_next_pass_starts(wor
     assert ds.overlaps == 0 and len(firsts) == 1
 
 
+def test_two_passes_without_workers_draw_their_orders_in_the_order_they_were_made():
+    """Without workers the prefetch thread runs torch's iterator; the sampler's first draw is made as the pass is,
+    right after its base seed (as torch's iterator with workers draws it), not in the thread, where it raced the
+    next pass's draws from the same generator."""
+    def orders(cls, **kw):
+        dl = cls(list(range(20)), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(0), **kw)
+        a, b = iter(dl), iter(dl)
+        return tuple(next(a).tolist()), tuple(next(b).tolist())
+
+    torchs = orders(torch.utils.data.DataLoader)
+    seen = {orders(DataLoader, device="cpu") for _ in range(6)}
+    assert len(seen) == 1
+    assert next(iter(seen))[1] == torchs[1]  # the second pass's order is torch's (the same draws came before it)
+
+
 @pytest.mark.parametrize("where", ["pin", "cpu"])
 def test_passes_of_non_persistent_workers_run_side_by_side_in_threads_of_ours(monkeypatch, where):
     _fake_pinning(monkeypatch)
