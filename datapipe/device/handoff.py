@@ -10,6 +10,7 @@ GPU work runs on its own stream and the consumer's stream waits for it with an e
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,8 @@ __all__ = ["close_last", "CurrentStream", "PassThreads", "Producer", "ProducerMe
            "wait_and_keep"]
 
 _POLL_S = 0.05
+WAIT_NOTE_S = 30.0  # PassThreads.wait logs every this many seconds it waits
+log = logging.getLogger(__name__)
 _END = object()
 
 
@@ -281,15 +284,16 @@ class Producer(Iterator):
         if self._retirer is not None:
             self._retirer.clear()
 
-    def stopper(self) -> Callable[[], bool]:
-        """A function that stops this producer's thread and waits for it (at most ``join_s``), and says whether
-        it ended. It holds the thread, not the producer: dropping the producer still stops the thread."""
+    def stopper(self) -> Callable[..., bool]:
+        """A function that stops this producer's thread and waits for it (at most ``timeout`` seconds, default
+        ``join_s``), and says whether it ended. It holds the thread, not the producer: dropping the producer
+        still stops the thread."""
         thread, stop, join_s = self._thread, self._stop, self._join_s
 
-        def stop_and_wait() -> bool:
+        def stop_and_wait(timeout: float | None = None) -> bool:
             stop.set()
             if thread.is_alive() and threading.current_thread() is not thread:
-                thread.join(join_s)
+                thread.join(join_s if timeout is None else timeout)
             return not thread.is_alive()
 
         return stop_and_wait
@@ -336,15 +340,18 @@ class PassThreads:
         """A pass's ``iterator`` and its thread's :meth:`Producer.stopper`."""
         self._passes = [(ref, s) for ref, s in self._passes if ref() is not None] + [(weakref.ref(iterator), stop)]
 
-    def wait(self, *, live: bool = False) -> None:
-        """Stop the threads of the passes whose iterator is gone (``live``: every pass's) and wait for them."""
-        keep = []
-        for ref, stop in self._passes:
-            if ref() is not None and not live:
-                keep.append((ref, stop))
-            elif not stop():
-                raise RuntimeError("loaders.DataLoader: an earlier pass's prefetch thread did not stop in 30 s")
-        self._passes = keep
+    def wait(self) -> None:
+        """Stop the threads of the passes whose iterator is gone and wait for them, however long a dataset call
+        under way takes (torch's next pass waits for it too), saying so every :data:`WAIT_NOTE_S` seconds."""
+        for ref, stop in list(self._passes):
+            if ref() is not None:
+                continue
+            waited = 0.0
+            while not stop(WAIT_NOTE_S):
+                waited += WAIT_NOTE_S
+                log.warning("loaders.DataLoader: waiting for a pass left unfinished to let go of the dataset "
+                            "(%.0f s so far; its prefetch thread is inside a dataset call)", waited)
+            self._passes.remove((ref, stop))
 
 
 def threaded(iterable: Iterable, *, depth: int, name: str = "datapipe-producer", join_s: float = 60.0,

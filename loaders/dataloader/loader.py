@@ -216,8 +216,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._plan = Plan(skip, rng.sampler_rng if replay else None, rng, rng.sampler_generator if replay else None)
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
-        if self.seed is not None and self.persistent_workers and self._iterator is not None:
-            skip_base_seed(self.generator)  # a reset torch iterator draws none: seed + epoch alone sets the order
+        if (self.seed is not None or replay) and self.persistent_workers and self._iterator is not None:
+            skip_base_seed(self.generator)  # a reset torch iterator draws none: as a new one, whatever the history
         collate, pin = self.collate_fn, self.pin_memory
         inner = collate
         returns, copies = transport
@@ -438,9 +438,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._stock.clear()
 
     def _close_active(self) -> None:
-        """Stop the latest pass (its threads; workers unless persistent), and wait for every pass's prefetch thread."""
+        """Stop the latest pass (its threads; workers unless persistent), and wait for the threads of those dropped."""
         close_last(self._active)
-        self._threads.wait(live=True)
+        self._threads.wait()
 
     def __enter__(self) -> DataLoader:
         return self

@@ -110,10 +110,12 @@ class IndexSampler:
         return len(self.inner)
 
 
-def skip_base_seed(generator: torch.Generator) -> None:
-    """Draw from ``generator`` what a new torch iterator draws for its workers' base seed (a pass over persistent
-    workers resets theirs, which draws none): with ``seed=``, the order is then ``seed + epoch``'s alone."""
-    torch.empty((), dtype=torch.int64).random_(generator=generator)
+def skip_base_seed(generator: torch.Generator | None) -> None:
+    """Draw from ``generator`` (None: nothing) what a new torch iterator draws for its workers' base seed (a pass
+    over persistent workers resets theirs, which draws none): with ``seed=`` the order is then ``seed + epoch``'s
+    alone, and a resumed state meets the generator as it was saved, whatever ran before."""
+    if generator is not None:
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
 
 
 def fresh_state(epoch: int, num_workers: int, generator_state=None, sampler_generator_state=None) -> dict:

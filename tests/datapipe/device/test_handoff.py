@@ -323,3 +323,33 @@ def test_a_stopper_waits_for_the_thread_of_a_producer_already_dropped():
     assert inside.wait(5)
     assert stop() is True  # the thread has ended
     assert not ended.is_set()  # stopped early, not run to its end
+
+
+def test_pass_threads_wait_for_a_dropped_pass_however_long_and_say_so(monkeypatch, caplog):
+    """A dropped pass inside a long dataset call is waited for (torch's next pass would wait too), with a note
+    every WAIT_NOTE_S seconds; a pass still referenced is left running."""
+    import logging
+    import time
+
+    from datapipe.device import handoff
+
+    monkeypatch.setattr(handoff, "WAIT_NOTE_S", 0.1)
+
+    def slow():
+        time.sleep(0.35)  # one long item: the thread sees the stop only after it
+        yield 1
+
+    class Pass:
+        pass
+
+    threads = handoff.PassThreads()
+    kept, dropped = Pass(), Pass()
+    a, b = Producer(iter([1, 2]), depth=1), Producer(slow(), depth=1)
+    threads.add(kept, a.stopper())
+    threads.add(dropped, b.stopper())
+    del dropped
+    with caplog.at_level(logging.WARNING, logger=handoff.__name__):
+        threads.wait()
+    assert not b._thread.is_alive() and "waiting for a pass left unfinished" in caplog.text
+    assert len(threads._passes) == 1 and next(a) == 1  # the live one runs on
+    a.close()
