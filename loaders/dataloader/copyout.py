@@ -142,6 +142,11 @@ def _wait_through(pending) -> None:
         raise interrupted
 
 
+def _plain(view: memoryview, pairs) -> list[bytes]:
+    """Each leaf copied in the calling thread, a ``bytes`` of its own."""
+    return [bytes(view[offset:offset + n]) for offset, n in pairs]
+
+
 def copying_out(view: memoryview, spans, *, threads: int | None = None, fd: int | None = None, fd_offset: int = 0,
                 reads: int | None = None) -> tuple[list[bytes], Copying]:
     """The leaves :func:`copied_out` gives, and the copies into them still under way in the pool's threads
@@ -154,7 +159,7 @@ def copying_out(view: memoryview, spans, *, threads: int | None = None, fd: int 
     threads = copy_threads() if threads is None else threads
     reads = (read_threads() if reads is None else reads) if fd is not None else 0
     if max(threads, reads) < 2 or sum(n for _, n in pairs) < MIN_BATCH_BYTES:
-        return [bytes(view[offset:offset + n]) for offset, n in pairs], Copying()
+        return _plain(view, pairs), Copying()
     size = len(view)
     if any(offset < 0 or n < 0 or offset + n > size for offset, n in pairs):
         raise ValueError(f"loaders.DataLoader: a leaf lies outside its {size}-byte segment (an internal error; "
@@ -164,7 +169,7 @@ def copying_out(view: memoryview, spans, *, threads: int | None = None, fd: int 
         if reading is not None:
             return reading.values, _ReadOut(reading.futures, reading.values, view, pairs)
         if threads < 2:
-            return [bytes(view[offset:offset + n]) for offset, n in pairs], Copying()
+            return _plain(view, pairs), Copying()
     base = np.frombuffer(view, np.uint8).ctypes.data
     out: list[bytes] = []
     jobs: list[tuple[int, int, int]] = []

@@ -78,19 +78,27 @@ def test_a_span_outside_the_segment_is_refused(monkeypatch):
         copyout.copied_out(view, spans[:2] + [len(view) - 10, 100], threads=2)
 
 
-def test_worker_batches_copied_in_threads_come_out_exact(monkeypatch, tmp_path):
-    from datapipe import ShardStream, ShardWriter
-    from loaders import DataLoader
+def _written_shards(tmp_path, *, seed: int) -> list[dict]:
+    """300 samples of 0.5-40 KB written as 3 shards into ``tmp_path``; returns them."""
+    from datapipe import ShardWriter
 
-    monkeypatch.setattr(copyout, "copy_threads", lambda: 3)
-    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 1 << 16)
-    monkeypatch.setattr(copyout, "MIN_LEAF", 1024)
-    rnd = random.Random(1)
+    rnd = random.Random(seed)
     samples = [{"__key__": f"k{i:04d}", "bin": rnd.randbytes(rnd.randrange(500, 40_000)), "cls": str(i)}
                for i in range(300)]
     with ShardWriter(str(tmp_path / "s-%03d.tar"), max_count=100) as w:
         for s in samples:
             w.write(s)
+    return samples
+
+
+def test_worker_batches_copied_in_threads_come_out_exact(monkeypatch, tmp_path):
+    from datapipe import ShardStream
+    from loaders import DataLoader
+
+    monkeypatch.setattr(copyout, "copy_threads", lambda: 3)
+    monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 1 << 16)
+    monkeypatch.setattr(copyout, "MIN_LEAF", 1024)
+    samples = _written_shards(tmp_path, seed=1)
     calls = []
     real = copyout._copy
     monkeypatch.setattr(copyout, "_copy", lambda jobs: calls.append(len(jobs)) or real(jobs))
@@ -249,18 +257,13 @@ def test_read_threads_need_a_large_machine(monkeypatch):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_worker_batches_read_from_their_segments_files_come_out_exact(monkeypatch, tmp_path, workers):
-    from datapipe import ShardStream, ShardWriter
+    from datapipe import ShardStream
     from loaders import DataLoader
 
     monkeypatch.setattr(copyout, "read_threads", lambda: 3)
     monkeypatch.setattr(copyout, "copy_threads", lambda: 1)
     monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 1 << 16)
-    rnd = random.Random(3)
-    samples = [{"__key__": f"k{i:04d}", "bin": rnd.randbytes(rnd.randrange(500, 40_000)), "cls": str(i)}
-               for i in range(300)]
-    with ShardWriter(str(tmp_path / "s-%03d.tar"), max_count=100) as w:
-        for s in samples:
-            w.write(s)
+    samples = _written_shards(tmp_path, seed=3)
     reads = []
     real = copyout.start_spans
     monkeypatch.setattr(copyout, "start_spans", lambda *a, **k: reads.append(1) or real(*a, **k))
