@@ -101,6 +101,20 @@ def run_loop(batches, step, *, steps: int, warmup: int, every: int, device: torc
     return {"rate": units / wall, "wait_fraction": wait / wall, "step_ms": 1e3 * wall / steps}
 
 
+def _alloc_retries(device: torch.device) -> int:
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
+def _memory(device: torch.device, retries_before: int) -> dict:
+    """The caching allocator during a row: its retries (each frees cached blocks and waits for the GPU: a loop
+    short of memory), what it holds and what the device has free as the row ends."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"alloc_retries": _alloc_retries(device) - retries_before,
+            "reserved_gb": round(torch.cuda.memory_reserved(device) / 2**30, 1), "free_gb": round(free / 2**30, 1)}
+
+
 def _clone(batch):
     if isinstance(batch, dict):
         return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -188,9 +202,10 @@ class Bench:
                 self.cached[fmt] = _clone(next(feed))
             key = (fmt, loop, a.arch or cfg["arch"], cfg["compile"])
             before = self.last.get(key) or self.ceiling(fmt, loop, cfg)
+            retries = _alloc_retries(a.device)
             r = run_loop(feed, self.step(fmt, cfg), steps=a.steps, warmup=a.warmup, every=LOOPS[loop],
                          device=a.device, count=self.count(fmt))
-            chosen = decoder_choice(owner)
+            chosen = {**decoder_choice(owner), **_memory(a.device, retries)}
         except Exception as e:  # one broken loader must not cost the other rows
             traceback.print_exc()
             out = {**what, "error": repr(e)[:300]}
