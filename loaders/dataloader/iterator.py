@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -15,8 +16,8 @@ from torch.utils.data.dataloader import _InfiniteConstantSampler
 from loaders.dataloader.deaths import death, fatal, watch
 from loaders.dataloader.progress import Progress, count_samples
 
-__all__ = ["ConstantBatches", "Failed", "EpochSource", "LoaderIterator", "constant_batches", "fast_fetch", "pinned", "pins_for_cuda", "tagged_batches",
-           "shutdown"]
+__all__ = ["ConstantBatches", "Failed", "EpochSource", "LoaderIterator", "constant_batches", "fast_fetch", "pinned",
+           "pins_for_cuda", "tagged_batches", "shutdown"]
 
 
 class _IterableBatchFetcher(_IterableDatasetFetcher):
@@ -235,6 +236,8 @@ class LoaderIterator:
         self._loader = loader
         self._it = it
         self._p = progress
+        if progress.gate is not None:  # the pass is left once this iterator goes (dataloader.end_gate)
+            weakref.finalize(self, progress.gate.release)
 
     def __iter__(self):
         return self
@@ -243,6 +246,8 @@ class LoaderIterator:
         p = self._p
         if p.finished:
             raise StopIteration
+        if p.gate is not None:
+            p.gate.ask()
         t0 = p.stats.asked()
         try:
             batch, meta = next(self._it)
@@ -275,6 +280,8 @@ class LoaderIterator:
 
     def close(self) -> None:
         """Stop prefetching and shut the (non-persistent) workers of this iteration down."""
+        if self._p.gate is not None:
+            self._p.gate.release()
         close = getattr(self._it, "close", None)
         if close is not None:
             close()

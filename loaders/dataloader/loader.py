@@ -49,6 +49,7 @@ from datapipe.device.handoff import PassThreads, close_last, threaded
 from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
+from loaders.dataloader.end_gate import pass_gate
 from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
                                          pins_for_cuda, shutdown, tagged_batches)
@@ -213,7 +214,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     def _make_torch_iter(self, workers: int, p: Progress, transport, *, skip: int, replay: bool):
         self.num_workers = self._workers_said = workers
         rng = p.rng
-        self._plan = Plan(skip, rng.sampler_rng if replay else None, rng, rng.sampler_generator if replay else None)
+        replay_rng, replay_generator = (rng.sampler_rng, rng.sampler_generator) if replay else (None, None)
+        self._plan = Plan(skip, replay_rng, rng, replay_generator, p.gate)
         if rng.generator_state is not None and self.generator is not None:
             self.generator.set_state(rng.generator_state)
         if (self.seed is not None or replay) and self.persistent_workers and self._iterator is not None:
@@ -261,7 +263,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         rng.base_seed = getattr(it, "_base_seed", None)
         if workers == 0:
             fast_fetch(it, draw_now=self.device is not None)
-        return it
+        return it if p.gate is None else p.gate.arm(it)  # its first pulls made: the later ones wait where torch's would
 
     def _pins_here(self, workers: int) -> bool:
         """Whether a thread of ours pins a pass's batches (``iterator.pinned``), not torch: the prefetch thread with
@@ -307,10 +309,11 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                     times.append(time.perf_counter() - t0)
                     yield item
                 skip = start + len(times)
-                torch_it = None
                 self._decide_workers(times, p)
-                p.num_workers = self._auto_workers
-                torch_it = self._torch_iter(p.num_workers, p, transport, skip=skip, replay=True)
+                if p.gate is None or not p.gate.ends_within(skip, self._auto_workers, self.prefetch_factor):
+                    torch_it = None  # (else this iterator ends the pass: a new one would pull its end as it is made)
+                    p.num_workers = self._auto_workers
+                    torch_it = self._torch_iter(p.num_workers, p, transport, skip=skip, replay=True)
             elif self._iterable and not self._protocol:
                 for _ in range(start):  # replay: no way to skip without producing
                     if next(torch_it, _END) is _END:
@@ -342,8 +345,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         if self.num_workers != self._workers_said and self._iterator is None:  # set by the user, as torch allows
             self._auto_workers = self._workers_said = check_workers(self.num_workers)
             self.prefetch_factor = self.prefetch_factor or (2 if self._auto_workers else None)  # torch's own fails
-        if self._auto_workers is None and self._iterable:
-            self._choose_iterable_workers()
+        if self._auto_workers is None and self._iterable:  # num_workers="auto": start at the CPU/memory bound
+            self._auto["num_workers"] = d = workers_for_iterable(self.max_workers)
+            self._auto_workers = d["value"]
         workers = self._auto_workers if self._auto_workers is not None else 0
         epoch = self._pass_epoch()  # loaders.dataloader.state: this loader's, or the dataset's next fresh one
         if self.seed is not None:
@@ -357,6 +361,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         # thread of a CUDA process can abort on CUDA objects they inherit)
         skip = p.batches if not self._iterable else 0
         pins_here = self._pass_pins = self._pins_here(workers)
+        p.gate = pass_gate(self, p.batches) if self.device is not None or pins_here else None  # a thread runs ahead
         if self.persistent_workers and self._iterator is not None and dead(self._iterator):  # one died: all go,
             self._drop_persistent()  # new ones start
         transport = self._transport()
@@ -374,6 +379,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         if pins_here:
             stream = pinned(stream, self.pin_memory_device or None, returns=returns,
                             keep=self.persistent_workers, copy_stream=getattr(self._prefetcher, "stream", None))
+        stream = stream if p.gate is None else p.gate.watched(stream)  # closed as the thread ends
         if self.device is not None:
             self._prefetcher.depth = self._depth
             source = EpochSource()  # this pass's own: its producer thread takes it (passes may overlap)
@@ -388,12 +394,6 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self._active = weakref.ref(it)
         self._live.add(it)
         return it
-
-    def _choose_iterable_workers(self) -> None:
-        """num_workers="auto", iterable dataset: start at the CPU/memory bound."""
-        d = workers_for_iterable(self.max_workers)
-        self._auto_workers = d["value"]
-        self._auto["num_workers"] = d
 
     def _finish_epoch(self, p: Progress) -> None:
         """The pass ``p`` ran to its end: the next epoch follows; "auto" choices adapt."""
@@ -426,11 +426,11 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         the workers' recycled shared memory."""
         self._close_active()
         self._drop_persistent()
+        for it in list(self._live):  # other passes still running side by side (first: a thread may wait on one)
+            it.close()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
-        for it in list(self._live):  # other passes still running side by side
-            it.close()
         if self._returns is not None:  # the prefetch thread has stopped: the workers' segments go
             self._returns.clear()
         if self._raw is not None:

@@ -62,8 +62,8 @@ class PassStats:
 
 class Progress:
     """One pass: where it is (``epoch``, ``batches``, ``finished``) and its bookkeeping: ``stats``
-    (:class:`PassStats`), ``workers`` (the worker-state protocol's merge) and ``rng`` (what a resume
-    replays)."""
+    (:class:`PassStats`), ``workers`` (the worker-state protocol's merge), ``rng`` (what a resume
+    replays) and ``gate`` (an :class:`~loaders.dataloader.end_gate.EndGate`, or None)."""
 
     def __init__(self, epoch: int, batches: int, num_workers: int):
         self.epoch = epoch
@@ -73,6 +73,7 @@ class Progress:
         self.stats = PassStats()
         self.workers = WorkerStates(num_workers)
         self.rng = RngRecord()
+        self.gate = None  # where a thread runs torch's iterator ahead: its pulls' schedule (dataloader.end_gate)
 
 
 _LEAVES = frozenset({bytes, bytearray, memoryview, str, int, float, type(None)})

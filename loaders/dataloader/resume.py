@@ -61,12 +61,14 @@ class RngRecord:
 
 class Plan:
     """How the next ``iter()`` of the index sampler runs: batches to skip, the global RNG's and the loader's
-    generator's states to replay, and the record that notes them as the sampler's first draw finds them."""
+    generator's states to replay, the record that notes them as the sampler's first draw finds them, and the gate
+    its pulls go through (:mod:`loaders.dataloader.end_gate`)."""
 
-    __slots__ = ("skip", "replay", "record", "replay_generator")
+    __slots__ = ("skip", "replay", "record", "replay_generator", "gate")
 
-    def __init__(self, skip=0, replay=None, record: RngRecord | None = None, replay_generator=None):
+    def __init__(self, skip=0, replay=None, record: RngRecord | None = None, replay_generator=None, gate=None):
         self.skip, self.replay, self.record, self.replay_generator = skip, replay, record, replay_generator
+        self.gate = gate  # the pass's loaders.dataloader.end_gate.EndGate, or None
 
 
 class IndexSampler:
@@ -81,7 +83,11 @@ class IndexSampler:
     def __iter__(self):
         loader = self._loader()  # torch may call iter() twice while making one iterator
         plan = loader._plan if loader is not None else Plan()
-        return self._run(iter(self.inner), plan, getattr(loader, "generator", None))
+        it = self._run(iter(self.inner), plan, getattr(loader, "generator", None))
+        if plan.gate is None:
+            return it
+        return plan.gate.pulls(it, first=plan.skip + 1, workers=loader.num_workers,
+                               prefetch_factor=loader.prefetch_factor)
 
     @staticmethod
     def _run(it, plan: Plan, generator=None):

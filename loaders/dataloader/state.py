@@ -93,6 +93,7 @@ class LoaderState:
         reuses persistent workers (no base seed drawn first)."""
         if self.generator is None or self.seed is not None:
             return None, None
+        self._threads.wait()  # a pass left unfinished: its thread's draws are settled first (dataloader.end_gate)
         state = self.generator.get_state()
         return state, (state if self.persistent_workers and self._iterator is not None else None)
 
