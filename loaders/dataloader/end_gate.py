@@ -218,7 +218,7 @@ class GatedPulls:
 
     def __init__(self, gate: EndGate, it, first: int, lead: int):
         self._gate, self._it, self._next, self.lead = gate, it, first, lead
-        self._bundled = first if first > 1 else 0  # a resumed pass's first pull makes those of the batches it skips
+        self._first = first  # a resumed pass's first pull skips the batches before it first (torch made those)
         self.armed = False
 
     def __iter__(self):
@@ -229,8 +229,11 @@ class GatedPulls:
         self._next = pull + 1
         if self.armed and pull == gate.end and not gate._wait(pull, self.lead):
             raise StopIteration  # the pass was left first: torch would not have made this pull
+        if pull == self._first:
+            for _ in range(pull - 1):
+                next(self._it)
         # before arm(), only a pass's very first pull may be one torch makes later (without workers)
-        if (self.armed or pull == 1) and pull != self._bundled and gate._records(pull, self.lead, self.armed):
+        if (self.armed or pull == self._first) and gate._records(pull, self.lead, self.armed):
             return gate._recorded(self._it, pull, self.lead)
         return next(self._it)
 

@@ -83,14 +83,15 @@ class IndexSampler:
     def __iter__(self):
         loader = self._loader()  # torch may call iter() twice while making one iterator
         plan = loader._plan if loader is not None else Plan()
-        it = self._run(iter(self.inner), plan, getattr(loader, "generator", None))
+        generator = getattr(loader, "generator", None)
         if plan.gate is None:
-            return it
-        return plan.gate.pulls(it, first=plan.skip + 1, workers=loader.num_workers,
-                               prefetch_factor=loader.prefetch_factor)
+            return self._run(iter(self.inner), plan, generator, plan.skip)
+        # the gate skips the batches itself: the draws of the pass's own first pull are then told from theirs
+        return plan.gate.pulls(self._run(iter(self.inner), plan, generator, 0), first=plan.skip + 1,
+                               workers=loader.num_workers, prefetch_factor=loader.prefetch_factor)
 
     @staticmethod
-    def _run(it, plan: Plan, generator=None):
+    def _run(it, plan: Plan, generator, skip: int):
         if generator is not None and plan.replay_generator is not None:
             generator.set_state(plan.replay_generator)
         elif generator is not None and plan.record is not None:
@@ -105,9 +106,9 @@ class IndexSampler:
             first = next(it, _END)
         if first is _END:
             return
-        if plan.skip == 0:
+        if skip == 0:
             yield first
-        for _ in range(plan.skip - 1):
+        for _ in range(skip - 1):
             if next(it, _END) is _END:
                 return
         yield from it

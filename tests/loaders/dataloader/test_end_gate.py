@@ -109,6 +109,48 @@ def test_a_resumed_pass_left_near_its_end_is_followed_by_torchs_next_pass(worker
     assert bad == []
 
 
+@pytest.mark.parametrize("sampler", ["shuffle", "replacement"])
+def test_a_resumed_pass_left_before_its_first_next_draws_nothing_torch_had_not(sampler):
+    """Without workers a resumed pass makes its first pull as it is made, past the batches it skips: where that pull
+    draws (the end pull of a state taken after the last batch, or a ``replacement=True`` draw every 4 batches of 8),
+    a pass left before its first ``next()`` puts the draw back, as torch's run left at that batch never made it."""
+    if sampler == "shuffle":
+        ds, positions = list(range(38)), range(1, 11)
+
+        def make(cls, **extra):
+            return cls(ds, batch_size=B, shuffle=True, generator=torch.Generator().manual_seed(3), **extra)
+    else:
+        ds, positions = list(range(80)), range(1, 11)  # batches of 8: draws in pulls 1, 5 and 9
+
+        def make(cls, **extra):
+            g = torch.Generator().manual_seed(5)
+            return cls(ds, batch_size=8, sampler=tud.RandomSampler(ds, replacement=True, generator=g), generator=g,
+                       **extra)
+
+    def resumed_left_unread(k):
+        dl = make(DataLoader, device="cpu")
+        it = iter(dl)
+        for _ in range(k):
+            next(it)
+        state = dl.state_dict()
+        del it
+        dl.close()
+        again = make(DataLoader, device="cpu")
+        again.load_state_dict(state)
+        it = iter(again)
+        del it
+        out = [b.clone() for b in again]
+        again.close()
+        return out
+
+    bad = []
+    for k in positions:
+        got, want = resumed_left_unread(k), left_then_whole(lambda: make(tud.DataLoader), k)
+        if len(got) != len(want) or not all(torch.equal(x, y) for x, y in zip(got, want)):
+            bad.append(k)
+    assert bad == []
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_sampler_with_replacement_drawing_as_it_goes_is_rewound_to_torchs_draws(workers):
     """``RandomSampler(replacement=True)`` draws every 32 samples: the draws of pulls torch had not made when the pass
