@@ -104,6 +104,7 @@ class EndGate:
                  as_it_goes: bool = False):
         self.end = end
         self.asked = start  # batches the consumer has asked for, counted from the epoch's first
+        self.held = 0  # pulls that waited for the consumer (the end pull's alone: at most one)
         self._cond = threading.Condition()
         self._released = self._done = self._settled = False
         self._latest: GatedPulls | None = None
@@ -168,6 +169,7 @@ class EndGate:
     def _wait(self, pull: int, lead: int) -> bool:
         """Wait until torch would make pull ``pull``; False: the pass was left first (no pull)."""
         with self._cond:
+            self.held += not self._allowed(pull, lead)
             while not self._allowed(pull, lead):
                 if self._released:
                     return False
