@@ -37,12 +37,13 @@ def differ(make_ours, make_torchs, positions) -> list:
     return bad
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("samples", [40, 38])  # 10 batches: the last one whole (the extra draw after it) or short
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
-def test_the_pass_after_one_left_at_any_batch_is_torchs(samples, workers, persistent):
+def test_the_pass_after_one_left_at_any_batch_is_torchs(samples, workers, persistent, device):
     ds = list(range(samples))
     kw = dict(batch_size=B, shuffle=True, num_workers=workers, persistent_workers=persistent)
-    ours = lambda: DataLoader(ds, generator=torch.Generator().manual_seed(7), device="cpu", **kw)  # noqa: E731
+    ours = lambda: DataLoader(ds, generator=torch.Generator().manual_seed(7), device=device, **kw)  # noqa: E731
     torchs = lambda: tud.DataLoader(ds, generator=torch.Generator().manual_seed(7), **kw)  # noqa: E731
     assert differ(ours, torchs, range(len(torchs()) + 1)) == []
 
@@ -215,14 +216,3 @@ def test_the_held_pull_costs_the_consumer_one_wait_a_pass_at_most(workers, sampl
         held.append(it._p.gate.held)
     assert max(held) <= 1 and sum(held) >= 3, held
     dl.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("samples", [40, 38])
-@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
-def test_gpu_the_pass_after_one_left_at_any_batch_is_torchs(samples, workers, persistent):
-    ds = list(range(samples))
-    kw = dict(batch_size=B, shuffle=True, num_workers=workers, persistent_workers=persistent)
-    ours = lambda: DataLoader(ds, generator=torch.Generator().manual_seed(7), device="cuda", **kw)  # noqa: E731
-    torchs = lambda: tud.DataLoader(ds, generator=torch.Generator().manual_seed(7), **kw)  # noqa: E731
-    assert differ(ours, torchs, range(len(torchs()) + 1)) == []
