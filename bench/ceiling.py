@@ -110,7 +110,7 @@ def _memory(device: torch.device, retries_before: int) -> dict:
     short of memory), what it holds and what the device has free as the row ends."""
     if device.type != "cuda":
         return {}
-    free, total = torch.cuda.mem_get_info(device)
+    free, _ = torch.cuda.mem_get_info(device)
     return {"alloc_retries": _alloc_retries(device) - retries_before,
             "reserved_gb": round(torch.cuda.memory_reserved(device) / 2**30, 1), "free_gb": round(free / 2**30, 1)}
 

@@ -59,6 +59,11 @@ def end_pull(index_sampler) -> tuple[int | None, object]:
     return (n if short else n + 1), sampler
 
 
+def torch_lead(workers: int, prefetch_factor: int | None) -> int:
+    """The index pulls torch's iterator makes ahead of its consumer: ``prefetch_factor`` a worker, none without."""
+    return workers * (prefetch_factor or 2) if workers else 0
+
+
 def _generator(sampler) -> torch.Generator | None:
     g = getattr(sampler, "generator", None)
     return g if isinstance(g, torch.Generator) else None
@@ -131,7 +136,7 @@ class EndGate:
     def pulls(self, it, *, first: int, workers: int, prefetch_factor: int | None) -> GatedPulls:
         """``it`` (the index sampler's iterator, its first item batch ``first`` of the epoch) pulled through this
         gate by a torch iterator with ``workers`` workers. Its pulls never wait until :meth:`arm`."""
-        lead = workers * (prefetch_factor or 2) if workers else 0
+        lead = torch_lead(workers, prefetch_factor)
         with self._cond:
             if self._taken is not None:
                 self._taken.clear()
@@ -149,7 +154,7 @@ class EndGate:
     def ends_within(self, skip: int, workers: int, prefetch_factor: int | None) -> bool:
         """Whether a torch iterator of ``workers`` workers made now, from batch ``skip + 1``, would make the end
         pull as it is made (where nothing may hold it)."""
-        made = workers * (prefetch_factor or 2) if workers else 1
+        made = torch_lead(workers, prefetch_factor) or 1  # without workers: the first pull, made with the pass
         return self.end is not None and self.end <= skip + made
 
     def watched(self, stream):
