@@ -168,18 +168,28 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
                 if src is not None:
                     stream.load_state_dict({**src, "first_worker": resume["first_worker"]})
                     self._saved_sources[i] = src
-        if resume is not None and resume["first_worker"]:
-            for i, stream in enumerate(self.streams):  # unread streams still read the logical worker's share
-                if (saved is None or position["sources"][i] is None) and callable(getattr(stream, "state_dict", None)):
-                    stream.load_state_dict({"epoch": position["epochs"][i], "num_workers": resume["num_workers"],
-                                            "workers": {}, "first_worker": resume["first_worker"]})
+        for i in range(n):  # unread streams still read the logical worker's share
+            if saved is None or position["sources"][i] is None:
+                self._logical_share(i, position["epochs"][i], resume)
         self._position, self._logical, self._num_workers = position, logical, num_workers
         sources = [self._source(i, position) for i in range(n)]
         self._generation = generation
         key = (derive_seed(self.seed, self.epoch, logical) if generation == 0 else
                derive_seed(self.seed, self.epoch, logical, self._rank_world()[1], max(1, num_workers), generation))
-        yield from mix_draws(sources, self.weights, key=key, stop=self.stop, position=position,
-                             set_epoch=self._set_stream_epoch)
+
+        def restart(i: int, epoch: int) -> None:  # a restarted stream reads the logical worker's share too
+            self._set_stream_epoch(i, epoch)
+            self._logical_share(i, epoch, resume)
+
+        yield from mix_draws(sources, self.weights, key=key, stop=self.stop, position=position, set_epoch=restart)
+
+    def _logical_share(self, i: int, epoch: int, resume: dict | None) -> None:
+        """Points stream ``i``'s next pass (at ``epoch``) at the logical worker's share from its start, where a
+        resume maps this physical worker to another logical one (the stream alone would read the physical's)."""
+        stream = self.streams[i]
+        if resume is not None and resume["first_worker"] and callable(getattr(stream, "state_dict", None)):
+            stream.load_state_dict({"epoch": epoch, "num_workers": resume["num_workers"], "workers": {},
+                                    "first_worker": resume["first_worker"]})
 
     def _source(self, i: int, position: dict[str, Any]) -> Iterable:
         """Stream ``i``; a stream without state resumes by skipping the items it had given."""

@@ -165,3 +165,41 @@ def test_what_an_epoch_holds_is_stated_and_stop_all_holds_everything_on_any_work
     assert "neither num_workers nor world size" in mix([[1]], weights=[1], stop="all").stats()["epoch_holds"]
     lengths = {len(keys("first", 0)), len(keys("first", 1)), len(keys("first", 2))}
     assert all(0 < n < 116 for n in lengths)  # never both streams whole
+
+
+def _mix_loader(urls_a, urls_b, workers, stop):
+    """A mix of two shuffled ShardStreams (keys only) in loaders.DataLoader."""
+    import loaders
+
+    a = ShardStream(urls_a, shuffle=True, shuffle_buffer=8, seed=0).map(_key)
+    b = ShardStream(urls_b, shuffle=True, shuffle_buffer=8, seed=1).map(_key)
+    return loaders.DataLoader(mix([a, b], weights=[0.7, 0.3], seed=0, stop=stop), batch_size=4,
+                              num_workers=workers)
+
+
+def _key(sample):
+    return sample["__key__"]
+
+
+@pytest.mark.parametrize("stop", ["restart", "first", "all"])
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_resumes_exactly_in_dataloader_workers(tmp_path, workers, stop):
+    """Resumed after any batch (under "restart": before and after the short stream restarted in each worker, and
+    with the next batch's worker not worker 0): the rest is the uninterrupted rest."""
+    ua, _ = write_shards(tmp_path / "a", [13, 11, 9, 7], prefix="a")
+    ub, _ = write_shards(tmp_path / "b", [6, 5], prefix="b")
+    full = [k for batch in _mix_loader(ua, ub, workers, stop) for k in batch]
+    if stop == "restart":  # b ran out and restarted in every worker while a went on
+        b_counts = collections.Counter(k for k in full if k[0] == "b")
+        assert len(full) > 51 and len(b_counts) == 11 and max(b_counts.values()) >= 2
+    bad = []
+    for k in range(1, len(full) // 4):
+        loader = _mix_loader(ua, ub, workers, stop)
+        it = iter(loader)
+        head = [key for _ in range(k) for key in next(it)]
+        state = loader.state_dict()
+        resumed = _mix_loader(ua, ub, workers, stop)
+        resumed.load_state_dict(state)
+        if head + [key for batch in resumed for key in batch] != full:
+            bad.append(k)
+    assert bad == []
