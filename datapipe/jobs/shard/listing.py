@@ -200,37 +200,72 @@ def _unique(key: str, keys: set) -> str:
     return out
 
 
-def list_file_list(url: str, path_field: str, label_field: str, storage_options):
-    fs, path = filesystem(url, storage_options)
-    base = posixpath.dirname(url)
-    rows: list[tuple[str, Any]] = []
-    skipped: list[dict] = []
-    with fs.open(path, "rb") as f:
-        raw = f.read()
+_MISSING = object()  # a row without the field at all (a short CSV row, a JSONL record without the key)
+
+
+def _list_rows(url: str, raw: bytes, path_field: str, label_field: str):
+    """A list's rows as ``(line, path, label)``, its bad lines as ``(line, error)``, and whether it has labels:
+    a CSV whose header names ``label_field``, a JSONL list of which a record has it."""
+    rows: list[tuple[int, Any, Any]] = []
+    bad: list[tuple[int, str]] = []
     if url.endswith(".csv"):
-        text = raw.decode("utf-8", errors="replace")
-        reader = csv.DictReader(io.StringIO(text))
+        reader = csv.DictReader(io.StringIO(raw.decode("utf-8", errors="replace")), restval=_MISSING)
         if not reader.fieldnames or path_field not in reader.fieldnames:
             raise ValueError(f"{url}: the CSV needs a header row with a {path_field!r} column "
                              f"(and optionally {label_field!r}); found {reader.fieldnames}")
-        rows = [(r[path_field], r.get(label_field)) for r in reader]
-    else:
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line.decode("utf-8"))
-                rows.append((rec[path_field], rec.get(label_field)))
-            except (ValueError, KeyError, TypeError) as e:
-                skipped.append({"item": f"{url}:{n}", "error": f"bad list line: {type(e).__name__}: {e}"})
-    labels = [lab for _, lab in rows if lab not in (None, "")]
+        rows = [(reader.line_num, r[path_field], r.get(label_field, _MISSING)) for r in reader]
+        return rows, bad, label_field in reader.fieldnames
+    labeled = False
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+            rows.append((n, rec[path_field], rec.get(label_field, _MISSING)))
+        except (ValueError, KeyError, TypeError) as e:
+            bad.append((n, f"bad list line: {type(e).__name__}: {e}"))
+            continue
+        labeled = labeled or label_field in rec
+    return rows, bad, labeled
+
+
+def _row_problem(rel: Any, lab: Any, labeled: bool, path_field: str, label_field: str) -> str | None:
+    """Why a list row cannot be written (no path; in a list with labels, no label), or None."""
+    if rel is _MISSING or rel is None or (isinstance(rel, str) and not rel.strip()):
+        return f"{'empty' if isinstance(rel, str) else 'missing'} {path_field!r}"
+    if not isinstance(rel, str):
+        return f"{path_field!r} is not a string: {rel!r}"
+    if labeled and (lab is _MISSING or lab is None):
+        return f"{rel}: missing {label_field!r} (the list has labels)"
+    if labeled and isinstance(lab, str) and not lab.strip():
+        return f"{rel}: empty {label_field!r} (the list has labels)"
+    return None
+
+
+def list_file_list(url: str, path_field: str, label_field: str, storage_options):
+    """The items of a CSV/JSONL list. In a list with labels, a row without one is skipped (never written
+    without ``cls``); labels are indexed from the rows kept: integers as they are, names in sorted order."""
+    fs, path = filesystem(url, storage_options)
+    base = posixpath.dirname(url)
+    with fs.open(path, "rb") as f:
+        raw = f.read()
+    rows, bad, labeled = _list_rows(url, raw, path_field, label_field)
+    kept: list[tuple[str, Any]] = []
+    for n, rel, lab in rows:
+        problem = _row_problem(rel, lab, labeled, path_field, label_field)
+        if problem:
+            bad.append((n, problem))
+        else:
+            kept.append((rel, lab if labeled else None))
+    skipped = [{"item": f"{url}:{n}", "error": error} for n, error in sorted(bad)]
+    labels = [lab for _, lab in kept if lab is not None]
     numeric = all(re.fullmatch(r"-?\d+", str(lab).strip()) for lab in labels)
     classes = None if numeric or not labels else sorted({str(lab) for lab in labels})
     index = {c: i for i, c in enumerate(classes or [])}
     items, sizes, keys = [], [], set()
-    for rel, lab in rows:
+    for rel, lab in kept:
         ext = image_ext(rel) or "jpg"
-        label = None if lab in (None, "") else (int(str(lab).strip()) if numeric else index[str(lab)])
+        label = None if lab is None else (int(str(lab).strip()) if numeric else index[str(lab)])
         items.append([_join(base, rel), label, _unique(make_key(rel), keys), ext])
         sizes.append(0)
     return items, classes, skipped, sizes

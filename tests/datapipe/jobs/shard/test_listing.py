@@ -1,8 +1,13 @@
 import json
 
+import pytest
+
+from datapipe import ShardStream
+from datapipe.cli import main
 from datapipe.jobs.shard.listing import detect_kind, make_key
 from datapipe.jobs.shard.readers import iter_partition
 from datapipe.jobs.shard.sources import open_source
+from datapipe.tools.synthetic import iter_image_samples
 
 
 def test_make_key_drops_extension_and_odd_characters():
@@ -50,3 +55,77 @@ def test_list_labels_and_paths(tmp_path):
     assert len(src.skipped) == 1 and "list.jsonl:3" in src.skipped[0]["item"]
     records = list(iter_partition(src.partitions[0]))
     assert all(r.sample is None and "cannot read" in r.error for r in records)  # files do not exist
+
+
+def _write_list(path, rows):
+    """A CSV (rows: lines) or JSONL (rows: records) list file."""
+    if str(path).endswith(".csv"):
+        path.write_text("\n".join(rows) + "\n")
+    else:
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+# a list with labels: rows 3, 4 and 5 have an empty label, none at all, or a label but no path
+LABELED = {
+    "list.csv": ["path,label", "a/x.jpg,cat", "b/y.jpg,", "c/z.jpg", ",bird", "d/w.jpg,dog"],
+    "list.jsonl": [{"path": "a/x.jpg", "label": "cat"}, {"path": "b/y.jpg", "label": ""}, {"path": "c/z.jpg"},
+                   {"path": "", "label": "bird"}, {"path": "d/w.jpg", "label": "dog"}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LABELED))
+def test_list_rows_without_label_or_path_are_skipped_with_a_record(tmp_path, name):
+    _write_list(tmp_path / name, LABELED[name])
+    src = open_source(str(tmp_path / name))
+    items = src.partitions[0]["items"]
+    assert [(i[1], i[2]) for i in items] == [(0, "a/x"), (1, "d/w")]
+    assert src.classes == ["cat", "dog"]  # "bird" is only on a skipped row
+    first = 2 if name.endswith(".csv") else 1  # a CSV's header is its line 1
+    assert [s["item"] for s in src.skipped] == [f"{tmp_path / name}:{first + n}" for n in (1, 2, 3)]
+    errors = [s["error"] for s in src.skipped]
+    assert "b/y.jpg" in errors[0] and "empty 'label'" in errors[0]
+    assert "c/z.jpg" in errors[1] and "missing 'label'" in errors[1]
+    assert "'path'" in errors[2]
+
+
+@pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
+def test_list_integer_labels_come_from_the_kept_rows(tmp_path, name):
+    rows = (["path,label", "a.jpg,3", "b.jpg,1", ",bird", "c.jpg,"] if name.endswith(".csv") else
+            [{"path": "a.jpg", "label": 3}, {"path": "b.jpg", "label": "1"}, {"path": None, "label": "bird"},
+             {"path": "c.jpg", "label": None}])
+    _write_list(tmp_path / name, rows)
+    src = open_source(str(tmp_path / name))
+    assert src.classes is None and [i[1] for i in src.partitions[0]["items"]] == [3, 1]
+    assert len(src.skipped) == 2
+
+
+@pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
+def test_list_without_a_label_column_gives_unlabeled_samples(tmp_path, name):
+    rows = ["path", "a/x.jpg", "b/y.jpg"] if name.endswith(".csv") else [{"path": "a/x.jpg"}, {"path": "b/y.jpg"}]
+    _write_list(tmp_path / name, rows)
+    src = open_source(str(tmp_path / name))
+    assert src.classes is None and src.skipped == []
+    assert [(i[1], i[2]) for i in src.partitions[0]["items"]] == [(None, "a/x"), (None, "b/y")]
+
+
+@pytest.mark.parametrize("name", ["l.csv", "l.jsonl"])
+def test_shard_list_with_unlabeled_rows_reports_them_and_strict_fails(tmp_path, name):
+    """The user trial: rows without a label are skipped and listed, never written without ``cls``."""
+    for i, s in enumerate(iter_image_samples(3, num_classes=1, size=(20, 16))):
+        (tmp_path / "photos").mkdir(exist_ok=True)
+        (tmp_path / "photos" / f"{i}.jpg").write_bytes(s["jpg"])
+    rows = (["path,label", "photos/0.jpg,cat", "photos/1.jpg,", "photos/2.jpg", ",bird"] if name.endswith(".csv")
+            else [{"path": "photos/0.jpg", "label": "cat"}, {"path": "photos/1.jpg", "label": ""},
+                  {"path": "photos/2.jpg"}, {"path": "", "label": "bird"}])
+    _write_list(tmp_path / name, rows)
+    out = tmp_path / "out"
+    assert main(["shard", str(tmp_path / name), str(out), "--workers", "1", "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["samples"] == 1 and report["num_skipped"] == 3 and len(report["skipped"]) == 3
+    assert json.loads((out / "manifest.json").read_text())["num_skipped"] == 3
+    assert json.loads((out / "classes.json").read_text()) == ["cat"]
+    samples = list(ShardStream(str(out)))
+    assert [(s["__key__"], s["cls"]) for s in samples] == [("photos/0", b"0")]
+    strict = tmp_path / "strict"
+    assert main(["shard", str(tmp_path / name), str(strict), "--strict", "--no-progress"]) == 1
+    assert not (strict / "manifest.json").exists()
