@@ -1,6 +1,7 @@
 """``TokenLoader``: tokenised documents from shards -> packed (or token-budget) batches on the device."""
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import time
@@ -54,6 +55,10 @@ class TokenLoader:
     of the epoch are counted in ``stats()``. ``state_dict()`` is exact for the batches handed out,
     not the ones prefetched. Bad documents follow the stream's ``on_error``.
 
+    Epochs follow ``loaders.DataLoader``'s rule (:mod:`datapipe.order.shared_epoch`): every pass (one left
+    early too) is the stream's next epoch, reshuffled, unless an epoch was chosen (``set_epoch``, a loaded
+    state, ``stream.set_epoch``). Between passes ``state_dict()`` is the start of the next epoch.
+
     Args:
         source: a URL pattern, a list of URLs, a folder, or a :class:`datapipe.ShardStream` (used as it
             is: its shuffle, seed, rank, ``on_error``, storage and cache settings). From URLs the loader
@@ -98,7 +103,10 @@ class TokenLoader:
                                               pad_to_multiple_of=packing.pad_to_multiple_of,
                                               seed=derive_seed(self.stream.seed, 0, "token_budget"),
                                               pad_id=packing.pad_id)
-        self._delivered: dict[str, Any] | None = None  # snapshot after the last batch handed out
+        self._epoch_start_batcher = self.batcher.state_dict()  # the batcher's state before any document
+        self._between_passes = True  # no pass under way: none yet, the last ran to its end, or set_epoch since
+        self._pass_start: dict[str, Any] | None = None  # the state the pass under way started from
+        self._delivered: dict[str, Any] | None = None  # snapshot after the last batch handed out in it
         self._resume: dict[str, Any] | None = None
         self._stats = {"batches": 0, "tokens": 0, "dropped_tail_batches": 0,
                        "wait_s": 0.0, "elapsed_s": 0.0}
@@ -151,20 +159,33 @@ class TokenLoader:
     def __iter__(self) -> Iterator[dict]:
         """One pass (an epoch, or its rest after a resume); one pass at a time: a new one stops the last."""
         close_last(self._last_pass)  # one pass at a time: the last one's producer thread stops first
-        batches = self._pass()
+        batches = self._pass(self._begin_pass())
         self._last_pass = weakref.ref(batches)
         return batches
 
-    def _pass(self) -> Iterator[dict]:
+    def _begin_pass(self) -> int:
+        """The pass's epoch and start: a loaded state's, else the stream's next epoch (every pass begun counts,
+        :meth:`datapipe.order.shared_epoch.SharedEpoch.begin_pass`). Returns the epoch's batches handed out."""
         resume, self._resume = self._resume, None
         if resume is not None:
-            self.stream.load_state_dict(resume["stream"])
+            self.stream.load_state_dict(resume["stream"])  # chooses the state's epoch
             self.batcher.load_state_dict(resume["batcher"], skip_consumed=False)
-            self._stats["batches"] = int(resume.get("batches", 0))
-        else:
-            self._stats["batches"] = 0
+        epoch = self.stream.begin_pass()
+        self._pass_start = resume if resume is not None else self._epoch_start(epoch)
+        self._delivered = None
+        self._between_passes = False
+        return int(self._pass_start.get("batches", 0))
+
+    def _epoch_start(self, epoch: int) -> dict:
+        """The state of the start of ``epoch``: nothing read, nothing packed."""
+        from loaders.images.epochs import stream_start
+
+        return {"stream": stream_start(self.stream.state_dict(), epoch),
+                "batcher": copy.deepcopy(self._epoch_start_batcher), "batches": 0}
+
+    def _pass(self, batches_before: int) -> Iterator[dict]:
         # this pass's counts start here (batches, like the batcher's counters, are the epoch's: a resume restores them)
-        self._stats.update(tokens=0, wait_s=0.0, elapsed_s=0.0, dropped_tail_batches=0)
+        self._stats.update(batches=batches_before, tokens=0, wait_s=0.0, elapsed_s=0.0, dropped_tail_batches=0)
         self._bad_at_start = self._errors.skipped
         group = self._sync_group()
         prefetcher = DevicePrefetcher(self._produce(), device=self.device, depth=self.prefetch_depth)
@@ -197,6 +218,7 @@ class TokenLoader:
                         item = None
                 if item is None:
                     self._stats["elapsed_s"] = time.perf_counter() - start  # the last wait counted too
+                    self._between_passes = True  # ran to its end: the state is the next epoch's start
                     break
                 batch, snapshot = item
                 if group is not None:  # the next batch, and the ranks' agreement on it, while this one trains
@@ -224,22 +246,32 @@ class TokenLoader:
 
     # ---- state ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
+        """The epoch of the next pass; the passes after it count on from it. A loaded state of another epoch is
+        dropped (one of that epoch is kept), as ``loaders.DataLoader`` does."""
+        if self._resume is not None and int(self._resume["stream"]["epoch"]) != int(epoch):
+            self._resume = None
         self.stream.set_epoch(epoch)
-        self._delivered = None
+        self._between_passes = True
 
     def state_dict(self) -> dict:
-        """The position after the last batch handed out (the prefetched ones are replayed on resume).
+        """The position after the last batch handed out (the prefetched ones are replayed on resume); between
+        passes (the last ran to its end, or ``set_epoch`` since) the start of the next epoch, ``batches`` 0.
 
         Names the rank and world size it was taken on; the states of all ranks merge into one global
         state (``datapipe.order.elastic.merge_states`` / ``gather_state``) that resumes on any world size.
         """
         rank, world = rank_world(self.stream)
-        if self._delivered is None:
-            out = {"stream": self.stream.state_dict(), "batcher": self.batcher.state_dict(), "batches": 0}
+        if self._resume is not None:  # loaded, not iterated yet
+            out = self._resume
+        elif self._between_passes:
+            out = self._epoch_start(self.stream.next_pass_epoch())
+        elif self._delivered is None:
+            out = self._pass_start
         else:
             snap = self._delivered["snapshot"]
             out = {"stream": snap["stream"], "batcher": self.batcher.state_dict(snap["batcher"]),
                    "batches": self._delivered["batches"]}
+        out = {"stream": out["stream"], "batcher": out["batcher"], "batches": int(out.get("batches", 0))}
         return {"kind": "TokenLoader", **out, "rank": rank, "world_size": world, "epoch": out["stream"]["epoch"]}
 
     def load_state_dict(self, state: dict | list[dict]) -> None:

@@ -184,12 +184,17 @@ def test_bad_documents_raise_or_are_counted(tmp_path):
 def _ddp_worker(rank, world, port, urls, out):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     loader = tl(urls, seq_len=64, batch_size=2, buffer_size=8)
-    count = 0
-    for batch in loader:
-        t = torch.ones(1)
-        torch.distributed.all_reduce(t)  # a training step's collective: hangs if ranks disagree
-        count += 1
-    torch.save({"batches": count, "dropped": loader.stats()["dropped_tail_batches"]}, os.path.join(out, f"{rank}.pt"))
+    counts, dropped, firsts = [], 0, []
+    for _ in range(2):  # two epochs, each reshuffled
+        count = 0
+        for batch in loader:
+            t = torch.ones(1)
+            torch.distributed.all_reduce(t)  # a training step's collective: hangs if ranks disagree
+            firsts += [batch["input_ids"]] if count == 0 else []
+            count += 1
+        counts.append(count)
+        dropped += loader.stats()["dropped_tail_batches"]
+    torch.save({"batches": counts, "dropped": dropped, "firsts": firsts}, os.path.join(out, f"{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
@@ -203,7 +208,8 @@ def test_ranks_yield_equal_batch_counts_under_ddp(tmp_path):
     torch.multiprocessing.start_processes(_ddp_worker, args=(2, port, urls, str(tmp_path)), nprocs=2, join=True,
                                           start_method="spawn")
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
-    assert results[0]["batches"] == results[1]["batches"] > 0
+    assert results[0]["batches"] == results[1]["batches"] and min(results[0]["batches"]) > 0  # in every epoch
+    assert any(not torch.equal(*r["firsts"]) for r in results)  # the second epoch is another order
     assert sum(r["dropped"] for r in results) > 0  # the longer rank really had more
 
 
