@@ -86,6 +86,7 @@ class RawBatch:
     urls: list[str] = field(default_factory=list)
     state: dict | None = None  # ShardStream state after this batch's last sample
     owner: Any = None  # what the arrays are views of (read_workers > 0), kept alive with them
+    states: list[dict] = field(default_factory=list)  # the state after each sample (``track=True``)
 
 
 def iter_raw_batches(
@@ -99,9 +100,13 @@ def iter_raw_batches(
     on_error: OnError | ErrorPolicy,
     stats: dict | None = None,
     state_fn: Callable[[], dict] | None = None,
+    track: bool = False,
 ) -> Iterator[RawBatch]:
     """Group samples into batches of encoded images + int labels; bad samples go to ``on_error``
-    (see ``handle_bad``: an ``ErrorPolicy`` counts them, else ``stats`` does)."""
+    (see ``handle_bad``: an ``ErrorPolicy`` counts them, else ``stats`` does).
+
+    ``track``: each batch also keeps ``state_fn()`` after each of its samples (``RawBatch.states``).
+    """
     batch = RawBatch()
     for sample in samples:
         key, url = sample.get("__key__"), sample.get("__url__")
@@ -131,6 +136,8 @@ def iter_raw_batches(
         batch.labels.append(label)
         batch.keys.append(key)
         batch.urls.append(url)
+        if track and state_fn is not None:
+            batch.states.append(state_fn())
         if len(batch.arrays) == batch_size:
             batch.state = state_fn() if state_fn else None
             yield batch
@@ -164,26 +171,36 @@ def keep(item):
 class EncodedBatches(torch.utils.data.IterableDataset):
     """ShardStream samples grouped into raw batches packed as tensors, for reader worker processes.
 
-    Follows ShardStream's worker-state protocol (loaders.DataLoader resumes it exactly).
+    Follows ShardStream's worker-state protocol (loaders.DataLoader resumes it exactly). A worker's
+    partial last batch (its tail) always comes, whatever ``drop_last``, with ``"tail"``: the worker's
+    logical id and its stream positions before the tail and after each of its samples; the state
+    sent with it is the one before the tail, so that the main process, which joins the workers'
+    tails into full batches (:func:`loaders.images.stream_reader.join_tails`), owns it until then.
+    Other batches have ``"tail": None``.
     """
 
     def __init__(self, stream, **batching):
         self.stream = stream
         self.batching = batching
+        self._held: dict | None = None  # the state sent with a tail: the stream's before the tail
 
     def set_epoch(self, epoch: int) -> None:
         self.stream.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        return self.stream.state_dict()
+        return self._held if self._held is not None else self.stream.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state)
 
     def __iter__(self):
+        self._held = None
         policy = ErrorPolicy(self.batching.get("on_error", "raise"), log=log)
+        size = self.batching["batch_size"]
+        state_fn = getattr(self.stream, "state_dict", None)
         reported = 0
-        for raw in iter_raw_batches(iter(self.stream), **{**self.batching, "on_error": policy}):
+        for raw in iter_raw_batches(iter(self.stream), **{**self.batching, "on_error": policy, "drop_last": False,
+                                                           "state_fn": state_fn, "track": True}):
             skipped = policy.skipped  # bad images (what the stream loses reaches the main process by its ledger)
             sizes = [len(a) for a in raw.arrays]
             offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
@@ -193,6 +210,19 @@ class EncodedBatches(torch.utils.data.IterableDataset):
             for a, start, end in zip(raw.arrays, offsets[:-1], offsets[1:]):
                 view[start:end] = a
             errors = policy.last_errors[-(skipped - reported):] if skipped > reported else []
+            tail = self._tail(raw) if len(raw.arrays) < size else None
             yield {"data": data, "offsets": torch.from_numpy(offsets), "labels": torch.tensor(raw.labels),
-                   "keys": raw.keys, "urls": raw.urls, "skipped": skipped - reported, "errors": errors}
+                   "keys": raw.keys, "urls": raw.urls, "skipped": skipped - reported, "errors": errors, "tail": tail}
             reported = skipped
+        self._held = None
+
+    def _tail(self, raw: RawBatch) -> dict:
+        """A tail's ``"tail"`` entry; the state before it becomes the one :meth:`state_dict` sends."""
+        if raw.state is None:  # a source without states (tests)
+            return {"worker": 0, "after": None}
+        ((worker, end),) = raw.state["workers"].items()
+        first = raw.states[0]["workers"][worker]
+        before = {**first, "draws": first["draws"] - 1, "done": False}  # the first sample is drawn next
+        self._held = {**raw.state, "workers": {worker: before}}
+        after = [s["workers"][worker] for s in raw.states[:-1]] + [end]  # the last: the worker's end
+        return {"worker": worker, "after": after}

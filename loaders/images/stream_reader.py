@@ -221,6 +221,8 @@ class WorkerStreamReader(StreamReader):
 
     Each worker reads its part of the shards and sends a batch as one uint8 tensor of the encoded
     images plus offsets (shared memory, no pickled bytes); the arrays DALI gets are views into it.
+    The workers' partial last batches are held and joined into full batches at the end of the pass
+    (:func:`join_tails`): as many batches, and the same dropped remainder, as one reader would give.
     Its source is the workers' ``loaders.DataLoader``, whose state it embeds under ``"loader"``.
     """
 
@@ -274,6 +276,7 @@ class WorkerStreamReader(StreamReader):
             loader.set_epoch(lo.epoch)
         it = iter(loader)  # the workers fork here (datapipe.device.forks keeps them from collecting our garbage)
         stats = lo._stats
+        tails, last = [], None
         try:
             for packed in it:
                 stats["skipped"] += packed["skipped"]
@@ -285,6 +288,46 @@ class WorkerStreamReader(StreamReader):
                                labels=packed["labels"].tolist(), keys=packed["keys"], urls=packed["urls"],
                                state=loader.state_dict())
                 raw.owner = packed["data"]
-                yield raw
+                last = raw.state
+                if packed["tail"] is not None:
+                    tails.append((packed["tail"], raw))  # its worker's state is the one before it
+                else:
+                    yield raw
+            yield from join_tails(tails, last, batch_size=lo.batch_size, drop_last=read.drop_last)
         finally:
             it.close()
+
+
+def join_tails(tails: list, state: dict | None, *, batch_size: int, drop_last: bool) -> Iterator[RawBatch]:
+    """The read workers' partial last batches (``(tail entry, RawBatch)``, see ``EncodedBatches``) as full
+    batches, in logical worker order, then the rest unless ``drop_last``.
+
+    ``state``: the workers' loader state after its last batch (each tail's worker before its tail); a
+    batch's state moves each worker past the samples delivered so far, so a resume yields the rest.
+    """
+    batch, moved = RawBatch(owner=[]), {}
+    for entry, raw in sorted(tails, key=lambda t: t[0]["worker"]):
+        for i in range(len(raw.arrays)):
+            if not batch.arrays or batch.owner[-1] is not raw.owner:
+                batch.owner.append(raw.owner)
+            batch.arrays.append(raw.arrays[i])
+            batch.labels.append(raw.labels[i])
+            batch.keys.append(raw.keys[i])
+            batch.urls.append(raw.urls[i])
+            if entry["after"] is not None:
+                moved[entry["worker"]] = entry["after"][i]
+            if len(batch.arrays) == batch_size:
+                batch.state = _moved(state, moved)
+                yield batch
+                batch = RawBatch(owner=[])
+    if batch.arrays and not drop_last:
+        batch.state = _moved(state, moved)
+        yield batch
+
+
+def _moved(state: dict | None, positions: dict) -> dict | None:
+    """``state`` (a loaders.DataLoader state) with these workers' stream positions."""
+    if state is None or not positions:
+        return state
+    ds = state["dataset"]
+    return {**state, "dataset": {**ds, "workers": {**ds["workers"], **positions}}}
