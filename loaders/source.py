@@ -51,3 +51,9 @@ def option_group(value, cls, name: str):
     if not isinstance(value, cls):
         raise TypeError(f"{name}= takes a {cls.__name__}(...), got {type(value).__name__}")
     return value
+
+
+def stream_start(state: dict, epoch: int) -> dict:
+    """A ShardStream ``state_dict()`` moved to the start of ``epoch``: same shape and shards, nothing read yet."""
+    return {**state, "epoch": int(epoch), "workers": {}, "first_worker": 0, "generation": 0,
+            "base": None}

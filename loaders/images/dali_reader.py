@@ -36,7 +36,7 @@ from datapipe.words import counted
 from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
-from loaders.images.epochs import stream_start
+from loaders.source import stream_start
 from loaders.images.stream_reader import StreamReader
 
 

@@ -5,7 +5,7 @@ rewritten: a finished pass moves the loader's epoch on, and its stream is told b
 unless someone else set the stream's epoch meanwhile; ``set_epoch`` chooses the epoch explicitly.
 ImageLoader's epoch is its stream's (DALI's seeds and the sample numbering read it), so a pass
 takes the stream's epoch as it starts. Between passes the loader's state is the start of its next
-epoch (:func:`stream_start`), as a ``loaders.DataLoader``'s is.
+epoch (:func:`loaders.source.stream_start`), as a ``loaders.DataLoader``'s is.
 """
 from __future__ import annotations
 
@@ -60,9 +60,3 @@ class EpochClock:
         self._tell_dataset = False
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
         self.between = False
-
-
-def stream_start(state: dict, epoch: int) -> dict:
-    """A ShardStream ``state_dict()`` moved to the start of ``epoch``: same shape and shards, nothing read yet."""
-    return {**state, "epoch": int(epoch), "workers": {}, "first_worker": 0, "generation": 0,
-            "base": None}

@@ -22,7 +22,7 @@ from datapipe.order.seeds import derive_seed
 from loaders.images.dali_pipeline import failure_text, run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import EncodedBatches, RawBatch, iter_raw_batches, keep
-from loaders.images.epochs import stream_start
+from loaders.source import stream_start
 
 
 class _Feed:

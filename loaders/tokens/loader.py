@@ -17,7 +17,7 @@ from datapipe.errors import DataError, ErrorPolicy
 from datapipe.order.ranks import rank_world
 from datapipe.order.seeds import derive_seed
 from datapipe.state import check_state
-from loaders.source import as_stream, check_positive_int, option_group
+from loaders.source import as_stream, check_positive_int, option_group, stream_start
 from loaders.tokens.options import DocumentOptions, PackOptions
 
 log = logging.getLogger("datapipe.tokens")
@@ -178,8 +178,6 @@ class TokenLoader:
 
     def _epoch_start(self, epoch: int) -> dict:
         """The state of the start of ``epoch``: nothing read, nothing packed."""
-        from loaders.images.epochs import stream_start
-
         return {"stream": stream_start(self.stream.state_dict(), epoch),
                 "batcher": copy.deepcopy(self._epoch_start_batcher), "batches": 0}
 
