@@ -90,6 +90,25 @@ def index_lines(fileobj, *, size: int | None = None) -> list[str]:
     return lines
 
 
+def first_incomplete(index_files: list[str], exts: list[str]) -> tuple[int, str, list[str]] | None:
+    """The first sample, in DALI index files, that lacks an entry DALI's reader asks for: ``(shard number, key,
+    the missing entries)``, each of ``exts`` a ``;``-separated set of alternatives (``"jpg;png"``, ``"cls"``)."""
+    wanted = [set(e.split(";")) for e in exts]
+    for shard, index_file in enumerate(index_files):
+        try:
+            with open(index_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()[1:]  # the header line first
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            have = set(fields[0::4])  # <ext> <offset> <size> <member name>, per entry
+            missing = [e for e, w in zip(exts, wanted) if not w & have]
+            if missing and len(fields) >= 4:
+                return shard, _split_name(fields[3])[0], missing
+    return None
+
+
 def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, storage_options: dict | None = None) -> str:
     """Write the DALI index of one shard (local path or fsspec URL); returns the index path.
 

@@ -32,6 +32,7 @@ import torch
 from datapipe.errors import DataError
 from datapipe.order.plan import samples_per_rank, shard_order
 from datapipe.read.shards import fingerprint
+from datapipe.tar.dali_index import first_incomplete
 from datapipe.words import counted
 from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
@@ -46,12 +47,14 @@ _GIF_COMPONENT = re.compile(r"(?:^|\s)gif \d+ \d+ (\S+)", re.MULTILINE)  # <ext>
 _MEMBER = re.compile(r"^((?:.*/|)[^./]+)[.][^/]*$")  # webdataset's key of a member name: up to the basename's first dot
 
 
-def reader_error(error: RuntimeError, paths: list[str], batch: int, urls: list[str] | None = None) -> DataError:
+def reader_error(error: RuntimeError, paths: list[str], batch: int, urls: list[str] | None = None, *,
+                 index_files: list[str] | None = None, exts: list[str] | None = None) -> DataError:
     """DALI's reader failed (an image it cannot decode, a broken shard): a DataError with what DALI said.
 
     DALI names the sample when its decoder fails ("Failed to decode sample #3 :
     shard.tar:OFFSET:dir/key.jpg"): then the error carries that shard (as ``urls`` names it, the
-    URLs parallel to the local ``paths``) and key.
+    URLs parallel to the local ``paths``) and key. A sample without an entry the reader asks for is found in
+    the ``index_files`` (with the reader's ``exts``) and named.
     """
     lines = [m.strip() for m in str(error).splitlines() if m.strip()]
     for line in lines:
@@ -65,6 +68,14 @@ def reader_error(error: RuntimeError, paths: list[str], batch: int, urls: list[s
     for line in lines:
         m = re.search(r"Underful sample detected at index file", line)
         if m:  # DALI's words for a sample that lacks one of the extensions the reader asks for
+            found = first_incomplete(index_files, exts) if index_files and exts else None
+            if found is not None:
+                shard, key, missing = found
+                url = urls[shard] if urls is not None else paths[shard]
+                lacks = " and ".join("an image (ReadOptions.image_exts)" if m == exts[0] else
+                                     f"a {m!r} label (ReadOptions.label_key)" for m in missing)
+                return DataError(f"sample {key!r} lacks {lacks}, which DALI's reader needs in every sample; "
+                                 "reader='stream' with on_error='skip' skips such samples", url=url, key=key)
             shards = paths[0] if len(paths) == 1 else f"{len(paths)} shards ({paths[0]} ...)"
             return DataError("DALI's reader failed: a sample has no image or no label file of the extensions it "
                              "asks for: do these shards hold images? `datapipe inspect` lists their extensions "
@@ -368,7 +379,7 @@ class DaliReader:
             try:
                 pipe.build()
             except RuntimeError as e:  # e.g. a sample without an image (DALI checks the index)
-                raise reader_error(e, paths, first, urls) from e
+                raise reader_error(e, paths, first, urls, index_files=indexes, exts=reader["ext"]) from e
             self._pipe = pipe
         pipe = self._pipe
         numbers = self._numbers
@@ -386,7 +397,7 @@ class DaliReader:
                 images_tl, labels_tl, info_tl = run_pipeline(pipe, stream)
             except RuntimeError as e:
                 self._pipe = None  # a failed pipeline is not valid any more
-                raise reader_error(e, paths, self._batch, urls) from e
+                raise reader_error(e, paths, self._batch, urls, index_files=indexes, exts=reader["ext"]) from e
             t1 = time.perf_counter()
             n = min(batch_size, left)
             left -= n

@@ -271,3 +271,16 @@ def test_index_refuses_a_member_that_runs_past_the_end_of_the_shard(tmp_path):
     with pytest.raises(DataError, match=f"member '{last.name}' of {last.size} bytes .* runs past the end") as e:
         write_dali_index(str(cut))
     assert "cut.tar" in str(e.value)
+
+
+def test_first_incomplete_names_the_first_sample_without_a_wanted_entry(tmp_path):
+    from datapipe.tar.dali_index import first_incomplete
+
+    good = tmp_path / "a.idx"
+    good.write_text("v1.2 2\ncls 512 1 a/0.cls jpg 1536 10 a/0.jpg\ncls 2048 1 a/1.cls png 3072 10 a/1.png\n")
+    bad = tmp_path / "b.idx"
+    bad.write_text("v1.2 3\ncls 512 1 b/0.cls jpg 1536 10 b/0.jpg\njpg 2048 10 b/1.jpg\ntxt 4096 3 b/2.txt\n")
+    exts = ["jpg;png", "cls"]
+    assert first_incomplete([str(good)], exts) is None
+    assert first_incomplete([str(good), str(bad)], exts) == (1, "b/1", ["cls"])
+    assert first_incomplete([str(tmp_path / "missing.idx"), str(bad)], ["txt"]) == (1, "b/0", ["txt"])

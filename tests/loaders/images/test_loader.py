@@ -207,9 +207,9 @@ def test_corrupt_images_raise(tmp_path):
 
 def test_dali_reader_turns_a_decode_failure_into_a_data_error(tmp_path):
     urls, _ = _corrupt_shards(tmp_path)
-    with pytest.raises(DataError, match="DALI's reader failed") as e:
+    with pytest.raises(DataError, match="lacks an image") as e:  # the first failure: a sample without an image
         list(loader(urls, batch_size=4, reader="dali", index_dir=str(tmp_path / "ix")))
-    assert "shard-000000.tar" in str(e.value)
+    assert "shard-000000.tar" in str(e.value) and e.value.key == "bad-noimage"
 
 
 def test_truncated_jpeg_raises_with_its_key(tmp_path):
@@ -849,3 +849,17 @@ def test_gpu_default_cuda_decoder_gives_way_only_when_the_gpu_starves(shards, mo
     assert decoder["switches"] == (0 if gpu_busy else 1)
     assert dl.stats()["step_hold"]["active"] is (not gpu_busy)  # the hardware decoder on 8 queues holds next()
     assert torch.cat(ys).numel() == dl.stats()["samples"] == N
+
+
+@pytest.mark.parametrize("drop, missing", [("cls", "a 'cls' label"), ("jpg", "an image")])
+def test_dali_reader_names_a_sample_without_an_entry_it_needs(tmp_path, drop, missing):
+    """A sample without its label (or its image) makes DALI's reader fail: the error names the sample and the entry."""
+    samples = list(iter_image_samples(6, seed=9, num_classes=10, size=(96, 72)))
+    samples[4] = {k: v for k, v in samples[4].items() if k != drop}
+    tar = str(tmp_path / "shard-000000.tar")
+    with webdataset.TarWriter(tar) as w:
+        for s in samples:
+            w.write(s)
+    with pytest.raises(DataError) as e:
+        list(loader([tar], batch_size=2, reader="dali", index_dir=str(tmp_path / "ix")))
+    assert e.value.key == samples[4]["__key__"] and missing in str(e.value) and "shard-000000.tar" in str(e.value)
