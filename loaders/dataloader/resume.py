@@ -33,7 +33,7 @@ from datapipe.order.ranks import rank_world  # (rank, world_size) as the dataset
 from datapipe.state import check_state
 
 __all__ = ["KIND", "RngRecord", "Plan", "IndexSampler", "fresh_state", "pass_state", "as_loadable", "skip_base_seed",
-           "check_local", "from_global", "rank_world", "record_order"]
+           "check_local", "from_global", "rank_world", "record_order", "epoch_start"]
 
 KIND = "DataLoader"  # the "kind" of its states (datapipe.state)
 
@@ -132,6 +132,15 @@ def fresh_state(epoch: int, num_workers: int, generator_state=None, sampler_gene
             "generator_state": generator_state, "rng_state": None, "sampler_rng_state": None,
             "sampler_generator_state": sampler_generator_state, "sampler_epoch": None, "base_seed": None,
             "dataset": None}
+
+
+def epoch_start(dataset, epoch: int) -> dict:
+    """The dataset's state as a pass at ``epoch`` begins (its kind, rank, shape and what it was taken over), the
+    ``"dataset"`` part of the loader's state until the pass's first batch; a plan of another epoch is dropped."""
+    state = dict(dataset.state_dict())
+    if state.get("epoch") != epoch:
+        state.update({k: v for k, v in (("generation", 0), ("base", None)) if k in state})
+    return state
 
 
 def pass_state(p, *, protocol: bool) -> dict:

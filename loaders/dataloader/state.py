@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from datapipe.order import elastic
 from loaders.dataloader.progress import Progress
-from loaders.dataloader.resume import (as_loadable, check_local, fresh_state, from_global, pass_state, rank_world,
-                                       record_order)
+from loaders.dataloader.resume import (as_loadable, check_local, epoch_start, fresh_state, from_global, pass_state,
+                                       rank_world, record_order)
 
 __all__ = ["LoaderState"]
 
@@ -69,12 +69,14 @@ class LoaderState:
 
     def _restore(self, p: Progress, resume: dict | None) -> None:
         """Record this pass's generator and sampler epoch, or put a pending resume's back (its RNG
-        states, sampler epoch and the dataset's state)."""
+        states, sampler epoch and the dataset's state); else note the dataset's state at the epoch's start."""
         record_order(p.rng, resume, sampler=self.sampler, generator=self.generator)
         if self._protocol and resume is not None and resume.get("dataset") is not None:
             ds = p.workers.resume(resume)
             self._drop_persistent()  # persistent workers hold a stale dataset copy
             self.dataset.load_state_dict(ds)
+        elif self._protocol:  # a state before the first batch names the rank and shape (datapipe.order.elastic)
+            p.workers.start = epoch_start(self.dataset, p.epoch)
 
     def state_dict(self) -> dict:
         """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader.resume`):

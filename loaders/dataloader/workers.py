@@ -84,6 +84,7 @@ class WorkerStates:
         self.num_workers = max(1, num_workers)
         self.last: dict | None = None  # the last worker state seen (rank, shape, seed, plan basis...)
         self.resumed_from: dict | None = None  # a global state loaded, until this pass's first batch
+        self.start: dict | None = None  # the dataset's state as the pass began (resume.epoch_start), until a batch
 
     def note(self, meta: WorkerMeta) -> None:
         """Merge the state that came with a batch just handed out."""
@@ -116,7 +117,8 @@ class WorkerStates:
     def dataset_state(self, epoch: int) -> dict:
         """The ``"dataset"`` part of the loader's state (step 4); ``epoch``: the pass's, if no worker said."""
         # every key of the last worker state (rank, world_size, seed, shuffle_buffer, total,
-        # generation, base: what an elastic resume needs), the merged worker positions on top
-        return {**(self.last or {}), "epoch": self.epoch if self.epoch is not None else epoch,
+        # generation, base: what an elastic resume needs), the merged worker positions on top; before the
+        # first batch the dataset's state at the pass's start: the rank has delivered nothing of the epoch yet
+        return {**(self.last or self.start or {}), "epoch": self.epoch if self.epoch is not None else epoch,
                 "num_workers": self.num_workers, "workers": dict(self.workers),
                 "first_worker": self.next_worker}
