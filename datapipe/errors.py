@@ -143,14 +143,18 @@ class ErrorPolicy:
         """True when every error stops the run (``"raise"``): readers need not resynchronise."""
         return self.handler is reraise
 
-    def __call__(self, err: BaseException, *, lost: int = 1) -> None:
-        """Hand ``err`` to the handler; if it returns, count ``lost`` samples as skipped."""
+    def __call__(self, err: BaseException, *, lost: int = 1, counted: bool = True) -> None:
+        """Hand ``err`` to the handler; if it returns, count ``lost`` samples as skipped (and the error, if
+        ``counted``: not when another DataLoader worker counted the same fault)."""
         try:
             self.handler(err)
         except BaseException as stop:
             self.stopped = stop
             raise
-        self.note(err, lost=lost)
+        if counted:
+            self.note(err, lost=lost)
+        else:
+            self.skipped += lost
 
     def __getstate__(self):
         return {**self.__dict__, "stopped": None}  # a live exception (and its traceback) stays in its process

@@ -344,6 +344,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         physical = info.id if info is not None else 0
         if info is not None and self._ledger.enter(physical):
             self._shards.count_cache_failures(counted=False)  # a worker counts only its own
+        self._ledger.begin(self.epoch)
         rank, world = self._rank_world()
         resume = self._resume if self._resume is not None and self._resume["epoch"] == self.epoch else None
         if info is None:

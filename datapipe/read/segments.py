@@ -98,7 +98,7 @@ class SegmentReader:
         try:
             f, seekable, tee = self.shards.open(url)
         except DataError as e:
-            yield from self.lose(e, stop - start)
+            yield from self.lose(e, stop - start, counted=self._first_fault(shard, start, stop))
             return
         self.ledger.counts["shards_opened"] += 1
         reader = reader_for(f, seekable=seekable)
@@ -112,12 +112,12 @@ class SegmentReader:
             after = f" (after the whole sample {cursor.last_key!r})" if e.key is None and cursor.last_key else ""
             err = self._error(f"unreadable tar data at byte {e.offset}: {e}{after}", url, e.key)
             err.__cause__ = e
-            yield from self.lose(err, stop - cursor.expected)
+            yield from self.lose(err, stop - cursor.expected, counted=self._first_fault(shard, start, stop))
             cursor.expected = stop
         except DataError as e:
             if e is self.ledger.errors.stopped:
                 raise  # the policy's handler stopped the walk: not an error to handle again
-            yield from self.lose(e, stop - cursor.expected)
+            yield from self.lose(e, stop - cursor.expected, counted=self._first_fault(shard, start, stop))
             cursor.expected = stop
         finally:
             self.shards.close(f, reader)
@@ -125,7 +125,8 @@ class SegmentReader:
         if cursor.expected < stop:
             yield from self.lose(self._error(f"shard ends at byte {reader.offset} after {cursor.expected} samples, "
                                               f"{stop} expected (truncated, or the manifest is wrong)",
-                                              url, cursor.last_key), stop - cursor.expected)
+                                              url, cursor.last_key), stop - cursor.expected,
+                                  counted=self._first_fault(shard, start, stop))
 
     def _walk_segment(self, reader, shard: int, start: int, stop: int, cursor: "_Cursor", *,
                       look_past: bool, keep=None) -> Iterator[Any]:
@@ -200,9 +201,15 @@ class SegmentReader:
     def _error(self, message: str, url: str, key: str | None) -> DataError:
         return DataError(message, url=redact_url(url), key=key)
 
-    def lose(self, err: DataError, n: int) -> Iterator[Any]:
-        """``n`` LOST positions because of ``err`` (after the policy let it through, counting them)."""
-        self.ledger.errors(err, lost=n)
+    def _first_fault(self, shard: int, start: int, stop: int) -> bool:
+        """Whether this read counts the failure that loses the rest of its part of ``shard`` as an error: yes,
+        unless the part is one of a shard split between workers and another worker counted it first."""
+        return (start == 0 and stop >= self.shards.counts[shard]) or self.ledger.first_fault(shard)
+
+    def lose(self, err: DataError, n: int, *, counted: bool = True) -> Iterator[Any]:
+        """``n`` LOST positions because of ``err`` (after the policy let it through, counting them; the error
+        too unless another worker counted it: ``counted``)."""
+        self.ledger.errors(err, lost=n, counted=counted)
         self.ledger.publish()
         for _ in range(n):
             yield LOST

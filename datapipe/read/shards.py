@@ -232,7 +232,7 @@ class Shards:
         except Exception:
             version = None
         try:
-            f, seekable, tee = self.open(url)
+            f, seekable, tee = self.open(url, counted=False)
         except DataError as e:
             self.ledger.errors(e, lost=0)
             return 0, None, None
@@ -268,18 +268,26 @@ class Shards:
         self.ledger.errors(DataError(damage, url=redact_url(url)), lost=0)
         self.damage[url] = damage
 
-    def open(self, url: str):
-        """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it."""
+    def open(self, url: str, *, counted: bool = True):
+        """``(file, seekable, tee)``: the shard from the cache or storage; ``tee`` is set while caching it.
+        ``counted=False`` (the main process counting samples): its cache hits and retries are not counted."""
         read = self.storage
         if self.cache is None or is_local(url) or url.startswith("pipe:"):
             f, seekable = open_shard(url, storage_options=self.options(url), retries=read.retries,
                                      allow_pipe=read.allow_pipe, backoff=read.backoff)
             return f, seekable, None
         options = self.options(url)
-        raw, hit = self.cache.open(url, lambda: RetryingFile(url, storage_options=options, retries=read.retries,
-                                                             backoff=read.backoff),
-                                   sha256=self.checksum(url))
-        self.ledger.counts["cache_hits"] += hit
+        fetched = []  # the remote files the cache opened: those it read to the end are closed already
+
+        def remote():
+            fetched.append(RetryingFile(url, storage_options=options, retries=read.retries, backoff=read.backoff))
+            return fetched[-1]
+
+        raw, hit = self.cache.open(url, remote, sha256=self.checksum(url))
+        if counted:  # the retries of a verified fetch (the file returned is the cached copy); close() counts raw's
+            live = getattr(raw, "remote", raw)
+            self.ledger.counts["retries"] += sum(r.retried for r in fetched if r is not live)
+            self.ledger.counts["cache_hits"] += hit
         self.count_cache_failures()
         f, seekable = decompress(url, raw, seekable=raw.seekable())
         return f, seekable, (raw if hasattr(raw, "finish") else None)

@@ -9,6 +9,9 @@ from loaders.dataloader.progress import stats as pass_stats
 
 __all__ = ["LoaderStats"]
 
+LOSSES = ("skipped", "errors", "padded")
+IO = ("retries", "shards_opened", "bytes_read", "cache_hits", "cache_failures")  # the stream's reads, as counted
+
 
 class LoaderStats:
     """The ``stats()`` of :class:`loaders.dataloader.DataLoader`."""
@@ -24,7 +27,8 @@ class LoaderStats:
         ``skipped`` (samples lost), ``errors`` (failures handled under ``on_error``) and ``padded`` (repeats
         that even out ranks) of the same pass as ``samples``; ``skipped_total``, ``errors_total``,
         ``padded_total``: the same over this loader's dataset since it was made; ``last_errors``: the latest
-        messages.
+        messages. Its reads, the same way (this pass; ``..._total``): ``retries``, ``shards_opened`` (a shard split
+        between workers is opened by each), ``bytes_read``, ``cache_hits``, ``cache_failures``.
 
         When the loader pins in its own thread (``device="cuda"``, or ``pin_memory=True`` with a GPU and workers),
         ``shared_memory``: the workers' tensors given back to them for reuse (``recycled``), the
@@ -35,7 +39,7 @@ class LoaderStats:
                          prefetch_depth=self._depth if self.device else None, tuning=self._auto,
                          prefetcher=self._prefetcher)
         losses = self._dataset_losses()
-        for key in ("skipped", "errors", "padded"):
+        for key in LOSSES + IO:
             if key in losses:  # this pass's, as "samples" is; the running totals beside
                 out[key] = losses[key] - self._losses_before.get(key, 0)
                 out[f"{key}_total"] = losses[key]
@@ -49,9 +53,9 @@ class LoaderStats:
         return out
 
     def _dataset_losses(self) -> dict:
-        """The dataset's loss totals (``skipped``, ``errors``, ``padded``, ``last_errors``) when it counts them
+        """The dataset's loss and read totals (``LOSSES``, ``IO``, ``last_errors``) when it counts them
         (``ShardStream``, ``mix``: over the main process and the workers, counted once), else ``{}``."""
         losses = getattr(self.dataset, "stats", None)
         ds = losses() if callable(losses) else None
-        return {k: ds[k] for k in ("skipped", "errors", "padded", "last_errors") if k in ds} \
+        return {k: ds[k] for k in LOSSES + IO + ("last_errors",) if k in ds} \
             if isinstance(ds, dict) else {}
