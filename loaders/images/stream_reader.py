@@ -232,6 +232,12 @@ class WorkerStreamReader(StreamReader):
         self._resume: dict | None = None  # a DataLoader state to load before the next iteration
 
     def state(self) -> dict:
+        if self.delivered is None:  # a pass under way, nothing handed out: its start, naming this rank and shape
+            from loaders.dataloader.resume import epoch_start, fresh_state
+
+            epoch = self.loader.epoch
+            return {"loader": {**fresh_state(epoch, self.loader.read.read_workers),
+                               "dataset": epoch_start(self.stream, epoch)}}
         return {"loader": self.delivered}
 
     def next_state(self, epoch: int) -> dict:

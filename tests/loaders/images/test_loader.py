@@ -863,3 +863,34 @@ def test_dali_reader_names_a_sample_without_an_entry_it_needs(tmp_path, drop, mi
     with pytest.raises(DataError) as e:
         list(loader([tar], batch_size=2, reader="dali", index_dir=str(tmp_path / "ix")))
     assert e.value.key == samples[4]["__key__"] and missing in str(e.value) and "shard-000000.tar" in str(e.value)
+
+
+@pytest.mark.parametrize("read_workers", [0, 1])
+def test_a_rank_state_taken_before_its_first_batch_joins_a_global_state(shards, read_workers):
+    """One rank saved its state after iter() but before any batch (frameworks make the iterator first): the list
+    of rank states still resumes the epoch on another shape, every sample once."""
+    got, states = [], []
+    for rank, k in ((0, 0), (1, 1)):
+        dl = loader(shards, reader="stream", read_workers=read_workers,
+                    **by_key(train=True, drop_last=False, shuffle_buffer=6, rank=rank, world_size=2))
+        it = iter(dl)
+        got += [y for _, (_, ys) in zip(range(k), it) for y in ys.tolist()]
+        states.append(dl.state_dict())
+        it.close()
+    after, _ = _elastic_run(shards, 1, state=states, reader="stream", read_workers=read_workers)
+    seen = got + after[0]
+    assert set(seen) == set(range(N)) and len(seen) - N <= 1
+
+
+@pytest.mark.parametrize("read_workers", [0, 1])
+def test_a_state_taken_before_the_first_batch_resumes_the_whole_epoch(shards, read_workers):
+    kw = by_key(train=True, drop_last=False, shuffle_buffer=6)
+    _, full = collect(loader(shards, reader="stream", read_workers=read_workers, **kw))
+    dl = loader(shards, reader="stream", read_workers=read_workers, **kw)
+    it = iter(dl)
+    state = dl.state_dict()
+    it.close()
+    again = loader(shards, reader="stream", read_workers=read_workers, **kw)
+    again.load_state_dict(state)
+    _, rest = collect(again)
+    assert rest.tolist() == full.tolist()
