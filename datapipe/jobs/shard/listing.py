@@ -209,7 +209,8 @@ def _list_rows(url: str, raw: bytes, path_field: str, label_field: str):
     rows: list[tuple[int, Any, Any]] = []
     bad: list[tuple[int, str]] = []
     if url.endswith(".csv"):
-        reader = csv.DictReader(io.StringIO(raw.decode("utf-8", errors="replace")), restval=_MISSING)
+        text = raw.decode("utf-8-sig", errors="replace")  # a byte-order mark (spreadsheets write one) is not a name
+        reader = csv.DictReader(io.StringIO(text), restval=_MISSING)
         if not reader.fieldnames or path_field not in reader.fieldnames:
             raise ValueError(f"{url}: the CSV needs a header row with a {path_field!r} column "
                              f"(and optionally {label_field!r}); found {reader.fieldnames}")
@@ -220,7 +221,7 @@ def _list_rows(url: str, raw: bytes, path_field: str, label_field: str):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line.decode("utf-8"))
+            rec = json.loads(line.decode("utf-8-sig" if n == 1 else "utf-8"))
             rows.append((n, rec[path_field], rec.get(label_field, _MISSING)))
         except (ValueError, KeyError, TypeError) as e:
             bad.append((n, f"bad list line: {type(e).__name__}: {e}"))
@@ -258,14 +259,15 @@ def list_file_list(url: str, path_field: str, label_field: str, storage_options)
         else:
             kept.append((rel, lab if labeled else None))
     skipped = [{"item": f"{url}:{n}", "error": error} for n, error in sorted(bad)]
+    kept = [(rel, None if lab is None else str(lab).strip()) for rel, lab in kept]  # " cat" and "cat" are one class
     labels = [lab for _, lab in kept if lab is not None]
-    numeric = all(re.fullmatch(r"-?\d+", str(lab).strip()) for lab in labels)
-    classes = None if numeric or not labels else sorted({str(lab) for lab in labels})
+    numeric = all(re.fullmatch(r"-?\d+", lab) for lab in labels)
+    classes = None if numeric or not labels else sorted(set(labels))
     index = {c: i for i, c in enumerate(classes or [])}
     items, sizes, keys = [], [], set()
     for rel, lab in kept:
         ext = image_ext(rel) or "jpg"
-        label = None if lab is None else (int(str(lab).strip()) if numeric else index[str(lab)])
+        label = None if lab is None else (int(lab) if numeric else index[lab])
         items.append([_join(base, rel), label, _unique(make_key(rel), keys), ext])
         sizes.append(0)
     return items, classes, skipped, sizes

@@ -129,3 +129,20 @@ def test_shard_list_with_unlabeled_rows_reports_them_and_strict_fails(tmp_path, 
     strict = tmp_path / "strict"
     assert main(["shard", str(tmp_path / name), str(strict), "--strict", "--no-progress"]) == 1
     assert not (strict / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("name, first", [("list.csv", "label,path"), ("list.csv", "path,label"),
+                                         ("list.jsonl", None)])
+def test_a_byte_order_mark_and_spaces_around_labels_change_nothing(tmp_path, name, first):
+    """Spreadsheets save lists with a UTF-8 byte-order mark; a label is one class with or without spaces around."""
+    if name.endswith(".csv"):
+        cols = first.split(",")
+        rows = [dict(path=p, label=lab) for p, lab in (("a.jpg", " cat"), ("b.jpg", "cat "), ("c.jpg", "dog"))]
+        text = "\n".join([first] + [",".join(r[c] for c in cols) for r in rows]) + "\n"
+    else:
+        text = "\n".join(json.dumps({"path": p, "label": lab}) for p, lab in
+                         (("a.jpg", " cat"), ("b.jpg", "cat "), ("c.jpg", "dog"))) + "\n"
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    src = open_source(str(tmp_path / name))
+    assert src.classes == ["cat", "dog"] and [i[1] for i in src.partitions[0]["items"]] == [0, 0, 1]
+    assert src.skipped == []
