@@ -193,6 +193,10 @@ class EncodedBatches(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state)
 
+    def forget_resume(self) -> None:
+        """Drop a loaded resume the worker processes took (``ShardStream.forget_resume``): the next pass is whole."""
+        self.stream.forget_resume()
+
     def __iter__(self):
         self._held = None
         policy = ErrorPolicy(self.batching.get("on_error", "raise"), log=log)

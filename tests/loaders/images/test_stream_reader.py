@@ -87,3 +87,22 @@ def test_resume_at_a_tail_yields_exactly_the_rest(shards, workers, batch_size, t
     assert labels(resumed) == labels(whole)
     if not train:  # (a resumed stream reader's DALI pipeline draws its random crops anew)
         assert all(torch.equal(a, b) for (a, _), (b, _) in zip(resumed, whole))
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_the_pass_after_a_resumed_one_is_a_whole_epoch(shards, epoch):
+    """The read workers took the resume: the main process's stream forgets it, so the next pass is whole."""
+    full = make(shards, workers=2, batch_size=5, train=False)
+    full.set_epoch(epoch)
+    run(full)
+    second = labels(run(full))
+    first = make(shards, workers=2, batch_size=5, train=False)
+    first.set_epoch(epoch)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    it.close()
+    rest = make(shards, workers=2, batch_size=5, train=False)
+    rest.load_state_dict(state)
+    run(rest)
+    assert labels(run(rest)) == second
