@@ -120,6 +120,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         self._resume: dict | None = None
         self._generation = 0  # how many elastic resumes this epoch has had (keys the draws)
         self._loaded_shape: dict | None = None
+        self._loaded_streams: set[int] = set()  # streams this mix loaded a resume into (see _forget_stream_resumes)
 
     def set_epoch(self, epoch: int) -> None:
         """The mix's epoch; streams start each epoch at this epoch too (restarts count up from it)."""
@@ -134,6 +135,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0
+        self._forget_stream_resumes()
         resume, self._resume = self._resume, None
         logical, saved, generation = physical, None, 0
         n = len(self.streams)
@@ -166,7 +168,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
                 self._set_stream_epoch(i, position["epochs"][i])
                 src = position["sources"][i]
                 if src is not None:
-                    stream.load_state_dict({**src, "first_worker": resume["first_worker"]})
+                    self._load_stream(i, {**src, "first_worker": resume["first_worker"]})
                     self._saved_sources[i] = src
         for i in range(n):  # unread streams still read the logical worker's share
             if saved is None or position["sources"][i] is None:
@@ -186,10 +188,24 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
     def _logical_share(self, i: int, epoch: int, resume: dict | None) -> None:
         """Points stream ``i``'s next pass (at ``epoch``) at the logical worker's share from its start, where a
         resume maps this physical worker to another logical one (the stream alone would read the physical's)."""
-        stream = self.streams[i]
-        if resume is not None and resume["first_worker"] and callable(getattr(stream, "state_dict", None)):
-            stream.load_state_dict({"epoch": epoch, "num_workers": resume["num_workers"], "workers": {},
-                                    "first_worker": resume["first_worker"]})
+        if resume is not None and resume["first_worker"] and callable(getattr(self.streams[i], "state_dict", None)):
+            self._load_stream(i, {"epoch": epoch, "num_workers": resume["num_workers"], "workers": {},
+                                  "first_worker": resume["first_worker"]})
+
+    def _load_stream(self, i: int, state: dict[str, Any]) -> None:
+        """Loads ``state`` into stream ``i`` for this pass (it is forgotten as the next pass begins)."""
+        self.streams[i].load_state_dict(state)
+        self._loaded_streams.add(i)
+
+    def _forget_stream_resumes(self) -> None:
+        """(As a pass begins.) The resumes an earlier pass of this object loaded into its streams are spent: a
+        stream keeps a loaded resume while it runs in a DataLoader worker (its copy's), so in a persistent
+        worker one loaded for an epoch the stream restarted at would redo that resume when a later pass reaches
+        that epoch (it would read another worker's share, or from the middle). This pass loads its own."""
+        for i in sorted(self._loaded_streams):
+            if callable(getattr(self.streams[i], "forget_resume", None)):
+                self.streams[i].forget_resume()
+        self._loaded_streams.clear()
 
     def _source(self, i: int, position: dict[str, Any]) -> Iterable:
         """Stream ``i``; a stream without state resumes by skipping the items it had given."""
@@ -325,7 +341,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
             extra = {k: template[k] for k in ("seed", "shuffle", "shuffle_buffer", "shards", "shard_order", "total",
                                               "generation", "base")
                      if template is not None and k in template}
-            stream.load_state_dict(elastic.merge_states([{**extra, **rs} for rs in ranks]))
+            self._load_stream(i, elastic.merge_states([{**extra, **rs} for rs in ranks]))
         return 1 + max([int(rs.get("generation", 0)) for rs in g["ranks"]])
 
 

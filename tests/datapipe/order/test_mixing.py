@@ -167,14 +167,14 @@ def test_what_an_epoch_holds_is_stated_and_stop_all_holds_everything_on_any_work
     assert all(0 < n < 116 for n in lengths)  # never both streams whole
 
 
-def _mix_loader(urls_a, urls_b, workers, stop):
+def _mix_loader(urls_a, urls_b, workers, stop, persistent=False):
     """A mix of two shuffled ShardStreams (keys only) in loaders.DataLoader."""
     import loaders
 
     a = ShardStream(urls_a, shuffle=True, shuffle_buffer=8, seed=0).map(_key)
     b = ShardStream(urls_b, shuffle=True, shuffle_buffer=8, seed=1).map(_key)
     return loaders.DataLoader(mix([a, b], weights=[0.7, 0.3], seed=0, stop=stop), batch_size=4,
-                              num_workers=workers)
+                              num_workers=workers, persistent_workers=persistent)
 
 
 def _key(sample):
@@ -202,4 +202,41 @@ def test_resumes_exactly_in_dataloader_workers(tmp_path, workers, stop):
         resumed.load_state_dict(state)
         if head + [key for batch in resumed for key in batch] != full:
             bad.append(k)
+    assert bad == []
+
+
+@pytest.mark.parametrize("stop", ["restart", "first"])
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True), (3, True)])
+def test_pass_after_a_resumed_one_is_the_uninterrupted_runs_next(tmp_path, workers, persistent, stop):
+    """After a resumed pass (resumed before and after a stream restarted, with the next batch's worker not worker 0),
+    the next pass over the same loader is the uninterrupted run's second pass: the resumes the mix loaded into its
+    streams (a persistent worker's copies keep them) are spent with the pass that loaded them."""
+    ua, _ = write_shards(tmp_path / "a", [13, 11, 9, 7], prefix="a")
+    ub, _ = write_shards(tmp_path / "b", [6, 5], prefix="b")
+
+    def keys(batches):
+        return [k for batch in batches for k in batch]
+
+    loader = _mix_loader(ua, ub, workers, stop, persistent)
+    first, second = keys(loader), keys(loader)
+    assert first != second
+    n = len(first) // 4
+    points = sorted({1, 2, n // 3, n // 2, (2 * n) // 3, n - 2, n - 1} - {0})
+    if stop == "restart":  # some resume point comes after b restarted in a worker
+        assert any(max(collections.Counter(k for k in first[:4 * p] if k[0] == "b").values(), default=0) >= 2
+                   for p in points)
+    bad = []
+    for p in points:
+        loader = _mix_loader(ua, ub, workers, stop, persistent)
+        it = iter(loader)
+        head = [key for _ in range(p) for key in next(it)]
+        state = loader.state_dict()
+        del it
+        resumed = _mix_loader(ua, ub, workers, stop, persistent)
+        resumed.load_state_dict(state)
+        rest = keys(resumed)
+        if head + rest != first:
+            bad.append((p, "resumed pass"))
+        elif keys(resumed) != second:
+            bad.append((p, "next pass"))
     assert bad == []
