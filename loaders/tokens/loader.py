@@ -108,6 +108,7 @@ class TokenLoader:
         self._pass_start: dict[str, Any] | None = None  # the state the pass under way started from
         self._delivered: dict[str, Any] | None = None  # snapshot after the last batch handed out in it
         self._resume: dict[str, Any] | None = None
+        self._resumed = False  # the last pass began from a loaded state (see _drop_resume)
         self._stats = {"batches": 0, "tokens": 0, "dropped_tail_batches": 0,
                        "wait_s": 0.0, "elapsed_s": 0.0}
         self._bad_at_start = 0  # bad documents counted before this pass
@@ -170,11 +171,21 @@ class TokenLoader:
         if resume is not None:
             self.stream.load_state_dict(resume["stream"])  # chooses the state's epoch
             self.batcher.load_state_dict(resume["batcher"], skip_consumed=False)
+        elif self._resumed:  # what the last pass loaded and left unread stays out of this one
+            self._drop_resume()
+        self._resumed = resume is not None
         epoch = self.stream.begin_pass()
         self._pass_start = resume if resume is not None else self._epoch_start(epoch)
         self._delivered = None
         self._between_passes = False
         return int(self._pass_start.get("batches", 0))
+
+    def _drop_resume(self) -> None:
+        """Drop what a resumed pass loaded and may have left untaken: the batcher's buffered documents (a pass never
+        read from) and the stream's position (one never read from, or one that read only the batcher's buffered
+        documents: the stream takes its position only when first read), so that neither spills into a later pass."""
+        self.stream.forget_resume()
+        self.batcher.load_state_dict(copy.deepcopy(self._epoch_start_batcher), skip_consumed=False)
 
     def _epoch_start(self, epoch: int) -> dict:
         """The state of the start of ``epoch``: nothing read, nothing packed."""
