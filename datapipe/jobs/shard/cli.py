@@ -44,8 +44,9 @@ CHECK_HELP = ("how images are checked before they are copied: 'open' (default: P
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.add_argument("src", help="image folder (class sub-folders), .csv/.jsonl list of images (path and label "
-                                    "columns/fields, paths relative to the list), JSONL/Parquet text (file or "
-                                    "folder), or tar shards (file, folder, brace spec or glob)")
+                                    "columns/fields, paths relative to the list; a label is a class name or an "
+                                    "integer index, a JSONL row with any other label is skipped), JSONL/Parquet "
+                                    "text (file or folder), or tar shards (file, folder, brace spec or glob)")
     parser.add_argument("out", help="output folder (local path or fsspec URL)")
     parser.add_argument("--input-kind", default="auto", choices=KINDS, help="what SRC is (default: guess)")
     parser.add_argument("--max-bytes", type=_size, default=1 << 30, help="shard size limit (default 1G)")

@@ -231,7 +231,9 @@ def _list_rows(url: str, raw: bytes, path_field: str, label_field: str):
 
 
 def _row_problem(rel: Any, lab: Any, labeled: bool, path_field: str, label_field: str) -> str | None:
-    """Why a list row cannot be written (no path; in a list with labels, no label), or None."""
+    """Why a list row cannot be written, or None: no path; in a list with labels, no label, or (JSONL) a label
+    that is neither a class name (a string) nor a class index (an integer): a float, a boolean, a list or an
+    object is never turned into a class name."""
     if rel is _MISSING or rel is None or (isinstance(rel, str) and not rel.strip()):
         return f"{'empty' if isinstance(rel, str) else 'missing'} {path_field!r}"
     if not isinstance(rel, str):
@@ -240,7 +242,17 @@ def _row_problem(rel: Any, lab: Any, labeled: bool, path_field: str, label_field
         return f"{rel}: missing {label_field!r} (the list has labels)"
     if labeled and isinstance(lab, str) and not lab.strip():
         return f"{rel}: empty {label_field!r} (the list has labels)"
+    if labeled and (isinstance(lab, bool) or not isinstance(lab, (str, int))):
+        kind = _JSON_KINDS.get(type(lab), type(lab).__name__)
+        text = json.dumps(lab)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        return (f"{rel}: {label_field!r} is {kind} ({text}), not a class name (a string) "
+                f"or a class index (an integer)")
     return None
+
+
+# what a JSONL label that is neither a string nor an integer is, in JSON's words
+_JSON_KINDS = {list: "a list", dict: "an object", bool: "a boolean", float: "a float"}
 
 
 def list_file_list(url: str, path_field: str, label_field: str, storage_options):

@@ -12,7 +12,8 @@ never on the number of workers, so every engine produces the same shards. Listin
 - list (``.csv`` with a header naming ``path`` and ``label`` columns, or ``.jsonl`` records with
   those fields): paths relative to the list file; integer labels are kept, names are indexed in
   sorted order (of the rows kept). In a list with labels, a row without one is skipped; a list
-  without a label column gives samples without ``cls``.
+  without a label column gives samples without ``cls``. A label is a CSV cell's text, or in JSONL a
+  string or an integer; a JSONL row whose label is a float, a boolean, a list or an object is skipped.
 - text (``.jsonl`` / ``.parquet`` files, or a folder of them): one sample per record with a ``txt``
   entry; JSONL is split into byte ranges, Parquet into row groups.
 - tar (``.tar`` files, brace specs, or a folder of them): the samples as they are, re-sharded.

@@ -146,3 +146,52 @@ def test_a_byte_order_mark_and_spaces_around_labels_change_nothing(tmp_path, nam
     src = open_source(str(tmp_path / name))
     assert src.classes == ["cat", "dog"] and [i[1] for i in src.partitions[0]["items"]] == [0, 0, 1]
     assert src.skipped == []
+
+
+# JSONL labels that are neither a class name (a string) nor a class index (an integer): each such row is skipped
+# with a record (never written with ``str(label)`` as a class name); the integer and string rows keep working
+ODD_LABELS = [(["cat", "dog"], "a list"), ({"x": 1}, "an object"), (True, "a boolean"), (1.5, "a float"),
+              (3.0, "a float")]
+
+
+def test_jsonl_labels_that_are_not_a_name_or_an_integer_are_skipped_with_a_record(tmp_path):
+    rows = [{"path": "a.jpg", "label": "cat"}] + [{"path": f"odd{i}.jpg", "label": lab}
+                                                  for i, (lab, _) in enumerate(ODD_LABELS)]
+    rows.append({"path": "b.jpg", "label": "dog"})
+    _write_list(tmp_path / "list.jsonl", rows)
+    src = open_source(str(tmp_path / "list.jsonl"))
+    assert src.classes == ["cat", "dog"]
+    assert [(i[1], i[2]) for i in src.partitions[0]["items"]] == [(0, "a"), (1, "b")]
+    assert [s["item"] for s in src.skipped] == [f"{tmp_path / 'list.jsonl'}:{n}" for n in range(2, 2 + len(ODD_LABELS))]
+    for s, (lab, kind) in zip(src.skipped, ODD_LABELS):
+        assert f"'label' is {kind}" in s["error"] and json.dumps(lab) in s["error"], s
+
+
+def test_jsonl_integer_labels_keep_working_beside_a_bad_label(tmp_path):
+    """A float beside integer labels once turned every label into a class name (3 -> '3', sorted as text)."""
+    _write_list(tmp_path / "list.jsonl", [{"path": "a.jpg", "label": 3}, {"path": "b.jpg", "label": 10},
+                                          {"path": "c.jpg", "label": 2.5}, {"path": "d.jpg", "label": "1"},
+                                          {"path": "e.jpg", "label": False}])
+    src = open_source(str(tmp_path / "list.jsonl"))
+    assert src.classes is None and [i[1] for i in src.partitions[0]["items"]] == [3, 10, 1]
+    assert [s["item"].rsplit(":", 1)[1] for s in src.skipped] == ["3", "5"]
+
+
+@pytest.mark.parametrize("label", [["cat", "dog"], {"x": 1}])
+def test_shard_list_with_a_list_or_object_label_reports_it_and_strict_fails(tmp_path, label):
+    """The user trial: {"label": ["cat", "dog"]} was written as the class "['cat', 'dog']"."""
+    (tmp_path / "photos").mkdir()
+    for i, s in enumerate(iter_image_samples(2, num_classes=1, size=(20, 16))):
+        (tmp_path / "photos" / f"{i}.jpg").write_bytes(s["jpg"])
+    _write_list(tmp_path / "l.jsonl", [{"path": "photos/0.jpg", "label": "cat"},
+                                       {"path": "photos/1.jpg", "label": label}])
+    out = tmp_path / "out"
+    assert main(["shard", str(tmp_path / "l.jsonl"), str(out), "--workers", "1", "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["samples"] == 1 and report["num_skipped"] == 1
+    assert "photos/1.jpg" in report["skipped"][0]["error"]
+    assert json.loads((out / "classes.json").read_text()) == ["cat"]
+    assert [(s["__key__"], s["cls"]) for s in ShardStream(str(out))] == [("photos/0", b"0")]
+    strict = tmp_path / "strict"
+    assert main(["shard", str(tmp_path / "l.jsonl"), str(strict), "--strict", "--no-progress"]) == 1
+    assert not (strict / "manifest.json").exists()
