@@ -50,6 +50,7 @@ from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
 from loaders.dataloader.end_gate import pass_gate
+from loaders.dataloader.filereads import names_files, noting_in_workers
 from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
                                          pins_for_cuda, shutdown, tagged_batches)
@@ -127,14 +128,12 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self.device = dev
         self._pass_pins = False  # whether a thread of ours pins this pass's batches (_pins_here)
-        # workers write batches into recycled shared memory, given back once pinned (loaders.dataloader.shm), with
-        # device="cuda" registered for CUDA and copied to the GPU in place; None: fresh shared memory per batch.
-        # The latest pass's: every set of workers has its own (mark, pools, segments; see _transport)
+        # workers write batches into recycled shared memory, given back once pinned (shm), with device="cuda" registered
+        # and copied to the GPU in place; None: fresh shared memory. Each set of workers has its own (_transport)
         self._returns: SegmentReturns | None = SegmentReturns(
             os.urandom(8), workers=0, batches=(prefetch_factor or 2) + 2,
             register=dev is not None and dev.type == "cuda")
-        # workers' raw samples (bytes, numpy arrays) in recycled shared memory, copied out as they arrive
-        # (loaders.dataloader.rawshm); None: pickled through torch's pipe
+        # workers' raw samples (bytes, arrays) in recycled shared memory, copied out (rawshm); None: torch's pipe
         self._raw: RawCopies | None = RawCopies(self._returns.mark, workers=0, batches=self._returns.batches)
         self._transport_used = False  # whether a pass got the current _returns / _raw (then a new pass makes new)
         self._stock = SegmentStock()  # finished passes' raw segments, for the next pass's fresh workers
@@ -224,6 +223,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         inner = collate
         returns, copies = transport
         tensors, raw = self._recycles(workers, returns), self._packs(workers, returns, copies)
+        names = raw and names_files()  # the workers name unchanged values' shard files, not copy them (filereads)
         if tensors or raw:
             if tensors:
                 returns.workers = workers
@@ -234,7 +234,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             passes = returns.pass_counter() if self.persistent_workers else None
             # the batch's tensors travel in the raw segment unless recycled on their own (a thread of ours pins)
             inner = PooledCollate(collate, returns.mark, returns.batches, passes, tensors=tensors,
-                                  pack=functools.partial(pack_raw, tensors=not tensors) if raw else None,
+                                  pack=functools.partial(pack_raw, tensors=not tensors, files=names) if raw else None,
                                   stock=stock_for_pass(self, copies, workers, raw=raw, tensors=tensors))
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
@@ -249,13 +249,14 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             share_epoch()  # before the workers start: their copies follow each pass's epoch (order.shared_epoch)
         forks.install()  # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
-            if replay and rng.rng_state is not None:
-                with torch.random.fork_rng(devices=[]):
-                    torch.set_rng_state(rng.rng_state)
+            with noting_in_workers(names):
+                if replay and rng.rng_state is not None:
+                    with torch.random.fork_rng(devices=[]):
+                        torch.set_rng_state(rng.rng_state)
+                        it = super().__iter__()
+                else:
+                    rng.rng_state = torch.get_rng_state()
                     it = super().__iter__()
-            else:
-                rng.rng_state = torch.get_rng_state()
-                it = super().__iter__()
         finally:
             self.collate_fn, self.pin_memory = collate, pin
             self._plan = Plan()

@@ -36,16 +36,17 @@ free segment for it (it never waits).
 """
 from __future__ import annotations
 
-import io
-import pickle
 import weakref
 
 import numpy as np
 import torch
 
+from datapipe.read import origins
+from loaders.dataloader.bodies import Slot, batch_of, filled, plain_pickle
 from loaders.dataloader.copyout import copying_out, segment_fd
+from loaders.dataloader.filereads import FileReads, read_one, reading_out
 from loaders.dataloader.iterator import Failed
-from loaders.dataloader.shm import (_LEAVES, FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
+from loaders.dataloader.shm import (FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
 
 __all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "SegmentRef", "pack_raw", "unpacked"]
@@ -55,12 +56,6 @@ MIN_LEAF = 512  # smaller bytes / array leaves stay in the pickle (a slot costs 
 MIN_TENSORS = 2  # a batch with this many tensors to pack is packed whatever its size (torch: a socket round
 #                  trip per tensor; packed: one for the batch's block)
 _ALIGN = 64
-
-
-class _Slot(int):
-    """A packed leaf's place in the batch sent: its number in the :class:`Packed` tables."""
-
-    __slots__ = ()
 
 
 class SegmentRef(tuple):
@@ -90,11 +85,12 @@ class Packed(tuple):
     """A batch whose raw leaves travel in a segment: ``(body, segment, spans, kinds, dtypes, shapes, tensors,
     pickled)``.
 
-    ``body``: the batch with each packed leaf replaced by its :class:`_Slot`, or None when ``pickled`` holds
+    ``body``: the batch with each packed leaf replaced by its :class:`Slot`, or None when ``pickled`` holds
     it; ``segment``: the :class:`SegmentRef` (None: no bytes or arrays packed); ``spans``: offset, length per
     slot (flat; a tensor's into ``tensors``); ``kinds``: one letter per slot (``b`` bytes, ``a`` bytearray,
-    ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor); ``dtypes``, ``shapes``: the arrays' and
-    tensors', in slot order (a tensor's shape entry is ``(shape, strides)``); ``tensors``: a uint8 tensor over
+    ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor, ``s`` bytes named in a shard file, its span that
+    file's); ``dtypes``, ``shapes``: the arrays', tensors' and ``s`` leaves', in slot order (a tensor's shape entry is
+    ``(shape, strides)``; an ``s`` leaf's dtype entry is its file, :func:`datapipe.read.origins.take`'s); ``tensors``: a uint8 tensor over
     the fresh shared memory holding the packed tensors, or None; ``pickled``: the body pickled with each slot
     a persistent id (a body of plain values: dicts, lists, tuples, strings, numbers, small bytes), as
     ``(offset, length)`` in the segment after the data, or as bytes (no segment), or None (``body``). A
@@ -129,44 +125,21 @@ def _packable_tensor(t, aliased: set[int]) -> bool:
     return not storage.is_shared() and storage.data_ptr() not in aliased
 
 
-class _NotPlain(Exception):
-    pass
-
-
-class _BodyPickler(pickle.Pickler):
-    """Pickles a body of plain values, each :class:`_Slot` as its persistent id; anything else raises
-    :class:`_NotPlain` (``reducer_override`` sees every object but the built-in types)."""
-
-    def persistent_id(self, obj):
-        return int(obj) if type(obj) is _Slot else None
-
-    def reducer_override(self, obj):
-        raise _NotPlain
-
-
-def _plain_pickle(body) -> bytes | None:
-    """``body`` pickled by :class:`_BodyPickler`, or None when it holds anything but plain values."""
-    out = io.BytesIO()
-    try:
-        _BodyPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(body)
-    except _NotPlain:
-        return None
-    return out.getvalue()
-
-
-def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
+def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False, files: bool = False):
     """(Worker) ``batch`` as a :class:`Packed` whose raw leaves lie in a segment taken from ``pool``, or
     ``batch`` itself when it has too few raw bytes (and tensors) or the pool no free segment.
 
-    ``tensors``: the batch's CPU tensors go in the segment too (see the module's notes)."""
+    ``tensors``: the batch's CPU tensors go in the segment too (see the module's notes). ``files``: a ``bytes``
+    leaf read unchanged from a local shard travels as its file's span (kind ``s``: :mod:`datapipe.read.origins`),
+    read out of the file by the main process (:mod:`loaders.dataloader.filereads`)."""
     leaves: list = []
     spans: list[int] = []
     kinds: list[str] = []
-    end = tend = 0  # bytes of the segment (bytes, arrays) and of the tensors' block
+    end = tend = named = 0  # bytes of the segment (bytes, arrays), of the tensors' block, named in files
     aliased = _shared_storages(batch) if tensors else set()
 
     def note(x):
-        nonlocal end, tend
+        nonlocal end, tend, named
         if type(x) is torch.Tensor:
             if not tensors or not _packable_tensor(x, aliased):
                 return x
@@ -176,17 +149,24 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
             kind = _kind(x)
             if kind is None:
                 return x
+            origin = origins.take(x) if files and kind == "b" else None
+            if origin is not None:  # the file's bytes: its span travels, not a copy
+                named += len(x)
+                spans.extend((origin[1], len(x)))
+                kinds.append("s")
+                leaves.append(origin[0])
+                return Slot(len(leaves) - 1)
             n, offset = (len(x) if kind in "ba" else x.nbytes), end
             end += -(-n // _ALIGN) * _ALIGN
         spans.extend((offset, n))
         kinds.append(kind)
         leaves.append(x)
-        return _Slot(len(leaves) - 1)
+        return Slot(len(leaves) - 1)
 
     body = map_leaves(batch, note)
-    if end < MIN_BYTES and kinds.count("t") < MIN_TENSORS:
+    if end + named < MIN_BYTES and kinds.count("t") < MIN_TENSORS:
         return batch
-    pickled = _plain_pickle(body)
+    pickled = plain_pickle(body)
     segment = block = None
     if end:
         size = end + (len(pickled) if pickled is not None else 0)
@@ -212,6 +192,9 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
         kind = kinds[i]
         if kind in "ba":
             view[offset:offset + n] = x
+        elif kind == "s":
+            dtypes.append(x)  # the file it lies in
+            shapes.append(None)
         elif kind == "t":
             dtypes.append(x.dtype)
             shapes.append((tuple(x.shape), x.stride()))
@@ -248,17 +231,27 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
     return flat.reshape(shape, order="F" if kind == "f" else "C")
 
 
-def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None):
+def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, files: FileReads | None = None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
-    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in."""
+    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in;
+    ``files``: where leaves a worker named in their shard files (kind ``s``) are read from."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
+    if "s" in kinds and kinds.count("b") + kinds.count("s") == len(kinds):  # raw bytes, some in their files
+        out, copying = reading_out(kinds, spans, dtypes, files, view, fd, HEADER)
+        if pickled is None:  # as below: a body of other types may read a leaf as it is rebuilt
+            copying.wait()
+            return filled(body, out)
+        try:
+            return batch_of(body, out, pickled, view)
+        finally:
+            copying.wait()
     if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large
         out, copying = copying_out(view, spans, fd=fd, fd_offset=HEADER)
         if pickled is None:  # a body of other types is rebuilt by their own code, which may read or hash a leaf
             copying.wait()
-            return _filled(body, out)
+            return filled(body, out)
         try:  # a plain body (built-in types alone, no leaf a key) is unpickled while the threads copy
-            return _batch_of(body, out, pickled, view)
+            return batch_of(body, out, pickled, view)
         finally:
             copying.wait()
     buf = np.frombuffer(view, np.uint8) if view is not None else None
@@ -272,6 +265,9 @@ def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None):
             out.append(bytes(view[offset:offset + n]))
         elif kind == "a":
             out.append(bytearray(view[offset:offset + n]))
+        elif kind == "s":
+            out.append(read_one(files, dtypes[arrays], offset, n))
+            arrays += 1
         elif kind == "t":
             dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
             start = base + offset
@@ -282,38 +278,7 @@ def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None):
             src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
             out.append(src.copy(order="K"))
             arrays += 1
-    return _batch_of(body, out, pickled, view)
-
-
-def _batch_of(body, out: list, pickled, view):
-    """The batch: ``body`` with its slots filled from ``out``, or ``pickled`` loaded with them."""
-    if pickled is None:
-        return _filled(body, out)
-    if type(pickled) is tuple:
-        offset, n = pickled
-        pickled = view[offset:offset + n]
-    loader = pickle.Unpickler(io.BytesIO(pickled))
-    loader.persistent_load = out.__getitem__
-    return loader.load()
-
-
-def _filled(x, out: list):
-    """``x`` with ``out[slot]`` in place of each slot. The dicts and lists holding slots are the batch's own
-    (rebuilt by :func:`pack_raw`, then by unpickling): they change in place; other containers are rebuilt."""
-    kind = type(x)
-    if kind is _Slot:
-        return out[x]
-    if kind is dict:
-        for k, v in x.items():
-            if type(v) not in _LEAVES:
-                x[k] = _filled(v, out)  # the same keys: the dict's size never changes
-        return x
-    if kind is list:
-        for i, v in enumerate(x):
-            if type(v) not in _LEAVES:
-                x[i] = _filled(v, out)
-        return x
-    return map_leaves(x, lambda y: out[y] if type(y) is _Slot else y)
+    return batch_of(body, out, pickled, view)
 
 
 class _Mapped:
@@ -359,6 +324,7 @@ class RawCopies:
         self.batches = batches
         self.kept: dict = {}
         self.copied = 0
+        self.files = FileReads()  # the shard files workers named leaves in (filereads)
         self.processes: list | None = None  # the workers that write into its segments, where they may be stocked
         _RECEIVERS[mark] = self
 
@@ -388,7 +354,7 @@ class RawCopies:
             _, token, retired, _, data = segment
             segment = self.received(token, retired, data)
         try:
-            return _unpack(batch, *((segment.view, segment.fd) if segment is not None else (None,)))
+            return _unpack(batch, *((segment.view, segment.fd) if segment is not None else (None, None)), self.files)
         finally:
             if segment is not None:
                 segment.header[_STATE] = FREE
@@ -402,6 +368,7 @@ class RawCopies:
     def clear(self) -> None:
         for token in list(self.kept):
             self._drop(token)
+        self.files.close()
 
 
 def _called(then) -> Exception | None:

@@ -387,20 +387,20 @@ def test_the_batch_is_built_while_its_bytes_are_copied_and_an_error_waits_for_th
         done.append(len(jobs))
 
     monkeypatch.setattr(copyout, "_copy", slow)
-    built = rawshm._batch_of
+    built = rawshm.batch_of
 
     def building(*args):
         assert copying.wait(5) and not done  # the body is unpickled while the copies run
         return built(*args)
 
-    monkeypatch.setattr(rawshm, "_batch_of", building)
+    monkeypatch.setattr(rawshm, "batch_of", building)
     out = copies.unpack(pack_raw(batch, pool))
     assert same(out, batch) and len(done) == 2  # handed out only once both copies ended
 
     def failing(*args):
         raise pickle.UnpicklingError("a broken body")
 
-    monkeypatch.setattr(rawshm, "_batch_of", failing)
+    monkeypatch.setattr(rawshm, "batch_of", failing)
     done.clear()
     packed = pack_raw(batch, pool)
     with pytest.raises(pickle.UnpicklingError):
