@@ -10,6 +10,8 @@ so that ranks stay equal, :mod:`datapipe.order.padding`). Counts go to one ledge
 A worker's state is one counter, the draws of its delivery stage: the plan is a function of the
 counts, the shape and the epoch, and the shuffle buffer and the segment reader are rebuilt from the
 draw count by replay (:func:`datapipe.order.shuffle.shuffled`), so no other stage has a state to save.
+That counter is also what :meth:`ShardStream.mark` notes after each sample, for a stage downstream that
+needs the state at a sample it holds (:meth:`ShardStream.state_before`) only now and then.
 """
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         self._loaded_shape: dict | None = None
         self._total: int | None = None
         self._positions: dict[int, dict[str, Any]] = {}
+        self._position: dict[str, Any] | None = None  # this process's worker's position in the pass under way
         self._num_workers = 0
 
     def replace(self, **changes: Any) -> "ShardStream":
@@ -267,6 +270,44 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
                 "first_worker": resume["first_worker"], "total": total, "generation": resume["generation"],
                 "base": None if resume["base"] is None else elastic.pack_ranges(resume["base"])}
 
+    def mark(self) -> tuple:
+        """A cheap marker of the sample this pass handed out last, to take right after each sample comes out.
+
+        A stage that must be able to resume at any of the samples it holds (a batch not yet sent) keeps a
+        mark per sample (a tuple, well under a microsecond) and turns only the marks it needs into
+        states with :meth:`state_before` / :meth:`state_after` (as costly as :meth:`state_dict`). A mark
+        holds for the pass it was taken in, in the process that iterates this stream (a DataLoader
+        worker's copy: its own).
+        """
+        position = self._position
+        if position is None:
+            raise ValueError("mark() is taken during iteration: call it after a sample of a pass over this stream")
+        return position, position["draws"]
+
+    def state_before(self, mark: tuple) -> dict[str, Any]:
+        """The state as it stood just before the sample of ``mark`` (:meth:`mark`) was drawn: loaded into a
+        fresh stream, it yields exactly that sample and the rest of the epoch.
+
+        (A repeat that evens ranks out after losses at the very start of a worker's pass is handed out
+        without a draw of its own: its state is the one before the sample it repeats.)
+        """
+        return self._state_at(mark, -1)
+
+    def state_after(self, mark: tuple) -> dict[str, Any]:
+        """The state right after the sample of ``mark`` was handed out (what :meth:`state_dict` returned then)."""
+        return self._state_at(mark, 0)
+
+    def _state_at(self, mark: tuple, shift: int) -> dict[str, Any]:
+        """:meth:`state_dict` with this worker's position at the draw count of ``mark`` plus ``shift``."""
+        position, draws = mark
+        if position is not self._position or draws + shift < 0:
+            raise ValueError("this mark was not taken after a sample of this stream's pass under way (marks "
+                             "hold for the pass they were taken in): take one with mark() after each sample")
+        state = self.state_dict()
+        (worker,) = (w for w, p in self._positions.items() if p is position)
+        state["workers"] = {**state["workers"], worker: {**position, "draws": draws + shift, "done": False}}
+        return state
+
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Resume: the next iteration of the saved epoch yields exactly its rest (other epochs start afresh).
 
@@ -363,6 +404,7 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
                            rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers), base=base)
         position = {"draws": draws, "done": done}
         self._positions = {logical: position}
+        self._position = position
         if done:
             return
         self._ledger.counts["padded"] += plan.padded
@@ -374,8 +416,9 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
             items = reader.items(plan, draws)
         else:
             seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
-            items = shuffled(lambda first, keep: reader.positions(plan, first, keep), size=self.shuffle_buffer, seed=seed,
-                             length=len(plan), draws=draws, read_items=lambda first: reader.items(plan, first))
+            items = shuffled(lambda first, keep: reader.positions(plan, first, keep), size=self.shuffle_buffer,
+                             seed=seed, length=len(plan), draws=draws,
+                             read_items=lambda first: reader.items(plan, first))
         if self._steps:
             items = stepped(items, self._steps, lost=LOST, lose=reader.lose)
         try:

@@ -86,7 +86,7 @@ class RawBatch:
     urls: list[str] = field(default_factory=list)
     state: dict | None = None  # ShardStream state after this batch's last sample
     owner: Any = None  # what the arrays are views of (read_workers > 0), kept alive with them
-    states: list[dict] = field(default_factory=list)  # the state after each sample (``track=True``)
+    marks: list = field(default_factory=list)  # the source's mark after each sample (``mark_fn``)
 
 
 def iter_raw_batches(
@@ -100,12 +100,13 @@ def iter_raw_batches(
     on_error: OnError | ErrorPolicy,
     stats: dict | None = None,
     state_fn: Callable[[], dict] | None = None,
-    track: bool = False,
+    mark_fn: Callable[[], Any] | None = None,
 ) -> Iterator[RawBatch]:
     """Group samples into batches of encoded images + int labels; bad samples go to ``on_error``
     (see ``handle_bad``: an ``ErrorPolicy`` counts them, else ``stats`` does).
 
-    ``track``: each batch also keeps ``state_fn()`` after each of its samples (``RawBatch.states``).
+    ``state_fn``: the source's state, kept after each batch's last sample (``RawBatch.state``).
+    ``mark_fn``: the source's cheap marker (``ShardStream.mark``), kept after each sample (``RawBatch.marks``).
     """
     batch = RawBatch()
     for sample in samples:
@@ -136,8 +137,8 @@ def iter_raw_batches(
         batch.labels.append(label)
         batch.keys.append(key)
         batch.urls.append(url)
-        if track and state_fn is not None:
-            batch.states.append(state_fn())
+        if mark_fn is not None:
+            batch.marks.append(mark_fn())
         if len(batch.arrays) == batch_size:
             batch.state = state_fn() if state_fn else None
             yield batch
@@ -201,10 +202,10 @@ class EncodedBatches(torch.utils.data.IterableDataset):
         self._held = None
         policy = ErrorPolicy(self.batching.get("on_error", "raise"), log=log)
         size = self.batching["batch_size"]
-        state_fn = getattr(self.stream, "state_dict", None)
+        mark_fn = getattr(self.stream, "mark", None)  # a state only for the samples that end in the tail
         reported = 0
         for raw in iter_raw_batches(iter(self.stream), **{**self.batching, "on_error": policy, "drop_last": False,
-                                                           "state_fn": state_fn, "track": True}):
+                                                           "mark_fn": mark_fn}):
             skipped = policy.skipped  # bad images (what the stream loses reaches the main process by its ledger)
             sizes = [len(a) for a in raw.arrays]
             offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
@@ -221,12 +222,14 @@ class EncodedBatches(torch.utils.data.IterableDataset):
         self._held = None
 
     def _tail(self, raw: RawBatch) -> dict:
-        """A tail's ``"tail"`` entry; the state before it becomes the one :meth:`state_dict` sends."""
-        if raw.state is None:  # a source without states (tests)
+        """A tail's ``"tail"`` entry; the state before it becomes the one :meth:`state_dict` sends.
+
+        Built from the marks of its samples, at the worker's end (its stream's pass is over).
+        """
+        if not raw.marks:  # a source without marks (tests)
             return {"worker": 0, "after": None}
-        ((worker, end),) = raw.state["workers"].items()
-        first = raw.states[0]["workers"][worker]
-        before = {**first, "draws": first["draws"] - 1, "done": False}  # the first sample is drawn next
-        self._held = {**raw.state, "workers": {worker: before}}
-        after = [s["workers"][worker] for s in raw.states[:-1]] + [end]  # the last: the worker's end
+        stream = self.stream
+        self._held = stream.state_before(raw.marks[0])  # the tail's first sample is drawn next
+        ((worker, end),) = stream.state_dict()["workers"].items()
+        after = [stream.state_after(m)["workers"][worker] for m in raw.marks[:-1]] + [end]  # the last: the end
         return {"worker": worker, "after": after}
