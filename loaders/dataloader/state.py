@@ -17,6 +17,8 @@ __all__ = ["LoaderState"]
 class LoaderState:
     """The epoch and state methods of :class:`loaders.dataloader.DataLoader`."""
 
+    _resume_loaded = False  # the last pass loaded a resume into the dataset (spent as the next pass begins)
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of this loader's next pass, and of the sampler and dataset if they have ``set_epoch``
         (with ``seed=``: the order of ``seed + epoch``); the passes after it count on from it. A pending resume
@@ -70,13 +72,28 @@ class LoaderState:
     def _restore(self, p: Progress, resume: dict | None) -> None:
         """Record this pass's generator and sampler epoch, or put a pending resume's back (its RNG
         states, sampler epoch and the dataset's state); else note the dataset's state at the epoch's start."""
+        self._forget_spent_resume()
         record_order(p.rng, resume, sampler=self.sampler, generator=self.generator)
         if self._protocol and resume is not None and resume.get("dataset") is not None:
             ds = p.workers.resume(resume)
             self._drop_persistent()  # persistent workers hold a stale dataset copy
             self.dataset.load_state_dict(ds)
+            self._resume_loaded = True
         elif self._protocol:  # a state before the first batch names the rank and shape (datapipe.order.elastic)
             p.workers.start = epoch_start(self.dataset, p.epoch)
+
+    def _forget_spent_resume(self) -> None:
+        """(A pass begins.) A resume the last pass loaded into the dataset was that pass's, read or not: the dataset
+        forgets what it may keep of it (without workers it takes a resume at its first sample, so a pass never read
+        leaves it there), and persistent workers, whose copies started with it, make way for new ones. So the pass
+        after a resumed one is the same with any worker count (``forget_resume``: ``ShardStream``, ``mix``)."""
+        if not self._resume_loaded:
+            return
+        self._resume_loaded = False
+        forget = getattr(self.dataset, "forget_resume", None)
+        if callable(forget):
+            forget()
+        self._drop_persistent()
 
     def state_dict(self) -> dict:
         """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader.resume`):

@@ -27,7 +27,9 @@ A dataset takes part when it is a ``torch.utils.data.IterableDataset`` with ``st
    the resumed run, the loader's ``state_dict()`` returns the global state it was given.
 7. Once a resumed pass's workers have started (they took the resume with their copies), the loader calls
    the dataset's ``forget_resume()`` where it has one: another pass over the same dataset object (another
-   loader's, or this one's next) is a whole epoch.
+   loader's, or this one's next) is a whole epoch. As the next pass of this loader begins it calls it again (a
+   resumed pass without workers leaves the resume in the dataset until its first sample: a pass never read keeps
+   it) and starts new persistent workers (their copies started with it): the resumed pass had it, read or not.
 """
 from __future__ import annotations
 

@@ -212,3 +212,102 @@ def test_a_data_error_from_a_worker_keeps_its_url_and_key(tmp_path, num_workers)
         with pytest.raises(DataError, match="boom") as info:
             list(loader)
         assert (info.value.url, info.value.key) == (urls[1], samples[4]["__key__"]), loader_type
+
+
+SHAPES = [(0, False), (2, False), (2, True)]  # (num_workers, persistent_workers)
+
+
+def _resume_setup(tmp_path, num_workers, persistent, mixed):
+    """A loader factory over a ShardStream (or a mix of two), and a state taken after two batches of epoch 0."""
+    from datapipe import mix
+
+    urls, samples = write_shards(tmp_path / "d", [6, 6])
+    other, _ = write_shards(tmp_path / "e", [5, 5], prefix="o")
+
+    def make():
+        data = ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=1)
+        if mixed:
+            data = mix([data, ShardStream(other, shuffle=True, seed=2)], weights=[1, 1], seed=3)
+        return DataLoader(data, batch_size=2, num_workers=num_workers, persistent_workers=persistent,
+                          collate_fn=keys)
+
+    first = make()
+    it = iter(first)
+    head = [k for _ in range(2) for k in next(it)]
+    state = first.state_dict()
+    rest = [k for b in it for k in b]
+    first.close()
+    return make, state, head, rest, sorted(s["__key__"] for s in samples)
+
+
+def _epoch(make, epoch):
+    """Epoch ``epoch`` and the one after it, as a fresh loader runs them."""
+    loader = make()
+    loader.set_epoch(epoch)
+    out = [[k for b in loader for k in b] for _ in range(2)]
+    loader.close()
+    return out
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("then, epoch", [("set_epoch", 0), ("iter", 1), ("set_epoch", 2)])
+@pytest.mark.parametrize("num_workers, persistent", SHAPES)
+def test_a_resumed_pass_made_and_never_read_counts_as_the_pass(tmp_path, num_workers, persistent, then, epoch,
+                                                               mixed):
+    """load_state_dict, an iter() never read, then set_epoch (of the saved epoch or another) or not, then a new pass:
+    the unread pass took the resume (as TokenLoader's does), so the new pass is a whole epoch, with any worker count,
+    persistent workers or not. Was: without workers, the rest of epoch 0 after set_epoch(0), and under a mix the
+    rest's positions applied to epoch 1 / 2; with persistent workers the rest of epoch 0 after set_epoch(0)."""
+    make, state, _, _, every = _resume_setup(tmp_path, num_workers, persistent, mixed)
+    whole, after = _epoch(make, epoch)
+    loader = make()
+    loader.load_state_dict(state)
+    unread = iter(loader)
+    if then == "set_epoch":
+        loader.set_epoch(epoch)
+    got = [k for b in loader for k in b]
+    assert got == whole
+    if not mixed:
+        assert sorted(got) == every  # the same samples with every worker count: the whole epoch
+    assert [k for b in loader for k in b] == after
+    del unread
+    loader.close()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("num_workers, persistent", SHAPES)
+def test_a_later_pass_at_the_resumed_epoch_is_whole(tmp_path, num_workers, persistent, mixed):
+    """A resumed pass read to its end, then set_epoch of its epoch: the whole epoch, as without a resume. Was: with
+    persistent workers the rest again (their stream copies kept the resume they started with)."""
+    make, state, head, rest, every = _resume_setup(tmp_path, num_workers, persistent, mixed)
+    (whole, _), = [_epoch(make, 0)]
+    loader = make()
+    loader.load_state_dict(state)
+    assert [k for b in loader for k in b] == rest
+    assert head + rest == whole
+    loader.set_epoch(0)
+    got = [k for b in loader for k in b]
+    assert got == whole
+    if not mixed:
+        assert sorted(got) == every
+    loader.close()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("num_workers, persistent", SHAPES)
+def test_a_state_taken_on_an_unread_resumed_pass_is_the_loaded_one(tmp_path, num_workers, persistent, mixed):
+    """state_dict() on a resumed pass made and never read is the position loaded (with any worker count): loaded
+    again it yields the rest, the same rest the unread pass yields when read."""
+    make, state, _, rest, _ = _resume_setup(tmp_path, num_workers, persistent, mixed)
+    loader = make()
+    loader.load_state_dict(state)
+    unread = iter(loader)
+    taken = loader.state_dict()
+    assert (taken["epoch"], taken["batches"]) == (0, 2)
+    assert taken["dataset"]["workers"] == state["dataset"]["workers"]
+    again = make()
+    again.load_state_dict(taken)
+    assert [k for b in again for k in b] == rest
+    assert [k for b in unread for k in b] == rest
+    again.close()
+    loader.close()
