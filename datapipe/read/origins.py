@@ -25,11 +25,9 @@ MIN_VALUE = 16 << 10  # smaller values travel in the segment (a span read costs 
 IDLE_NOTES = 4096  # noted values in a row none of which was taken: the table switches itself off
 
 _on = False
-_table: dict[int, tuple[bytes, int, int]] = {}  # id(value) -> (value, file number, offset)
+_table: dict[int, tuple[bytes, tuple, int]] = {}  # id(value) -> (value, its file, offset)
 _held = 0
 _idle = 0
-_files: list[tuple] = []  # file number -> (path, st_dev, st_ino, st_size, st_mtime_ns)
-_file_of: dict[tuple, int] = {}  # (path, st_dev, st_ino, st_size, st_mtime_ns) -> file number
 
 
 def enable(on: bool = True) -> None:
@@ -51,9 +49,9 @@ def clear() -> None:
     _held = 0
 
 
-def file_number(fd: int) -> int | None:
-    """The number of the file ``fd`` reads (its path and identity noted once), or None: not noting, or no path the
-    main process could open (an unlinked file, no ``/proc``)."""
+def file_of(fd: int) -> tuple | None:
+    """The file ``fd`` reads, as :func:`take` names it: ``(path, st_dev, st_ino, st_size, st_mtime_ns)``; None where
+    not noting, or where the main process could not open it by a path (an unlinked file, no ``/proc``)."""
     if not _on:
         return None
     try:
@@ -63,16 +61,11 @@ def file_number(fd: int) -> int | None:
         return None
     if not path.startswith("/") or path.endswith(" (deleted)"):
         return None
-    ident = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    number = _file_of.get(ident)
-    if number is None:
-        number = _file_of[ident] = len(_files)
-        _files.append(ident)
-    return number
+    return path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def note(value: bytes, file: int, offset: int) -> None:
-    """``value`` (a ``bytes`` just read whole) is file ``file``'s bytes at ``offset``."""
+def note(value: bytes, file: tuple, offset: int) -> None:
+    """``value`` (a ``bytes`` just read whole) is ``file``'s bytes at ``offset`` (``file``: :func:`file_of`'s)."""
     global _held, _idle, _on
     n = len(value)
     if not _on or n < MIN_VALUE:
@@ -90,17 +83,15 @@ def note(value: bytes, file: int, offset: int) -> None:
 
 def take(value) -> tuple[tuple, int] | None:
     """``(file, offset)`` of ``value`` if it is a value noted and still held (then let go), else None; ``file`` is
-    ``(path, st_dev, st_ino, st_size, st_mtime_ns)``."""
+    :func:`file_of`'s."""
     global _held, _idle
     entry = _table.pop(id(value), None)
     if entry is None:
         return None
     kept, file, offset = entry
-    _held -= len(kept)
-    if kept is not value:
-        return None
+    _held -= len(kept)  # ``kept`` is ``value``: the table holds it, so no other object has its id
     _idle = 0
-    return _files[file], offset
+    return file, offset
 
 
 def available() -> bool:

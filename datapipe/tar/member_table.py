@@ -204,7 +204,7 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
     keys, members = table.keys, table.members
     stop = len(keys) if stop is None else min(stop, len(keys))
     ahead = ReadAhead(members, fd, stop, keep, threads) if threads and read is None else None
-    origin = origins.file_number(fd) if origins.enabled() and read is None and ahead is None else None
+    origin = origins.file_of(fd) if origins.enabled() and read is None and ahead is None else None
     try:
         yield from _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead, origin)
     finally:

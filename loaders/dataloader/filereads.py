@@ -12,6 +12,7 @@ out.
 """
 from __future__ import annotations
 
+import collections
 import os
 
 from datapipe.read import origins
@@ -48,11 +49,15 @@ class noting_in_workers:
         return False
 
 
+MAX_OPEN = 64  # shard files kept open at most (the least recently read closed first)
+
+
 class FileReads:
-    """(Main process) the shard files workers named, each open once; ``read(...)`` starts reading values out."""
+    """(Main process) the shard files workers named, at most :data:`MAX_OPEN` kept open; :meth:`start` starts
+    reading values out of them."""
 
     def __init__(self):
-        self.fds: dict[tuple, int] = {}
+        self.fds: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self.reads = 0  # values read from files so far
 
     def fd(self, file: tuple) -> int:
@@ -65,6 +70,10 @@ class FileReads:
                 raise FileChanged(f"loaders.DataLoader: shard file {file[0]} a worker read can no longer be opened "
                                   f"({e})") from e
             self.fds[file] = fd
+            while len(self.fds) > MAX_OPEN:  # a read under way has a duplicate of its own (start_spans)
+                os.close(self.fds.popitem(last=False)[1])
+        else:
+            self.fds.move_to_end(file)
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != file[1:]:
             self._drop(file)

@@ -22,7 +22,7 @@ def a_file(tmp_path, data=b"x" * 100_000):
 def test_a_value_noted_is_taken_back_once_with_its_file_and_offset(tmp_path):
     fd, path = a_file(tmp_path)
     origins.enable()
-    number = origins.file_number(fd)
+    number = origins.file_of(fd)
     value = os.pread(fd, 20_000, 1_000)
     origins.note(value, number, 1_000)
     file, offset = origins.take(value)
@@ -36,7 +36,7 @@ def test_an_equal_value_that_is_another_object_has_no_origin(tmp_path):
     fd, _ = a_file(tmp_path)
     origins.enable()
     value = os.pread(fd, 20_000, 0)
-    origins.note(value, origins.file_number(fd), 0)
+    origins.note(value, origins.file_of(fd), 0)
     assert origins.take(bytes(bytearray(value))) is None
     assert origins.take(value) is not None
     os.close(fd)
@@ -44,11 +44,11 @@ def test_an_equal_value_that_is_another_object_has_no_origin(tmp_path):
 
 def test_nothing_is_noted_when_off_or_small():
     value = b"y" * 50_000
-    origins.note(value, 0, 0)  # off
+    origins.note(value, ("f", 0, 0, 0, 0), 0)  # off
     assert origins.take(value) is None
     origins.enable()
     small = b"z" * (origins.MIN_VALUE - 1)
-    origins.note(small, 0, 0)
+    origins.note(small, ("f", 0, 0, 0, 0), 0)
     assert origins.take(small) is None
 
 
@@ -57,8 +57,7 @@ def test_the_oldest_values_are_let_go_past_the_budget(monkeypatch):
     origins.enable()
     values = [bytes([i]) * 30_000 for i in range(5)]
     for i, v in enumerate(values):
-        origins.note(v, 0, i)
-    monkeypatch.setattr(origins, "_files", [("f", 0, 0, 0, 0)])
+        origins.note(v, ("f", 0, 0, 0, 0), i)
     assert [origins.take(v) is not None for v in values] == [False, False, True, True, True]
 
 
@@ -67,7 +66,7 @@ def test_noting_switches_itself_off_when_nothing_is_taken(monkeypatch):
     origins.enable()
     values = [bytes([i]) * 20_000 for i in range(12)]
     for i, v in enumerate(values):
-        origins.note(v, 0, i)
+        origins.note(v, ("f", 0, 0, 0, 0), i)
     assert not origins.enabled()
     assert all(origins.take(v) is None for v in values)  # and holds none
 
@@ -76,5 +75,5 @@ def test_a_deleted_file_has_no_number(tmp_path):
     fd, path = a_file(tmp_path)
     origins.enable()
     os.unlink(path)
-    assert origins.file_number(fd) is None
+    assert origins.file_of(fd) is None
     os.close(fd)

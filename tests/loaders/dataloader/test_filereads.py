@@ -84,7 +84,7 @@ def noted_batch(path, n=20, size=20_000, extra=None):
     """A batch of ``n`` values read from ``path`` and noted, as a worker makes it (``extra``: a leaf beside)."""
     origins.enable()
     fd = os.open(path, os.O_RDONLY)
-    number = origins.file_number(fd)
+    number = origins.file_of(fd)
     values = []
     for i in range(n):
         v = os.pread(fd, size, i * size)
@@ -141,3 +141,20 @@ def test_file_reads_close_their_files(tmp_path):
     reads.close()
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_at_most_max_open_files_stay_open(tmp_path, monkeypatch):
+    from loaders.dataloader import filereads
+
+    monkeypatch.setattr(filereads, "MAX_OPEN", 3)
+    reads, files = FileReads(), []
+    for i in range(6):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(bytes([i]) * 1000)
+        st = os.stat(path)
+        files.append((str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        values, readings = reads.start([(files[-1], 10, 100), (files[0], 0, 50)], threads=1)
+        reads.finish(readings)
+        assert values == [bytes([i]) * 100, b"\0" * 50]
+        assert len(reads.fds) <= 3 and files[0] in reads.fds  # the file read each time stays open
+    reads.close()
