@@ -10,6 +10,8 @@ so that ranks stay equal, :mod:`datapipe.order.padding`). Counts go to one ledge
 A worker's state is one counter, the draws of its delivery stage: the plan is a function of the
 counts, the shape and the epoch, and the shuffle buffer and the segment reader are rebuilt from the
 draw count by replay (:func:`datapipe.order.shuffle.shuffled`), so no other stage has a state to save.
+Under DDP the delivery stage also notes the draw of the sample a lost one repeats (read again, alone,
+by a pass resumed before its next sample) and the repeats it owes (:mod:`datapipe.order.padding`).
 That counter is also what :meth:`ShardStream.mark` notes after each sample, for a stage downstream that
 needs the state at a sample it holds (:meth:`ShardStream.state_before`) only now and then.
 """
@@ -26,11 +28,11 @@ import torch.utils.data
 from datapipe.decode import Decode, Map, stepped
 from datapipe.errors import ErrorPolicy, OnError, check_on_error
 from datapipe.order import elastic
-from datapipe.order.padding import deliver
+from datapipe.order.padding import PADDING_KEYS, deliver
 from datapipe.order.plan import SHARD_ORDER, samples_per_rank, shard_order, worker_plan
 from datapipe.order.ranks import rank_world
 from datapipe.order.shared_epoch import SharedEpoch
-from datapipe.order.shuffle import shuffled
+from datapipe.order.shuffle import drawn_position, shuffled
 from datapipe.read.heap import keep_freed_memory
 from datapipe.read.ledger import Ledger
 from datapipe.read.options import StorageOptions, check_types
@@ -282,30 +284,35 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         position = self._position
         if position is None:
             raise ValueError("mark() is taken during iteration: call it after a sample of a pass over this stream")
-        return position, position["draws"]
+        return position, position["draws"], position.get("last"), position.get("owed")
 
     def state_before(self, mark: tuple) -> dict[str, Any]:
         """The state as it stood just before the sample of ``mark`` (:meth:`mark`) was drawn: loaded into a
         fresh stream, it yields exactly that sample and the rest of the epoch.
 
-        (A repeat that evens ranks out after losses at the very start of a worker's pass is handed out
-        without a draw of its own: its state is the one before the sample it repeats.)
+        (A repeat owed for losses at the very start of a worker's pass is handed out right after the sample
+        it repeats, without a draw of its own: its state here is the one before that sample's draw, with
+        the repeats still owed after it; it yields the same.)
         """
-        return self._state_at(mark, -1)
+        position, draws, last, owed = mark
+        if last is not None and last < draws:  # a repeat in the place of the lost item of this draw
+            return self._state_at(position, draws - 1, last=last)
+        return self._state_at(position, draws - 1, owed=owed)  # this draw's sample (or one owed repeat of it)
 
     def state_after(self, mark: tuple) -> dict[str, Any]:
         """The state right after the sample of ``mark`` was handed out (what :meth:`state_dict` returned then)."""
-        return self._state_at(mark, 0)
+        position, draws, last, owed = mark
+        return self._state_at(position, draws, last=last, owed=owed)
 
-    def _state_at(self, mark: tuple, shift: int) -> dict[str, Any]:
-        """:meth:`state_dict` with this worker's position at the draw count of ``mark`` plus ``shift``."""
-        position, draws = mark
-        if position is not self._position or draws + shift < 0:
+    def _state_at(self, position: dict, draws: int, **padding: int | None) -> dict[str, Any]:
+        """:meth:`state_dict` with this worker's position at ``draws`` with the ``padding`` entries given."""
+        if position is not self._position or draws < 0:
             raise ValueError("this mark was not taken after a sample of this stream's pass under way (marks "
                              "hold for the pass they were taken in): take one with mark() after each sample")
         state = self.state_dict()
         (worker,) = (w for w, p in self._positions.items() if p is position)
-        state["workers"] = {**state["workers"], worker: {**position, "draws": draws + shift, "done": False}}
+        at = {"draws": draws, "done": False, **{k: v for k, v in padding.items() if v is not None}}
+        state["workers"] = {**state["workers"], worker: at}
         return state
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
@@ -390,8 +397,8 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         resume = self._resume if self._resume is not None and self._resume["epoch"] == self.epoch else None
         if info is None:
             self._resume = None  # used up here; DataLoader workers use their own copies
-        logical, draws, done, base, generation = elastic.start_of(resume, worker=physical, num_workers=num_workers,
-                                                                  world_size=world)
+        logical, position, base, generation = elastic.start_of(resume, worker=physical, num_workers=num_workers,
+                                                               world_size=world)
         if resume is not None and resume.get("reshape") is not None and base is resume["reshape"]["base"]:
             _say_replanned(self._loaded_shape, rank=rank, world=world, worker=physical, num_workers=num_workers)
         self._num_workers = num_workers
@@ -402,27 +409,36 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         plan = worker_plan(counts, shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
                                                epoch=self.epoch),
                            rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers), base=base)
-        position = {"draws": draws, "done": done}
+        draws = position["draws"]
         self._positions = {logical: position}
         self._position = position
-        if done:
+        if position["done"]:
             return
         self._ledger.counts["padded"] += plan.padded
         if self.storage.keep_freed_memory:
             keep_freed_memory()
         reader = SegmentReader(self._shards, zero_copy=self.storage.zero_copy,
                                read_threads=read_threads(self.storage.read_threads, in_worker=info is not None))
+        seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
         if self.shuffle_buffer <= 1:
             items = reader.items(plan, draws)
         else:
-            seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
             items = shuffled(lambda first, keep: reader.positions(plan, first, keep), size=self.shuffle_buffer,
                              seed=seed, length=len(plan), draws=draws,
                              read_items=lambda first: reader.items(plan, first))
         if self._steps:
             items = stepped(items, self._steps, lost=LOST, lose=reader.lose)
+
+        def reread(draw: int) -> Any:
+            """The sample of an earlier draw of this pass, read again alone (None: lost this time)."""
+            at = draw - 1 if self.shuffle_buffer <= 1 else drawn_position(self.shuffle_buffer, seed, len(plan), draw)
+            (item,) = reader.items(plan.sample_at(at), 0)
+            if self._steps:
+                (item,) = stepped([item], self._steps, lost=LOST, lose=reader.lose)
+            return None if item is LOST else item
+
         try:
-            yield from deliver(items, position, self._ledger.counts, lost=LOST, pad=world > 1)
+            yield from deliver(items, position, self._ledger.counts, lost=LOST, pad=world > 1, reread=reread)
             position["done"] = True
         finally:
             self._ledger.publish()
@@ -446,6 +462,7 @@ def _check_stream_state(state: Any) -> None:
     """A ValueError naming what is wrong unless ``state`` has the keys and value types of a ShardStream state."""
     check_state(state, "ShardStream", keys={"epoch": Integral, "num_workers": Integral, "workers": dict})
     for worker, position in state["workers"].items():
-        if not (isinstance(position, dict) and isinstance(position.get("draws", 0), Integral)):
+        if not (isinstance(position, dict) and isinstance(position.get("draws", 0), Integral)
+                and all(isinstance(position.get(k, 0), (Integral, type(None))) for k in PADDING_KEYS)):
             raise ValueError(f"not a ShardStream state: worker {worker!r}'s position is {position!r:.60}, expected "
                              "{'draws': int, 'done': bool}; pass what ShardStream.state_dict() returned")

@@ -19,6 +19,7 @@ import sys
 from array import array
 from typing import Any, Sequence
 
+from datapipe.order.padding import PADDING_KEYS
 from datapipe.order.plan import SHARD_ORDER, Ranges, map_positions, normalize, run_ranges, subtract
 from datapipe.order.seeds import derive_seed
 from datapipe.order.shuffle import replay_positions
@@ -39,17 +40,18 @@ def worker_seed(seed: int, epoch: int, rank: int, worker: int, world_size: int, 
 
 
 def start_of(resume: dict | None, *, worker: int, num_workers: int,
-             world_size: int) -> tuple[int, int, bool, Ranges | None, int]:
-    """Where physical ``worker`` starts: ``(logical worker, draws, done, base, generation)`` after ``resume``
-    (a ShardStream's pending resume, or None: the epoch's start)."""
-    logical, draws, done = worker, 0, False
+             world_size: int) -> tuple[int, dict[str, Any], Ranges | None, int]:
+    """Where physical ``worker`` starts: ``(logical worker, position, base, generation)`` after ``resume``
+    (a ShardStream's pending resume, or None: the epoch's start). ``position``: ``draws``, ``done`` and, where
+    the saved one has them, the padding's ``last`` and ``owed`` (:mod:`datapipe.order.padding`)."""
+    logical, position = worker, {"draws": 0, "done": False}
     base, generation = None, 0
     if resume is None:
-        return logical, draws, done, base, generation
+        return logical, position, base, generation
     same_workers = max(1, resume["num_workers"]) == max(1, num_workers)  # 0 and 1 worker split alike
     same_world = resume["world_size"] is None or resume["world_size"] == world_size
     if resume.get("reshape") is not None and not (same_workers and same_world):
-        return logical, draws, done, resume["reshape"]["base"], resume["reshape"]["generation"]  # elastic: replan
+        return logical, position, resume["reshape"]["base"], resume["reshape"]["generation"]  # elastic: replan
     if not same_workers:
         raise ValueError(f"state was saved with num_workers={resume['num_workers']}, "
                          f"now {num_workers}: resume with the same number of workers, or load the "
@@ -59,8 +61,9 @@ def start_of(resume: dict | None, *, worker: int, num_workers: int,
                          "global state (datapipe.order.elastic.merge_states) to resume on another shape")
     logical = (worker + resume["first_worker"]) % max(1, num_workers)
     saved = resume["workers"].get(logical, {})
-    draws, done = int(saved.get("draws", 0)), bool(saved.get("done", False))
-    return logical, draws, done, resume.get("base"), resume.get("generation", 0)
+    position = {"draws": int(saved.get("draws", 0)), "done": bool(saved.get("done", False)),
+                **{k: int(saved[k]) for k in PADDING_KEYS if saved.get(k) is not None}}
+    return logical, position, resume.get("base"), resume.get("generation", 0)
 
 
 NESTED = ("stream", "dataset", "loader")  # where a loader's state keeps its dataset's (per-rank) state

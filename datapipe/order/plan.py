@@ -75,6 +75,15 @@ class WorkerPlan:
             return int((segments.stop - segments.start).sum())
         return sum(len(s) for s in segments)
 
+    def sample_at(self, position: int) -> "WorkerPlan":
+        """The plan of the one sample at ``position`` of this run (to read it again, alone)."""
+        left = position
+        for seg in self.segments:
+            if left < len(seg):
+                return WorkerPlan([Segment(seg.shard, seg.start + left, seg.start + left + 1)], 0)
+            left -= len(seg)
+        raise IndexError(f"position {position} is past the end of this worker's run of {len(self)}")
+
 
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 

@@ -76,6 +76,12 @@ def replay_positions(size: int, seed: int, length: int, draws: int) -> tuple[Shu
     return buffer, buffer.pulled
 
 
+def drawn_position(size: int, seed: int, length: int, draw: int) -> int:
+    """The position that draw number ``draw`` (1: the first) hands out, over positions ``0..length-1``."""
+    buffer = ShuffleBuffer(size, random.Random(seed), start=START)
+    return next(itertools.islice(buffer.run(range(length)), draw - 1, None))
+
+
 def shuffled(read_positions: Callable[..., Iterator[tuple[int, Any]]], *, size: int, seed: int, length: int,
              draws: int, read_items: Callable[[int], Iterator[Any]] | None = None) -> Iterator[Any]:
     """The shuffle-buffer stage: items of a run of ``length`` positions from draw ``draws`` on.
