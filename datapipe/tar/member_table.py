@@ -26,6 +26,7 @@ from array import array
 from typing import Iterator
 
 from datapipe.read import origins
+from datapipe.storage.locations import is_local
 from datapipe.tar.headers import BLOCK, TarTruncated, _plain_member, is_meta, split_key
 from datapipe.tar.read_ahead import ReadAhead
 
@@ -204,7 +205,9 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
     keys, members = table.keys, table.members
     stop = len(keys) if stop is None else min(stop, len(keys))
     ahead = ReadAhead(members, fd, stop, keep, threads) if threads and read is None else None
-    origin = origins.file_of(fd) if origins.enabled() and read is None and ahead is None else None
+    # named only in the user's own local shards: a remote shard's cached copy is the cache's to evict or replace
+    # while its values travel (datapipe.read.origins)
+    origin = origins.file_of(fd) if origins.enabled() and read is None and ahead is None and is_local(url) else None
     try:
         yield from _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead, origin)
     finally:

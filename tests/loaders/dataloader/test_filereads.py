@@ -158,3 +158,33 @@ def test_at_most_max_open_files_stay_open(tmp_path, monkeypatch):
         assert values == [bytes([i]) * 100, b"\0" * 50]
         assert len(reads.fds) <= 3 and files[0] in reads.fds  # the file read each time stays open
     reads.close()
+
+
+def test_a_cached_remote_shard_evicted_while_its_values_travel_is_read_whole(tmp_path, monkeypatch):
+    """A remote shard's cached copy is the cache's to evict (cache_limit; another process of the node): the
+    workers' values of it travel whole, never named in a file the main process may no longer open."""
+    from tests.servers import http_server
+
+    web, cache = tmp_path / "web", str(tmp_path / "cache")
+    with ShardWriter(str(web / "s-%04d.tar"), max_count=40) as w:
+        for i in range(150):
+            w.write({"__key__": f"k{i:05d}", "bin": payload(i), "cls": i % 7})
+
+    def evicted(sample):  # as another process's commit evicts the cached copies (LRU) meanwhile
+        for name in os.listdir(cache):
+            if name.endswith(".tar"):
+                try:
+                    os.remove(os.path.join(cache, name))
+                except FileNotFoundError:
+                    pass
+        return sample
+
+    monkeypatch.setattr(loader_module, "names_files", lambda: True)
+    with http_server(str(web)) as (base, _):
+        urls = [f"{base}/s-{i:04d}.tar" for i in range(4)]
+        assert len(list(ShardStream(urls, cache_dir=cache))) == 150  # cached
+        dl = DataLoader(ShardStream(urls, cache_dir=cache).map(evicted), batch_size=32, num_workers=2,
+                        collate_fn=as_tuples)
+        got = {k: v for keys, values, _ in dl for k, v in zip(keys, values)}
+    assert got == {f"k{i:05d}": payload(i) for i in range(150)}
+
