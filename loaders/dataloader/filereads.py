@@ -120,6 +120,12 @@ class FileReads:
         for file in list(self.fds):
             self._drop(file)
 
+    def __del__(self):  # a pass's or loader's copies dropped without clear() (persistent workers, a loader let go)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - an interpreter shutting down
+            pass
+
 
 def _pread_whole(fd: int, file: tuple, offset: int, n: int) -> bytes:
     data = os.pread(fd, n, offset)

@@ -24,9 +24,9 @@ needs the worker's interpreter lock, held while it decodes): a batch of 256 deco
 list (variable sizes, or a collate that keeps samples apart) is 256 such round trips in the one main
 process. Packed, it is one. Each tensor comes out on a storage of its own, a slice of the block's (so it
 saves, pickles and travels as its own bytes, as torch's do, not as the whole block); the block is freed
-when the last of the batch's tensors is, as a stacked batch is (one tensor kept keeps the block). Tensors already in shared memory (``default_collate``'s
-stacks, made there) and tensors sharing a storage with another leaf keep torch's way, as do tensors
-it cannot rebuild densely (see :func:`_movable`).
+when the last of the batch's tensors is, as a stacked batch is (one tensor kept keeps the block). Tensors
+already in shared memory (``default_collate``'s stacks, made there) and tensors sharing a storage with another
+leaf keep torch's way, as do tensors it cannot rebuild densely (see :func:`_movable`).
 
 Applies to worker processes with torch's ``file_descriptor`` sharing strategy. A batch with fewer
 than :data:`MIN_BYTES` of such leaves (and fewer than :data:`MIN_TENSORS` tensors to pack), a
@@ -89,12 +89,12 @@ class Packed(tuple):
     it; ``segment``: the :class:`SegmentRef` (None: no bytes or arrays packed); ``spans``: offset, length per
     slot (flat; a tensor's into ``tensors``); ``kinds``: one letter per slot (``b`` bytes, ``a`` bytearray,
     ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor, ``s`` bytes named in a shard file, its span that
-    file's); ``dtypes``, ``shapes``: the arrays', tensors' and ``s`` leaves', in slot order (a tensor's shape entry is
-    ``(shape, strides)``; an ``s`` leaf's dtype entry is its file, :func:`datapipe.read.origins.take`'s); ``tensors``: a uint8 tensor over
-    the fresh shared memory holding the packed tensors, or None; ``pickled``: the body pickled with each slot
-    a persistent id (a body of plain values: dicts, lists, tuples, strings, numbers, small bytes), as
-    ``(offset, length)`` in the segment after the data, or as bytes (no segment), or None (``body``). A
-    tuple of plain values, so that the segment code sees its tensors.
+    file's); ``dtypes``, ``shapes``: the arrays', tensors' and ``s`` leaves', in slot order (a tensor's shape
+    entry is ``(shape, strides)``; an ``s`` leaf's dtype entry is its file, :func:`datapipe.read.origins.take`'s);
+    ``tensors``: a uint8 tensor over the fresh shared memory holding the packed tensors, or None; ``pickled``:
+    the body pickled with each slot a persistent id (a body of plain values: dicts, lists, tuples, strings,
+    numbers, small bytes), as ``(offset, length)`` in the segment after the data, or as bytes (no segment), or
+    None (``body``). A tuple of plain values, so that the segment code sees its tensors.
     """
 
     __slots__ = ()
@@ -402,3 +402,5 @@ def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=
             close()
         if not keep and not (stock is not None and stock.fill(copies)):
             copies.clear()
+        elif not keep:  # the stock took the segments: the shard files this pass read are closed all the same
+            copies.files.close()

@@ -188,3 +188,29 @@ def test_a_cached_remote_shard_evicted_while_its_values_travel_is_read_whole(tmp
         got = {k: v for keys, values, _ in dl for k, v in zip(keys, values)}
     assert got == {f"k{i:05d}": payload(i) for i in range(150)}
 
+
+def shard_files_open(root) -> int:
+    """Descriptors of this process open on files under ``root``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(root))
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_shard_files_read_are_closed_with_their_pass_or_loader(shards, persistent, monkeypatch):
+    import gc
+
+    monkeypatch.setattr(loader_module, "names_files", lambda: True)
+    dl = DataLoader(ShardStream(shards), batch_size=32, num_workers=2, collate_fn=as_tuples,
+                    persistent_workers=persistent)
+    for _ in range(3):
+        assert sum(len(keys) for keys, _, _ in dl) == 150
+        gc.collect()
+        assert dl._raw.files.reads > 0 and shard_files_open(shards) <= (4 if persistent else 0)
+    del dl
+    gc.collect()
+    assert shard_files_open(shards) == 0
