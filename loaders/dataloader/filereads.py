@@ -13,9 +13,10 @@ out.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 
-from datapipe.read import origins
+from datapipe.read import origins, rawbytes
 from datapipe.read.spans import start_spans
 import loaders.dataloader.copyout as copyout
 
@@ -99,17 +100,19 @@ class FileReads:
                 continue
             for i, value in zip(at, reading.values):
                 values[i] = value
-            readings.append((file, reading))
+            readings.append((file, reading, [wanted[i][1:] for i in at]))
         self.reads += len(wanted)
         return values, readings
 
     def finish(self, readings) -> None:
         """Wait for ``readings`` (from :meth:`start`); raise :class:`FileChanged` where a file no longer held a
-        value whole."""
-        short = [file for file, reading in readings if reading.result() is None]
-        if short:
-            raise FileChanged(f"loaders.DataLoader: shard file {short[0][0]} ended before a value a worker read "
-                              "from it (it shrank or was replaced)")
+        value whole. A reading whose ``preadv`` failed (a sandbox that refuses it, an error) is read again, a
+        ``pread`` a value into the same ``bytes`` (not handed out yet): only a file that changed is an error."""
+        failed = [(file, reading, spans) for file, reading, spans in readings if reading.result() is None]
+        for file, reading, spans in failed:  # every reading is done: no thread writes into a value any more
+            fd = self.fd(file)
+            for value, (offset, n) in zip(reading.values, spans):
+                ctypes.memmove(rawbytes.data_address(value), _pread_whole(fd, file, offset, n), n)
 
     def _drop(self, file: tuple) -> None:
         fd = self.fds.pop(file, None)

@@ -214,3 +214,32 @@ def test_the_shard_files_read_are_closed_with_their_pass_or_loader(shards, persi
     del dl
     gc.collect()
     assert shard_files_open(shards) == 0
+
+
+def test_values_are_read_one_by_one_where_preadv_fails_and_the_file_is_whole(tmp_path, monkeypatch):
+    """A sandbox that refuses ``preadv`` (ENOSYS, EPERM) or a read that fails for another reason is not a file
+    that changed: the values are read again with ``pread``, and only a file that no longer holds them is an error."""
+    import ctypes
+    import errno
+
+    from datapipe.read import spans
+
+    lib = spans._functions()
+    if lib is None:
+        pytest.skip("no preadv here")
+
+    def refused(fd, iov, count, offset):
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+
+    path = tmp_path / "f.bin"
+    data = os.urandom(500_000)
+    path.write_bytes(data)
+    st = os.stat(path)
+    file = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    monkeypatch.setattr(spans, "_lib", (refused, *lib[1:]))
+    reads = FileReads()
+    values, readings = reads.start([(file, 1_000, 40_000), (file, 100_000, 30_000)], threads=1)
+    reads.finish(readings)
+    assert values == [data[1_000:41_000], data[100_000:130_000]]
+    reads.close()
