@@ -243,3 +243,12 @@ def test_values_are_read_one_by_one_where_preadv_fails_and_the_file_is_whole(tmp
     reads.finish(readings)
     assert values == [data[1_000:41_000], data[100_000:130_000]]
     reads.close()
+
+
+def test_naming_is_off_by_default_even_with_cores_to_spare(monkeypatch):
+    from loaders.dataloader import copyout, filereads
+
+    monkeypatch.setattr(copyout, "read_threads", lambda: 8)
+    assert not filereads.names_files()
+    monkeypatch.setattr(filereads, "ENABLED", True)
+    assert filereads.names_files()
