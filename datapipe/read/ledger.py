@@ -10,14 +10,6 @@ adds every worker's row to the main process's own counts: each loss is counted o
 happened. A shard split between workers is opened by each (``shards_opened`` counts openings); when it
 cannot be read, the first worker to say so counts the error (:meth:`Ledger.first_fault`), the others
 only their lost samples, so ``errors`` is the same with any number of workers.
-
-The marks that decide it name the pass, not only the epoch: persistent workers run the next pass of the
-same epoch (``set_epoch(e)`` again) without a common start, and a worker that begins it before another
-must not take that one's mark of the pass before for this pass's count. torch's DataLoader asks every
-worker for data in every pass, so a worker's count of the passes it began is the pass: the marks of a pass
-are all made before any worker begins the next (the main process starts a pass once every worker has
-acknowledged it). (A worker that begins no pass of the stream in some pass, as in a ``mix`` that draws
-nothing from it there, counts one pass fewer from then on: its marks and the others' miss each other.)
 """
 from __future__ import annotations
 
@@ -31,8 +23,7 @@ COUNTS = ("samples", "padded", "retries", "shards_opened", "bytes_read", "cache_
 POLICY = ("errors", "skipped")
 TEXT_BYTES = 4096  # per worker: its last error messages, as JSON
 KEEP_BLOCKS = 2  # blocks of earlier worker sets are folded into plain counts beyond this
-SLOTS = 8  # per worker and pass: the split shards it found unreadable, as (epoch + 1, pass, shard, state)
-KEY, STATE = slice(0, 3), 3  # a slot's fields: (epoch + 1, pass, shard), then its state
+SLOTS = 4  # per worker: the split shards it last found unreadable, as (epoch + 1, shard, state)
 CLAIMED, COUNTED, LEFT = 1, 2, 3  # a slot's state (Ledger.first_fault)
 
 
@@ -42,15 +33,14 @@ class Ledger:
     def __init__(self, errors: ErrorPolicy):
         self.counts = dict.fromkeys(COUNTS, 0)
         self.errors = errors
-        # (counts [W, K] int64, text [W, TEXT_BYTES] uint8, faults [W, SLOTS, 4] int64), shared
+        # (counts [W, K] int64, text [W, TEXT_BYTES] uint8, faults [W, SLOTS, 3] int64), shared
         self._blocks: list[tuple[Any, Any, Any]] = []
         self._folded = dict.fromkeys(COUNTS + POLICY, 0)
         self._folded_errors: list[str] = []
         self._row: tuple[Any, Any] | None = None
         self._faults: tuple[Any, int] | None = None  # (the block's fault slots, this worker's id)
-        self._slot = 0  # this pass's next fault slot
+        self._slot = 0
         self._epoch = 0
-        self._pass = 0  # the passes this worker began (Ledger.begin): the same count in every worker
         self._pid: int | None = None
         self._published_errors = 0
 
@@ -62,7 +52,7 @@ class Ledger:
             return
         self._blocks.append((torch.zeros((num_workers, len(COUNTS) + len(POLICY)), dtype=torch.int64).share_memory_(),
                              torch.zeros((num_workers, TEXT_BYTES), dtype=torch.uint8).share_memory_(),
-                             torch.zeros((num_workers, SLOTS, STATE + 1), dtype=torch.int64).share_memory_()))
+                             torch.zeros((num_workers, SLOTS, 3), dtype=torch.int64).share_memory_()))
         while len(self._blocks) > KEEP_BLOCKS:  # those workers have ended: their counts stay, their memory goes
             counts, errors = self._read_block(self._blocks.pop(0))
             for k, v in counts.items():
@@ -84,39 +74,30 @@ class Ledger:
             self.counts[k] = 0
         self.errors.reset()
         self._published_errors = 0
-        self._pass = 0
         return True
 
     def begin(self, epoch: int) -> None:
-        """(Each pass) the epoch and pass that :meth:`first_fault` marks; this worker's marks of earlier passes go."""
+        """(Each pass) the epoch that :meth:`first_fault` marks; this worker's marks of earlier passes go."""
         self._epoch = int(epoch)
-        self._pass += 1
-        self._slot = 0
         if self._faults is not None:
             self._faults[0][self._faults[1]].zero_()
 
     def first_fault(self, shard: int) -> bool:
         """(A worker that cannot read its part of ``shard``, which other workers read too) True when it counts
-        the error: no other worker has counted this shard's fault in this pass. Each worker marks its claim,
-        then looks at the others' marks of the same epoch and pass: a counted one, or an earlier worker's
-        claim, leaves the error to them. (A race can only count it twice, never lose it: the lowest worker
-        that meets the fault leaves it only to a count.) A slot is written once a pass, its key before its
-        state, and read key first, so a mark being written is either missed (its fault counted again) or read
-        whole."""
-        if self._faults is None or self._slot >= SLOTS:
-            return True  # no worker rows, or no free slot this pass: counted here (at worst twice)
+        the error: no other worker has counted this shard's fault in this epoch. Each worker marks its claim,
+        then looks at the others': a counted one, or an earlier worker's claim, leaves the error to them. (A
+        race can only count it twice, never lose it.)"""
+        if self._faults is None:
+            return True
         faults, me = self._faults
-        mine = faults[me, self._slot]
+        mine = faults[me, self._slot % SLOTS]
         self._slot += 1
-        key = faults.new_tensor([self._epoch + 1, self._pass, shard])
-        mine[KEY].copy_(key)
-        mine[STATE] = CLAIMED
-        same = (faults[..., KEY] == key).all(-1)  # the keys, read before the states
-        states = faults[..., STATE].clone()
-        same[me] = False
-        others = zip(same.nonzero()[:, 0].tolist(), states[same].tolist())
+        mine.copy_(faults.new_tensor([self._epoch + 1, shard, CLAIMED]))
+        hit = (faults[..., 0] == self._epoch + 1) & (faults[..., 1] == shard)
+        hit[me] = False
+        others = zip(hit.nonzero()[:, 0].tolist(), faults[..., 2][hit].tolist())
         first = not any(state == COUNTED or (state == CLAIMED and w < me) for w, state in others)
-        mine[STATE] = COUNTED if first else LEFT
+        mine[2] = COUNTED if first else LEFT
         return first
 
     def publish(self) -> None:

@@ -1,14 +1,10 @@
 """The loss ledger: what DataLoader workers skip reaches the main process's stats(), counted once."""
-import copy
-import itertools
 import os
 
 import pytest
 
 import loaders
-from datapipe import DataError, ShardStream, ShardWriter, StorageOptions, mix
-from datapipe.errors import ErrorPolicy
-from datapipe.read.ledger import Ledger
+from datapipe import ShardStream, ShardWriter, StorageOptions, mix
 from tests.servers import http_server
 from tests.shards import make_samples, write_shards
 
@@ -46,17 +42,6 @@ def test_counted_once_per_epoch_with_persistent_and_fresh_workers(one_missing):
             stats = loader.stats()  # this pass's losses, as its samples; the running total beside
             assert (stats["skipped"], stats["skipped_total"]) == (20, 20 * (epoch + 1)), (persistent, epoch)
         assert stream.stats()["samples"] == 60
-
-
-def test_a_rerun_epoch_with_persistent_workers_counts_the_split_fault_each_pass(one_missing):
-    urls, _ = one_missing  # with 2 workers, the missing shard is split between them
-    stream = ShardStream(urls, on_error="skip")
-    loader = loaders.DataLoader(stream, batch_size=4, num_workers=2, persistent_workers=True)
-    for n in range(1, 4):
-        loader.set_epoch(0)  # the same epoch again, in the same workers
-        assert sum(len(b["__key__"]) for b in loader) == 20
-        stats = loader.stats()
-        assert (stats["errors"], stats["skipped"], stats["errors_total"]) == (1, 20, n), stats
 
 
 def test_padded_repeats_under_ddp_and_a_mix(one_missing):
@@ -139,74 +124,3 @@ def test_a_shard_that_always_fails_is_one_error_however_many_workers_read_it(tmp
             assert sum(len(b) for b in loader) == 40
             assert (loader.stats()["errors"], loader.stats()["skipped"]) == (1, 10), loader.stats()
         assert (stream.stats()["errors"], stream.stats()["skipped"]) == (2, 20), stream.stats()
-
-
-def _worker_ledgers(main, n):
-    """``n`` DataLoader workers' copies of ``main`` (as the stream's copy in each worker: its own counts, the
-    shared rows), each entered."""
-    out = []
-    for worker in range(n):
-        w = copy.copy(main)
-        w.counts, w.errors = dict(main.counts), ErrorPolicy("skip")
-        assert w.enter(worker)
-        out.append(w)
-    return out
-
-
-def _lose_split_part(w, shard, n=5):
-    """What the segment reader does when a worker cannot read its part (``n`` samples) of a split ``shard``."""
-    w.errors(DataError("cannot open", url=f"shard-{shard}.tar"), lost=n, counted=w.first_fault(shard))
-    w.publish()
-
-
-def _counts(main):
-    t = main.totals()
-    return t["errors"], t["skipped"]
-
-
-def test_a_pass_that_reruns_an_epoch_counts_its_split_fault_before_the_other_worker_starts():
-    """Persistent workers, the same epoch twice (set_epoch(0) before each pass). In the first pass worker 1 counts
-    the fault of the split shard 2 and worker 0 leaves it to it. In the second, worker 0 meets the fault before
-    worker 1 starts its pass: worker 1's mark of the first pass is not this pass's count (worker 1 may not meet
-    the fault again: a transient failure, or a pass that ends before it gets there)."""
-    main = Ledger(ErrorPolicy("skip"))
-    main.open_workers(2)
-    w0, w1 = _worker_ledgers(main, 2)
-    w0.begin(0), w1.begin(0)
-    _lose_split_part(w1, 2)
-    _lose_split_part(w0, 2)
-    assert _counts(main) == (1, 10)
-    w0.begin(0)
-    _lose_split_part(w0, 2)  # was: left to worker 1's count of the first pass, and no error counted
-    w1.begin(0)
-    assert _counts(main) == (2, 15)
-
-
-def _orders(begins, faults):
-    """Every order of the events ``("begin", w)`` for ``begins`` and ``("fault", w)`` for ``faults`` in which a
-    worker begins its pass before it meets the fault."""
-    events = [("begin", w) for w in begins] + [("fault", w) for w in faults]
-    for order in itertools.permutations(events):
-        if all(order.index(("begin", w)) < order.index(("fault", w)) for w in faults):
-            yield order
-
-
-@pytest.mark.parametrize("first", list(itertools.permutations(range(3))))
-def test_every_pass_of_one_epoch_counts_a_split_fault_once_in_any_order(first):
-    """Three persistent workers share shard 4 and cannot read it; a second pass of the same epoch, in which any of
-    them meets the fault (the others read their parts, or stop first), in any order of the workers' starts and
-    faults: one error each pass, never none, never two."""
-    main = Ledger(ErrorPolicy("skip"))
-    main.open_workers(3)
-    for faulting in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (1, 2, 3)):
-        for order in _orders(range(3), faulting):
-            main.open_workers(3)  # fresh rows each case (the blocks before it are folded into plain counts)
-            workers = _worker_ledgers(main, 3)
-            for w in first:  # the first pass: all start, then meet the fault in the order `first`
-                workers[w].begin(0)
-            for w in first:
-                _lose_split_part(workers[w], 4)
-            before = _counts(main)[0]
-            for event, w in order:
-                workers[w].begin(0) if event == "begin" else _lose_split_part(workers[w], 4)
-            assert _counts(main)[0] - before == 1, (first, faulting, order)
