@@ -27,6 +27,7 @@ import torch.utils.data
 
 from datapipe.decode import Decode, Map, stepped
 from datapipe.errors import ErrorPolicy, OnError, check_on_error
+from datapipe.marks import SampleMarks
 from datapipe.order import elastic
 from datapipe.order.padding import PADDING_KEYS, deliver
 from datapipe.order.plan import SHARD_ORDER, samples_per_rank, shard_order, worker_plan
@@ -47,7 +48,7 @@ from datapipe.words import counted
 log = logging.getLogger("datapipe.stream")
 
 
-class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
+class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
     """An iterable dataset of WebDataset samples (``__key__``, ``__url__``, one bytes value per extension).
 
     Every sample is read exactly once per epoch over all ranks x DataLoader workers, and every rank
@@ -271,49 +272,6 @@ class ShardStream(SharedEpoch, torch.utils.data.IterableDataset):
         return {"num_workers": resume["num_workers"], "workers": {w: dict(p) for w, p in resume["workers"].items()},
                 "first_worker": resume["first_worker"], "total": total, "generation": resume["generation"],
                 "base": None if resume["base"] is None else elastic.pack_ranges(resume["base"])}
-
-    def mark(self) -> tuple:
-        """A cheap marker of the sample this pass handed out last, to take right after each sample comes out.
-
-        A stage that must be able to resume at any of the samples it holds (a batch not yet sent) keeps a
-        mark per sample (a tuple, well under a microsecond) and turns only the marks it needs into
-        states with :meth:`state_before` / :meth:`state_after` (as costly as :meth:`state_dict`). A mark
-        holds for the pass it was taken in, in the process that iterates this stream (a DataLoader
-        worker's copy: its own).
-        """
-        position = self._position
-        if position is None:
-            raise ValueError("mark() is taken during iteration: call it after a sample of a pass over this stream")
-        return position, position["draws"], position.get("last"), position.get("owed")
-
-    def state_before(self, mark: tuple) -> dict[str, Any]:
-        """The state as it stood just before the sample of ``mark`` (:meth:`mark`) was drawn: loaded into a
-        fresh stream, it yields exactly that sample and the rest of the epoch.
-
-        (A repeat owed for losses at the very start of a worker's pass is handed out right after the sample
-        it repeats, without a draw of its own: its state here is the one before that sample's draw, with
-        the repeats still owed after it; it yields the same.)
-        """
-        position, draws, last, owed = mark
-        if last is not None and last < draws:  # a repeat in the place of the lost item of this draw
-            return self._state_at(position, draws - 1, last=last)
-        return self._state_at(position, draws - 1, owed=owed)  # this draw's sample (or one owed repeat of it)
-
-    def state_after(self, mark: tuple) -> dict[str, Any]:
-        """The state right after the sample of ``mark`` was handed out (what :meth:`state_dict` returned then)."""
-        position, draws, last, owed = mark
-        return self._state_at(position, draws, last=last, owed=owed)
-
-    def _state_at(self, position: dict, draws: int, **padding: int | None) -> dict[str, Any]:
-        """:meth:`state_dict` with this worker's position at ``draws`` with the ``padding`` entries given."""
-        if position is not self._position or draws < 0:
-            raise ValueError("this mark was not taken after a sample of this stream's pass under way (marks "
-                             "hold for the pass they were taken in): take one with mark() after each sample")
-        state = self.state_dict()
-        (worker,) = (w for w, p in self._positions.items() if p is position)
-        at = {"draws": draws, "done": False, **{k: v for k, v in padding.items() if v is not None}}
-        state["workers"] = {**state["workers"], worker: at}
-        return state
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Resume: the next iteration of the saved epoch yields exactly its rest (other epochs start afresh).

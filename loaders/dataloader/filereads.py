@@ -19,6 +19,7 @@ stable would fail the same way. The tests turn it on.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 
@@ -41,22 +42,18 @@ def names_files() -> bool:
     return ENABLED and copyout.read_threads() >= 2 and origins.available()
 
 
-class noting_in_workers:
-    """Context in which workers are forked noting their values' origins (:func:`datapipe.read.origins.enable`):
-    on inside, so forked workers inherit it, and off again in this process when it ends."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        if self.on:
-            origins.enable()
-        return self
-
-    def __exit__(self, *exc):
-        if self.on:
-            origins.enable(False)
-        return False
+@contextlib.contextmanager
+def noting_in_workers(on: bool):
+    """Workers forked inside note their values' origins (:func:`datapipe.read.origins.enable`: on inside, so that
+    they inherit it, and off again in this process after)."""
+    if not on:
+        yield
+        return
+    origins.enable()
+    try:
+        yield
+    finally:
+        origins.enable(False)
 
 
 MAX_OPEN = 64  # shard files kept open at most (the least recently read closed first)

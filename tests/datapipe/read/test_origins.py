@@ -52,21 +52,24 @@ def test_nothing_is_noted_when_off_or_small():
     assert origins.take(small) is None
 
 
-def test_the_oldest_values_are_let_go_past_the_budget(monkeypatch):
-    monkeypatch.setattr(origins, "BUDGET", 100_000)
+def noted(count: int, size: int) -> list[bytes]:
+    """``count`` values of ``size`` bytes, noted (noting on) as read from one file at offsets 0, 1, ..."""
     origins.enable()
-    values = [bytes([i]) * 30_000 for i in range(5)]
+    values = [bytes([i]) * size for i in range(count)]
     for i, v in enumerate(values):
         origins.note(v, ("f", 0, 0, 0, 0), i)
+    return values
+
+
+def test_the_oldest_values_are_let_go_past_the_budget(monkeypatch):
+    monkeypatch.setattr(origins, "BUDGET", 100_000)
+    values = noted(5, 30_000)
     assert [origins.take(v) is not None for v in values] == [False, False, True, True, True]
 
 
 def test_noting_switches_itself_off_when_nothing_is_taken(monkeypatch):
     monkeypatch.setattr(origins, "IDLE_NOTES", 10)
-    origins.enable()
-    values = [bytes([i]) * 20_000 for i in range(12)]
-    for i, v in enumerate(values):
-        origins.note(v, ("f", 0, 0, 0, 0), i)
+    values = noted(12, 20_000)
     assert not origins.enabled()
     assert all(origins.take(v) is None for v in values)  # and holds none
 
