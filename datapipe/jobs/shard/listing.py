@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import posixpath
 import re
 from typing import Any
@@ -16,12 +17,15 @@ from typing import Any
 from datapipe.jobs.shard.usage import UsageError
 from datapipe.storage.files import filesystem
 from datapipe.tar.manifest import SIDECAR_NAME
+from datapipe.words import counted
 
 IMAGE_EXTENSIONS = {"jpg": "jpg", "jpeg": "jpg", "png": "png", "webp": "webp", "bmp": "bmp", "gif": "gif",
                     "tif": "tiff", "tiff": "tiff", "ppm": "ppm"}
 TEXT_EXTENSIONS = (".jsonl", ".json", ".ndjson", ".parquet")
 TAR_EXTENSIONS = (".tar", ".tar.gz", ".tgz")
 _UNSAFE_KEY = re.compile(r"[^A-Za-z0-9_\-/]")
+
+log = logging.getLogger("datapipe.jobs.shard.listing")
 
 
 def _join(root: str, rel: str) -> str:
@@ -273,7 +277,13 @@ def list_file_list(url: str, path_field: str, label_field: str, storage_options)
     skipped = [{"item": f"{url}:{n}", "error": error} for n, error in sorted(bad)]
     kept = [(rel, None if lab is None else str(lab).strip()) for rel, lab in kept]  # " cat" and "cat" are one class
     labels = [lab for _, lab in kept if lab is not None]
-    numeric = all(re.fullmatch(r"-?\d+", lab) for lab in labels)
+    indices = [lab for lab in labels if re.fullmatch(r"-?\d+", lab)]
+    numeric = len(indices) == len(labels)
+    if indices and not numeric:
+        names = next(lab for lab in labels if not re.fullmatch(r"-?\d+", lab))
+        log.warning("the labels of %s mix class indices (%s, e.g. %r) and names (%s, e.g. %r): every label is "
+                    "taken as a name, classes sorted as text (classes.json), so an index label does not keep its value",
+                    url, counted(len(indices), "row"), indices[0], counted(len(labels) - len(indices), "row"), names)
     classes = None if numeric or not labels else sorted(set(labels))
     index = {c: i for i, c in enumerate(classes or [])}
     items, sizes, keys = [], [], set()

@@ -100,6 +100,18 @@ def test_list_integer_labels_come_from_the_kept_rows(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
+def test_labels_mixing_indices_and_names_are_names_and_say_so(tmp_path, name, caplog):
+    rows = (["path,label", "a.jpg,10", "b.jpg,2", "c.jpg,cat"] if name.endswith(".csv") else
+            [{"path": "a.jpg", "label": 10}, {"path": "b.jpg", "label": 2}, {"path": "c.jpg", "label": "cat"}])
+    _write_list(tmp_path / name, rows)
+    with caplog.at_level("WARNING", logger="datapipe"):
+        src = open_source(str(tmp_path / name))
+    assert src.classes == ["10", "2", "cat"] and [i[1] for i in src.partitions[0]["items"]] == [0, 1, 2]
+    assert any("mix class indices (2 rows, e.g. '10') and names (1 row, e.g. 'cat')" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
 def test_list_without_a_label_column_gives_unlabeled_samples(tmp_path, name):
     rows = ["path", "a/x.jpg", "b/y.jpg"] if name.endswith(".csv") else [{"path": "a/x.jpg"}, {"path": "b/y.jpg"}]
     _write_list(tmp_path / name, rows)
