@@ -20,7 +20,8 @@ A loader state is ``{"kind": "DataLoader", "epoch", "batches", "num_workers", "g
 - other iterable datasets: ``dataset`` is None; the consumed batches are produced again and dropped
   (exact only for a dataset that replays the same stream for the same epoch and worker count).
 
-A finished pass, or none yet, gives the state of the start of the loader's next epoch (``batches`` 0).
+A finished pass, none yet, or ``set_epoch`` since the pass began gives the state of the start of the loader's next
+pass (``batches`` 0; the generator and the sampler's epoch as that pass will find them).
 """
 from __future__ import annotations
 
@@ -125,12 +126,14 @@ def skip_base_seed(generator: torch.Generator | None) -> None:
         torch.empty((), dtype=torch.int64).random_(generator=generator)
 
 
-def fresh_state(epoch: int, num_workers: int, generator_state=None, sampler_generator_state=None) -> dict:
+def fresh_state(epoch: int, num_workers: int, generator_state=None, sampler_generator_state=None,
+                sampler_epoch: int | None = None) -> dict:
     """The state of the start of ``epoch``; ``generator_state``: the loader's generator as that pass will find it
-    (``sampler_generator_state`` too where the pass reuses persistent workers, and draws no base seed first)."""
+    (``sampler_generator_state`` too where the pass reuses persistent workers, and draws no base seed first);
+    ``sampler_epoch``: the sampler's epoch that pass will run at (a ``DistributedSampler``'s; None: it has none)."""
     return {"kind": KIND, "epoch": epoch, "batches": 0, "num_workers": num_workers,
             "generator_state": generator_state, "rng_state": None, "sampler_rng_state": None,
-            "sampler_generator_state": sampler_generator_state, "sampler_epoch": None, "base_seed": None,
+            "sampler_generator_state": sampler_generator_state, "sampler_epoch": sampler_epoch, "base_seed": None,
             "dataset": None}
 
 

@@ -18,17 +18,18 @@ class LoaderState:
     """The epoch and state methods of :class:`loaders.dataloader.DataLoader`."""
 
     _resume_loaded = False  # the last pass loaded a resume into the dataset (spent as the next pass begins)
+    _chosen_epoch: int | None = None  # the epoch set_epoch / load_state_dict chose for the next pass (while forced)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of this loader's next pass, and of the sampler and dataset if they have ``set_epoch``
         (with ``seed=``: the order of ``seed + epoch``); the passes after it count on from it. A pending resume
-        of that epoch is kept."""
+        of that epoch is kept; a pass under way or left unfinished is not: the next pass is the whole epoch, and
+        ``state_dict()`` says so (its start) from now on."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r}: pass an int >= 0")
         if self._pending is not None and self._pending["epoch"] != epoch:
             self._pending = None
-        self._epoch = epoch
-        self._epoch_forced = True
+        self._choose_epoch(epoch)
         for obj in (self.sampler, self.dataset):
             set_epoch = getattr(obj, "set_epoch", None)
             if callable(set_epoch):
@@ -36,17 +37,26 @@ class LoaderState:
         self._tell_dataset = False
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
 
+    def _choose_epoch(self, epoch: int) -> None:
+        """``epoch`` is the next pass's, whatever ends before it begins: a pass under way that runs to its end after
+        this (``_finish_epoch`` moves ``_epoch`` on) does not move it, as ``sampler.set_epoch`` holds in torch."""
+        self._epoch, self._epoch_forced, self._chosen_epoch = epoch, True, epoch
+
     def _next_epoch(self) -> int:
         """The epoch the next pass runs at. A dataset that counts the passes over it (``begin_pass``:
         ``ShardStream``, ``mix``; :mod:`datapipe.order.shared_epoch`) has the say unless this loader's epoch was
         set (``set_epoch``, ``load_state_dict``): the one it was set to, else the one after the last pass any
         loader began over it. Other datasets: this loader's own count."""
-        if self._epoch_forced or not callable(getattr(self.dataset, "begin_pass", None)):
+        if self._epoch_forced:
+            return self._chosen_epoch if self._chosen_epoch is not None else self._epoch
+        if not callable(getattr(self.dataset, "begin_pass", None)):
             return self._epoch
         return self.dataset.next_pass_epoch()
 
     def _pass_epoch(self) -> int:
         """(A pass begins.) Its epoch; a dataset without ``begin_pass`` is told a new one, as before."""
+        if self._epoch_forced:  # set_epoch's choice, even where a pass ran to its end since (_finish_epoch)
+            self._epoch = self._next_epoch()
         if callable(getattr(self.dataset, "begin_pass", None)):
             return self._next_epoch()  # told in _begin_dataset_pass, after a resume's dataset state is loaded
         self._sync_dataset_epoch()
@@ -54,7 +64,7 @@ class LoaderState:
 
     def _begin_dataset_pass(self, epoch: int) -> None:
         """The pass at ``epoch`` begins: the dataset moves there and counts it (``begin_pass``)."""
-        self._epoch, self._epoch_forced = epoch, False
+        self._epoch, self._epoch_forced, self._chosen_epoch = epoch, False, None
         begin = getattr(self.dataset, "begin_pass", None)
         if callable(begin):
             begin(epoch)
@@ -98,12 +108,22 @@ class LoaderState:
     def state_dict(self) -> dict:
         """Position for exact resume (:mod:`datapipe.state`; the shape: :mod:`loaders.dataloader.resume`):
         ``{"kind", "epoch", "batches", "num_workers", "generator_state", "rng_state",
-        "sampler_rng_state", "sampler_generator_state", "sampler_epoch", "base_seed", "dataset"}``."""
+        "sampler_rng_state", "sampler_generator_state", "sampler_epoch", "base_seed", "dataset"}``.
+
+        What the next pass will do: during a pass with no ``set_epoch`` since it began (read or left unfinished, e.g.
+        ``for b in loader: break``), its position after the batches handed out; after ``set_epoch`` (also while the
+        unfinished pass's iterator is still read), after a pass ran to its end, or before any pass, the start of the
+        next pass's epoch (``batches`` 0, the generator as that pass will find it); after ``load_state_dict``, the
+        state loaded, until a pass begins."""
         if self._pending is not None:
             return dict(self._pending.get("global") or self._pending)
         p = self._progress
-        if p is None or p.epoch != self._epoch or p.finished:
-            return fresh_state(self._next_epoch(), self._workers_now(), *self._next_generator_states())
+        # set_epoch since the pass began (_epoch_forced, cleared as a pass begins): the next pass is that epoch's
+        # whole, so the state is its start, also while the unfinished pass's iterator is still read
+        if p is None or p.epoch != self._epoch or p.finished or self._epoch_forced:
+            sampler_epoch = getattr(self.sampler, "epoch", None)  # e.g. a DistributedSampler's, as set_epoch left it
+            return fresh_state(self._next_epoch(), self._workers_now(), *self._next_generator_states(),
+                               sampler_epoch=sampler_epoch if isinstance(sampler_epoch, int) else None)
         return pass_state(p, protocol=self._protocol)
 
     def _next_generator_states(self) -> tuple:
@@ -176,9 +196,9 @@ class LoaderState:
             self._auto_workers = saved_w
         self._close_active()
         self._progress = None
-        self._epoch = int(state["epoch"])
-        self._epoch_forced = True
+        self._choose_epoch(int(state["epoch"]))
         self._tell_dataset = True
         self._ds_epoch_seen = getattr(self.dataset, "epoch", None)
-        keep = state["batches"] > 0 or state.get("dataset") or state.get("generator_state") is not None
+        keep = state["batches"] > 0 or state.get("dataset") or state.get("generator_state") is not None \
+            or state.get("sampler_epoch") is not None  # a start of an epoch kept: its sampler's epoch goes back
         self._pending = dict(state) if keep else None

@@ -281,3 +281,151 @@ def test_a_resumed_pass_with_workers_leaves_the_shared_stream_whole(tmp_path, mi
     assert sum(len(b) for b in first) == whole(2)
     first.close()
     assert children_gone()
+
+
+SET_EPOCH_SHAPES = [(0, False), (2, False), (2, True)]  # (num_workers, persistent_workers)
+
+
+def _flat(batches):
+    return [k for b in batches for k in b]
+
+
+def _loader_factory(tmp_path, data, num_workers, persistent):
+    """A loader factory over a shuffled ShardStream or a shuffled map-style dataset (with ``generator=``: the next
+    pass's order depends on the generator's state, which the state must carry), and every sample's key."""
+    from datapipe import ShardStream
+    from tests.shards import write_shards
+
+    kw = dict(batch_size=2, num_workers=num_workers, persistent_workers=persistent)
+    if data == "stream":
+        urls, samples = write_shards(tmp_path / "d", [6, 6])
+        every = sorted(s["__key__"] for s in samples)
+
+        def make():
+            return DataLoader(ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=1),
+                              collate_fn=lambda b: [s["__key__"] for s in b], **kw)
+    else:
+        every = list(range(12))
+
+        def make():
+            return DataLoader(Squares(12), shuffle=True, generator=torch.Generator().manual_seed(7),
+                              collate_fn=lambda b: [s["i"] for s in b], **kw)
+    return make, every
+
+
+@pytest.mark.parametrize("read_after", ["none", "one", "all"])
+@pytest.mark.parametrize("history", ["partial", "resumed"])
+@pytest.mark.parametrize("data", ["stream", "map"])
+@pytest.mark.parametrize("num_workers, persistent", SET_EPOCH_SHAPES)
+def test_state_after_set_epoch_is_the_next_pass(tmp_path, num_workers, persistent, data, history, read_after):
+    """A pass of epoch 1 left unfinished (read in part, or a resumed pass read in part), then set_epoch(1): the next
+    pass is the whole epoch 1, so state_dict() is its start (``batches`` 0, the generator as that pass finds it), and
+    a fresh loader resumed from it yields exactly what the uninterrupted run does, that pass and the one after.
+    ``read_after``: the unfinished pass's iterator is read after set_epoch (torch allows it), one batch more or to its
+    end: the state is still the next pass's start, and the next pass is still epoch 1 (set_epoch holds, as torch's
+    ``sampler.set_epoch`` does). Was: the unfinished pass's position (epoch 1, batch 2), which resumed mid-epoch; and
+    a pass read to its end after set_epoch(1) moved the next pass on to epoch 2."""
+    make, every = _loader_factory(tmp_path, data, num_workers, persistent)
+    loader = make()
+    if history == "partial":
+        loader.set_epoch(1)
+        it = iter(loader)
+        for _ in range(2):
+            next(it)
+    else:
+        saver = make()
+        saver.set_epoch(1)
+        s_it = iter(saver)
+        for _ in range(2):
+            next(s_it)
+        saved = saver.state_dict()
+        assert saved["epoch"] == 1 and saved["batches"] == 2
+        del s_it
+        saver.close()
+        loader.load_state_dict(saved)
+        it = iter(loader)
+        next(it)
+    live = loader.state_dict()
+    assert live["epoch"] == 1 and live["batches"] == (2 if history == "partial" else 3)  # the live pass, read on
+    loader.set_epoch(1)
+    if read_after == "one":
+        next(it)
+    elif read_after == "all":
+        list(it)
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == 0 and state["dataset"] is None
+    whole, after = _flat(loader), _flat(loader)  # the uninterrupted run: the whole epoch 1, then epoch 2
+    assert sorted(whole) == every
+    del it
+    loader.close()
+
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert _flat(resumed) == whole
+    assert _flat(resumed) == after
+    resumed.close()
+    if data == "stream":  # the whole epoch 1, as a fresh loader runs it
+        fresh = make()
+        fresh.set_epoch(1)
+        assert _flat(fresh) == whole
+        fresh.close()
+    assert children_gone()
+
+
+@pytest.mark.parametrize("data", ["stream", "map"])
+@pytest.mark.parametrize("num_workers, persistent", SET_EPOCH_SHAPES)
+def test_state_of_a_pass_left_without_set_epoch_stays_its_position(tmp_path, num_workers, persistent, data):
+    """A pass left unfinished with no set_epoch since (``for b in loader: break``, then a checkpoint): the state is
+    still that pass's position, and resumes its rest (the checkpoint a training loop takes as it stops)."""
+    make, every = _loader_factory(tmp_path, data, num_workers, persistent)
+    loader = make()
+    loader.set_epoch(1)
+    head = []
+    for b in loader:
+        head.append(b)
+        if len(head) == 2:
+            break
+    state = loader.state_dict()
+    loader.close()
+    assert state["epoch"] == 1 and state["batches"] == 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    resumed.close()
+    reference = make()
+    reference.set_epoch(1)
+    if data == "stream":
+        assert head + rest == list(reference)
+    else:
+        assert sorted(_flat(head + rest)) == every
+    reference.close()
+    assert children_gone()
+
+
+@pytest.mark.parametrize("num_workers, persistent", SET_EPOCH_SHAPES)
+def test_state_after_set_epoch_carries_the_samplers_epoch(num_workers, persistent):
+    """A sampler with its own epoch (``DistributedSampler``): a pass left unfinished, then set_epoch(2); the state is
+    the start of epoch 2 with the sampler's epoch, so a fresh loader resumed from it (no set_epoch of its own) draws
+    the same order as the uninterrupted run. Was: the fresh loader's sampler stayed at epoch 0."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    def make():
+        ds = Squares(12)
+        return DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=3),
+                          num_workers=num_workers, persistent_workers=persistent,
+                          collate_fn=lambda b: [s["i"] for s in b])
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    loader.set_epoch(2)
+    state = loader.state_dict()
+    assert state["epoch"] == 2 and state["batches"] == 0 and state["sampler_epoch"] == 2
+    whole = _flat(loader)
+    del it
+    loader.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert _flat(resumed) == whole
+    resumed.close()
+    assert children_gone()
