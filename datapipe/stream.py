@@ -135,6 +135,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         self._total: int | None = None
         self._positions: dict[int, dict[str, Any]] = {}
         self._position: dict[str, Any] | None = None  # this process's worker's position in the pass under way
+        self._pass_epoch: int | None = None  # the epoch of that pass (set_epoch may have chosen the next since)
         self._num_workers = 0
 
     def replace(self, **changes: Any) -> "ShardStream":
@@ -246,10 +247,13 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         ``gather_state``) that ``load_state_dict`` resumes on any shape.
         """
         rank, world = self._rank_world()
-        out = {"kind": "ShardStream", "epoch": self.epoch, **self._identity(), "world_size": world, "rank": rank,
+        epoch = self._pass_epoch if self._positions and self._pass_epoch is not None else self.epoch
+        if self._total is None and self._positions:  # a pass made, not read yet: its total, as it will count it
+            self._total = self._count_total()
+        out = {"kind": "ShardStream", "epoch": epoch, **self._identity(), "world_size": world, "rank": rank,
                "num_workers": self._num_workers, "workers": {w: dict(p) for w, p in self._positions.items()},
                "total": self._total, "generation": 0, "base": None}
-        plan = self._epoch_plan if self._epoch_plan is not None and self._epoch_plan["epoch"] == self.epoch else None
+        plan = self._epoch_plan if self._epoch_plan is not None and self._epoch_plan["epoch"] == epoch else None
         if plan is not None:
             out.update(generation=plan["generation"], base=plan["base"])
         resume = self._resume
@@ -286,6 +290,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
                                                  and state.get("world_size") == 1 and state.get("rank") == 0):
             state = elastic.merge_states(list(state) if isinstance(state, (list, tuple)) else [state])
         self.check_loadable(state)
+        self._positions, self._position, self._pass_epoch = {}, None, None  # state_dict: the loaded position now
         reshape = None
         if elastic.is_global(state):
             base, generation = elastic.remaining(state, total=self._count_total(), shuffle_buffer=self.shuffle_buffer)
@@ -344,32 +349,59 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         return rank_world(self)
 
     def __iter__(self) -> Iterator[Any]:
+        """A pass, fixed here, as ``iter()`` is called: its epoch, the loaded resume it takes, its rank and worker
+        share (so its plan and order), whatever happens to the stream before the pass is read (another ``iter()``
+        at another epoch, without DataLoader workers, too). The samples come from the generator it returns, which
+        counts the shards and reads as it is first read; an error in fixing the pass is raised by that ``next()``."""
+        try:
+            return self._pass(self._plan_pass())
+        except Exception as e:  # noqa: BLE001 - raised at the first next(), where torch expects a pass's errors
+            return _raising(e)
+
+    def _plan_pass(self) -> dict[str, Any]:
+        """What decides a pass's samples and their order, taken now (the loaded resume is used up here)."""
         self._follow_epoch()  # a persistent worker's copy: the epoch the main process set
         info = torch.utils.data.get_worker_info()
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0
-        if info is not None and self._ledger.enter(physical):
-            self._shards.count_cache_failures(counted=False)  # a worker counts only its own
-        self._ledger.begin(self.epoch)
+        epoch = self.epoch
         rank, world = self._rank_world()
-        resume = self._resume if self._resume is not None and self._resume["epoch"] == self.epoch else None
+        resume = self._resume if self._resume is not None and self._resume["epoch"] == epoch else None
         if info is None:
             self._resume = None  # used up here; DataLoader workers use their own copies
         logical, position, base, generation = elastic.start_of(resume, worker=physical, num_workers=num_workers,
                                                                world_size=world)
         if resume is not None and resume.get("reshape") is not None and base is resume["reshape"]["base"]:
             _say_replanned(self._loaded_shape, rank=rank, world=world, worker=physical, num_workers=num_workers)
-        self._num_workers = num_workers
-        self._epoch_plan = ({"epoch": self.epoch, "base": elastic.pack_ranges(base), "generation": generation}
-                            if generation else None)
-        counts = self._counts_array()
-        self._total = self._count_total()
-        plan = worker_plan(counts, shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
-                                               epoch=self.epoch),
-                           rank=rank, world_size=world, worker=logical, num_workers=max(1, num_workers), base=base)
-        draws = position["draws"]
-        self._positions = {logical: position}
-        self._position = position
+        where = {"epoch": epoch, "num_workers": num_workers, "positions": {logical: position}, "position": position,
+                 "total": None,  # the shards' samples, counted as the pass is first read (or by state_dict)
+                 "epoch_plan": ({"epoch": epoch, "base": elastic.pack_ranges(base), "generation": generation}
+                                if generation else None)}
+        self._enter(where)
+        return {"where": where, "info": info, "physical": physical, "world": world, "logical": logical, "rank": rank,
+                "base": base, "steps": self._steps,
+                "seed": elastic.worker_seed(self.seed, epoch, rank, logical, world, num_workers, generation)}
+
+    def _enter(self, where: dict[str, Any]) -> None:
+        """Make ``where`` (a pass's epoch and positions) what ``state_dict`` and the sample marks describe: the pass
+        made last, and then the one that handed out a sample last (passes of one stream may interleave)."""
+        self._pass_epoch, self._num_workers, self._total = where["epoch"], where["num_workers"], where["total"]
+        self._positions, self._position, self._epoch_plan = where["positions"], where["position"], where["epoch_plan"]
+
+    def _pass(self, p: dict[str, Any]) -> Iterator[Any]:
+        """The samples of the pass ``p`` (:meth:`_plan_pass`)."""
+        where, info, steps, seed = p["where"], p["info"], p["steps"], p["seed"]
+        position = where["position"]
+        plan = worker_plan(self._counts_array(), shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
+                                                             epoch=where["epoch"]),
+                           rank=p["rank"], world_size=p["world"], worker=p["logical"],
+                           num_workers=max(1, where["num_workers"]), base=p["base"])
+        where["total"] = self._count_total()
+        if self._position is position:
+            self._total = where["total"]
+        if info is not None and self._ledger.enter(p["physical"]):
+            self._shards.count_cache_failures(counted=False)  # a worker counts only its own
+        self._ledger.begin(where["epoch"])
         if position["done"]:
             return
         self._ledger.counts["padded"] += plan.padded
@@ -377,29 +409,36 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
             keep_freed_memory()
         reader = SegmentReader(self._shards, zero_copy=self.storage.zero_copy,
                                read_threads=read_threads(self.storage.read_threads, in_worker=info is not None))
-        seed = elastic.worker_seed(self.seed, self.epoch, rank, logical, world, num_workers, generation)
         if self.shuffle_buffer <= 1:
-            items = reader.items(plan, draws)
+            items = reader.items(plan, position["draws"])
         else:
             items = shuffled(lambda first, keep: reader.positions(plan, first, keep), size=self.shuffle_buffer,
-                             seed=seed, length=len(plan), draws=draws,
+                             seed=seed, length=len(plan), draws=position["draws"],
                              read_items=lambda first: reader.items(plan, first))
-        if self._steps:
-            items = stepped(items, self._steps, lost=LOST, lose=reader.lose)
+        if steps:
+            items = stepped(items, steps, lost=LOST, lose=reader.lose)
 
         def reread(draw: int) -> Any:
             """The sample of an earlier draw of this pass, read again alone (None: lost this time)."""
             at = draw - 1 if self.shuffle_buffer <= 1 else drawn_position(self.shuffle_buffer, seed, len(plan), draw)
             (item,) = reader.items(plan.sample_at(at), 0)
-            if self._steps:
-                (item,) = stepped([item], self._steps, lost=LOST, lose=reader.lose)
+            if steps:
+                (item,) = stepped([item], steps, lost=LOST, lose=reader.lose)
             return None if item is LOST else item
 
         try:
-            yield from deliver(items, position, self._ledger.counts, lost=LOST, pad=world > 1, reread=reread)
+            for item in deliver(items, position, self._ledger.counts, lost=LOST, pad=p["world"] > 1, reread=reread):
+                if self._position is not position:  # another pass of this object handed out the last sample
+                    self._enter(where)
+                yield item
             position["done"] = True
         finally:
             self._ledger.publish()
+
+
+def _raising(e: Exception) -> Iterator[Any]:
+    raise e
+    yield  # a generator: raises at its first next()
 
 
 def _say_replanned(saved: dict | None, *, rank: int, world: int, worker: int, num_workers: int) -> None:

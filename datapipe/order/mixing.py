@@ -104,7 +104,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         if stop not in STOP:
             raise ValueError(f"stop must be one of {STOP}, got {stop!r}")
         for i, s in enumerate(streams):
-            if iter(s) is s:
+            if callable(getattr(s, "__next__", None)):  # (not iter(s): a ShardStream's iter() fixes a pass)
                 raise ValueError(f"stream {i} is an iterator (it can be read only once): pass a re-iterable "
                                  "dataset, e.g. a ShardStream or a list")
         self.streams = streams
@@ -113,6 +113,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         self.stop = stop
         self.epoch = 0
         self._position: dict[str, Any] | None = None
+        self._pass_epoch = 0  # the epoch of the pass _position is of (set_epoch may have chosen the next since)
         self._started: list[bool] = []
         self._saved_sources: list = []
         self._logical = 0
@@ -131,12 +132,25 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
             self.streams[i].set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        """A pass, fixed here, as ``iter()`` is called: its epoch, the loaded resume it takes, each stream's pass at
+        its epoch (``iter()`` of every stream with a state, made now), whatever happens to the mix before the pass
+        is read (another ``iter()`` at another epoch, without DataLoader workers, too). An error in setting it up
+        is raised by the first ``next()``."""
+        try:
+            return self._pass(*self._plan_pass())
+        except Exception as e:  # noqa: BLE001 - raised at the first next(), where torch expects a pass's errors
+            return _raising(e)
+
+    def _plan_pass(self) -> tuple:
+        """What decides a pass's items: its position, draw key and streams' passes (the loaded resume used up)."""
         self._follow_epoch()  # a persistent worker's copy: the epoch the main process set
         info = torch.utils.data.get_worker_info()
         num_workers = info.num_workers if info is not None else 0
         physical = info.id if info is not None else 0
         self._forget_stream_resumes()
         resume, self._resume = self._resume, None
+        if resume is not None and resume.get("epoch", self.epoch) != self.epoch:
+            resume = None  # loaded for another epoch (set_epoch since): this one starts afresh, as a ShardStream's
         logical, saved, generation = physical, None, 0
         n = len(self.streams)
         if resume is not None and resume.get("global") is not None:
@@ -155,7 +169,7 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
             logical = (physical + resume["first_worker"]) % max(1, num_workers)
             saved = resume["workers"].get(logical)
             generation = resume["generation"]
-        self._started, self._saved_sources = [False] * n, [None] * n
+        started, saved_sources = [False] * n, [None] * n
         if saved is None:
             position = {"draws": 0, "active": [w > 0 for w in self.weights], "exhausted": [False] * n,
                         "epochs": [self.epoch] * n, "taken": [0] * n, "sources": [None] * n}
@@ -169,21 +183,45 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
                 src = position["sources"][i]
                 if src is not None:
                     self._load_stream(i, {**src, "first_worker": resume["first_worker"]})
-                    self._saved_sources[i] = src
+                    saved_sources[i] = src
         for i in range(n):  # unread streams still read the logical worker's share
             if saved is None or position["sources"][i] is None:
                 self._logical_share(i, position["epochs"][i], resume)
-        self._position, self._logical, self._num_workers = position, logical, num_workers
-        sources = [self._source(i, position) for i in range(n)]
-        self._generation = generation
+        premade: dict[int, Iterator] = {}
+        where = {"epoch": self.epoch, "position": position, "logical": logical, "num_workers": num_workers,
+                 "started": started, "saved_sources": saved_sources, "generation": generation}
+        self._enter(where)
+        sources = [self._source(i, started, premade, position) for i in range(n)]
         key = (derive_seed(self.seed, self.epoch, logical) if generation == 0 else
                derive_seed(self.seed, self.epoch, logical, self._rank_world()[1], max(1, num_workers), generation))
+
+        def begin(i: int) -> None:  # stream i's pass at the epoch it was just set to, made now
+            if callable(getattr(self.streams[i], "state_dict", None)):
+                premade[i] = iter(self.streams[i])
 
         def restart(i: int, epoch: int) -> None:  # a restarted stream reads the logical worker's share too
             self._set_stream_epoch(i, epoch)
             self._logical_share(i, epoch, resume)
+            begin(i)
 
-        yield from mix_draws(sources, self.weights, key=key, stop=self.stop, position=position, set_epoch=restart)
+        for i in range(n):
+            begin(i)
+        return where, sources, key, restart
+
+    def _enter(self, where: dict[str, Any]) -> None:
+        """Make ``where`` (a pass's epoch and position) what ``state_dict`` describes: the pass made last, and then
+        the one that handed out an item last (passes of one mix may interleave)."""
+        self._pass_epoch, self._position, self._logical = where["epoch"], where["position"], where["logical"]
+        self._num_workers, self._started = where["num_workers"], where["started"]
+        self._saved_sources, self._generation = where["saved_sources"], where["generation"]
+
+    def _pass(self, where: dict[str, Any], sources: list, key: int, restart) -> Iterator[Any]:
+        """The items of a pass planned by :meth:`_plan_pass`."""
+        position = where["position"]
+        for item in mix_draws(sources, self.weights, key=key, stop=self.stop, position=position, set_epoch=restart):
+            if self._position is not position:  # another pass of this mix handed out the last item
+                self._enter(where)
+            yield item
 
     def _logical_share(self, i: int, epoch: int, resume: dict | None) -> None:
         """Points stream ``i``'s next pass (at ``epoch``) at the logical worker's share from its start, where a
@@ -207,16 +245,17 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
                 self.streams[i].forget_resume()
         self._loaded_streams.clear()
 
-    def _source(self, i: int, position: dict[str, Any]) -> Iterable:
-        """Stream ``i``; a stream without state resumes by skipping the items it had given."""
+    def _source(self, i: int, started: list[bool], premade: dict[int, Iterator], position: dict[str, Any]) -> Iterable:
+        """Stream ``i`` (its pass made as the mix's pass began or the stream restarted: ``premade``); a stream
+        without state resumes by skipping the items it had given."""
         stream = self.streams[i]
-        started = self._started
 
         if callable(getattr(stream, "state_dict", None)):
             class _Stateful:
                 def __iter__(_):
                     started[i] = True
-                    return iter(stream)
+                    it = premade.pop(i, None)
+                    return it if it is not None else iter(stream)
 
             return _Stateful()
 
@@ -248,7 +287,8 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
             workers[self._logical] = {**{k: (list(v) if isinstance(v, list) else v) for k, v in p.items()},
                                       "sources": sources}
         rank, world = self._rank_world()
-        return {"kind": "Mix", "epoch": self.epoch, "seed": self.seed, "weights": list(self.weights),
+        epoch = self._pass_epoch if self._position is not None else self.epoch
+        return {"kind": "Mix", "epoch": epoch, "seed": self.seed, "weights": list(self.weights),
                 "streams": len(self.streams), "num_workers": self._num_workers,
                 "workers": workers, "rank": rank, "world_size": world, "generation": self._generation}
 
@@ -257,7 +297,8 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         self._resume = None
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """Resume: the next iteration yields exactly the rest of the saved epoch.
+        """Resume: the next iteration of the saved epoch yields exactly its rest (after ``set_epoch`` of another
+        epoch, that epoch starts afresh and the resume is dropped, as a ``ShardStream``'s).
 
         ``state``: this rank's own state, or the global state of all ranks (``datapipe.order.elastic.merge_states``,
         or the list of per-rank states), which resumes on any ranks x workers shape: each stream's
@@ -270,13 +311,13 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         if elastic.is_global(state):
             self.epoch = int(state["epoch"])
             self._loaded_shape = elastic.shape(state)
-            self._resume = {"global": state}
+            self._resume = {"global": state, "epoch": self.epoch}
             return
         self.epoch = int(state["epoch"])
         if state.get("world_size") is not None:
             self._loaded_shape = {"world_size": int(state["world_size"]),
                                   "num_workers": max(1, int(state["num_workers"]))}
-        self._resume = self._rank_resume(state)
+        self._resume = {**self._rank_resume(state), "epoch": self.epoch}
 
     def check_loadable(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """A ValueError unless ``load_state_dict`` takes ``state`` (this mix is not changed): one naming a
@@ -343,6 +384,11 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
                      if template is not None and k in template}
             self._load_stream(i, elastic.merge_states([{**extra, **rs} for rs in ranks]))
         return 1 + max([int(rs.get("generation", 0)) for rs in g["ranks"]])
+
+
+def _raising(e: Exception) -> Iterator[Any]:
+    raise e
+    yield  # a generator: raises at its first next()
 
 
 def mix(streams: Sequence[Iterable], *, weights: Sequence[float], seed: int = 0, stop: str = "first") -> Mix:

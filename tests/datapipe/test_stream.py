@@ -496,3 +496,49 @@ def test_marks_hold_for_their_pass_only(shards):
     next(iter(stream))  # another pass
     with pytest.raises(ValueError, match="pass"):
         stream.state_before(mark)
+
+
+def test_an_iterator_runs_at_the_epoch_and_resume_it_was_made_with(tmp_path):
+    """iter() fixes the pass: its epoch, and the resume it takes, whatever happens to the stream before it is read."""
+    urls, _ = write_shards(tmp_path / "d", [5, 3, 6])
+
+    def make():
+        return ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=2)
+
+    def ref(epoch):
+        s = make()
+        s.set_epoch(epoch)
+        return [x["__key__"] for x in s]
+
+    epoch0, epoch1 = ref(0), ref(1)
+    assert epoch0 != epoch1
+    stream = make()
+    it1 = iter(stream)
+    stream.set_epoch(1)
+    it2 = iter(stream)
+    assert [x["__key__"] for x in it1] == epoch0
+    assert [x["__key__"] for x in it2] == epoch1
+
+    # interleaved: each its own pass, and the state after each sample is that of the pass that handed it out
+    stream = make()
+    it1 = iter(stream)
+    stream.set_epoch(1)
+    it2 = iter(stream)
+    got1, got2 = [next(it1)["__key__"]], [next(it2)["__key__"]]
+    got1.append(next(it1)["__key__"])
+    state = stream.state_dict()
+    got2 += [x["__key__"] for x in it2]
+    got1 += [x["__key__"] for x in it1]
+    assert (got1, got2) == (epoch0, epoch1)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [x["__key__"] for x in resumed] == epoch0[2:]
+
+    # a resume is taken by the iterator made after it is loaded, not by one made later at another epoch
+    stream = make()
+    stream.load_state_dict(state)
+    it1 = iter(stream)
+    stream.set_epoch(1)
+    it2 = iter(stream)
+    assert [x["__key__"] for x in it2] == epoch1
+    assert [x["__key__"] for x in it1] == epoch0[2:]

@@ -240,3 +240,85 @@ def test_pass_after_a_resumed_one_is_the_uninterrupted_runs_next(tmp_path, worke
         elif keys(resumed) != second:
             bad.append((p, "next pass"))
     assert bad == []
+
+
+@pytest.mark.parametrize("global_state", [False, True])
+def test_a_loaded_resume_applies_only_at_its_epoch(tmp_path, global_state):
+    """A mix loaded with a state of epoch 0, then set to epoch 1, runs the whole epoch 1 (as a ShardStream does);
+    set back to epoch 0, it still resumes."""
+    urls_a, _ = write_shards(tmp_path / "a", [4, 5], prefix="a")
+    urls_b, _ = write_shards(tmp_path / "b", [6, 3], prefix="b")
+
+    def make():
+        return mix([ShardStream(urls_a, shuffle=True, seed=1), ShardStream(urls_b, shuffle=True, seed=2)],
+                   weights=[1, 2], seed=7, stop="all")
+
+    def ref(epoch):
+        m = make()
+        m.set_epoch(epoch)
+        return [s["__key__"] for s in m]
+
+    epoch0, epoch1 = ref(0), ref(1)
+    head = make()
+    it = iter(head)
+    for _ in range(3):
+        next(it)
+    state = head.state_dict()
+    if global_state:
+        state = [state]
+    m = make()
+    m.load_state_dict(state)
+    m.set_epoch(1)
+    assert [s["__key__"] for s in m] == epoch1
+    m = make()
+    m.load_state_dict(state)
+    m.set_epoch(1)
+    m.set_epoch(0)
+    assert [s["__key__"] for s in m] == epoch0[3:]
+
+
+@pytest.mark.parametrize("num_workers", [None, 0, 2])
+def test_two_iterators_made_before_either_is_read_run_their_own_epochs(tmp_path, num_workers):
+    """A mix iterator made for epoch 0, another for epoch 1, then both read: epoch 0 and epoch 1, directly and in
+    a loaders.DataLoader with and without workers."""
+    from loaders import DataLoader
+
+    urls_a, _ = write_shards(tmp_path / "a", [4, 5], prefix="a")
+    urls_b, _ = write_shards(tmp_path / "b", [6, 3], prefix="b")
+
+    def make():
+        m = mix([ShardStream(urls_a, shuffle=True, seed=1), ShardStream(urls_b, shuffle=True, seed=2)],
+                weights=[1, 2], seed=7, stop="restart")
+        if num_workers is None:
+            return m
+        return DataLoader(m, batch_size=2, num_workers=num_workers, collate_fn=lambda b: [s["__key__"] for s in b])
+
+    reference = make()
+    epoch0 = list(reference)
+    reference.set_epoch(1)
+    epoch1 = list(reference)
+    assert epoch0 != epoch1
+    m = make()
+    m.set_epoch(0)
+    a = iter(m)
+    m.set_epoch(1)
+    b = iter(m)
+    got_a, got_b = [next(a)], [next(b)]
+    got_a += list(a)
+    got_b += list(b)
+    assert (got_a, got_b) == (epoch0, epoch1)
+
+
+def test_a_stream_given_to_mix_keeps_its_loaded_resume(tmp_path):
+    """mix() checks that its streams are not iterators without iter() (a ShardStream's iter() takes its resume)."""
+    urls, _ = write_shards(tmp_path / "a", [4, 5], prefix="a")
+    stream = ShardStream(urls, shuffle=True, seed=1)
+    whole = [s["__key__"] for s in stream]
+    it = iter(stream)
+    next(it), next(it)
+    state = stream.state_dict()
+    resumed = ShardStream(urls, shuffle=True, seed=1)
+    resumed.load_state_dict(state)
+    assert [s["__key__"] for s in mix([resumed], weights=[1])] == whole[2:]
+    with pytest.raises(ValueError, match="iterator"):
+        mix([iter([1, 2])], weights=[1])

@@ -311,3 +311,37 @@ def test_a_state_taken_on_an_unread_resumed_pass_is_the_loaded_one(tmp_path, num
     assert [k for b in unread for k in b] == rest
     again.close()
     loader.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("how", ["counted", "set_epoch", "resumed"])
+def test_two_iterators_made_before_either_is_read_run_their_own_epochs(tmp_path, num_workers, how):
+    """Iterator A made for epoch 0, B for epoch 1, then both read: A is epoch 0 (or its resumed rest), B epoch 1,
+    with and without workers."""
+    urls, _ = write_shards(tmp_path / "d", [6, 3, 7])
+
+    def make():
+        return DataLoader(ShardStream(urls, shuffle=True, shuffle_buffer=4, seed=5), batch_size=2,
+                          num_workers=num_workers, collate_fn=keys)
+
+    reference = make()
+    epoch0, epoch1 = list(reference), list(reference)
+    assert epoch0 != epoch1
+    loader, skip = make(), 0
+    if how == "resumed":
+        head = make()
+        it = iter(head)
+        next(it), next(it)
+        loader.load_state_dict(head.state_dict())
+        skip = 2
+    if how == "set_epoch":
+        loader.set_epoch(0)
+    a = iter(loader)
+    if how != "counted":
+        loader.set_epoch(1)
+    b = iter(loader)
+    got_b = [next(b)]
+    got_a = list(a)
+    got_b += list(b)
+    assert got_a == epoch0[skip:]
+    assert got_b == epoch1
