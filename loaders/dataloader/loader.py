@@ -400,8 +400,8 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         """The pass ``p`` ran to its end: the next epoch follows; "auto" choices adapt."""
         if p is not self._progress:
             return
-        self._epoch = p.epoch + 1
-        self._tell_dataset = True
+        if not self._epoch_forced:  # set_epoch / load_state_dict chose the next pass's epoch since: it holds
+            self._epoch, self._tell_dataset = p.epoch + 1, True
         if self._auto_workers_mode or self.prefetch_depth == "auto":
             self._retune(p)
 

@@ -18,7 +18,6 @@ class LoaderState:
     """The epoch and state methods of :class:`loaders.dataloader.DataLoader`."""
 
     _resume_loaded = False  # the last pass loaded a resume into the dataset (spent as the next pass begins)
-    _chosen_epoch: int | None = None  # the epoch set_epoch / load_state_dict chose for the next pass (while forced)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of this loader's next pass, and of the sampler and dataset if they have ``set_epoch``
@@ -39,24 +38,20 @@ class LoaderState:
 
     def _choose_epoch(self, epoch: int) -> None:
         """``epoch`` is the next pass's, whatever ends before it begins: a pass under way that runs to its end after
-        this (``_finish_epoch`` moves ``_epoch`` on) does not move it, as ``sampler.set_epoch`` holds in torch."""
-        self._epoch, self._epoch_forced, self._chosen_epoch = epoch, True, epoch
+        this does not move it on (``_finish_epoch``), as ``sampler.set_epoch`` holds in torch."""
+        self._epoch, self._epoch_forced = epoch, True
 
     def _next_epoch(self) -> int:
         """The epoch the next pass runs at. A dataset that counts the passes over it (``begin_pass``:
         ``ShardStream``, ``mix``; :mod:`datapipe.order.shared_epoch`) has the say unless this loader's epoch was
         set (``set_epoch``, ``load_state_dict``): the one it was set to, else the one after the last pass any
         loader began over it. Other datasets: this loader's own count."""
-        if self._epoch_forced:
-            return self._chosen_epoch if self._chosen_epoch is not None else self._epoch
-        if not callable(getattr(self.dataset, "begin_pass", None)):
+        if self._epoch_forced or not callable(getattr(self.dataset, "begin_pass", None)):
             return self._epoch
         return self.dataset.next_pass_epoch()
 
     def _pass_epoch(self) -> int:
         """(A pass begins.) Its epoch; a dataset without ``begin_pass`` is told a new one, as before."""
-        if self._epoch_forced:  # set_epoch's choice, even where a pass ran to its end since (_finish_epoch)
-            self._epoch = self._next_epoch()
         if callable(getattr(self.dataset, "begin_pass", None)):
             return self._next_epoch()  # told in _begin_dataset_pass, after a resume's dataset state is loaded
         self._sync_dataset_epoch()
@@ -64,7 +59,7 @@ class LoaderState:
 
     def _begin_dataset_pass(self, epoch: int) -> None:
         """The pass at ``epoch`` begins: the dataset moves there and counts it (``begin_pass``)."""
-        self._epoch, self._epoch_forced, self._chosen_epoch = epoch, False, None
+        self._epoch, self._epoch_forced = epoch, False
         begin = getattr(self.dataset, "begin_pass", None)
         if callable(begin):
             begin(epoch)
@@ -94,8 +89,8 @@ class LoaderState:
 
     def _forget_spent_resume(self) -> None:
         """(A pass begins.) A resume the last pass loaded into the dataset was that pass's, read or not: the dataset
-        forgets what it may keep of it (without workers it takes a resume at its first sample, so a pass never read
-        leaves it there), and persistent workers, whose copies started with it, make way for new ones. So the pass
+        forgets what it may keep of it (a dataset that takes it only as it is read would keep it after a pass never
+        read), and persistent workers, whose copies started with it, make way for new ones. So the pass
         after a resumed one is the same with any worker count (``forget_resume``: ``ShardStream``, ``mix``)."""
         if not self._resume_loaded:
             return

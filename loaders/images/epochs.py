@@ -18,6 +18,7 @@ class EpochClock:
     # loaders.DataLoader's rule, run on this object (it reads dataset, sampler, _pending, _epoch,
     # _tell_dataset and _ds_epoch_seen): one rule for both loaders
     _set_epoch = LoaderState.set_epoch
+    _choose_epoch = LoaderState._choose_epoch
     _sync_dataset_epoch = LoaderState._sync_dataset_epoch
 
     def __init__(self, stream):
