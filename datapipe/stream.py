@@ -29,7 +29,7 @@ from datapipe.decode import Decode, Map, stepped
 from datapipe.errors import ErrorPolicy, OnError, check_on_error
 from datapipe.marks import SampleMarks
 from datapipe.order import elastic
-from datapipe.order.padding import PADDING_KEYS, deliver
+from datapipe.order.padding import deliver
 from datapipe.order.plan import SHARD_ORDER, samples_per_rank, shard_order, worker_plan
 from datapipe.order.ranks import rank_world
 from datapipe.order.shared_epoch import SharedEpoch
@@ -40,10 +40,9 @@ from datapipe.read.options import StorageOptions, check_types
 from datapipe.read.segments import LOST, SegmentReader
 from datapipe.read.shards import Shards
 from datapipe.read.spans import read_threads
-from datapipe.state import check_identity, check_state
+from datapipe.state import check_identity
 from datapipe.storage.cache import ShardCache
 from datapipe.storage.urls import shard_urls
-from datapipe.words import counted
 
 log = logging.getLogger("datapipe.stream")
 
@@ -328,7 +327,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         if isinstance(state, (list, tuple)):
             state = elastic.merge_states(list(state))
         for rank_state in (state["ranks"] if elastic.is_global(state) else [state]):
-            _check_stream_state(rank_state)
+            elastic.check_stream_state(rank_state)
             if self.shuffle and "shards" in rank_state and "shard_order" not in rank_state:
                 raise ValueError("this checkpoint was taken by an earlier datapipe, whose shuffled shard order differs "
                                  "from this one's: resuming it here would repeat some shards and skip others. Resume "
@@ -372,7 +371,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         logical, position, base, generation = elastic.start_of(resume, worker=physical, num_workers=num_workers,
                                                                world_size=world)
         if resume is not None and resume.get("reshape") is not None and base is resume["reshape"]["base"]:
-            _say_replanned(self._loaded_shape, rank=rank, world=world, worker=physical, num_workers=num_workers)
+            elastic.say_replanned(self._loaded_shape, rank=rank, world=world, worker=physical, num_workers=num_workers)
         where = {"epoch": epoch, "num_workers": num_workers, "positions": {logical: position}, "position": position,
                  "total": None,  # the shards' samples, counted as the pass is first read (or by state_dict)
                  "epoch_plan": ({"epoch": epoch, "base": elastic.pack_ranges(base), "generation": generation}
@@ -439,27 +438,3 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
 def _raising(e: Exception) -> Iterator[Any]:
     raise e
     yield  # a generator: raises at its first next()
-
-
-def _say_replanned(saved: dict | None, *, rank: int, world: int, worker: int, num_workers: int) -> None:
-    """One INFO line (rank 0's first worker) when a resume is planned again over another shape: the rest of the
-    epoch comes in another order than an uninterrupted run's (docs/guarantees.md, Resume)."""
-    if rank != 0 or worker != 0 or saved is None:
-        return
-    if saved["world_size"] == world == 1:
-        log.info("resuming a state of %s with %d: the rest of the epoch comes exactly once, in another order",
-                 counted(saved["num_workers"], "worker"), num_workers)
-    else:
-        log.info("resuming a state of %d ranks x %d workers on %d x %d: the rest of the epoch comes in another "
-                 "order, every sample of it delivered (a few twice, to keep the ranks even)",
-                 saved["world_size"], saved["num_workers"], world, max(1, num_workers))
-
-
-def _check_stream_state(state: Any) -> None:
-    """A ValueError naming what is wrong unless ``state`` has the keys and value types of a ShardStream state."""
-    check_state(state, "ShardStream", keys={"epoch": Integral, "num_workers": Integral, "workers": dict})
-    for worker, position in state["workers"].items():
-        if not (isinstance(position, dict) and isinstance(position.get("draws", 0), Integral)
-                and all(isinstance(position.get(k, 0), (Integral, type(None))) for k in PADDING_KEYS)):
-            raise ValueError(f"not a ShardStream state: worker {worker!r}'s position is {position!r:.60}, expected "
-                             "{'draws': int, 'done': bool}; pass what ShardStream.state_dict() returned")

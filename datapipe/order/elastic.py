@@ -15,14 +15,20 @@ per-rank states) on any shape:
 """
 from __future__ import annotations
 
+import logging
 import sys
 from array import array
+from numbers import Integral
 from typing import Any, Sequence
 
 from datapipe.order.padding import PADDING_KEYS
 from datapipe.order.plan import SHARD_ORDER, Ranges, map_positions, normalize, run_ranges, subtract
 from datapipe.order.seeds import derive_seed
 from datapipe.order.shuffle import replay_positions
+from datapipe.state import check_state
+from datapipe.words import counted
+
+log = logging.getLogger("datapipe").getChild("stream")  # what a stream says about its resumes
 
 GLOBAL = "datapipe_global_state"
 
@@ -294,3 +300,27 @@ def planned_state(remaining: Ranges, *, epoch: int, seed: int, world_size: int, 
               "workers": {}, "shuffle_buffer": int(shuffle_buffer), "total": int(total),
               "shard_order": SHARD_ORDER, "generation": int(generation), "base": base} for r in range(int(world_size))]
     return {GLOBAL: 1, "world_size": int(world_size), "num_workers": 1, "epoch": int(epoch), "ranks": ranks}
+
+
+def say_replanned(saved: dict | None, *, rank: int, world: int, worker: int, num_workers: int) -> None:
+    """One INFO line (rank 0's first worker) when a resume is planned again over another shape: the rest of the
+    epoch comes in another order than an uninterrupted run's (docs/guarantees.md, Resume)."""
+    if rank != 0 or worker != 0 or saved is None:
+        return
+    if saved["world_size"] == world == 1:
+        log.info("resuming a state of %s with %d: the rest of the epoch comes exactly once, in another order",
+                 counted(saved["num_workers"], "worker"), num_workers)
+    else:
+        log.info("resuming a state of %d ranks x %d workers on %d x %d: the rest of the epoch comes in another "
+                 "order, every sample of it delivered (a few twice, to keep the ranks even)",
+                 saved["world_size"], saved["num_workers"], world, max(1, num_workers))
+
+
+def check_stream_state(state: Any) -> None:
+    """A ValueError naming what is wrong unless ``state`` has the keys and value types of a ShardStream state."""
+    check_state(state, "ShardStream", keys={"epoch": Integral, "num_workers": Integral, "workers": dict})
+    for worker, position in state["workers"].items():
+        if not (isinstance(position, dict) and isinstance(position.get("draws", 0), Integral)
+                and all(isinstance(position.get(k, 0), (Integral, type(None))) for k in PADDING_KEYS)):
+            raise ValueError(f"not a ShardStream state: worker {worker!r}'s position is {position!r:.60}, expected "
+                             "{'draws': int, 'done': bool}; pass what ShardStream.state_dict() returned")
