@@ -14,7 +14,8 @@ out.
 raw rows (#43; ``.devrun/call_n1.sh`` is that A/B), and it changes two things a user may rely on: a local shard
 replaced atomically while a pass reads it (a rewrite into the folder) fails the pass with :class:`FileChanged`,
 where a worker's open descriptor read the old shard whole, and a FUSE or network mount whose inode numbers are not
-stable would fail the same way. The tests turn it on.
+stable would fail the same way. :class:`FileChanged` is a :class:`~datapipe.errors.DataError` naming the file. The
+tests turn it on.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import contextlib
 import ctypes
 import os
 
+from datapipe.errors import DataError
 from datapipe.read import origins, rawbytes
 from datapipe.read.spans import start_spans
 import loaders.dataloader.copyout as copyout
@@ -30,8 +32,11 @@ import loaders.dataloader.copyout as copyout
 __all__ = ["FileChanged", "FileReads", "names_files", "noting_in_workers", "read_one", "reading_out"]
 
 
-class FileChanged(RuntimeError):
-    """A shard file a worker named changed (or shrank) before the main process read its values."""
+class FileChanged(DataError):
+    """A shard file a worker named changed (or shrank) before the main process read its values (``url``: the file)."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message, url=path)
 
 
 ENABLED = False  # see the module's notes: on once the host measures a gain and the two changes are settled
@@ -75,7 +80,7 @@ class FileReads:
                 fd = os.open(file[0], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as e:
                 raise FileChanged(f"loaders.DataLoader: shard file {file[0]} a worker read can no longer be opened "
-                                  f"({e})") from e
+                                  f"({e})", file[0]) from e
             self.fds[file] = fd
             while len(self.fds) > MAX_OPEN:  # a read under way has a duplicate of its own (start_spans)
                 os.close(self.fds.popitem(last=False)[1])
@@ -86,7 +91,7 @@ class FileReads:
             self._drop(file)
             raise FileChanged(f"loaders.DataLoader: shard file {file[0]} changed while it was being read (its size, "
                               "modification time or inode is not the one a worker read); its values are not handed "
-                              "out")
+                              "out", file[0])
         return fd
 
     def start(self, wanted: list[tuple[tuple, int, int]], threads: int):
@@ -140,7 +145,7 @@ def _pread_whole(fd: int, file: tuple, offset: int, n: int) -> bytes:
     data = os.pread(fd, n, offset)
     if len(data) != n:
         raise FileChanged(f"loaders.DataLoader: shard file {file[0]} ended before a value a worker read from it "
-                          "(it shrank or was replaced)")
+                          "(it shrank or was replaced)", file[0])
     return data
 
 
