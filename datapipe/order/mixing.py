@@ -338,11 +338,11 @@ class Mix(SharedEpoch, torch.utils.data.IterableDataset):
         """The rank and world size of the first stream that sets them (else torch.distributed's)."""
         return rank_world(self)
 
-    def open_ledger(self, num_workers: int) -> None:
-        """(``loaders.DataLoader``, before starting workers) each stream's ledger rows (see ``ShardStream``)."""
+    def open_ledger(self, num_workers: int, **kw) -> None:
+        """(``loaders.DataLoader``, before each pass with workers) each stream's ledger (see ``ShardStream``)."""
         for s in self.streams:
             if callable(getattr(s, "open_ledger", None)):
-                s.open_ledger(num_workers)
+                s.open_ledger(num_workers, **kw)
 
     def stats(self) -> dict[str, Any]:
         """The streams' counts added up (those with ``stats()``): skipped, errors, last errors, samples read...;

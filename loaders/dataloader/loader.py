@@ -241,9 +241,9 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         self.collate_fn = inner
         if self._pass_pins:
             self.pin_memory = False  # no pin thread in torch's iterator: dataloader_iter.pinned pins
-        open_ledger = self._dataset_hook("open_ledger")
-        if workers > 0 and callable(open_ledger) and not (self.persistent_workers and self._iterator is not None):
-            open_ledger(workers)  # the workers' losses reach the dataset's stats() here (datapipe.read.ledger)
+        open_ledger, again = self._dataset_hook("open_ledger"), self.persistent_workers and self._iterator is not None
+        if workers > 0 and callable(open_ledger):  # each pass: the workers' losses reach its stats (read.ledger)
+            open_ledger(workers, again=again, context=self.multiprocessing_context)
         share_epoch = self._dataset_hook("share_epoch")
         if workers > 0 and self.persistent_workers and callable(share_epoch):
             share_epoch()  # before the workers start: their copies follow each pass's epoch (order.shared_epoch)
