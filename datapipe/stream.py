@@ -17,6 +17,7 @@ needs the state at a sample it holds (:meth:`ShardStream.state_before`) only now
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from numbers import Integral
@@ -40,6 +41,7 @@ from datapipe.read.options import StorageOptions, check_types
 from datapipe.read.segments import LOST, SegmentReader
 from datapipe.read.shards import Shards
 from datapipe.read.spans import read_threads
+from datapipe.read.standin import stand_in as rank_stand_in
 from datapipe.state import check_identity
 from datapipe.storage.cache import ShardCache
 from datapipe.storage.urls import shard_urls
@@ -66,7 +68,8 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         on_error: ``"raise"`` (a ``DataError`` naming the shard and key), ``"skip"`` (drop the bad sample,
             or the unreadable rest of a shard, and count it in ``stats()``), ``"warn"`` (skip and log) or a
             callable that gets the ``DataError`` and raises to stop or returns to skip. With
-            ``world_size > 1`` a lost sample is replaced by a repeat (``stats()["padded"]``).
+            ``world_size > 1`` a lost sample is replaced by a repeat (``stats()["padded"]``); a rank with no readable
+            sample at all raises ``DataError`` (it has nothing to repeat, and a short epoch would hang DDP).
         storage_options: fsspec's options for the shards' storage (credentials, endpoint, profile...).
         cache_dir: keep remote shards in this local directory and read them from there in later epochs.
         cache_limit: bound the cache's size in bytes (least recently used shards evicted).
@@ -221,12 +224,12 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
             state["rank"], state["world_size"] = self._rank_world()
         return state
 
-    def open_ledger(self, num_workers: int, *, again: bool = False, context=None) -> None:
-        """(``loaders.DataLoader``, before each pass with ``num_workers`` worker processes.) Count the shards here,
-        once; the loss ledger numbers the pass and, unless the workers ran one (persistent: ``again``), gives each a
-        shared row, so that what they read and lose reaches this process's ``stats()`` (read.ledger.open_workers)."""
+    def open_ledger(self, num_workers: int) -> None:
+        """(Called by ``loaders.DataLoader`` before it starts ``num_workers`` worker processes.) Count the shards
+        here, once, and give each worker a shared row of the loss ledger, so that what the workers read and
+        lose reaches this process's ``stats()``."""
         self.counts
-        self._ledger.open_workers(num_workers, again=again, context=context)
+        self._ledger.open_workers(num_workers)
 
     # ---- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -378,7 +381,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
                                 if generation else None)}
         self._enter(where)
         return {"where": where, "info": info, "physical": physical, "world": world, "logical": logical, "rank": rank,
-                "base": base, "steps": self._steps, "mark": self._ledger.pass_mark(epoch),
+                "base": base, "steps": self._steps,
                 "seed": elastic.worker_seed(self.seed, epoch, rank, logical, world, num_workers, generation)}
 
     def _enter(self, where: dict[str, Any]) -> None:
@@ -391,16 +394,16 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         """The samples of the pass ``p`` (:meth:`_plan_pass`)."""
         where, info, steps, seed = p["where"], p["info"], p["steps"], p["seed"]
         position = where["position"]
-        plan = worker_plan(self._counts_array(), shard_order(len(self.urls), shuffle=self.shuffle, seed=self.seed,
-                                                             epoch=where["epoch"]),
-                           rank=p["rank"], world_size=p["world"], worker=p["logical"],
-                           num_workers=max(1, where["num_workers"]), base=p["base"])
+        plan_of = functools.partial(worker_plan, self._counts_array(), shard_order(
+            len(self.urls), shuffle=self.shuffle, seed=self.seed, epoch=where["epoch"]), rank=p["rank"],
+            world_size=p["world"], num_workers=max(1, where["num_workers"]), base=p["base"])  # a worker's run
+        plan = plan_of(worker=p["logical"])
         where["total"] = self._count_total()
         if self._position is position:
             self._total = where["total"]
         if info is not None and self._ledger.enter(p["physical"]):
             self._shards.count_cache_failures(counted=False)  # a worker counts only its own
-        self._ledger.begin(p["mark"])
+        self._ledger.begin(where["epoch"])
         if position["done"]:
             return
         self._ledger.counts["padded"] += plan.padded
@@ -425,8 +428,11 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
                 (item,) = stepped([item], steps, lost=LOST, lose=reader.lose)
             return None if item is LOST else item
 
+        stand_in = functools.partial(rank_stand_in, reader, plan_of, worker=p["logical"], steps=steps, rank=p["rank"],
+                                     num_workers=max(1, where["num_workers"]), world_size=p["world"])
         try:
-            for item in deliver(items, position, self._ledger.counts, lost=LOST, pad=p["world"] > 1, reread=reread):
+            for item in deliver(items, position, self._ledger.counts, lost=LOST, pad=p["world"] > 1, reread=reread,
+                                stand_in=stand_in):
                 if self._position is not position:  # another pass of this object handed out the last sample
                     self._enter(where)
                 yield item
