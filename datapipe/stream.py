@@ -224,12 +224,12 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
             state["rank"], state["world_size"] = self._rank_world()
         return state
 
-    def open_ledger(self, num_workers: int) -> None:
-        """(Called by ``loaders.DataLoader`` before it starts ``num_workers`` worker processes.) Count the shards
-        here, once, and give each worker a shared row of the loss ledger, so that what the workers read and
-        lose reaches this process's ``stats()``."""
+    def open_ledger(self, num_workers: int, *, again: bool = False, context=None) -> None:
+        """(``loaders.DataLoader``, before each pass with ``num_workers`` worker processes.) Count the shards here,
+        once; the loss ledger numbers the pass and, unless the workers ran one (persistent: ``again``), gives each a
+        shared row, so that what they read and lose reaches this process's ``stats()`` (read.ledger.open_workers)."""
         self.counts
-        self._ledger.open_workers(num_workers)
+        self._ledger.open_workers(num_workers, again=again, context=context)
 
     # ---- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -381,7 +381,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
                                 if generation else None)}
         self._enter(where)
         return {"where": where, "info": info, "physical": physical, "world": world, "logical": logical, "rank": rank,
-                "base": base, "steps": self._steps,
+                "base": base, "steps": self._steps, "mark": self._ledger.pass_mark(epoch),
                 "seed": elastic.worker_seed(self.seed, epoch, rank, logical, world, num_workers, generation)}
 
     def _enter(self, where: dict[str, Any]) -> None:
@@ -403,7 +403,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
             self._total = where["total"]
         if info is not None and self._ledger.enter(p["physical"]):
             self._shards.count_cache_failures(counted=False)  # a worker counts only its own
-        self._ledger.begin(where["epoch"])
+        self._ledger.begin(p["mark"])
         if position["done"]:
             return
         self._ledger.counts["padded"] += plan.padded
