@@ -25,8 +25,6 @@ import zlib
 from array import array
 from typing import Iterator
 
-from datapipe.read import origins
-from datapipe.storage.locations import is_local
 from datapipe.tar.headers import BLOCK, TarTruncated, _plain_member, is_meta, split_key
 from datapipe.tar.read_ahead import ReadAhead
 
@@ -205,18 +203,15 @@ def samples(table: MemberTable, fd: int, url: str, position: Position, *, start:
     keys, members = table.keys, table.members
     stop = len(keys) if stop is None else min(stop, len(keys))
     ahead = ReadAhead(members, fd, stop, keep, threads) if threads and read is None else None
-    # named only in the user's own local shards: a remote shard's cached copy is the cache's to evict or replace
-    # while its values travel (datapipe.read.origins)
-    origin = origins.file_of(fd) if origins.enabled() and read is None and ahead is None and is_local(url) else None
     try:
-        yield from _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead, origin)
+        yield from _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead)
     finally:
         if ahead is not None:
             ahead.close()
 
 
-def _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead, origin) -> Iterator[dict]:
-    pread, note = os.pread, origins.note
+def _samples(keys, members, fd, url, position, start, stop, read_large, keep, read, ahead) -> Iterator[dict]:
+    pread = os.pread
     for i in range(start, stop):
         key = keys[i]
         if keep is not None and not keep(i):
@@ -238,8 +233,6 @@ def _samples(keys, members, fd, url, position, start, stop, read_large, keep, re
                 if data is None or len(data) != size:
                     raise TarTruncated(f"tar stream ends inside member {key}.{ext} ({size} bytes expected)",
                                        offset, key)
-                if origin is not None:  # a DataLoader worker's batch may name the file's bytes (read.origins)
-                    note(data, origin, offset)
                 sample[ext] = data
         position.ordinal, position.key = i, key
         yield sample

@@ -50,7 +50,6 @@ from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
 from loaders.dataloader.end_gate import pass_gate
-from loaders.dataloader.filereads import names_files, noting_in_workers
 from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
                                          pins_for_cuda, shutdown, tagged_batches)
@@ -223,7 +222,6 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         inner = collate
         returns, copies = transport
         tensors, raw = self._recycles(workers, returns), self._packs(workers, returns, copies)
-        names = raw and names_files()  # the workers name unchanged values' shard files, not copy them (filereads)
         if tensors or raw:
             if tensors:
                 returns.workers = workers
@@ -234,7 +232,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             passes = returns.pass_counter() if self.persistent_workers else None
             # the batch's tensors travel in the raw segment unless recycled on their own (a thread of ours pins)
             inner = PooledCollate(collate, returns.mark, returns.batches, passes, tensors=tensors,
-                                  pack=functools.partial(pack_raw, tensors=not tensors, files=names) if raw else None,
+                                  pack=functools.partial(pack_raw, tensors=not tensors) if raw else None,
                                   stock=stock_for_pass(self, copies, workers, raw=raw, tensors=tensors))
         if self._protocol:
             inner = StatefulCollate(inner, self.dataset)
@@ -249,14 +247,13 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
             share_epoch()  # before the workers start: their copies follow each pass's epoch (order.shared_epoch)
         forks.install()  # workers fork here; none collects the parent's cyclic garbage (datapipe.device.forks)
         try:
-            with noting_in_workers(names):
-                if replay and rng.rng_state is not None:
-                    with torch.random.fork_rng(devices=[]):
-                        torch.set_rng_state(rng.rng_state)
-                        it = super().__iter__()
-                else:
-                    rng.rng_state = torch.get_rng_state()
+            if replay and rng.rng_state is not None:
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(rng.rng_state)
                     it = super().__iter__()
+            else:
+                rng.rng_state = torch.get_rng_state()
+                it = super().__iter__()
         finally:
             self.collate_fn, self.pin_memory = collate, pin
             self._plan = Plan()

@@ -41,10 +41,8 @@ import weakref
 import numpy as np
 import torch
 
-from datapipe.read import origins
 from loaders.dataloader.bodies import Slot, batch_of, filled, plain_pickle
 from loaders.dataloader.copyout import copying_out, segment_fd
-from loaders.dataloader.filereads import FileReads, read_one, reading_out
 from loaders.dataloader.iterator import Failed
 from loaders.dataloader.shm import (FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
@@ -88,13 +86,12 @@ class Packed(tuple):
     ``body``: the batch with each packed leaf replaced by its :class:`Slot`, or None when ``pickled`` holds
     it; ``segment``: the :class:`SegmentRef` (None: no bytes or arrays packed); ``spans``: offset, length per
     slot (flat; a tensor's into ``tensors``); ``kinds``: one letter per slot (``b`` bytes, ``a`` bytearray,
-    ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor, ``s`` bytes named in a shard file, its span that
-    file's); ``dtypes``, ``shapes``: the arrays', tensors' and ``s`` leaves', in slot order (a tensor's shape
-    entry is ``(shape, strides)``; an ``s`` leaf's dtype entry is its file, :func:`datapipe.read.origins.take`'s);
-    ``tensors``: a uint8 tensor over the fresh shared memory holding the packed tensors, or None; ``pickled``:
-    the body pickled with each slot a persistent id (a body of plain values: dicts, lists, tuples, strings,
-    numbers, small bytes), as ``(offset, length)`` in the segment after the data, or as bytes (no segment), or
-    None (``body``). A tuple of plain values, so that the segment code sees its tensors.
+    ``c``/``f`` a C/Fortran-ordered array, ``t`` a tensor); ``dtypes``, ``shapes``: the arrays' and
+    tensors', in slot order (a tensor's shape entry is ``(shape, strides)``); ``tensors``: a uint8 tensor over
+    the fresh shared memory holding the packed tensors, or None; ``pickled``: the body pickled with each slot
+    a persistent id (a body of plain values: dicts, lists, tuples, strings, numbers, small bytes), as
+    ``(offset, length)`` in the segment after the data, or as bytes (no segment), or None (``body``). A
+    tuple of plain values, so that the segment code sees its tensors.
     """
 
     __slots__ = ()
@@ -125,21 +122,19 @@ def _packable_tensor(t, aliased: set[int]) -> bool:
     return not storage.is_shared() and storage.data_ptr() not in aliased
 
 
-def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False, files: bool = False):
+def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
     """(Worker) ``batch`` as a :class:`Packed` whose raw leaves lie in a segment taken from ``pool``, or
     ``batch`` itself when it has too few raw bytes (and tensors) or the pool no free segment.
 
-    ``tensors``: the batch's CPU tensors go in the segment too (see the module's notes). ``files``: a ``bytes``
-    leaf read unchanged from a local shard travels as its file's span (kind ``s``: :mod:`datapipe.read.origins`),
-    read out of the file by the main process (:mod:`loaders.dataloader.filereads`)."""
+    ``tensors``: the batch's CPU tensors go in the segment too (see the module's notes)."""
     leaves: list = []
     spans: list[int] = []
     kinds: list[str] = []
-    end = tend = named = 0  # bytes of the segment (bytes, arrays), of the tensors' block, named in files
+    end = tend = 0  # bytes of the segment (bytes, arrays) and of the tensors' block
     aliased = _shared_storages(batch) if tensors else set()
 
     def note(x):
-        nonlocal end, tend, named
+        nonlocal end, tend
         if type(x) is torch.Tensor:
             if not tensors or not _packable_tensor(x, aliased):
                 return x
@@ -149,13 +144,6 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False, files: bool = F
             kind = _kind(x)
             if kind is None:
                 return x
-            origin = origins.take(x) if files and kind == "b" else None
-            if origin is not None:  # the file's bytes: its span travels, not a copy
-                named += len(x)
-                spans.extend((origin[1], len(x)))
-                kinds.append("s")
-                leaves.append(origin[0])
-                return Slot(len(leaves) - 1)
             n, offset = (len(x) if kind in "ba" else x.nbytes), end
             end += -(-n // _ALIGN) * _ALIGN
         spans.extend((offset, n))
@@ -164,7 +152,7 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False, files: bool = F
         return Slot(len(leaves) - 1)
 
     body = map_leaves(batch, note)
-    if end + named < MIN_BYTES and kinds.count("t") < MIN_TENSORS:
+    if end < MIN_BYTES and kinds.count("t") < MIN_TENSORS:
         return batch
     pickled = plain_pickle(body)
     segment = block = None
@@ -192,9 +180,6 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False, files: bool = F
         kind = kinds[i]
         if kind in "ba":
             view[offset:offset + n] = x
-        elif kind == "s":
-            dtypes.append(x)  # the file it lies in
-            shapes.append(None)
         elif kind == "t":
             dtypes.append(x.dtype)
             shapes.append((tuple(x.shape), x.stride()))
@@ -231,20 +216,10 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
     return flat.reshape(shape, order="F" if kind == "f" else "C")
 
 
-def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, files: FileReads | None = None):
+def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
-    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in;
-    ``files``: where leaves a worker named in their shard files (kind ``s``) are read from."""
+    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
-    if "s" in kinds and kinds.count("b") + kinds.count("s") == len(kinds):  # raw bytes, some in their files
-        out, copying = reading_out(kinds, spans, dtypes, files, view, fd, HEADER)
-        if pickled is None:  # as below: a body of other types may read a leaf as it is rebuilt
-            copying.wait()
-            return filled(body, out)
-        try:
-            return batch_of(body, out, pickled, view)
-        finally:
-            copying.wait()
     if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large
         out, copying = copying_out(view, spans, fd=fd, fd_offset=HEADER)
         if pickled is None:  # a body of other types is rebuilt by their own code, which may read or hash a leaf
@@ -265,9 +240,6 @@ def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, file
             out.append(bytes(view[offset:offset + n]))
         elif kind == "a":
             out.append(bytearray(view[offset:offset + n]))
-        elif kind == "s":
-            out.append(read_one(files, dtypes[arrays], offset, n))
-            arrays += 1
         elif kind == "t":
             dtype, (shape, stride) = dtypes[arrays], shapes[arrays]
             start = base + offset
@@ -324,7 +296,6 @@ class RawCopies:
         self.batches = batches
         self.kept: dict = {}
         self.copied = 0
-        self.files = FileReads()  # the shard files workers named leaves in (filereads)
         self.processes: list | None = None  # the workers that write into its segments, where they may be stocked
         _RECEIVERS[mark] = self
 
@@ -354,7 +325,7 @@ class RawCopies:
             _, token, retired, _, data = segment
             segment = self.received(token, retired, data)
         try:
-            return _unpack(batch, *((segment.view, segment.fd) if segment is not None else (None, None)), self.files)
+            return _unpack(batch, *((segment.view, segment.fd) if segment is not None else (None,)))
         finally:
             if segment is not None:
                 segment.header[_STATE] = FREE
@@ -368,7 +339,6 @@ class RawCopies:
     def clear(self) -> None:
         for token in list(self.kept):
             self._drop(token)
-        self.files.close()
 
 
 def _called(then) -> Exception | None:
@@ -402,5 +372,3 @@ def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=
             close()
         if not keep and not (stock is not None and stock.fill(copies)):
             copies.clear()
-        elif not keep:  # the stock took the segments: the shard files this pass read are closed all the same
-            copies.files.close()
