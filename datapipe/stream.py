@@ -229,7 +229,7 @@ class ShardStream(SampleMarks, SharedEpoch, torch.utils.data.IterableDataset):
         once; the loss ledger numbers the pass and, unless the workers ran one (persistent: ``again``), gives each a
         shared row, so that what they read and lose reaches this process's ``stats()`` (read.ledger.open_workers)."""
         self.counts
-        self._ledger.open_workers(num_workers, again=again, context=context)
+        self._ledger.open_workers(num_workers, again=again, context=context, shards=len(self.urls))
 
     # ---- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

@@ -31,7 +31,8 @@ COUNTS = ("samples", "padded", "retries", "shards_opened", "bytes_read", "cache_
 POLICY = ("errors", "skipped")
 TEXT_BYTES = 4096  # per worker: its last error messages, as JSON
 KEEP_BLOCKS = 2  # blocks of earlier worker sets are folded into plain counts beyond this
-SLOTS = 8  # per worker: the split shards whose fault it counted last, as (pass, epoch + 1, shard)
+SLOTS = 64  # per worker, at least: the split shards whose fault it counted last, as (pass, epoch + 1, shard)
+MAX_SLOTS = 4096  # per worker, at most (one a shard of the stream, so no mark of a pass's epoch is wiped)
 LOCK_S = 10.0  # a worker waits this long for the marks' lock (one died holding it?), then counts its fault
 
 
@@ -53,10 +54,12 @@ class Ledger:
         self._pid: int | None = None
         self._published_errors = 0
 
-    def open_workers(self, num_workers: int, *, again: bool = False, context=None) -> None:
+    def open_workers(self, num_workers: int, *, again: bool = False, context=None, shards: int = 0) -> None:
         """(Main process, before each DataLoader pass with ``num_workers`` worker processes) number the pass and,
         unless its workers are persistent ones that ran a pass (``again``), give each a shared row; the fault marks'
-        lock is of ``context`` (the loader's multiprocessing context, None: the default)."""
+        lock is of ``context`` (the loader's multiprocessing context, None: the default). A worker keeps a mark for
+        each of the stream's ``shards`` (between ``SLOTS`` and ``MAX_SLOTS``): it counts each at most once an epoch,
+        so none of its marks of an epoch is wiped while another worker may still look for it."""
         import torch
 
         if num_workers <= 0:
@@ -68,7 +71,8 @@ class Ledger:
             return
         self._blocks.append((torch.zeros((num_workers, len(COUNTS) + len(POLICY)), dtype=torch.int64).share_memory_(),
                              torch.zeros((num_workers, TEXT_BYTES), dtype=torch.uint8).share_memory_(),
-                             torch.zeros((num_workers, SLOTS, 3), dtype=torch.int64).share_memory_(),
+                             torch.zeros((num_workers, min(MAX_SLOTS, max(SLOTS, shards)), 3),
+                                         dtype=torch.int64).share_memory_(),
                              (context or multiprocessing.get_context()).Lock()))
         while len(self._blocks) > KEEP_BLOCKS:  # those workers have ended: their counts stay, their memory goes
             counts, errors = self._read_block(self._blocks.pop(0))
@@ -116,7 +120,7 @@ class Ledger:
         try:
             if bool((faults == key).all(-1).any()):
                 return False
-            faults[me, self._slot % SLOTS] = key
+            faults[me, self._slot % faults.shape[1]] = key
             self._slot += 1
             return True
         finally:

@@ -251,3 +251,23 @@ def test_a_rerun_epoch_with_persistent_workers_counts_the_split_fault_each_pass(
             assert sum(len(b["__key__"]) for b in loader) == 20
             stats = loader.stats()
             assert (stats["errors"], stats["skipped"], stats["errors_total"]) == (1, 20, n), (workers, stats)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("faults,shards", [(20, None), (300, 400)])
+def test_many_split_faults_in_one_pass_are_each_counted_once(workers, faults, shards):
+    """A worker that counts many split shards' faults in one pass (an elastic resume plans runs of shards that earlier
+    workers read in part) keeps the mark of the first, which the worker before it meets only at its run's end. Was:
+    each worker kept its last 8 marks, so the 9th fault wiped the first and the shard's error was counted twice."""
+    main = Ledger(ErrorPolicy("skip"))
+    main.open_workers(workers, **({} if shards is None else {"shards": shards}))
+    ws = _workers(main, workers)
+    for w in ws:
+        w.begin(w.pass_mark(0))
+    _lose_split_part(ws[1], 0, n=1)  # worker 1's first part: shard 0, whose head is worker 0's last part
+    for shard in range(1, faults):
+        _lose_split_part(ws[1], shard, n=1)
+    _lose_split_part(ws[0], 0, n=1)
+    if workers == 3:
+        _lose_split_part(ws[2], faults - 1, n=1)  # worker 2's first part: the tail of worker 1's last shard
+    assert (_errors(main), main.totals()["skipped"]) == (faults, faults + workers - 1)
