@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["how_lines", "run_notes", "summary", "table_rows"]
+__all__ = ["SHORT_EPOCH_S", "how_lines", "run_notes", "short_epochs", "summary", "table_rows"]
+
+SHORT_EPOCH_S = 3.0  # epochs shorter than this are named in the notes (the run of record wants longer ones)
 
 
 def _get(d: dict, *path):
@@ -36,6 +38,9 @@ def summary(result: dict) -> list[dict]:
         (f"PIL decode + crop, {dw} workers, steady samples/s", lambda e: _get(e, "decode", "steady_samples_per_s")),
         ("same, first batch (s)", lambda e: _get(e, "decode", "first_batch_s")),
         (f"peak PSS with {dw} decode workers (MB)", lambda e: _get(e, "decode", "peak_pss_mb")),
+        (f"own decoder + crop, {dw} threads, steady samples/s",
+         lambda e: _get(e, "decode_own", "steady_samples_per_s")),
+        ("own decoder, first batch (s)", lambda e: _get(e, "decode_own", "first_batch_s")),
     ]
     out = []
     for name, get in rows:
@@ -54,7 +59,7 @@ def run_notes(result: dict) -> list[str]:
         if entry.get("error"):
             lines.append(f"{system}: not measured: {entry['error']}")
             continue
-        named = [("write", entry.get("write")), ("resume", entry.get("resume")), ("decode", entry.get("decode"))]
+        named = [(k, entry.get(k)) for k in ("write", "resume", "decode", "decode_own")]
         named += [(f"raw bytes, {w} workers", r) for w, r in (entry.get("raw") or {}).items()]
         for name, r in named:
             if isinstance(r, dict) and r.get("error") and r["error"] != "no mid-epoch resume":
@@ -93,4 +98,17 @@ def table_rows(result: dict) -> list[dict]:
             else:
                 cells[system] = str(v)
         out.append(cells)
+    return out
+
+
+def short_epochs(result: dict, shorter_than: float | None = None) -> list[str]:
+    """The raw-bytes epochs read to their end in under ``shorter_than`` seconds (default :data:`SHORT_EPOCH_S`)."""
+    shorter_than = SHORT_EPOCH_S if shorter_than is None else shorter_than
+    out = []
+    for system, entry in result["systems"].items():
+        for w, row in (entry.get("raw") or {}).items():
+            for ep in ("epoch1", "epoch2"):
+                e = row.get(ep) or {}
+                if e.get("seconds") is not None and e["seconds"] < shorter_than and not e.get("capped"):
+                    out.append(f"{system} {w} workers {ep} ({e['seconds']} s)")
     return out

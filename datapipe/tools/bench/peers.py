@@ -24,7 +24,8 @@ import time reported apart), so that a first epoch is a first epoch:
 - ``decode``: PIL decode + random-resized-crop + flip + normalise
   (:class:`~datapipe.tools.bench.baselines.PilTrain`) in ``decode_workers`` workers: the first batch's time, the
   steady rate over the next ``decode_seconds`` once every worker's first batch is in, and the peak PSS (MB) of the
-  process tree.
+  process tree; ``decode_own``: the same steps with a system's own decoder (datapipe's ImageLoader on DALI's CPU
+  operators, :mod:`~datapipe.tools.bench.own_decode`).
 
 ``epoch_cap_s`` cuts an epoch that runs longer (the epoch is marked ``capped``); ``budget_s`` starts no row after
 that many seconds (the rows left are marked as not run). Peers need the ``peers`` extra; a system that is not
@@ -42,9 +43,11 @@ from importlib import metadata
 from typing import Any, Callable
 
 from datapipe.tools.bench.peer_images import folder_from_shards, make_image_folder  # noqa: F401 (here too)
+from datapipe.tools.bench.own_decode import OWN_DECODERS, row_decode_own
 from datapipe.tools.bench.peer_readers import SYSTEMS, describe, list_images, one_epoch, open_loader, set_epoch_of
 from datapipe.words import counted
-from datapipe.tools.bench.peer_table import how_lines, run_notes, summary, table_rows  # noqa: F401 (here too)
+from datapipe.tools.bench.peer_table import (SHORT_EPOCH_S, how_lines, run_notes, short_epochs, summary,  # noqa: F401
+                                             table_rows)
 
 RESUMABLE = ("datapipe", "litdata", "mosaicml", "grain", "energon")
 ENDLESS = ("energon",)  # resumed over its default endless stream (its save/restore guide's way)
@@ -61,7 +64,6 @@ NOT_INSTALLED = {  # why a peer may be missing beside the project's pins, and wh
     "litdata": "not installed: pip install --no-deps litdata==0.2.76 obstore==0.12.1 (datapipe[peers]; its "
                "resolver would otherwise pull another torch)",
 }
-SHORT_EPOCH_S = 3.0  # epochs shorter than this are named in the notes (the run of record wants longer ones)
 
 
 # ---- which systems ----------------------------------------------------------------------------------------
@@ -193,7 +195,8 @@ def row_resume_load(system: str, data: str, *, batch_size: int, workers: int, se
     return {**out, "exact": exact, "expected_samples": total - len(seen)}
 
 
-ROWS = {"raw": row_raw, "decode": row_decode, "resume_save": row_resume_save, "resume_load": row_resume_load}
+ROWS = {"raw": row_raw, "decode": row_decode, "decode_own": row_decode_own, "resume_save": row_resume_save,
+        "resume_load": row_resume_load}
 
 IMPORTS = {"torch": ("torch.utils.data",), "webdataset": ("torch.utils.data", "webdataset"),
            # datapipe and loaders export lazily: name the modules that hold what the rows use
@@ -230,17 +233,6 @@ class _Clock:
             return self.timeout
         left = self.end - time.monotonic()
         return None if left <= 1.0 else min(self.timeout, left)
-
-
-def _short_epochs(result: dict) -> list[str]:
-    out = []
-    for system, entry in result["systems"].items():
-        for w, row in (entry.get("raw") or {}).items():
-            for ep in ("epoch1", "epoch2"):
-                e = row.get(ep) or {}
-                if e.get("seconds") is not None and e["seconds"] < SHORT_EPOCH_S and not e.get("capped"):
-                    out.append(f"{system} {w} workers {ep} ({e['seconds']} s)")
-    return out
 
 
 def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | None = None, batch_size: int = 256,
@@ -426,6 +418,11 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                                            "image_size": image_size, "seconds": decode_seconds},
                                   f"decode, {decode_workers} workers", old.get("decode"))
             saved()
+            if system in OWN_DECODERS:  # its own decoder too (own_decode)
+                entry["decode_own"] = row(system, {"row": "decode_own", **common(system), "workers": decode_workers,
+                                                   "image_size": image_size, "seconds": decode_seconds},
+                                          f"own decoder, {decode_workers} threads", old.get("decode_own"))
+                saved()
             if drop_formats and all_finished(entry, workers) and system != "spdl":
                 shutil.rmtree(data[system], ignore_errors=True)
 
@@ -437,7 +434,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         if own_tmp:
             shutil.rmtree(work_dir, ignore_errors=True)
     result = with_left_out()  # a continuation over fewer systems keeps the others' rows as the earlier run had them
-    short = _short_epochs(result)
+    short = short_epochs(result, SHORT_EPOCH_S)
     if short:
         result["notes"].append(f"{len(short)} epochs read to their end took under {SHORT_EPOCH_S:.0f} s (more "
                                f"images make them longer): " + ", ".join(short[:6])

@@ -41,7 +41,7 @@ def test_images_past_the_distinct_renders_are_other_files_of_the_same_pixels(tmp
         peers.make_image_folder(str(tmp_path / "none"), num_images=3, distinct=0)
 
 
-def _check_system(entry, *, resumable):
+def _check_system(entry, *, resumable, own):
     assert entry["version"] and entry["how"]["format"]
     assert entry["write"]["images"] == 24, entry["write"]
     for epochs in entry["raw"].values():
@@ -58,6 +58,13 @@ def _check_system(entry, *, resumable):
         assert res["resumed_samples"] == res["expected_samples"] == 24 - 6 * res["saved"]["stopped_after_batches"]
     else:
         assert entry["resume"] == {"error": "no mid-epoch resume"}
+    if own:  # its own decoder: float CHW crops; 4 batches of 6, the first and the 2 made ahead of it not timed
+        own_row = entry["decode_own"]
+        assert "error" not in own_row, own_row
+        assert own_row["steady_samples"] == 6 and own_row["batch_shape"] == [6, 3, 16, 16], own_row
+        assert own_row["first_batch_s"] > 0 and "ImageLoader(device='cpu')" in own_row["did"]
+    else:
+        assert "decode_own" not in entry
 
 
 def _run(source, tmp_path, systems):
@@ -68,10 +75,11 @@ def _run(source, tmp_path, systems):
     assert list(res["systems"]) == systems
     # a run cut short keeps what it measured: the result so far after every row, marked partial
     rows = len(systems) * 3 + len([s for s in systems if s in peers.RESUMABLE])  # write, raw, decode; resume
+    rows += len([s for s in systems if s in peers.OWN_DECODERS])  # its own decoder
     assert so_far == [(True, len(res["table"]))] * rows
     assert "partial" not in res
     for system in systems:
-        _check_system(res["systems"][system], resumable=system in peers.RESUMABLE)
+        _check_system(res["systems"][system], resumable=system in peers.RESUMABLE, own=system in peers.OWN_DECODERS)
     assert res["source"]["images"] == 24 and res["settings"]["shuffle"] is True
     # 24 images are 3 batches of 8: smaller batches, so that a first batch is followed by more (and said so)
     assert res["settings"]["batch_size"] == 6 and "batches of 6 instead" in res["notes"][0]
