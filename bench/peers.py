@@ -12,7 +12,9 @@ row says what the system did (format, API, workers or threads). The results are 
 The peers need installing: ``pip install -c constraints.txt spdl grain megatron-energon`` and
 ``pip install --no-deps litdata==0.2.76 obstore==0.12.1`` (scripts/setup-venv.sh does both; MosaicML
 Streaming 0.13 pins numpy<2.2: install it into a folder of its own with ``pip install --target DIR`` and run
-with ``PYTHONPATH=DIR``). Systems not installed are listed as such.
+with ``PYTHONPATH=DIR``). Systems not installed are listed as such. datapipe's own-decoder row
+(``decode_own``: ``ImageLoader(device="cpu")``) needs DALI (the ``dali`` extra: ``nvidia-dali-cuda130``); without it
+the row says so.
 
 The run of record (the 16-core GPU host; 150,000 ImageNet-like JPEGs of ~100 KB, so that even the fastest reader's
 epoch lasts 3 s or more; batch 256, in the page cache; each system's format removed once its rows are done, so the
