@@ -6,6 +6,15 @@ import os
 from datapipe.units import format_size
 
 
+def missing() -> str | None:
+    """Why no plot can be drawn here (matplotlib not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed (pip install matplotlib; --no-plot skips the PNG)"
+    return None
+
+
 def _plt():
     import matplotlib
 

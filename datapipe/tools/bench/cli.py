@@ -118,6 +118,9 @@ def _outputs(args, result: dict, kind: str) -> None:
     if png:
         from datapipe.tools import plots
 
+        if plots.missing():
+            print(f"no plot: {plots.missing()}", file=sys.stderr)
+            return
         getattr(plots, f"plot_{kind}")(result, png)
         print(f"wrote {png}", file=sys.stderr)
 

@@ -50,9 +50,10 @@ def _loader_command(args) -> int:
     _outputs(args, result, "loader")
     png = plot_path(args)
     if png and "peers" in result:
-        from datapipe.tools.plots import plot_peers
+        from datapipe.tools.plots import missing, plot_peers
 
-        print(f"wrote {plot_peers(result['peers'], os.path.splitext(png)[0] + '_peers.png')}", file=sys.stderr)
+        if not missing():  # else _outputs said why there is no plot
+            print(f"wrote {plot_peers(result['peers'], os.path.splitext(png)[0] + '_peers.png')}", file=sys.stderr)
     return 1 if failed and len(failed) == len(result["pipelines"]) else 0
 
 
@@ -116,8 +117,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                     help="also torch (loose files), webdataset, datapipe, litdata, MosaicML Streaming, SPDL, Grain "
                          "and Megatron-Energon, each writing these images in its own format: write rate, raw "
                          "bytes, first batch, mid-epoch resume, decode, peak PSS (the peers when installed: "
-                         "datapipe[peers])")
-    lo.add_argument("--peers-workers", default="0,4,8", help="worker counts of the peers' raw-bytes rows")
+                         "scripts/setup-venv.sh installs them; bench/peers.py --help says how)")
+    lo.add_argument("--peers-workers", default="0,4,8",
+                    help="worker counts of the peers' raw-bytes rows (default 0,4,8; on a 2-core machine 0,2)")
     _common(lo)
     parser.set_defaults(_parser=parser)
 

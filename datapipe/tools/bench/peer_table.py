@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["SHORT_EPOCH_S", "how_lines", "run_notes", "short_epochs", "summary", "table_rows"]
+__all__ = ["SHORT_EPOCH_S", "how_lines", "run_notes", "short_decodes", "short_epochs", "summary", "table_rows"]
 
 SHORT_EPOCH_S = 3.0  # epochs shorter than this are named in the notes (the run of record wants longer ones)
 
@@ -98,6 +98,19 @@ def table_rows(result: dict) -> list[dict]:
             else:
                 cells[system] = str(v)
         out.append(cells)
+    return out
+
+
+def short_decodes(result: dict) -> list[str]:
+    """The decode rows whose steady window ended before ``decode_seconds`` (the epoch ran out first): their rate
+    is over that shorter window."""
+    want = result["settings"].get("decode_seconds")
+    out = []
+    for system, entry in result["systems"].items():
+        for key in ("decode", "decode_own"):
+            took = _get(entry, key, "steady_seconds")
+            if want and took is not None and took < 0.9 * want:
+                out.append(f"{system} {key} ({took} s)")
     return out
 
 

@@ -46,8 +46,8 @@ from datapipe.tools.bench.peer_images import folder_from_shards, make_image_fold
 from datapipe.tools.bench.own_decode import OWN_DECODERS, row_decode_own
 from datapipe.tools.bench.peer_readers import SYSTEMS, describe, list_images, one_epoch, open_loader, set_epoch_of
 from datapipe.words import counted
-from datapipe.tools.bench.peer_table import (SHORT_EPOCH_S, how_lines, run_notes, short_epochs, summary,  # noqa: F401
-                                             table_rows)
+from datapipe.tools.bench.peer_table import (SHORT_EPOCH_S, how_lines, run_notes, short_decodes,  # noqa: F401
+                                             short_epochs, summary, table_rows)
 
 RESUMABLE = ("datapipe", "litdata", "mosaicml", "grain", "energon")
 ENDLESS = ("energon",)  # resumed over its default endless stream (its save/restore guide's way)
@@ -61,9 +61,11 @@ NOT_INSTALLED = {  # why a peer may be missing beside the project's pins, and wh
                 "where torch and torchvision match (the GPU host), pip install --no-deps mosaicml-streaming==0.13.0 "
                 "brotli python-snappy cramjam zstd xxhash catalogue into a folder of its own and run with "
                 "PYTHONPATH=DIR",
-    "litdata": "not installed: pip install --no-deps litdata==0.2.76 obstore==0.12.1 (datapipe[peers]; its "
-               "resolver would otherwise pull another torch)",
+    "litdata": "not installed: pip install --no-deps litdata==0.2.76 obstore==0.12.1 (scripts/setup-venv.sh does; "
+               "its resolver would otherwise pull another torch)",
 }
+PEERS_INSTALL = ("not installed: pip install -c constraints.txt spdl==0.8.0 grain==0.2.18 megatron-energon==7.4.1 "
+                 "(scripts/setup-venv.sh does; without -c constraints.txt pip may replace the installed torch)")
 
 
 # ---- which systems ----------------------------------------------------------------------------------------
@@ -338,8 +340,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         v = version(system)
         result["systems"][system] = entry = {"version": v, "how": {"format": FORMATS[system]}}
         if v is None:
-            entry["error"] = NOT_INSTALLED.get(system, "not installed (pip install 'datapipe[peers]', "
-                                                       "or see bench/peers.py --help)")
+            entry["error"] = NOT_INSTALLED.get(system, PEERS_INSTALL)
             say(f"{system}: not installed")
             continue
         entry["how"].update({f"{w} workers": describe(system, w) for w in sorted({*workers, resume_workers,
@@ -439,5 +440,9 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         result["notes"].append(f"{len(short)} epochs read to their end took under {SHORT_EPOCH_S:.0f} s (more "
                                f"images make them longer): " + ", ".join(short[:6])
                                + (", ..." if len(short) > 6 else ""))
+    short = short_decodes(result)
+    if short:
+        result["notes"].append(f"{len(short)} decode rows timed under the {decode_seconds:g} s asked (the epoch ended "
+                               f"first; more images make them longer): " + ", ".join(short))
     result["table"] = summary(result)
     return result

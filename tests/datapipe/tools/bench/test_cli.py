@@ -41,6 +41,18 @@ def test_storage_cli_end_to_end(shard_dir, tmp_path, capsys):
     assert (tmp_path / "res" / "storage.png").stat().st_size > 1000
 
 
+def test_json_without_matplotlib_writes_the_json_and_says_why_no_plot(shard_dir, tmp_path, capsys, monkeypatch):
+    from datapipe.tools import plots
+
+    monkeypatch.setattr(plots, "missing", lambda: "matplotlib is not installed (test)")
+    out = tmp_path / "storage.json"
+    rc = main(["bench", "storage", shard_dir, "--concurrency", "1", "--block-size", "64K", "--seconds", "0.2",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    assert "no plot: matplotlib is not installed (test)" in capsys.readouterr().err
+    assert json.loads(out.read_text())["shards"] == 3 and not (tmp_path / "storage.png").exists()
+
+
 @pytest.mark.parametrize("target", ["/nonexistent/datapipe-bench", "http://127.0.0.1:9/missing.tar"])
 def test_storage_bad_url_exit_1(target, capsys):
     assert main(["bench", "storage", target, "--seconds", "0.1", "--no-progress"]) == 1

@@ -47,3 +47,14 @@ def test_summary_has_the_run_of_record_rows():
     assert rows["mid-epoch resume, 4 workers, first batch after load (s)"] == 2.0
     assert rows["mid-epoch resume, same continuation"] is True and rows["mid-epoch resume, exact rest"] is None
     assert "PIL decode + crop, 14 workers, steady samples/s" in rows
+
+
+def test_decode_rows_timed_under_the_window_asked_are_named():
+    from datapipe.tools.bench.peer_table import short_decodes
+
+    result = {"settings": {"decode_seconds": 3.0},
+              "systems": {"torch": {"decode": {"steady_seconds": 3.01}},
+                          "datapipe": {"decode": {"steady_seconds": 0.66}, "decode_own": {"steady_seconds": 0.001}},
+                          "grain": {"decode": {"error": "stopped at the run's budget"}}}}
+    assert short_decodes(result) == ["datapipe decode (0.66 s)", "datapipe decode_own (0.001 s)"]
+    assert short_decodes({**result, "settings": {"decode_seconds": None}}) == []

@@ -101,7 +101,7 @@ def test_a_peer_not_installed_is_listed_not_measured(source, tmp_path, monkeypat
     monkeypatch.setattr(peers, "version", lambda system: None)
     res = peers.run_peers(source, work_dir=str(tmp_path / "w"), systems=["grain"], workers=(0,), progress=False)
     entry = res["systems"]["grain"]
-    assert entry["version"] is None and "datapipe[peers]" in entry["error"]
+    assert entry["version"] is None and "pip install -c constraints.txt" in entry["error"]
     assert peers.table_rows(res)[0]["grain"] == "n/a"
 
 
