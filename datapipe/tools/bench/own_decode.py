@@ -28,6 +28,8 @@ def row_decode_own(system: str, data: str, *, batch_size: int, workers: int, see
     """The first batch's time, then the steady rate over the next ``seconds`` (or the epoch), as the ``decode`` row
     times (the batches DALI made ahead by the first one are left out of the steady window)."""
     from datapipe import ShardStream
+    from datapipe.tools.bench.baselines import close
+    from datapipe.tools.bench.peer_readers import steady_rate
     from loaders import ImageLoader
     from loaders.images.options import DecodeOptions, ReadOptions
 
@@ -40,24 +42,10 @@ def row_decode_own(system: str, data: str, *, batch_size: int, workers: int, see
                          read=ReadOptions(prefetch_queue_depth=depth))
     it = iter(loader)
     try:
-        next(it)
+        images, _ = next(it)
         first = time.perf_counter() - t0
-        ahead, n, t1 = depth, 0, time.perf_counter()
-        shape = None
-        for images, labels in it:
-            if ahead:
-                ahead -= 1
-                t1 = time.perf_counter()
-                continue
-            n += len(labels)
-            shape = list(images.shape)
-            if seconds is not None and time.perf_counter() - t1 >= seconds:
-                break
-        took = time.perf_counter() - t1
+        steady = steady_rate(it, skip=depth, seconds=seconds, count=lambda batch: len(batch[1]))
     finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-    return {"first_batch_s": round(first, 3), "steady_samples": n, "steady_seconds": round(took, 3),
-            "steady_samples_per_s": round(n / took, 1) if n and took else None, "batch_shape": shape,
+        close(it)
+    return {"first_batch_s": round(first, 3), **steady, "batch_shape": list(images.shape),
             "did": describe_own(system, workers)}

@@ -370,3 +370,21 @@ def one_epoch(loader, *, cap_s: float | None = None) -> dict:
     if closed is not None:
         out["close_s"] = round(closed, 3)
     return {**out, "capped": True} if capped else out
+
+
+def steady_rate(it, *, skip: int, seconds: float | None, count: Callable[[tuple], int]) -> dict:
+    """(After the first batch of ``it`` was taken) the rate over the batches of the next ``seconds`` (None: to the
+    end), leaving out the ``skip`` batches that follow the first one (made beside it: a burst, not the rate);
+    ``count(batch)``: its samples."""
+    n, t1 = 0, time.perf_counter()
+    for batch in it:
+        if skip:
+            skip -= 1
+            t1 = time.perf_counter()
+            continue
+        n += count(batch)
+        if seconds is not None and time.perf_counter() - t1 >= seconds:
+            break
+    took = time.perf_counter() - t1
+    return {"steady_samples": n, "steady_seconds": round(took, 3),
+            "steady_samples_per_s": round(n / took, 1) if n and took else None}

@@ -44,7 +44,8 @@ from typing import Any, Callable
 
 from datapipe.tools.bench.peer_images import folder_from_shards, make_image_folder  # noqa: F401 (here too)
 from datapipe.tools.bench.own_decode import OWN_DECODERS, row_decode_own
-from datapipe.tools.bench.peer_readers import SYSTEMS, describe, list_images, one_epoch, open_loader, set_epoch_of
+from datapipe.tools.bench.peer_readers import (SYSTEMS, describe, list_images, one_epoch, open_loader, set_epoch_of,
+                                               steady_rate)
 from datapipe.words import counted
 from datapipe.tools.bench.peer_table import (SHORT_EPOCH_S, how_lines, run_notes, short_decodes,  # noqa: F401
                                              short_epochs, summary, table_rows)
@@ -117,24 +118,14 @@ def row_decode(system: str, data: str, *, batch_size: int, workers: int, seed: i
     loader = open_loader(system, data, batch_size=batch_size, workers=workers, seed=seed, decode_size=image_size,
                          cache_dir=cache_dir)
     it = iter(loader)
-    next(it)
-    first = time.perf_counter() - t0
-    burst = max(0, workers - 1)  # the other workers' first batches, not timed
-    n, t1 = 0, time.perf_counter()
     try:
-        for keys, _, _ in it:
-            if burst:
-                burst -= 1
-                t1 = time.perf_counter()
-                continue
-            n += len(keys)
-            if seconds is not None and time.perf_counter() - t1 >= seconds:
-                break
+        next(it)
+        first = time.perf_counter() - t0
+        # the other workers' first batches, not timed
+        steady = steady_rate(it, skip=max(0, workers - 1), seconds=seconds, count=lambda batch: len(batch[0]))
     finally:
         close(it)
-    took = time.perf_counter() - t1
-    return {"first_batch_s": round(first, 3), "steady_samples": n, "steady_seconds": round(took, 3),
-            "steady_samples_per_s": round(n / took, 1) if n and took else None}
+    return {"first_batch_s": round(first, 3), **steady}
 
 
 def row_resume_save(system: str, data: str, *, batch_size: int, workers: int, seed: int, state_path: str,
