@@ -14,11 +14,15 @@ def finished(row: Any) -> bool:
     return isinstance(row, dict) and not str(row.get("error", "")).startswith(BUDGET_CUT)
 
 
-def all_finished(entry: dict, workers) -> bool:
-    """Whether every row of a system's ``entry`` was run to its end (a failure of its own counts as run)."""
+ROWS_KEPT = ("write", "raw", "resume", "decode", "decode_own")  # a system's rows an earlier run can hand on
+
+
+def all_finished(entry: dict, workers, *, own_decoder: bool = False) -> bool:
+    """Whether every row of a system's ``entry`` was run to its end (a failure of its own counts as run);
+    ``own_decoder``: the system has a ``decode_own`` row too."""
     raw = entry.get("raw") or {}
-    return (all(finished(entry.get(k)) for k in ("write", "resume", "decode"))
-            and all(finished(raw.get(str(w))) for w in workers))
+    rows = ("write", "resume", "decode") + (("decode_own",) if own_decoder else ())
+    return all(finished(entry.get(k)) for k in rows) and all(finished(raw.get(str(w))) for w in workers)
 
 
 def earlier_systems(earlier: dict | None, settings: dict, images: int) -> dict:

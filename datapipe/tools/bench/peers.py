@@ -263,7 +263,7 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
     """
     from datapipe.device.autotune import usable_cores
     from datapipe.tools.bench.peer_process import RowRunner
-    from datapipe.tools.bench.peer_continue import all_finished, earlier_systems, finished
+    from datapipe.tools.bench.peer_continue import ROWS_KEPT, all_finished, earlier_systems, finished
     from datapipe.tools.bench.peer_writers import FORMATS
 
     chosen = list(systems or SYSTEMS)
@@ -371,8 +371,9 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
         def rows_of(system: str, entry: dict, old: dict) -> None:
             """Every row of one system: write its format, read it (raw bytes at each worker count, resume,
             decode), then, with ``drop_formats``, remove the format."""
-            if all_finished(old, workers):  # an earlier run did every row (its format may be gone): kept whole
-                entry.update({k: old[k] for k in ("write", "raw", "resume", "decode") if k in old})
+            own = system in OWN_DECODERS
+            if all_finished(old, workers, own_decoder=own):  # an earlier run did every row (its format may be gone)
+                entry.update({k: old[k] for k in ROWS_KEPT if k in old})
                 return
             written = old.get("write")
             if not (finished(written) and "error" not in written and os.path.exists(data[system])):
@@ -410,12 +411,12 @@ def run_peers(source: str, *, work_dir: str | None = None, systems: list[str] | 
                                            "image_size": image_size, "seconds": decode_seconds},
                                   f"decode, {decode_workers} workers", old.get("decode"))
             saved()
-            if system in OWN_DECODERS:  # its own decoder too (own_decode)
+            if own:  # its own decoder too (own_decode)
                 entry["decode_own"] = row(system, {"row": "decode_own", **common(system), "workers": decode_workers,
                                                    "image_size": image_size, "seconds": decode_seconds},
                                           f"own decoder, {decode_workers} threads", old.get("decode_own"))
                 saved()
-            if drop_formats and all_finished(entry, workers) and system != "spdl":
+            if drop_formats and all_finished(entry, workers, own_decoder=own) and system != "spdl":
                 shutil.rmtree(data[system], ignore_errors=True)
 
         for system in live:  # one system's rows after another's, so that one format at a time need be on disk

@@ -18,6 +18,10 @@ def test_a_system_is_finished_when_every_row_is():
     assert pc.all_finished(done, (0, 4))
     assert not pc.all_finished(done, (0, 4, 8))  # the 8-worker row never ran
     assert not pc.all_finished({**done, "decode": {"error": "not run: the run's budget of 1 s was spent"}}, (0, 4))
+    # a system with a decoder of its own is finished only once that row ran too, and the row is handed on
+    assert not pc.all_finished(done, (0, 4), own_decoder=True)
+    assert pc.all_finished({**done, "decode_own": {"error": "DALI is not installed"}}, (0, 4), own_decoder=True)
+    assert "decode_own" in pc.ROWS_KEPT and "raw" in pc.ROWS_KEPT
 
 
 def test_an_earlier_run_of_other_settings_is_refused():

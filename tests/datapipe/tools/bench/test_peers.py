@@ -237,3 +237,23 @@ def test_a_continuation_over_fewer_systems_keeps_the_others(source, tmp_path, mo
     assert partial and all(p["systems"]["torch"] == first["systems"]["torch"] for p in partial)  # saved at each row
     assert rest["systems"]["torch"] == first["systems"]["torch"]
     assert "error" not in rest["systems"]["datapipe"]["raw"]["0"]
+
+
+def test_a_continuation_keeps_the_own_decoder_row_of_a_system_it_finished(source, tmp_path, monkeypatch):
+    kw = dict(work_dir=str(tmp_path / "w"), systems=["datapipe"], batch_size=8, workers=(0,), decode_workers=0,
+              resume_workers=0, image_size=16, timeout=240, decode_seconds=None, progress=False)
+    from datapipe.tools.bench import peer_process
+
+    ran = []
+    monkeypatch.setattr(peer_process.RowRunner, "run",
+                        lambda self, spec, **k: ran.append(spec["row"]) or {"x": 1, "did": "d"})
+    first = peers.run_peers(source, **kw)
+    assert first["systems"]["datapipe"]["decode_own"] == {"x": 1, "did": "d"} and "decode_own" in ran
+    ran.clear()
+    rest = peers.run_peers(source, **kw, earlier=json.loads(json.dumps(first)))
+    assert ran == [] and rest["systems"]["datapipe"]["decode_own"] == {"x": 1, "did": "d"}  # kept, not lost
+    cut = json.loads(json.dumps(first))  # its budget stopped it before the own-decoder row: only that row runs
+    cut["systems"]["datapipe"]["decode_own"] = {"error": "not run: the run's budget of 1 s was spent"}
+    os.makedirs(tmp_path / "w" / "datapipe", exist_ok=True)  # its format, which the stand-in writer did not make
+    rest = peers.run_peers(source, **kw, earlier=cut)
+    assert ran == ["decode_own"] and rest["systems"]["datapipe"]["decode_own"] == {"x": 1, "did": "d"}
