@@ -5,12 +5,15 @@
 DALI's ``fn.readers.webdataset`` needs, for each tar, an index (format ``v1.2``): a header line
 ``v1.2 <num_samples>`` and one line per sample with ``<ext> <data_offset> <size> <member_name>``
 for each of its files. Without it DALI scans every tar at start-up. The index is made here
-with :mod:`tarfile` in streaming mode, so shards on any fsspec storage can be indexed.
+with :mod:`tarfile` in streaming mode, so shards on any fsspec storage can be indexed; a local shard that
+``ShardWriter`` gave a member table is indexed from that table and one header read per value instead
+(:func:`table_index_lines`), without reading its data.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import posixpath
 import tarfile
 import uuid
@@ -90,6 +93,35 @@ def index_lines(fileobj, *, size: int | None = None) -> list[str]:
     return lines
 
 
+def table_index_lines(path: str) -> list[str] | None:
+    """:func:`index_lines` of the local shard ``path`` from its member table, or None where it has no sound table.
+
+    The table gives each value's offset and size; the names come from each value's own tar header (one
+    512-byte read, no data read), which must be a plain header naming the value as the table groups it.
+    Anything else (no table, a long name in an extension header, a mismatch) is None: index the stream."""
+    from datapipe.tar import member_table
+    from datapipe.tar.headers import BLOCK, _plain_member, split_key
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        table = member_table.load(fd, size)
+        if table is None or not len(table):
+            return None
+        lines = [f"{INDEX_VERSION} {len(table)}"]
+        for key, members in zip(table.keys, table.members):
+            entries = []
+            for ext, offset, value_size in members:
+                member = _plain_member(os.pread(fd, BLOCK, offset - BLOCK), offset - BLOCK, size)
+                if member is None or member[1] != value_size or split_key(member[0]) != (key, ext):
+                    return None
+                entries.append(f"{_split_name(member[0])[1]} {offset} {value_size} {member[0]}")
+            lines.append(" ".join(entries))
+        return lines
+    finally:
+        os.close(fd)
+
+
 def first_incomplete(index_files: list[str], exts: list[str]) -> tuple[int, str, list[str]] | None:
     """The first sample, in DALI index files, that lacks an entry DALI's reader asks for: ``(shard number, key,
     the missing entries)``, each of ``exts`` a ``;``-separated set of alternatives (``"jpg;png"``, ``"cls"``)."""
@@ -120,15 +152,19 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
 
     from datapipe.errors import DataError
 
+    from datapipe.storage.urls import is_local, local_path
+
     index_path = index_path or default_index_path(tar_path_or_url)
     options = storage_options or {}
     head = b""
     try:
-        with fsspec.open(tar_path_or_url, "rb", **options) as f:
-            size = getattr(f, "size", None)
-            head = f.read(512)
-            f.seek(0)
-            lines = index_lines(f, size=size if isinstance(size, int) else None)
+        lines = table_index_lines(local_path(tar_path_or_url)) if is_local(tar_path_or_url) else None
+        if lines is None:
+            with fsspec.open(tar_path_or_url, "rb", **options) as f:
+                size = getattr(f, "size", None)
+                head = f.read(512)
+                f.seek(0)
+                lines = index_lines(f, size=size if isinstance(size, int) else None)
     except (OSError, tarfile.TarError, ValueError, EOFError) as e:
         from datapipe.tar.headers import is_tar_header, looks_like
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import math
 import os
 import re
@@ -39,6 +40,8 @@ from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
 from loaders.source import stream_start
 from loaders.images.stream_reader import StreamReader
+
+log = logging.getLogger("loaders.images")
 
 
 SHUFFLE_WINDOW = 1024  # DALI's own initial_fill: the sample shuffle of a shuffled stream without a shuffle_buffer
@@ -87,24 +90,34 @@ def reader_error(error: RuntimeError, paths: list[str], batch: int, urls: list[s
                      "reader='stream' names the sample and on_error='skip' skips it)")
 
 
+INDEX_NOTE_S = 1.0  # making index files for longer than this is logged
+
+
 def index_paths(paths: list[str], index_dir: str | None) -> list[str]:
     """DALI index files of local shards: beside the shard when fresh, else made in ``index_dir``."""
     from datapipe.tar.dali_index import default_index_path, write_dali_index
 
     out = []
+    made, started = 0, time.perf_counter()
+    directory = index_dir or os.path.join(tempfile.gettempdir(), "datapipe-dali-index")
     for path in paths:
         beside = default_index_path(path)
         if os.path.exists(beside) and os.path.getmtime(beside) >= os.path.getmtime(path):
             out.append(beside)
             continue
-        directory = index_dir or os.path.join(tempfile.gettempdir(), "datapipe-dali-index")
         st = os.stat(path)
         tag = hashlib.sha1(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
         target = os.path.join(directory, f"{os.path.basename(path)}.{tag}.idx")
         if not os.path.exists(target):
             os.makedirs(directory, exist_ok=True)
             write_dali_index(path, target)
+            made += 1
         out.append(target)
+    took = time.perf_counter() - started
+    if made and took > INDEX_NOTE_S:
+        log.info("made DALI index files for %s in %s (%.1f s; reused while the shards are unchanged; `datapipe "
+                 "index` or `datapipe shard --index` writes them beside the shards)", counted(made, "shard"),
+                 directory, took)
     return out
 
 
