@@ -97,10 +97,12 @@ def table_index_lines(path: str) -> list[str] | None:
     """:func:`index_lines` of the local shard ``path`` from its member table, or None where it has no sound table.
 
     The table gives each value's offset and size; the names come from each value's own tar header (one
-    512-byte read, no data read), which must be a plain header naming the value as the table groups it.
-    Anything else (no table, a long name in an extension header, a mismatch) is None: index the stream."""
+    512-byte read, no data read), which must be a plain header naming the value as the table groups it, right
+    after the value before it (so that the walk would meet no other member). Anything else (no table, a long
+    name in an extension header, a member the table leaves out, a name the walk takes for a hidden file, a
+    mismatch) is None: index the stream."""
     from datapipe.tar import member_table
-    from datapipe.tar.headers import BLOCK, _plain_member, split_key
+    from datapipe.tar.headers import BLOCK, _plain_member, padded, split_key
 
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -109,15 +111,20 @@ def table_index_lines(path: str) -> list[str] | None:
         if table is None or not len(table):
             return None
         lines = [f"{INDEX_VERSION} {len(table)}"]
+        at = 0  # where the next member's header must start
         for key, members in zip(table.keys, table.members):
+            if key.endswith("/"):  # a last part starting with a dot: a hidden file to the walk
+                return None
             entries = []
             for ext, offset, value_size in members:
                 member = _plain_member(os.pread(fd, BLOCK, offset - BLOCK), offset - BLOCK, size)
-                if member is None or member[1] != value_size or split_key(member[0]) != (key, ext):
+                if (offset != at + BLOCK or member is None or member[1] != value_size
+                        or split_key(member[0]) != (key, ext)):
                     return None
+                at = offset + padded(value_size)
                 entries.append(f"{_split_name(member[0])[1]} {offset} {value_size} {member[0]}")
             lines.append(" ".join(entries))
-        return lines
+        return lines if at == table.end else None
     finally:
         os.close(fd)
 

@@ -58,3 +58,22 @@ def test_write_dali_index_reads_no_data_where_the_table_serves(tmp_path, monkeyp
     monkeypatch.setattr(dali_index, "index_lines", lambda *a, **k: (_ for _ in ()).throw(AssertionError("walked")))
     out = write_dali_index(path, str(tmp_path / "t.idx"))
     assert open(out).read().splitlines() == table_index_lines(path)
+
+
+def test_a_value_whose_name_the_walk_takes_for_a_hidden_file_falls_back_to_the_walk(tmp_path):
+    # an extension with slashes: "a./q/.r" has a last part starting with a dot, which the walk (and DALI's wds2idx)
+    # skips as a hidden file, while webdataset's rule (the table's) groups it under key "a./q/"
+    (path,) = _write(tmp_path, [{"__key__": "a", "/q/.r": b"1"}, {"__key__": "b", "jpg": b"2"}])
+    assert _walked(path) == ["v1.2 1", "jpg 1536 1 b.jpg"]
+    assert table_index_lines(path) in (None, _walked(path))
+
+
+def test_a_member_the_table_leaves_out_falls_back_to_the_walk(tmp_path):
+    # a __meta__ member is in no table entry: its damaged header ends the walk there, which the table cannot see
+    (path,) = _write(tmp_path, [{"__key__": "a", "jpg": b"1"}, {"__key__": "__m__/a", "jpg": b"2"},
+                                {"__key__": "b", "jpg": b"3"}])
+    data = bytearray(open(path, "rb").read())
+    data[data.find(b"__m__/a.jpg") + 2] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    assert _walked(path) == ["v1.2 1", "jpg 512 1 a.jpg"]
+    assert table_index_lines(path) in (None, _walked(path))
