@@ -178,12 +178,25 @@ def _check_key(key: str) -> None:
     """A ValueError for a key that readers would split elsewhere: they end the key at the first dot of the
     member name's last path component (webdataset's rule), so ``a.b`` with ``jpg`` would read as key ``a``
     with extension ``b.jpg``."""
+    if "\0" in key:
+        raise ValueError(f"sample key {key!r} holds a NUL character: a tar member's name ends at its first NUL, so "
+                         "readers would see another name")
     last = key.rsplit("/", 1)[-1]
     if not last or "." in last:
         raise ValueError(f"sample key {key!r} {'ends in a slash' if not last else 'holds a dot in its last part'}: "
                          "readers take the key to end at the member name's first dot after the last '/' "
                          "(webdataset's rule), so its values would be read under another key and extension; "
                          "replace the dots (e.g. with '_'), as `datapipe shard` does")
+
+
+def _check_extension(key: str, ext: str) -> None:
+    """A ValueError for an extension readers would not read back: one with a NUL (a member's name ends there) or
+    a slash (the name's last path component would no longer be ``key.ext``: another key, or a hidden file)."""
+    for bad, why in (("\0", "a NUL character: a tar member's name ends at its first NUL"),
+                     ("/", "a slash: readers split a member's name at its last '/'")):
+        if bad in ext:
+            raise ValueError(f"extension {ext!r} of sample {key!r} holds {why}, so its value would be read under "
+                             "another name or not at all")
 
 
 def _header_bytes(name: str) -> int:
@@ -265,6 +278,8 @@ class ShardWriter:
         _check_key(str(sample["__key__"]))
         key = str(sample["__key__"])
         values = [k for k in sample if not k.startswith("_")]  # (a value without a length, a number, takes a block)
+        for ext in values:
+            _check_extension(key, ext)
         size = sum(_header_bytes(f"{key}.{k}") + (len(v) + 511 if hasattr(v := sample[k], "__len__") else 512)
                    // 512 * 512 for k in values)
         if not self.compress:  # what the sample adds to the shard's member table, at most

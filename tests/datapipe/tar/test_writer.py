@@ -121,3 +121,19 @@ def test_a_dropped_shard_stops_its_hash_thread(tmp_path):
             raise RuntimeError("stop")
     assert not [t for t in threading.enumerate() if t.name == "datapipe-shard-sha256"]
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("sample, words", [
+    ({"__key__": "a", "j\x00g": b"1"}, "NUL"),  # the member's name would end at the NUL: 'a.j'
+    ({"__key__": "a\x00b", "jpg": b"1"}, "NUL"),
+    ({"__key__": "a", "x/y.z": b"1"}, "slash"),  # 'a.x/y.z' reads as key 'a.x/y', extension 'z'
+    ({"__key__": "a", "/q/.r": b"1"}, "slash"),  # 'a./q/.r': a hidden file to readers, skipped
+])
+def test_names_readers_would_not_read_back_are_refused_before_anything_is_written(tmp_path, sample, words):
+    with ShardWriter(str(tmp_path / "s-%03d.tar")) as w:
+        w.write({"__key__": "ok", "jpg": b"0"})
+        with pytest.raises(ValueError, match=words):
+            w.write(sample)
+        w.write({"__key__": "b", "jpg": b"3"})
+    got = [{k: v for k, v in s.items() if k != "__url__"} for s in ShardStream(str(tmp_path / "s-000.tar"))]
+    assert got == [{"__key__": "ok", "jpg": b"0"}, {"__key__": "b", "jpg": b"3"}]
