@@ -12,6 +12,7 @@ with :mod:`tarfile` in streaming mode, so shards on any fsspec storage can be in
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import posixpath
@@ -63,12 +64,15 @@ def _refusal(member: tarfile.TarInfo) -> str | None:
 def index_lines(fileobj, *, size: int | None = None) -> list[str]:
     """The index text (lines without newlines) of the tar stream ``fileobj``, header line first.
 
-    Raises ``ValueError`` naming a member that is not a regular file (sparse, link, device...) or
-    whose data runs past ``size`` (the shard's length, where known)."""
+    Raises ``ValueError`` naming a member that is not a regular file (sparse, link, device...), whose data
+    runs past ``size`` (the shard's length, where known), or a damaged header where ``tarfile`` would stop
+    without a word (the samples after it would be left out of the index)."""
     samples: list[list[tuple[str, int, int, str]]] = []
     last = None
+    end = 0  # where the last member's data (padded to a block) ends: the next header, or the end of the archive
     with tarfile.open(fileobj=fileobj, mode="r|") as tar:
         for member in tar:
+            end = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
             why = _refusal(member)
             if why is not None:
                 raise ValueError(why)
@@ -86,11 +90,25 @@ def index_lines(fileobj, *, size: int | None = None) -> list[str]:
                 last = basename
             else:
                 samples[-1].append(entry)
+    _check_stopped_at_the_end(fileobj, end, len(samples))
     if not samples:
         raise ValueError("the tar file holds no samples")
     lines = [f"{INDEX_VERSION} {len(samples)}"]
     lines += [" ".join(" ".join(map(str, entry)) for entry in sample) for sample in samples]
     return lines
+
+
+def _check_stopped_at_the_end(fileobj, end: int, samples: int) -> None:
+    """A ValueError where the walk stopped at a block that is neither a header it could read nor the end of the
+    archive (``tarfile`` stops there silently). Unseekable streams are not checked."""
+    try:
+        fileobj.seek(end)
+        block = fileobj.read(tarfile.BLOCKSIZE)
+    except (OSError, io.UnsupportedOperation):
+        return
+    if block and block.strip(b"\0"):
+        raise ValueError(f"the tar cannot be read past byte {end}: the block there is neither a member's header nor "
+                         f"the end of the archive (a damaged header; {counted(samples, 'sample')} before it)")
 
 
 def table_index_lines(path: str) -> list[str] | None:
