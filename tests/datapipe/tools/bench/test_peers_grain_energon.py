@@ -3,6 +3,7 @@ parsed them, Energon's second epoch after a first one cut at the epoch cap."""
 import pytest
 
 from datapipe.tools.bench import peers
+from datapipe.tools.bench.peer_readers import _pickle_tuple
 
 grain = pytest.importorskip("grain")
 
@@ -71,3 +72,37 @@ def test_energon_workers_read_epoch_2_after_an_epoch_cut_at_the_cap(source, tmp_
     # Energon's savable loader goes on with a pass cut short at the next iter(): its rest is read (and said),
     # then epoch 2 is a pass of its own
     assert row["epoch1"]["samples"] + row["epoch1_rest"]["samples"] == 24, row
+
+
+def _big_value(record):  # 1 MB a value: a pickled batch of these overfills a worker's pipe
+    key, _, label = _pickle_tuple(record)
+    return key, key.encode() * (1_000_000 // len(key)), label
+
+
+@pytest.mark.slow
+def test_grain_workers_hand_over_raw_batches_whole_and_close_a_cut_pass_at_once(source, tmp_path):
+    """With workers, raw batches travel as one NumPy array (Grain's shared memory), read back value by value; a
+    pickled list of 1 MB values stuck in a stopped worker's pipe made every close wait for Grain's 25 s kill."""
+    import time
+
+    from datapipe.tools.bench.peer_readers import GrainLoader, list_images, read_item
+    from datapipe.tools.bench.peer_writers import write
+
+    write("grain", source, str(tmp_path / "grain"), workers=1)
+    images = {item[1]: read_item(item) for item in list_images(source)}
+    loader = GrainLoader(str(tmp_path / "grain"), batch_size=5, workers=2, seed=0, fn=_pickle_tuple, pack=True)
+    seen = {}
+    for keys, values, labels in loader:
+        for k, v, label in zip(keys, values, labels):
+            seen[k] = (bytes(v), label)
+    assert seen == {k: (s["image"], s["cls"]) for k, s in images.items()}
+
+    big = GrainLoader(str(tmp_path / "grain"), batch_size=1, workers=2, seed=0, fn=_big_value, pack=True)
+    for _ in range(3):
+        it = iter(big)
+        keys, values, _ = next(it)
+        assert [bytes(v) for v in values] == [k.encode() * (1_000_000 // len(k)) for k in keys]
+        time.sleep(0.5)  # the workers fill their pipes with the next batches
+        t0 = time.perf_counter()
+        it.close()
+        assert time.perf_counter() - t0 < 10, "a worker blocked on exit until Grain killed it"
