@@ -176,7 +176,6 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
     import fsspec
 
     from datapipe.errors import DataError
-
     from datapipe.storage.urls import is_local, local_path
 
     index_path = index_path or default_index_path(tar_path_or_url)
