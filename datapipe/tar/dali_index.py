@@ -5,9 +5,9 @@
 DALI's ``fn.readers.webdataset`` needs, for each tar, an index (format ``v1.2``): a header line
 ``v1.2 <num_samples>`` and one line per sample with ``<ext> <data_offset> <size> <member_name>``
 for each of its files. Without it DALI scans every tar at start-up. The index is made here
-with :mod:`tarfile` in streaming mode, so shards on any fsspec storage can be indexed; a local shard that
-``ShardWriter`` gave a member table is indexed from that table and one header read per value instead
-(:func:`table_index_lines`), without reading its data.
+with :mod:`tarfile` in streaming mode, so shards on any fsspec storage can be indexed; a local shard whose
+headers are all plain ones (what ``ShardWriter``, webdataset and ``tarfile`` write for short ASCII names) is
+indexed from its headers alone (:func:`plain_index_lines`), without reading its data.
 """
 from __future__ import annotations
 
@@ -111,38 +111,82 @@ def _check_stopped_at_the_end(fileobj, end: int, samples: int) -> None:
                          f"the end of the archive (a damaged header; {counted(samples, 'sample')} before it)")
 
 
-def table_index_lines(path: str) -> list[str] | None:
-    """:func:`index_lines` of the local shard ``path`` from its member table, or None where it has no sound table.
+PAX_TIMES = frozenset({b"mtime", b"atime", b"ctime"})  # pax records that change no member's name or size
 
-    The table gives each value's offset and size; the names come from each value's own tar header (one
-    512-byte read, no data read), which must be a plain header naming the value as the table groups it, right
-    after the value before it (so that the walk would meet no other member). Anything else (no table, a long
-    name in an extension header, a member the table leaves out, a name the walk takes for a hidden file, a
-    mismatch) is None: index the stream."""
-    from datapipe.tar import member_table
-    from datapipe.tar.headers import BLOCK, _plain_member, padded, split_key
+
+def _timestamps_only(records: bytes) -> bool:
+    """Whether the pax header data ``records`` is well formed (``<length> <key>=<value>\\n`` each, filling it
+    exactly) and holds only :data:`PAX_TIMES`."""
+    at = 0
+    while at < len(records):
+        space = records.find(b" ", at)
+        if space <= at or not records[at:space].isdigit():
+            return False
+        end = at + int(records[at:space])
+        if end <= space or end > len(records) or records[end - 1:end] != b"\n":
+            return False
+        if records[space + 1:end - 1].partition(b"=")[0] not in PAX_TIMES:
+            return False
+        at = end
+    return at == len(records) > 0
+
+
+def plain_index_lines(path: str) -> list[str] | None:
+    """:func:`index_lines` of the local shard ``path`` from its headers alone (one 512-byte read each, no data
+    read), or None where a header is not a plain one (an extension header for a long name, a link, a directory,
+    a damaged header...): then :func:`index_lines` walks it. A pax header that holds only timestamps (webdataset's
+    ``TarWriter`` gives every member one) counts as plain."""
+    from datapipe.tar.headers import BLOCK, _checksum_ok, _octal, _plain_member, padded
 
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        table = member_table.load(fd, size)
-        if table is None or not len(table):
-            return None
-        lines = [f"{INDEX_VERSION} {len(table)}"]
-        at = 0  # where the next member's header must start
-        for key, members in zip(table.keys, table.members):
-            if key.endswith("/"):  # a last part starting with a dot: a hidden file to the walk
-                return None
-            entries = []
-            for ext, offset, value_size in members:
-                member = _plain_member(os.pread(fd, BLOCK, offset - BLOCK), offset - BLOCK, size)
-                if (offset != at + BLOCK or member is None or member[1] != value_size
-                        or split_key(member[0]) != (key, ext)):
+        samples: list[list[str]] = []
+        last = None
+        at = 0
+        after_pax = False
+        while at + BLOCK <= size:
+            header = os.pread(fd, BLOCK, at)
+            if not header.strip(b"\0"):
+                if after_pax:
+                    return None  # a pax header must have a member after it (tarfile refuses the shard)
+                break  # the end of the archive
+            after_pax = header[156:157] == b"x"
+            if after_pax:  # a pax header: only timestamps may pass
+                try:
+                    length = _octal(header[124:136]) if _checksum_ok(header) else 0
+                except ValueError:
                     return None
-                at = offset + padded(value_size)
-                entries.append(f"{_split_name(member[0])[1]} {offset} {value_size} {member[0]}")
-            lines.append(" ".join(entries))
-        return lines if at == table.end else None
+                if not 0 < length <= 1 << 16 or not _timestamps_only(os.pread(fd, length, at + BLOCK)):
+                    return None
+                at += BLOCK + padded(length)
+                if at > size:
+                    return None  # cut inside it
+                continue
+            member = _plain_member(header, at, size)
+            if member is None:
+                return None
+            name, value_size, _ = member
+            if name.endswith("/"):
+                return None  # tarfile takes such a member for a directory
+            data, at = at + BLOCK, at + BLOCK + padded(value_size)
+            if at > size:
+                return None  # cut inside the value's last block: the walk reads whole blocks
+            basename, ext = _split_name(name)
+            if is_meta(name) or not basename or basename.endswith("/"):  # as index_lines skips them
+                continue
+            entry = f"{ext} {data} {value_size} {name}"
+            if basename != last:
+                samples.append([entry])
+                last = basename
+            else:
+                samples[-1].append(entry)
+        else:  # no end-of-archive block: what is left must be zeros (a part of a header is damage to the walk)
+            if after_pax or (at < size and os.pread(fd, size - at, at).strip(b"\0")):
+                return None
+        if not samples:
+            return None
+        return [f"{INDEX_VERSION} {len(samples)}"] + [" ".join(sample) for sample in samples]
     finally:
         os.close(fd)
 
@@ -182,7 +226,7 @@ def write_dali_index(tar_path_or_url: str, index_path: str | None = None, *, sto
     options = storage_options or {}
     head = b""
     try:
-        lines = table_index_lines(local_path(tar_path_or_url)) if is_local(tar_path_or_url) else None
+        lines = plain_index_lines(local_path(tar_path_or_url)) if is_local(tar_path_or_url) else None
         if lines is None:
             with fsspec.open(tar_path_or_url, "rb", **options) as f:
                 size = getattr(f, "size", None)
