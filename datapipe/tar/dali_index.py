@@ -67,8 +67,7 @@ def index_lines(fileobj, *, size: int | None = None) -> list[str]:
     Raises ``ValueError`` naming a member that is not a regular file (sparse, link, device...), whose data
     runs past ``size`` (the shard's length, where known), or a damaged header where ``tarfile`` would stop
     without a word (the samples after it would be left out of the index)."""
-    samples: list[list[tuple[str, int, int, str]]] = []
-    last = None
+    samples = _Samples()
     end = 0  # where the last member's data (padded to a block) ends: the next header, or the end of the archive
     with tarfile.open(fileobj=fileobj, mode="r|") as tar:
         for member in tar:
@@ -81,21 +80,34 @@ def index_lines(fileobj, *, size: int | None = None) -> list[str]:
             if size is not None and member.offset_data + member.size > size:
                 raise ValueError(f"member {member.name!r} of {member.size} bytes at byte {member.offset_data} runs "
                                  f"past the end of the shard ({size} bytes): the shard is truncated")
-            basename, ext = _split_name(member.name)
-            if not basename or basename.endswith("/"):  # hidden files (names starting with a dot)
-                continue
-            entry = (ext, member.offset_data, member.size, member.name)
-            if basename != last:
-                samples.append([entry])
-                last = basename
-            else:
-                samples[-1].append(entry)
-    _check_stopped_at_the_end(fileobj, end, len(samples))
-    if not samples:
+            samples.add(member.name, member.offset_data, member.size)
+    _check_stopped_at_the_end(fileobj, end, len(samples.samples))
+    if not samples.samples:
         raise ValueError("the tar file holds no samples")
-    lines = [f"{INDEX_VERSION} {len(samples)}"]
-    lines += [" ".join(" ".join(map(str, entry)) for entry in sample) for sample in samples]
-    return lines
+    return samples.lines()
+
+
+class _Samples:
+    """Members in file order -> the index's samples: ``__meta__`` members and hidden files (a last path part
+    starting with a dot) skipped, as wds2idx skips them; consecutive members of one basename make a sample."""
+
+    def __init__(self):
+        self.samples: list[list[str]] = []
+        self._last: str | None = None
+
+    def add(self, name: str, offset: int, size: int) -> None:
+        basename, ext = _split_name(name)
+        if is_meta(name) or not basename or basename.endswith("/"):
+            return
+        entry = f"{ext} {offset} {size} {name}"
+        if basename != self._last:
+            self.samples.append([entry])
+            self._last = basename
+        else:
+            self.samples[-1].append(entry)
+
+    def lines(self) -> list[str]:
+        return [f"{INDEX_VERSION} {len(self.samples)}"] + [" ".join(sample) for sample in self.samples]
 
 
 def _check_stopped_at_the_end(fileobj, end: int, samples: int) -> None:
@@ -141,8 +153,7 @@ def plain_index_lines(path: str) -> list[str] | None:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        samples: list[list[str]] = []
-        last = None
+        samples = _Samples()
         at = 0
         after_pax = False
         while at + BLOCK <= size:
@@ -172,21 +183,11 @@ def plain_index_lines(path: str) -> list[str] | None:
             data, at = at + BLOCK, at + BLOCK + padded(value_size)
             if at > size:
                 return None  # cut inside the value's last block: the walk reads whole blocks
-            basename, ext = _split_name(name)
-            if is_meta(name) or not basename or basename.endswith("/"):  # as index_lines skips them
-                continue
-            entry = f"{ext} {data} {value_size} {name}"
-            if basename != last:
-                samples.append([entry])
-                last = basename
-            else:
-                samples[-1].append(entry)
+            samples.add(name, data, value_size)
         else:  # no end-of-archive block: what is left must be zeros (a part of a header is damage to the walk)
             if after_pax or (at < size and os.pread(fd, size - at, at).strip(b"\0")):
                 return None
-        if not samples:
-            return None
-        return [f"{INDEX_VERSION} {len(samples)}"] + [" ".join(sample) for sample in samples]
+        return samples.lines() if samples.samples else None
     finally:
         os.close(fd)
 
