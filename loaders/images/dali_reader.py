@@ -17,12 +17,9 @@ at most ``world_size - 1`` repeats): the rest of that epoch is read by the strea
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import math
-import os
 import re
-import tempfile
 import time
 import weakref
 from typing import Iterator
@@ -38,6 +35,7 @@ from datapipe.words import counted
 from loaders.images.dali_pipeline import run_pipeline
 from loaders.images.decoder_choice import age_replaced
 from loaders.images.encoded import parse_ascii_ints, parse_label
+from loaders.images.index_files import index_paths
 from loaders.source import stream_start
 from loaders.images.stream_reader import StreamReader
 
@@ -88,37 +86,6 @@ def reader_error(error: RuntimeError, paths: list[str], batch: int, urls: list[s
     shards = paths[0] if len(paths) == 1 else f"{len(paths)} shards ({paths[0]} ...)"
     return DataError(f"DALI's reader failed in batch {batch} of the epoch: {detail[:200]} (reading {shards}; "
                      "reader='stream' names the sample and on_error='skip' skips it)")
-
-
-INDEX_NOTE_S = 1.0  # making index files for longer than this is logged
-
-
-def index_paths(paths: list[str], index_dir: str | None) -> list[str]:
-    """DALI index files of local shards: beside the shard when fresh, else made in ``index_dir``."""
-    from datapipe.tar.dali_index import default_index_path, write_dali_index
-
-    out = []
-    made, started = 0, time.perf_counter()
-    directory = index_dir or os.path.join(tempfile.gettempdir(), "datapipe-dali-index")
-    for path in paths:
-        beside = default_index_path(path)
-        if os.path.exists(beside) and os.path.getmtime(beside) >= os.path.getmtime(path):
-            out.append(beside)
-            continue
-        st = os.stat(path)
-        tag = hashlib.sha1(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        target = os.path.join(directory, f"{os.path.basename(path)}.{tag}.idx")
-        if not os.path.exists(target):
-            os.makedirs(directory, exist_ok=True)
-            write_dali_index(path, target)
-            made += 1
-        out.append(target)
-    took = time.perf_counter() - started
-    if made and took > INDEX_NOTE_S:
-        log.info("made DALI index files for %s in %s (%.1f s; reused while the shards are unchanged; `datapipe "
-                 "index` or `datapipe shard --index` writes them beside the shards)", counted(made, "shard"),
-                 directory, took)
-    return out
 
 
 def gif_member(paths: list[str], index_dir: str | None) -> tuple[str, str] | None:
