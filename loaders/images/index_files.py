@@ -71,7 +71,7 @@ def prune(directory: str, *, keep: set[str], now: float) -> int:
     removed = 0
     try:
         entries = list(os.scandir(directory))
-    except FileNotFoundError:
+    except OSError:  # gone, or not ours to list
         return 0
     for entry in entries:
         if not entry.name.endswith(".idx") or entry.path in keep:
@@ -80,7 +80,7 @@ def prune(directory: str, *, keep: set[str], now: float) -> int:
             if now - entry.stat().st_mtime > UNUSED_DAYS * _DAY_S:
                 os.remove(entry.path)
                 removed += 1
-        except FileNotFoundError:  # another process removed it first
+        except OSError:  # another process removed it first, or it is not ours to remove
             pass
     if removed:
         log.info("removed %s unused for %g days from %s", counted(removed, "DALI index file"), UNUSED_DAYS,
