@@ -36,15 +36,18 @@ free segment for it (it never waits).
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
 import torch
 
 from loaders.dataloader.bodies import Slot, batch_of, filled, plain_pickle
-from loaders.dataloader.copyout import copying_out, segment_fd
+from datapipe.read.rawbytes import data_address
+import loaders.dataloader.vmread as vmread
+from loaders.dataloader.copyout import copy_threads, copying_out, read_threads, segment_fd
 from loaders.dataloader.iterator import Failed
-from loaders.dataloader.shm import (FREE, HEADER, MAPPED, SegmentPool, _STATE, _header, _movable,
+from loaders.dataloader.shm import (FREE, HEADER, MAPPED, READS, WRITER, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
 
 __all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "SegmentRef", "pack_raw", "unpacked"]
@@ -156,12 +159,20 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
         return batch
     pickled = plain_pickle(body)
     segment = block = None
-    if end:
+    read = pool.reads and kinds.count("b") == len(kinds)  # the main process reads them from this worker's memory
+    if read:  # each leaf named by its address (kept alive until the segment is free again), none copied
+        kinds = ["r"] * len(kinds)
+        spans = [x for leaf, n in zip(leaves, spans[1::2]) for x in (data_address(leaf), n)]
+        end = 0
+    if end or read:
         size = end + (len(pickled) if pickled is not None else 0)
-        storage = pool.take(size, room=True)  # raw batches vary in size
+        storage = pool.take(max(size, 1), room=not read)  # raw batches vary in size
         if storage is None:
             return batch
         token, header = pool.number(storage)
+        header[WRITER:WRITER + 16] = _writer()
+        if read:
+            pool.held[storage.data_ptr()] = leaves
         retired, pool.retired = tuple(pool.retired), []
         data = torch.empty(0, dtype=torch.uint8).set_(storage, HEADER, (size,), (1,))
         segment = SegmentRef((pool.mark, token, retired, int(header[MAPPED]) == 0, data))
@@ -178,6 +189,8 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
     for i, x in enumerate(leaves):
         offset, n = spans[2 * i], spans[2 * i + 1]
         kind = kinds[i]
+        if kind == "r":  # read from this worker's memory by the main process
+            continue
         if kind in "ba":
             view[offset:offset + n] = x
         elif kind == "t":
@@ -195,6 +208,24 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
         else:
             body = None
     return Packed((body, segment, spans, "".join(kinds), dtypes, shapes, block, pickled))
+
+
+_WRITER = (None, None)  # (pid, its header bytes): this worker's pid and probe address as WRITER holds them
+
+
+def _writer() -> torch.Tensor:
+    """The header's WRITER bytes for this process: its pid and :func:`vmread.probe_address`."""
+    global _WRITER
+    if _WRITER[0] != os.getpid():
+        raw = np.array([os.getpid(), vmread.probe_address()], np.int64).view(np.uint8)
+        _WRITER = (os.getpid(), torch.from_numpy(raw.copy()))
+    return _WRITER[1]
+
+
+def writer_of(header: torch.Tensor) -> tuple[int, int]:
+    """(Main process) the pid and probe address a segment's header names."""
+    pid, probe = header[WRITER:WRITER + 16].numpy().view(np.int64).tolist()
+    return pid, probe
 
 
 def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
@@ -216,12 +247,18 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
     return flat.reshape(shape, order="F" if kind == "f" else "C")
 
 
-def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None):
+def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, writer: int | None = None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
-    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in."""
+    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in;
+    ``writer``: the pid of the worker whose memory holds the leaves named by address (kind ``r``)."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
-    if kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples): one pass, in threads if large
-        out, copying = copying_out(view, spans, fd=fd, fd_offset=HEADER)
+    remote = kinds[:1] == "r"  # raw bytes named by their addresses in the worker's memory (all or none)
+    if remote or kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples)
+        if remote:
+            it = iter(spans)
+            out, copying = vmread.reading(writer, list(zip(it, it)), threads=read_threads() or copy_threads())
+        else:  # one pass, in threads if large
+            out, copying = copying_out(view, spans, fd=fd, fd_offset=HEADER)
         if pickled is None:  # a body of other types is rebuilt by their own code, which may read or hash a leaf
             copying.wait()
             return filled(body, out)
@@ -309,6 +346,8 @@ class RawCopies:
                 raise RuntimeError("loaders.DataLoader: a worker's segment carries another loader's mark "
                                    "(an internal error; please report it)")
             entry.header[MAPPED] = 1  # its worker names it by token alone from its next batch on
+            if vmread.allowed(*writer_of(entry.header)):
+                entry.header[READS] = 1  # and its raw leaves by their addresses in its memory
             self.kept[token] = entry
             return entry
         entry = self.kept.get(token)
@@ -325,11 +364,19 @@ class RawCopies:
             _, token, retired, _, data = segment
             segment = self.received(token, retired, data)
         try:
-            return _unpack(batch, *((segment.view, segment.fd) if segment is not None else (None,)))
+            if segment is None:
+                return _unpack(batch, None)
+            return _unpack(batch, segment.view, segment.fd, writer_of(segment.header)[0])
         finally:
             if segment is not None:
                 segment.header[_STATE] = FREE
             self.copied += 1
+
+    def release(self) -> None:
+        """(The pass ends) every kept segment ``FREE``: its batch, if any, is read or never will be; a worker that
+        waits to exit until the batches it holds leaves of are read (``SegmentPool.drain``) goes now."""
+        for entry in self.kept.values():
+            entry.header[_STATE] = FREE
 
     def _drop(self, token) -> None:
         entry = self.kept.pop(token, None)
@@ -367,6 +414,7 @@ def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=
             yield batch, meta
             batch = meta = failed = None
     finally:
+        copies.release()
         close = getattr(stream, "close", None)
         if close is not None:
             close()

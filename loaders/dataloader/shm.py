@@ -30,6 +30,7 @@ import collections
 import copy
 import ctypes
 import functools
+import multiprocessing.util
 import numbers
 import os
 from collections.abc import Mapping, MutableMapping
@@ -39,13 +40,18 @@ import torch
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
+from loaders.dataloader.vmread import drain, torch_done_event
+
 
 __all__ = ["HEADER", "FREE", "BUSY", "PooledCollate", "SegmentPool", "recycling_available"]
 
-HEADER = 64  # bytes before a segment's data: mark (8), state (1), mapped (1), padding (keeps data 64-byte aligned)
+HEADER = 64  # bytes before a segment's data: mark (8), state (1), mapped (1), reads (1), padding (to 16), the
+#              writer's pid (8) and probe address (8), padding (keeps data 64-byte aligned)
 FREE, BUSY = 0, 1
 _STATE = 8
 MAPPED = 9  # set by the main process once it keeps the segment mapped under its number (loaders.dataloader.rawshm)
+READS = 10  # set by the main process where it may read its workers' memory (loaders.dataloader.vmread)
+WRITER = 16  # the worker writing the segment: its pid and its probe's address, two int64 (rawshm.pack_raw)
 _FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
@@ -98,6 +104,16 @@ class SegmentPool:
         self._serial = 0
         self.retired: list[tuple] = []
         self._inherited: set[int] = set()  # data pointers of adopted segments not yet taken here (see adopt)
+        self.held: dict[int, list] = {}  # data pointer -> leaves the main process reads from this worker's memory
+
+    @property
+    def reads(self) -> bool:
+        """Whether the main process reads this worker's memory (it marked a segment so)."""
+        return any(int(h[READS]) for _, h in self.segments)
+
+    def held_busy(self) -> bool:
+        """Whether a batch whose leaves the main process reads from this worker's memory is not read yet."""
+        return any(int(h[_STATE]) == BUSY for s, h in self.segments if s.data_ptr() in self.held)
 
     def number(self, storage: torch.UntypedStorage) -> tuple[tuple, torch.Tensor]:
         """The token of segment ``storage`` (one of this pool's) and its header."""
@@ -159,6 +175,7 @@ class SegmentPool:
             if len(self.segments) >= self.cap:  # full: the smallest free segment makes way
                 victim = min(free, key=lambda s: s[0].nbytes())
                 self.segments.remove(victim)
+                self.held.pop(victim[0].data_ptr(), None)
                 token = self._numbers.pop(victim[0].data_ptr(), None)
                 if token is not None:
                     self.retired.append(token)
@@ -176,6 +193,7 @@ class SegmentPool:
         else:
             return None
         chosen[1][_STATE] = BUSY
+        self.held.pop(chosen[0].data_ptr(), None)  # free again: the main process has read the last batch's leaves
         if self._inherited and chosen[0].data_ptr() in self._inherited:  # its first use in this process
             self._inherited.discard(chosen[0].data_ptr())
             _map_in(chosen[0])
@@ -252,6 +270,9 @@ class PooledCollate:
     def pool(self) -> SegmentPool:
         if self._pid != os.getpid():  # one pool per worker process
             self._pool, self._pid = SegmentPool(self.mark, self.batches * self._leaves), os.getpid()
+            if self.pack is not None:  # its batches' leaves may be read from its memory: it exits once they are
+                multiprocessing.util.Finalize(self._pool, drain, args=(self._pool,),
+                                              kwargs={"done": torch_done_event()}, exitpriority=100)
             info = get_worker_info()
             if self.stock and info is not None and info.id < len(self.stock):
                 self._pool.adopt(self.stock[info.id])

@@ -260,6 +260,9 @@ def test_worker_batches_read_from_their_segments_files_come_out_exact(monkeypatc
     from datapipe import ShardStream
     from loaders import DataLoader
 
+    from loaders.dataloader import vmread
+
+    monkeypatch.setattr(vmread, "ENABLED", False)  # every batch through its segment
     monkeypatch.setattr(copyout, "read_threads", lambda: 3)
     monkeypatch.setattr(copyout, "copy_threads", lambda: 1)
     monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 1 << 16)

@@ -370,8 +370,9 @@ def test_stacked_batches_keep_torchs_shared_memory():
 def test_the_batch_is_built_while_its_bytes_are_copied_and_an_error_waits_for_the_copies(monkeypatch):
     import threading
 
-    from loaders.dataloader import copyout, rawshm
+    from loaders.dataloader import copyout, rawshm, vmread
 
+    monkeypatch.setattr(vmread, "ENABLED", False)  # copied out of the segment, not read from the packer's memory
     monkeypatch.setattr(copyout, "copy_threads", lambda: 2)
     monkeypatch.setattr(copyout, "MIN_BATCH_BYTES", 0)
     batch = [{"__key__": f"{i:06d}", "jpg": payload(i, 40_000)} for i in range(32)]

@@ -1,0 +1,209 @@
+"""loaders.dataloader.vmread: a worker batch's raw bytes read out of the worker's memory by the main process, exact,
+each leaf kept alive in the worker until its segment is handed back, and the segment path wherever reading is not
+allowed."""
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+import pytest
+
+from datapipe import ShardStream, ShardWriter
+from datapipe.read import rawbytes
+from loaders import DataLoader
+from loaders.dataloader import copyout, vmread
+from loaders.dataloader.rawshm import RawCopies, pack_raw
+from loaders.dataloader.shm import FREE, READS, SegmentPool, _STATE, recycling_available
+
+pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
+needs_reads = pytest.mark.skipif(not vmread.allowed(os.getpid(), vmread.probe_address()),
+                                 reason="this machine refuses process_vm_readv")
+
+MARK = b"vmreads!"
+
+
+def leaves(n, size, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size + i % 7, dtype=np.uint8).tobytes() for i in range(n)]
+
+
+@needs_reads
+@pytest.mark.parametrize("threads", [1, 3])
+def test_reading_gives_each_leaf_exactly_in_order_past_the_iovec_limit(threads, monkeypatch):
+    monkeypatch.setattr(vmread, "MIN_BATCH_BYTES", 0)
+    values = leaves(vmread.MAX_IOV * 2 + 5, 700)
+    pairs = [(rawbytes.data_address(v), len(v)) for v in values]
+    out, copying = vmread.reading(os.getpid(), pairs, threads=threads)
+    copying.wait()
+    assert out == values and all(type(v) is bytes for v in out)
+
+
+def test_a_worker_gone_reads_as_torchs_worker_death_and_a_refused_probe_says_no(monkeypatch):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # gone
+    value = b"x" * 4096
+    with pytest.raises(vmread.WorkerGone, match=r"^DataLoader worker \(pid\(s\) %d\) exited unexpectedly" % pid):
+        vmread.reading(pid, [(rawbytes.data_address(value), len(value))], threads=1)
+    monkeypatch.setattr(vmread, "_verdict", None)
+    assert vmread.allowed(pid, vmread.probe_address()) is False and vmread._verdict is None  # gone: still open
+    monkeypatch.setattr(vmread, "_verdict", None)
+    wrong = b"not the probe" * 10
+    assert vmread.allowed(os.getpid(), rawbytes.data_address(wrong)) is False and vmread._verdict is False
+    monkeypatch.setattr(vmread, "_verdict", None)
+    monkeypatch.setattr(vmread, "ENABLED", False)
+    assert vmread.allowed(os.getpid(), vmread.probe_address()) is False
+
+
+@needs_reads
+def test_a_packed_batch_names_its_leaves_once_reads_are_allowed_and_holds_them_until_its_segment_is_free():
+    batch = [{"__key__": f"{i:04d}", "jpg": v} for i, v in enumerate(leaves(32, 12_000, seed=1))]
+    pool = SegmentPool(MARK, cap=2)
+    copies = RawCopies(MARK, workers=1, batches=2)
+    first = pack_raw(batch, pool)
+    assert first[3] == "b" * 32 and not pool.held  # copied: the main process has not said it reads
+    assert copies.unpack(first) == batch
+    assert pool.reads  # the main process marked the segment as it mapped it
+    second = pack_raw(batch, pool)
+    assert second[3] == "r" * 32 and [len(v) for v in next(iter(pool.held.values()))] == [len(s["jpg"]) for s in batch]
+    storage = second[1][4].untyped_storage()
+    assert int(storage.data_ptr() in pool.held) and second[2][0] == rawbytes.data_address(batch[0]["jpg"])
+    out = copies.unpack(second)
+    assert out == batch and all(a["jpg"] is not b["jpg"] for a, b in zip(out, batch))  # the consumer's own bytes
+    assert int(pool.segments[0][1][_STATE]) == FREE and storage.data_ptr() in pool.held  # held until taken again
+    third = pack_raw(batch[:16] + batch[:16], pool)
+    assert third[1][4].untyped_storage().data_ptr() == storage.data_ptr()  # the same segment: the old ones let go
+    assert len(pool.held) == 1 and copies.unpack(third) == batch[:16] + batch[:16]
+
+
+def test_where_reads_are_refused_batches_travel_in_their_segments(monkeypatch):
+    monkeypatch.setattr(vmread, "ENABLED", False)
+    batch = [{"__key__": f"{i:04d}", "jpg": v} for i, v in enumerate(leaves(32, 12_000, seed=2))]
+    pool = SegmentPool(MARK, cap=2)
+    copies = RawCopies(MARK, workers=1, batches=2)
+    for _ in range(3):
+        packed = pack_raw(batch, pool)
+        assert packed[3] == "b" * 32 and copies.unpack(packed) == batch
+    assert not pool.reads and not pool.held
+
+
+def _shards(tmp_path, n=600, seed=5):
+    rng = np.random.default_rng(seed)
+    samples = [{"__key__": f"k{i:05d}", "bin": rng.integers(0, 256, 3000 + int(rng.integers(0, 30000)),
+                                                           dtype=np.uint8).tobytes(), "cls": str(i % 7)}
+               for i in range(n)]
+    with ShardWriter(str(tmp_path / "s-%04d.tar"), max_count=70) as w:
+        for s in samples:
+            w.write(s)
+    return samples
+
+
+@needs_reads
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_batches_read_from_the_workers_memory_come_out_exact_every_pass(tmp_path, monkeypatch, persistent):
+    monkeypatch.setattr(copyout, "read_threads", lambda: 3)
+    monkeypatch.setattr(vmread, "MIN_BATCH_BYTES", 1 << 16)
+    reads = []
+    real = vmread.reading
+    monkeypatch.setattr(vmread, "reading", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    samples = _shards(tmp_path)
+    want = {s["__key__"]: (s["bin"], s["cls"].encode()) for s in samples}
+    loader = DataLoader(ShardStream(str(tmp_path), shuffle=True, seed=1), batch_size=32, num_workers=2,
+                        collate_fn=lambda b: b, persistent_workers=persistent)
+    kept = []
+    for epoch in range(3):
+        got = {}
+        for batch in loader:
+            kept.append(batch)  # batches kept across passes stay whole
+            for s in batch:
+                assert s["__key__"] not in got
+                got[s["__key__"]] = (s["bin"], s["cls"])
+        assert got == want, epoch
+    assert len(reads) > 10 and len(set(reads)) >= 2 and os.getpid() not in reads  # read from the workers
+    time.sleep(0.1)
+    assert {s["__key__"]: (s["bin"], s["cls"]) for b in kept[-5:] for s in b}.items() <= want.items()
+
+
+class FastAndSlow(torch.utils.data.IterableDataset):
+    """Worker 0 yields two batches soon and is done; worker 1 yields three, slowly: torch tells worker 0 to exit
+    as its end comes in, while its second batch still waits behind worker 1's first."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        batches = 2 if info.id == 0 else 3
+        for b in range(batches):
+            time.sleep(0.8 if info.id == 1 else 0.2 * b)  # worker 0's second batch: once its first is read
+            for i in range(32):
+                yield {"__key__": f"w{info.id}-{b}-{i:02d}", "jpg": bytes([info.id, b, i]) * 4000}
+
+
+@needs_reads
+def test_a_worker_told_to_exit_stays_until_the_batches_read_from_its_memory_are_read():
+    reads = []
+    real = vmread.reading
+    vmread.reading = lambda *a, **k: reads.append(a[0]) or real(*a, **k)
+    try:
+        loader = DataLoader(FastAndSlow(), batch_size=32, num_workers=2, collate_fn=lambda b: b)
+        got = [s["__key__"] for batch in loader for s in batch]
+    finally:
+        vmread.reading = real
+    assert sorted(got) == sorted(f"w{w}-{b}-{i:02d}" for w, n in ((0, 2), (1, 3)) for b in range(n) for i in range(32))
+    assert reads  # the second batch of a worker is read from its memory
+
+
+class DiesAfterTwo(torch.utils.data.IterableDataset):
+    """Worker 0 yields two batches and is then killed; worker 1 yields slowly, so worker 0's second batch (read
+    from its memory) is still unread when it dies."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for b in range(2 if info.id == 0 else 3):
+            time.sleep(0.8 if info.id == 1 else 0.2 * b)
+            for i in range(32):
+                yield {"__key__": f"w{info.id}-{b}-{i:02d}", "jpg": bytes([info.id, b, i]) * 4000}
+        if info.id == 0:
+            time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@needs_reads
+def test_a_worker_killed_before_its_batch_is_read_ends_the_pass_with_torchs_error_and_no_wrong_batch():
+    loader = DataLoader(DiesAfterTwo(), batch_size=32, num_workers=2, collate_fn=lambda b: b)
+    got = []
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):
+        for batch in loader:
+            got.append(batch)
+    for batch in got:  # what came before the error is whole and right
+        w, b = batch[0]["__key__"].split("-")[:2]
+        assert [s["__key__"] for s in batch] == [f"{w}-{b}-{i:02d}" for i in range(32)]
+        assert all(s["jpg"] == bytes([int(w[1:]), int(b), i]) * 4000 for i, s in enumerate(batch))
+
+
+def test_an_exiting_worker_waits_for_its_held_batches_until_read_or_torch_shuts_it_down():
+    import multiprocessing
+    import threading
+
+    batch = [{"__key__": f"{i:04d}", "jpg": v} for i, v in enumerate(leaves(32, 12_000, seed=3))]
+    pool = SegmentPool(MARK, cap=2)
+    copies = RawCopies(MARK, workers=1, batches=2)
+    copies.unpack(pack_raw(batch, pool))
+    held = pack_raw(batch, pool)
+    assert held[3] == "r" * 32 and pool.held_busy()
+    done = multiprocessing.get_context("fork").Event()
+    waiting = threading.Thread(target=vmread.drain, args=(pool,), kwargs={"done": done})
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive()  # its batch is not read yet
+    assert copies.unpack(held) == batch
+    waiting.join(5)
+    assert not waiting.is_alive() and not pool.held_busy()
+    held = pack_raw(batch, pool)
+    waiting = threading.Thread(target=vmread.drain, args=(pool,), kwargs={"done": done})
+    waiting.start()
+    done.set()  # torch shuts its workers down: nothing more is read
+    waiting.join(5)
+    assert not waiting.is_alive() and pool.held_busy()
+    copies.release()  # the pass ends: every segment free
+    assert not pool.held_busy()
