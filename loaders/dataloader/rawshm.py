@@ -170,7 +170,7 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
         if storage is None:
             return batch
         token, header = pool.number(storage)
-        header[WRITER:WRITER + 16] = _writer()
+        header[WRITER:WRITER + 32] = _writer()
         if read:
             pool.held[storage.data_ptr()] = leaves
         retired, pool.retired = tuple(pool.retired), []
@@ -210,22 +210,24 @@ def pack_raw(batch, pool: SegmentPool, *, tensors: bool = False):
     return Packed((body, segment, spans, "".join(kinds), dtypes, shapes, block, pickled))
 
 
-_WRITER = (None, None)  # (pid, its header bytes): this worker's pid and probe address as WRITER holds them
+_WRITER = (None, None)  # (pid, its header bytes): this worker's pid, token address and token as WRITER holds them
 
 
 def _writer() -> torch.Tensor:
-    """The header's WRITER bytes for this process: its pid and :func:`vmread.probe_address`."""
+    """The header's WRITER bytes for this process: :func:`vmread.writer`'s pid, token address and token."""
     global _WRITER
     if _WRITER[0] != os.getpid():
-        raw = np.array([os.getpid(), vmread.probe_address()], np.int64).view(np.uint8)
-        _WRITER = (os.getpid(), torch.from_numpy(raw.copy()))
+        pid, address, token = vmread.writer()
+        raw = np.array([pid, address], np.int64).view(np.uint8).tobytes() + token
+        _WRITER = (pid, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     return _WRITER[1]
 
 
-def writer_of(header: torch.Tensor) -> tuple[int, int]:
-    """(Main process) the pid and probe address a segment's header names."""
-    pid, probe = header[WRITER:WRITER + 16].numpy().view(np.int64).tolist()
-    return pid, probe
+def writer_of(header: torch.Tensor) -> tuple[int, int, bytes]:
+    """(Main process) the pid, token address and token a segment's header names."""
+    raw = header[WRITER:WRITER + 32].numpy().tobytes()
+    pid, address = np.frombuffer(raw[:16], np.int64).tolist()
+    return pid, address, raw[16:]
 
 
 def _tensor_at(data: torch.Tensor, offset: int, dtype: torch.dtype, shape, stride) -> torch.Tensor:
@@ -247,16 +249,19 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
     return flat.reshape(shape, order="F" if kind == "f" else "C")
 
 
-def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, writer: int | None = None):
+def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, writer: tuple | None = None):
     """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
     their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in;
-    ``writer``: the pid of the worker whose memory holds the leaves named by address (kind ``r``)."""
+    ``writer``: the pid, token address and token of the worker whose memory holds the leaves named by address
+    (kind ``r``)."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
     remote = kinds[:1] == "r"  # raw bytes named by their addresses in the worker's memory (all or none)
     if remote or kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples)
         if remote:
             it = iter(spans)
-            out, copying = vmread.reading(writer, list(zip(it, it)), threads=read_threads() or copy_threads())
+            pid, address, token = writer
+            out, copying = vmread.reading(pid, (address, token), list(zip(it, it)),
+                                          threads=read_threads() or copy_threads())
         else:  # one pass, in threads if large
             out, copying = copying_out(view, spans, fd=fd, fd_offset=HEADER)
         if pickled is None:  # a body of other types is rebuilt by their own code, which may read or hash a leaf
@@ -346,8 +351,6 @@ class RawCopies:
                 raise RuntimeError("loaders.DataLoader: a worker's segment carries another loader's mark "
                                    "(an internal error; please report it)")
             entry.header[MAPPED] = 1  # its worker names it by token alone from its next batch on
-            if vmread.allowed(*writer_of(entry.header)):
-                entry.header[READS] = 1  # and its raw leaves by their addresses in its memory
             self.kept[token] = entry
             return entry
         entry = self.kept.get(token)
@@ -366,7 +369,10 @@ class RawCopies:
         try:
             if segment is None:
                 return _unpack(batch, None)
-            return _unpack(batch, segment.view, segment.fd, writer_of(segment.header)[0])
+            writer = writer_of(segment.header)
+            if batch[3][:1] != "r" and not int(segment.header[READS]) and vmread.allowed(*writer):
+                segment.header[READS] = 1  # its worker names its next batches' raw leaves by their addresses
+            return _unpack(batch, segment.view, segment.fd, writer)
         finally:
             if segment is not None:
                 segment.header[_STATE] = FREE

@@ -46,12 +46,12 @@ from loaders.dataloader.vmread import drain, torch_done_event
 __all__ = ["HEADER", "FREE", "BUSY", "PooledCollate", "SegmentPool", "recycling_available"]
 
 HEADER = 64  # bytes before a segment's data: mark (8), state (1), mapped (1), reads (1), padding (to 16), the
-#              writer's pid (8) and probe address (8), padding (keeps data 64-byte aligned)
+#              writer's pid (8), its token's address (8) and token (16), padding (keeps data 64-byte aligned)
 FREE, BUSY = 0, 1
 _STATE = 8
 MAPPED = 9  # set by the main process once it keeps the segment mapped under its number (loaders.dataloader.rawshm)
 READS = 10  # set by the main process where it may read its workers' memory (loaders.dataloader.vmread)
-WRITER = 16  # the worker writing the segment: its pid and its probe's address, two int64 (rawshm.pack_raw)
+WRITER = 16  # the worker writing the segment: its pid, its token's address and token (32 bytes: rawshm.pack_raw)
 _FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
@@ -132,6 +132,7 @@ class SegmentPool:
             header = _header(storage)
             header[:8] = self._mark
             header[_STATE] = FREE
+            header[READS] = 0  # the main process finds out again whether it may read this worker
             self.segments.append((storage, header))
             self._numbers[storage.data_ptr()] = token
             self._inherited.add(storage.data_ptr())

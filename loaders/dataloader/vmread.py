@@ -3,12 +3,15 @@
 A worker that packs a batch of raw ``bytes`` copies every leaf into a shared-memory segment, and the main process
 copies it out again: with the worker's own read from the page cache, three copies of each sample, and on a 16-core
 host the workers' cost a sample rises with their number as they share the memory's bandwidth (docs/performance.md).
-Where the kernel lets the main process read its workers' memory (Linux's ``process_vm_readv``: the workers are its
-children; refused under Yama's ``ptrace_scope`` 2 or 3 or a seccomp filter), a worker names each leaf by its address
-instead and keeps it alive until the main process hands the batch's segment back (the segment still carries the
-batch's pickled body and the worker's pid): two copies a sample. The main process finds out once whether it may, by
-reading a probe of known content from the first worker that sends it a segment (:func:`allowed`); until then, and
-wherever it may not, workers copy into the segment as before.
+Where the kernel lets the main process read a worker's memory (Linux's ``process_vm_readv``: the workers are its
+children; refused under Yama's ``ptrace_scope`` 2 or 3, a seccomp filter, or a worker that is not dumpable), the
+worker names each leaf by its address instead and keeps it alive until the main process hands the batch's segment
+back (the segment still carries the batch's pickled body): two copies a sample.
+
+Each worker process holds a token of random bytes and writes its pid, the token's address and the token into its
+segments' headers (:func:`writer`). The main process reads the token back from a worker once (:func:`allowed`), and
+with every read of leaves after that, in the same call: a read that does not find the token came from another
+process (the worker died and its pid was reused) and fails as the worker's death, never as wrong bytes.
 """
 from __future__ import annotations
 
@@ -24,17 +27,23 @@ from datapipe.read import rawbytes
 from datapipe.read.pools import process_pool
 from loaders.dataloader.copyout import MIN_BATCH_BYTES, Copying, _wait_through
 
-PROBE = b"datapipe: this worker's memory, read by the main process (loaders.dataloader.vmread)"
 MAX_IOV = 1024  # iovecs in one call (Linux's IOV_MAX)
+TOKEN_BYTES = 16
 ENABLED = True  # False: workers always copy into their segments (what tests of that path set)
+DRAIN_POLL_S = 0.002
 
 _function = None  # libc's process_vm_readv, made on first use; False where this platform has none
-_verdict: bool | None = None  # whether this process may read its workers' memory (None: not found out yet)
+_token: tuple[int, bytes] | None = None  # (pid, token) of this process
+_verdicts: dict[tuple[int, bytes], bool] = {}  # (pid, token) of a worker -> whether this process may read it
 
 
-def probe_address() -> int:
-    """Where :data:`PROBE`'s bytes lie in this process (a worker writes it in its segment's header)."""
-    return rawbytes.data_address(PROBE)
+def writer() -> tuple[int, int, bytes]:
+    """This process's pid, its token's address and its token (made once per process)."""
+    global _token
+    pid = os.getpid()
+    if _token is None or _token[0] != pid:
+        _token = (pid, os.urandom(TOKEN_BYTES))
+    return pid, rawbytes.data_address(_token[1]), _token[1]
 
 
 def _readv():
@@ -51,26 +60,30 @@ def _readv():
     return _function or None
 
 
-def allowed(pid: int, address: int) -> bool:
-    """Whether this process may read its workers' memory: found out once per process, by reading the probe that
-    worker ``pid`` holds at ``address``; a worker already gone leaves the question open."""
-    global _verdict
+def allowed(pid: int, address: int, token: bytes) -> bool:
+    """Whether this process may read worker ``pid``'s memory: its ``token`` reads back from ``address`` there
+    (found out once per worker; a worker already gone leaves the question open)."""
     if not ENABLED:
         return False
-    if _verdict is None:
+    key = (pid, bytes(token))
+    verdict = _verdicts.get(key)
+    if verdict is None:
         f = _readv()
         if f is None:
-            _verdict = False
             return False
-        n = len(PROBE)
-        buf = ctypes.create_string_buffer(n)
-        local = np.array([[ctypes.addressof(buf), n]], np.uint64)
-        remote = np.array([[address, n]], np.uint64)
+        buf = ctypes.create_string_buffer(TOKEN_BYTES)
+        local = np.array([[ctypes.addressof(buf), TOKEN_BYTES]], np.uint64)
+        remote = np.array([[address, TOKEN_BYTES]], np.uint64)
         got = f(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0)
         if got < 0 and ctypes.get_errno() == errno.ESRCH:
             return False
-        _verdict = got == n and buf.raw == PROBE
-    return _verdict
+        if len(_verdicts) > 4096:  # workers of long-gone passes
+            _verdicts.clear()
+        verdict = _verdicts[key] = got == TOKEN_BYTES and buf.raw == key[1]
+    return verdict
+
+
+_GONE = (errno.ESRCH, errno.EFAULT, errno.EPERM)  # no such process, no token where it held one, not ours
 
 
 class WorkerGone(RuntimeError):
@@ -78,28 +91,34 @@ class WorkerGone(RuntimeError):
     loader treats it as the worker death it is: ``loaders.dataloader.deaths``)."""
 
 
-def _read(pid: int, local: np.ndarray, remote: np.ndarray) -> None:
-    """One call per :data:`MAX_IOV` leaves; raises unless every byte came."""
+def _read(pid: int, probe: tuple[int, bytes], local: np.ndarray, remote: np.ndarray) -> None:
+    """The leaves, :data:`MAX_IOV` - 1 a call, each call reading the worker's token first; raises unless every
+    byte came from the worker that holds the token."""
     f = _readv()
-    for lo in range(0, len(local), MAX_IOV):
-        loc, rem = local[lo:lo + MAX_IOV], remote[lo:lo + MAX_IOV]
+    address, token = probe
+    check = ctypes.create_string_buffer(TOKEN_BYTES)
+    for lo in range(0, len(local), MAX_IOV - 1):
+        loc = np.concatenate([[[ctypes.addressof(check), TOKEN_BYTES]], local[lo:lo + MAX_IOV - 1]]).astype(np.uint64)
+        rem = np.concatenate([[[address, TOKEN_BYTES]], remote[lo:lo + MAX_IOV - 1]]).astype(np.uint64)
         want = int(loc[:, 1].sum())
+        ctypes.memset(check, 0, TOKEN_BYTES)
         got = f(pid, loc.ctypes.data, len(loc), rem.ctypes.data, len(rem), 0)
-        if got == want:
-            continue
         err = ctypes.get_errno() if got < 0 else 0
-        if err == errno.ESRCH:
+        if err in _GONE or (got >= TOKEN_BYTES and check.raw != token):  # gone (its pid another's now, maybe)
             raise WorkerGone(f"DataLoader worker (pid(s) {pid}) exited unexpectedly")
-        why = os.strerror(err) if err else f"{got} of {want} bytes"
-        raise RuntimeError(f"loaders.DataLoader: reading a batch out of worker {pid}'s memory failed ({why}; an "
-                           "internal error, please report it)")
+        if got != want:
+            why = os.strerror(err) if err else f"{got} of {want} bytes"
+            raise RuntimeError(f"loaders.DataLoader: reading a batch out of worker {pid}'s memory failed ({why}; an "
+                               "internal error, please report it)")
 
 
-def reading(pid: int, pairs: list[tuple[int, int]], *, threads: int) -> tuple[list[bytes], Copying]:
+def reading(pid: int, probe: tuple[int, bytes], pairs: list[tuple[int, int]], *,
+            threads: int) -> tuple[list[bytes], Copying]:
     """New ``bytes`` for each ``(address, length)`` of worker ``pid``'s memory in ``pairs``, and the reads into
-    them, under way in up to ``threads`` pool threads (one: done here before it returns): the caller must
-    ``wait()`` on the :class:`~loaders.dataloader.copyout.Copying` before any leaf is read (it raises
-    :class:`WorkerGone` where the worker exited first)."""
+    them, under way in up to ``threads`` pool threads (one: done here before it returns); ``probe``: the worker's
+    token's address and the token. The caller must ``wait()`` on the
+    :class:`~loaders.dataloader.copyout.Copying` before any leaf is read (it raises :class:`WorkerGone` where the
+    worker exited first)."""
     out = [rawbytes.new_bytes(None, n) for _, n in pairs]
     lengths = np.fromiter((n for _, n in pairs), np.uint64, len(pairs))
     local = np.empty((len(pairs), 2), np.uint64)
@@ -109,7 +128,7 @@ def reading(pid: int, pairs: list[tuple[int, int]], *, threads: int) -> tuple[li
     remote[:, 0] = np.fromiter((a for a, _ in pairs), np.uint64, len(pairs))
     remote[:, 1] = lengths
     if threads < 2 or len(pairs) < 2 or int(lengths.sum()) < MIN_BATCH_BYTES:
-        _read(pid, local, remote)
+        _read(pid, probe, local, remote)
         return out, Copying()
     ends = np.searchsorted(np.cumsum(lengths), np.linspace(0, int(lengths.sum()), threads + 1)[1:-1])
     bounds = [0, *sorted({int(e) + 1 for e in ends if 0 <= e < len(pairs) - 1}), len(pairs)]
@@ -117,7 +136,7 @@ def reading(pid: int, pairs: list[tuple[int, int]], *, threads: int) -> tuple[li
     try:
         pool = process_pool("datapipe-copy", threads)
         for lo, hi in zip(bounds, bounds[1:]):
-            copying.pending.append(pool.submit(_read, pid, local[lo:hi], remote[lo:hi]))
+            copying.pending.append(pool.submit(_read, pid, probe, local[lo:hi], remote[lo:hi]))
     except BaseException:
         _wait_through(copying.pending)  # none may still write into a leaf once this raises
         raise
@@ -133,13 +152,12 @@ def torch_done_event():
     return next((a for a in args if isinstance(a, Event)), None)
 
 
-def drain(pool, done=None, timeout: float = 60.0) -> None:
+def drain(pool, done=None) -> None:
     """(Worker, exiting) wait until the main process has read every batch whose leaves it reads from this worker's
-    memory: their segments in ``pool`` (a ``loaders.dataloader.shm.SegmentPool``) ``FREE`` again. torch lets an
-    exhausted worker go while its last batches may still wait to be read. The wait ends too once the pass ends
-    (the main process sets every segment free: ``RawCopies.release``), torch shuts its workers down (``done``, its
-    event: it reads no batch after), the main process is gone, or ``timeout`` passed."""
-    parent, end = os.getppid(), time.monotonic() + timeout
-    while pool.held_busy() and not (done is not None and done.is_set()) and os.getppid() == parent \
-            and time.monotonic() < end:
-        time.sleep(0.001)
+    memory: their segments in ``pool`` (a ``loaders.dataloader.shm.SegmentPool``) ``FREE`` again, however long
+    the consumer takes (torch lets an exhausted worker go while its last batches may still wait to be read). The
+    wait ends too once the pass ends (the main process sets every segment free: ``RawCopies.release``), torch
+    shuts its workers down (``done``, its event: it reads no batch after) or the main process is gone."""
+    parent = os.getppid()
+    while pool.held_busy() and not (done is not None and done.is_set()) and os.getppid() == parent:
+        time.sleep(DRAIN_POLL_S)

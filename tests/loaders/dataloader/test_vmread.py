@@ -14,11 +14,10 @@ from datapipe.read import rawbytes
 from loaders import DataLoader
 from loaders.dataloader import copyout, vmread
 from loaders.dataloader.rawshm import RawCopies, pack_raw
-from loaders.dataloader.shm import FREE, READS, SegmentPool, _STATE, recycling_available
+from loaders.dataloader.shm import FREE, SegmentPool, _STATE, recycling_available
 
 pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
-needs_reads = pytest.mark.skipif(not vmread.allowed(os.getpid(), vmread.probe_address()),
-                                 reason="this machine refuses process_vm_readv")
+needs_reads = pytest.mark.skipif(not vmread.allowed(*vmread.writer()), reason="this machine refuses process_vm_readv")
 
 MARK = b"vmreads!"
 
@@ -34,27 +33,28 @@ def test_reading_gives_each_leaf_exactly_in_order_past_the_iovec_limit(threads, 
     monkeypatch.setattr(vmread, "MIN_BATCH_BYTES", 0)
     values = leaves(vmread.MAX_IOV * 2 + 5, 700)
     pairs = [(rawbytes.data_address(v), len(v)) for v in values]
-    out, copying = vmread.reading(os.getpid(), pairs, threads=threads)
+    pid, address, token = vmread.writer()
+    out, copying = vmread.reading(pid, (address, token), pairs, threads=threads)
     copying.wait()
     assert out == values and all(type(v) is bytes for v in out)
 
 
-def test_a_worker_gone_reads_as_torchs_worker_death_and_a_refused_probe_says_no(monkeypatch):
+def test_a_worker_gone_or_another_process_under_its_pid_reads_as_torchs_worker_death(monkeypatch):
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)  # gone
     value = b"x" * 4096
+    _, address, token = vmread.writer()
     with pytest.raises(vmread.WorkerGone, match=r"^DataLoader worker \(pid\(s\) %d\) exited unexpectedly" % pid):
-        vmread.reading(pid, [(rawbytes.data_address(value), len(value))], threads=1)
-    monkeypatch.setattr(vmread, "_verdict", None)
-    assert vmread.allowed(pid, vmread.probe_address()) is False and vmread._verdict is None  # gone: still open
-    monkeypatch.setattr(vmread, "_verdict", None)
-    wrong = b"not the probe" * 10
-    assert vmread.allowed(os.getpid(), rawbytes.data_address(wrong)) is False and vmread._verdict is False
-    monkeypatch.setattr(vmread, "_verdict", None)
+        vmread.reading(pid, (address, token), [(rawbytes.data_address(value), len(value))], threads=1)
+    assert vmread.allowed(pid, address, token) is False and (pid, token) not in vmread._verdicts  # still open
+    # this process, as if it had taken a dead worker's pid: its memory holds no such token there
+    with pytest.raises(vmread.WorkerGone):
+        vmread.reading(os.getpid(), (address, b"another worker's"), [(rawbytes.data_address(value), 4096)], threads=1)
+    assert vmread.allowed(os.getpid(), address, b"another worker's") is False
     monkeypatch.setattr(vmread, "ENABLED", False)
-    assert vmread.allowed(os.getpid(), vmread.probe_address()) is False
+    assert vmread.allowed(*vmread.writer()) is False
 
 
 @needs_reads
