@@ -28,22 +28,35 @@ from datapipe.read.pools import process_pool
 from loaders.dataloader.copyout import MIN_BATCH_BYTES, Copying, _wait_through
 
 MAX_IOV = 1024  # iovecs in one call (Linux's IOV_MAX)
+MAX_CALL_BYTES = 1 << 30  # bytes in one call (Linux reads at most 2 GiB - 4 KiB a call; a larger leaf goes in pieces)
 TOKEN_BYTES = 16
 ENABLED = True  # False: workers always copy into their segments (what tests of that path set)
 DRAIN_POLL_S = 0.002
 
 _function = None  # libc's process_vm_readv, made on first use; False where this platform has none
-_token: tuple[int, bytes] | None = None  # (pid, token) of this process
+_token = None  # (pid, buffer): this process's token, in a buffer a forked child overwrites (_new_token)
 _verdicts: dict[tuple[int, bytes], bool] = {}  # (pid, token) of a worker -> whether this process may read it
+
+
+def _new_token() -> None:
+    """A token of this process's own, in the buffer it inherited if it was forked: a child of a worker must not
+    hold the worker's token where the worker held it, or it could pass for the worker once it took its pid."""
+    global _token
+    if _token is None:
+        os.register_at_fork(after_in_child=_new_token)  # once: forked children inherit the registration
+        buf = ctypes.create_string_buffer(TOKEN_BYTES)
+    else:
+        buf = _token[1]
+    buf.raw = os.urandom(TOKEN_BYTES)
+    _token = (os.getpid(), buf)
 
 
 def writer() -> tuple[int, int, bytes]:
     """This process's pid, its token's address and its token (made once per process)."""
-    global _token
-    pid = os.getpid()
-    if _token is None or _token[0] != pid:
-        _token = (pid, os.urandom(TOKEN_BYTES))
-    return pid, rawbytes.data_address(_token[1]), _token[1]
+    if _token is None or _token[0] != os.getpid():
+        _new_token()
+    pid, buf = _token
+    return pid, ctypes.addressof(buf), buf.raw
 
 
 def _readv():
@@ -83,7 +96,7 @@ def allowed(pid: int, address: int, token: bytes) -> bool:
     return verdict
 
 
-_GONE = (errno.ESRCH, errno.EFAULT, errno.EPERM)  # no such process, no token where it held one, not ours
+_GONE = (errno.ESRCH, errno.EFAULT)  # no such process, or none with the token's memory where the worker held it
 
 
 class WorkerGone(RuntimeError):
@@ -91,21 +104,46 @@ class WorkerGone(RuntimeError):
     loader treats it as the worker death it is: ``loaders.dataloader.deaths``)."""
 
 
+def _calls(local: np.ndarray, remote: np.ndarray):
+    """``(local, remote)`` iovecs of each call: at most :data:`MAX_IOV` - 1 and :data:`MAX_CALL_BYTES` a call (a
+    larger leaf in pieces)."""
+    if len(local) <= MAX_IOV - 1 and int(local[:, 1].sum()) <= MAX_CALL_BYTES:
+        yield local, remote
+        return
+    rows_l, rows_r, total = [], [], 0
+    for (dst, n), (src, _) in zip(local.tolist(), remote.tolist()):
+        at = 0
+        while at < n:
+            piece = min(n - at, MAX_CALL_BYTES - total)
+            rows_l.append((dst + at, piece))
+            rows_r.append((src + at, piece))
+            total, at = total + piece, at + piece
+            if total >= MAX_CALL_BYTES or len(rows_l) >= MAX_IOV - 1:
+                yield np.array(rows_l, np.uint64), np.array(rows_r, np.uint64)
+                rows_l, rows_r, total = [], [], 0
+    if rows_l:
+        yield np.array(rows_l, np.uint64), np.array(rows_r, np.uint64)
+
+
 def _read(pid: int, probe: tuple[int, bytes], local: np.ndarray, remote: np.ndarray) -> None:
-    """The leaves, :data:`MAX_IOV` - 1 a call, each call reading the worker's token first; raises unless every
-    byte came from the worker that holds the token."""
+    """The leaves (:func:`_calls`), each call reading the worker's token first; raises unless every byte came from
+    the worker that holds the token."""
     f = _readv()
     address, token = probe
     check = ctypes.create_string_buffer(TOKEN_BYTES)
-    for lo in range(0, len(local), MAX_IOV - 1):
-        loc = np.concatenate([[[ctypes.addressof(check), TOKEN_BYTES]], local[lo:lo + MAX_IOV - 1]]).astype(np.uint64)
-        rem = np.concatenate([[[address, TOKEN_BYTES]], remote[lo:lo + MAX_IOV - 1]]).astype(np.uint64)
+    head_l = np.array([[ctypes.addressof(check), TOKEN_BYTES]], np.uint64)
+    head_r = np.array([[address, TOKEN_BYTES]], np.uint64)
+    for loc, rem in _calls(local, remote):
+        loc, rem = np.concatenate([head_l, loc]), np.concatenate([head_r, rem])
         want = int(loc[:, 1].sum())
         ctypes.memset(check, 0, TOKEN_BYTES)
         got = f(pid, loc.ctypes.data, len(loc), rem.ctypes.data, len(rem), 0)
         err = ctypes.get_errno() if got < 0 else 0
         if err in _GONE or (got >= TOKEN_BYTES and check.raw != token):  # gone (its pid another's now, maybe)
             raise WorkerGone(f"DataLoader worker (pid(s) {pid}) exited unexpectedly")
+        if err == errno.EPERM:
+            raise RuntimeError(f"loaders.DataLoader: worker {pid} no longer lets this process read its memory (it "
+                               "changed its credentials or stopped being dumpable?), so a batch of it is lost")
         if got != want:
             why = os.strerror(err) if err else f"{got} of {want} bytes"
             raise RuntimeError(f"loaders.DataLoader: reading a batch out of worker {pid}'s memory failed ({why}; an "

@@ -1,6 +1,8 @@
 """loaders.dataloader.vmread: a worker batch's raw bytes read out of the worker's memory by the main process, exact,
 each leaf kept alive in the worker until its segment is handed back, and the segment path wherever reading is not
 allowed."""
+import ctypes
+import mmap
 import os
 import signal
 import time
@@ -207,3 +209,71 @@ def test_an_exiting_worker_waits_for_its_held_batches_until_read_or_torch_shuts_
     assert not waiting.is_alive() and pool.held_busy()
     copies.release()  # the pass ends: every segment free
     assert not pool.held_busy()
+
+
+@needs_reads
+def test_a_forked_child_of_a_worker_does_not_pass_as_that_worker():
+    """A process forked from a worker (os.fork or a fork Pool in the dataset's code) gets a token of its own where
+    the worker held its: if it took the dead worker's pid, a read fails as the worker's death, not with its bytes."""
+    pid, address, token = vmread.writer()  # this process plays the worker
+    leaf = os.urandom(4096)  # a leaf the "worker" holds
+    r, w = os.pipe()
+    r2, w2 = os.pipe()
+    child = os.fork()
+    if child == 0:  # the worker's child: its memory diverges from the worker's after the fork
+        try:
+            ctypes.memset(rawbytes.data_address(leaf), ord("Z"), len(leaf))
+            os.write(w2, b"1")
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(r2, 1)
+        # as the main process would read worker `pid` if `child` had taken its pid after the worker died
+        try:
+            out, copying = vmread.reading(child, (address, token), [(rawbytes.data_address(leaf), len(leaf))],
+                                          threads=1)
+            copying.wait()
+        except vmread.WorkerGone:
+            return  # what the module promises
+        assert out[0] == leaf, "bytes of another process passed the token check (silently wrong bytes)"
+        pytest.fail("a process other than the worker passed its token check")
+    finally:
+        os.write(w, b"1")
+        os.waitpid(child, 0)
+
+
+@needs_reads
+def test_a_call_of_more_than_2_gib_reads_whole():
+    """Linux reads at most 2 GiB - 4 KiB in one process_vm_readv: a batch larger than that (one thread reads all of
+    it below 8 cores) goes in several calls, whole. (The iovecs share one buffer each: a few MB, not 2 GiB.)"""
+    n = 2_200_000
+    src = mmap.mmap(-1, n)
+    src.write(os.urandom(n))
+    dst = mmap.mmap(-1, n)
+    src_addr = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    dst_addr = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    count = vmread.MAX_IOV - 1
+    local = np.array([[dst_addr, n]] * count, np.uint64)
+    remote = np.array([[src_addr, n]] * count, np.uint64)
+    assert count * n > 2**31
+    pid, address, token = vmread.writer()
+    try:
+        vmread._read(pid, (address, token), local, remote)
+        assert dst[:] == src[:]
+    finally:
+        del local, remote
+
+
+def test_a_leaf_larger_than_a_call_goes_in_pieces(monkeypatch):
+    monkeypatch.setattr(vmread, "MAX_CALL_BYTES", 1000)
+    monkeypatch.setattr(vmread, "MAX_IOV", 4)
+    local = np.array([[10_000, 2500], [20_000, 10], [30_000, 990]], np.uint64)
+    remote = local + np.array([1, 0], np.uint64)
+    calls = [(loc.tolist(), rem.tolist()) for loc, rem in vmread._calls(local, remote)]
+    assert [sum(n for _, n in loc) for loc, _ in calls] == [1000, 1000, 1000, 500]
+    assert all(len(loc) <= 3 for loc, _ in calls)
+    pieces = [row for loc, _ in calls for row in loc]
+    assert pieces[:3] == [[10_000, 1000], [11_000, 1000], [12_000, 500]]
+    assert [r[0] - p[0] for (loc, rem) in calls for p, r in zip(loc, rem)] == [1] * len(pieces)
+    assert sum(n for _, n in pieces) == 2500 + 10 + 990
