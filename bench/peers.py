@@ -37,6 +37,7 @@ ShardStream with and without its kept heap, the datapipe row's loader, a loose-f
 sample the user and system CPU and page faults (``datapipe.tools.bench.read_floor``):
 
     python bench/peers.py --floor        # 40,000 images, 3 passes per way, 3 rounds (~3 minutes on 16 cores)
+    python bench/peers.py --floor --ways loader_w4,loader_w4_copied,loader_w8,loader_w8_copied   # workers' read A/B
 """
 from __future__ import annotations
 

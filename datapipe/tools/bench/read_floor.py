@@ -17,6 +17,8 @@ until the next is full (as a consumer holds the batch it trains on):
   main process caps them shows in ``main_busy``, the share of the pass its main thread spent on the CPU;
   ``loader_w8_ahead``: 8 workers that each read ahead in 2 threads (``StorageOptions(read_threads=2)``; workers
   read a ``pread`` a value by default), whether the workers' own reads are what holds them;
+  ``loader_w4_copied`` and ``loader_w8_copied``: 4 or 8 workers whose raw leaves travel copied into their
+  shared-memory segments, not read out of their memory (``loaders.dataloader.vmread`` off): the A/B of that read;
 - ``stream_pread`` and ``loader_pread``: ``stream`` and ``loader`` with ``StorageOptions(read_threads=0)``, a
   ``pread`` per value, against their default read ahead in threads (:mod:`datapipe.read.spans`);
 - ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
@@ -46,7 +48,8 @@ import sys
 import time
 
 WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "stream_pread", "stream_buffer", "stream_mmap",
-        "loader", "loader_pread", "loader_w4", "loader_w8", "loader_w8_ahead", "files", "files_keep", "torch")
+        "loader", "loader_pread", "loader_w4", "loader_w8", "loader_w8_ahead", "loader_w4_copied", "loader_w8_copied",
+        "files", "files_keep", "torch")
 BUFFER = 200  # the peers' datapipe row's (and the README's) sample shuffle buffer
 BATCH = 256
 
@@ -210,6 +213,10 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
     from datapipe.read.options import StorageOptions
 
     ours = way.startswith("loader")
+    if way.endswith("_copied"):
+        from loaders.dataloader import vmread
+
+        vmread.ENABLED = False  # this process (the way's own) only
     workers = int(way[len("loader_w"):].split("_")[0]) if way.startswith("loader_w") else 0
     threads = {"loader_pread": 0, "loader_w8_ahead": 2}.get(way)
     loader = open_loader("datapipe" if ours else "torch", data["tars"] if ours else data["images"], batch_size=BATCH,
