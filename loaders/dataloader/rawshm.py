@@ -370,7 +370,7 @@ class RawCopies:
             if segment is None:
                 return _unpack(batch, None)
             writer = writer_of(segment.header)
-            if batch[3][:1] != "r" and not int(segment.header[READS]) and vmread.allowed(*writer):
+            if batch[3][:1] != "r" and not int(segment.header[READS]) and vmread.wanted() and vmread.allowed(*writer):
                 segment.header[READS] = 1  # its worker names its next batches' raw leaves by their addresses
             return _unpack(batch, segment.view, segment.fd, writer)
         finally:

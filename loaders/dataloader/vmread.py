@@ -31,6 +31,9 @@ MAX_IOV = 1024  # iovecs in one call (Linux's IOV_MAX)
 MAX_CALL_BYTES = 1 << 30  # bytes in one call (Linux reads at most 2 GiB - 4 KiB a call; a larger leaf goes in pieces)
 TOKEN_BYTES = 16
 ENABLED = True  # False: workers always copy into their segments (what tests of that path set)
+MIN_CORES = 12  # reads only from this many usable cores on: on 2 cores, 4 workers, they cost the main process more
+#                 CPU than the copy out of the segment (31-36 against 19-22 us a sample, 16-18k against 19-21k
+#                 samples/s); on 16, 4 and 8 workers read 24-39% more (docs/performance.md)
 DRAIN_POLL_S = 0.002
 
 _function = None  # libc's process_vm_readv, made on first use; False where this platform has none
@@ -71,6 +74,13 @@ def _readv():
         except (OSError, AttributeError):  # not Linux, or a C library without it
             _function = False
     return _function or None
+
+
+def wanted() -> bool:
+    """Whether this process reads its workers' memory where it may (:data:`ENABLED`, :data:`MIN_CORES`)."""
+    from datapipe.device.autotune import usable_cores
+
+    return ENABLED and usable_cores() >= MIN_CORES
 
 
 def allowed(pid: int, address: int, token: bytes) -> bool:

@@ -24,6 +24,11 @@ needs_reads = pytest.mark.skipif(not vmread.allowed(*vmread.writer()), reason="t
 MARK = b"vmreads!"
 
 
+@pytest.fixture(autouse=True)
+def reads_on_any_machine(monkeypatch):
+    monkeypatch.setattr(vmread, "MIN_CORES", 0)  # the library reads from 12 cores on; these tests read anywhere
+
+
 def leaves(n, size, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size + i % 7, dtype=np.uint8).tobytes() for i in range(n)]
@@ -277,3 +282,20 @@ def test_a_leaf_larger_than_a_call_goes_in_pieces(monkeypatch):
     assert pieces[:3] == [[10_000, 1000], [11_000, 1000], [12_000, 500]]
     assert [r[0] - p[0] for (loc, rem) in calls for p, r in zip(loc, rem)] == [1] * len(pieces)
     assert sum(n for _, n in pieces) == 2500 + 10 + 990
+
+
+
+def test_below_the_cores_it_needs_batches_travel_in_their_segments(monkeypatch):
+    from datapipe.device import autotune
+
+    monkeypatch.setattr(vmread, "MIN_CORES", 12)
+    monkeypatch.setattr(autotune, "usable_cores", lambda: 11)
+    assert not vmread.wanted()
+    batch = [{"__key__": f"{i:04d}", "jpg": v} for i, v in enumerate(leaves(32, 12_000, seed=4))]
+    pool = SegmentPool(MARK, cap=2)
+    copies = RawCopies(MARK, workers=1, batches=2)
+    for _ in range(3):
+        packed = pack_raw(batch, pool)
+        assert packed[3] == "b" * 32 and copies.unpack(packed) == batch
+    monkeypatch.setattr(autotune, "usable_cores", lambda: 12)
+    assert vmread.wanted() == vmread.allowed(*vmread.writer())
