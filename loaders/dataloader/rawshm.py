@@ -13,7 +13,10 @@ however long. The segment stays mapped in the main process for the worker's next
 by a token (:class:`SegmentRef`: its file descriptor crosses once, not once a batch). A body of plain
 values (a ``ShardStream`` batch: dicts, lists, strings, numbers, small bytes) travels pickled in the
 segment after the data, each packed leaf a persistent id, so the main process copies the leaves out in
-one pass and unpickles the body around them.
+one pass and unpickles the body around them. On 12 or more cores, once the main process has found that it may
+read a worker's memory (:mod:`loaders.dataloader.vmread`), that worker's batches of raw ``bytes`` alone name each
+leaf by its address there instead (kind ``r``): the segment carries the body, and the worker keeps the leaves
+until the segment is ``FREE`` again.
 
 With ``tensors=True`` (where the loader does not recycle the batch's tensors itself: no pin thread of
 its own) the batch's CPU tensors travel together too, in one block of fresh shared memory per batch,
@@ -42,9 +45,9 @@ import weakref
 import numpy as np
 import torch
 
-from loaders.dataloader.bodies import Slot, batch_of, filled, plain_pickle
-from datapipe.read.rawbytes import data_address
 import loaders.dataloader.vmread as vmread
+from datapipe.read.rawbytes import data_address
+from loaders.dataloader.bodies import Slot, batch_of, filled, plain_pickle
 from loaders.dataloader.copyout import copy_threads, copying_out, read_threads, segment_fd
 from loaders.dataloader.iterator import Failed
 from loaders.dataloader.shm import (FREE, HEADER, MAPPED, READS, WRITER, SegmentPool, _STATE, _header, _movable,
@@ -380,7 +383,7 @@ class RawCopies:
 
     def release(self) -> None:
         """(The pass ends) every kept segment ``FREE``: its batch, if any, is read or never will be; a worker that
-        waits to exit until the batches it holds leaves of are read (``SegmentPool.drain``) goes now."""
+        waits to exit until the batches it holds leaves of are read (:func:`vmread.drain`) goes now."""
         for entry in self.kept.values():
             entry.header[_STATE] = FREE
 
