@@ -372,10 +372,11 @@ class RawCopies:
         try:
             if segment is None:
                 return _unpack(batch, None)
-            writer = writer_of(segment.header)
-            if batch[3][:1] != "r" and not int(segment.header[READS]) and vmread.wanted() and vmread.allowed(*writer):
+            remote = batch[3][:1] == "r"
+            if not remote and not int(segment.header[READS]) and vmread.wanted() \
+                    and vmread.allowed(*writer_of(segment.header)):
                 segment.header[READS] = 1  # its worker names its next batches' raw leaves by their addresses
-            return _unpack(batch, segment.view, segment.fd, writer)
+            return _unpack(batch, segment.view, segment.fd, writer_of(segment.header) if remote else None)
         finally:
             if segment is not None:
                 segment.header[_STATE] = FREE

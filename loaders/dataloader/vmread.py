@@ -167,14 +167,10 @@ def reading(pid: int, probe: tuple[int, bytes], pairs: list[tuple[int, int]], *,
     token's address and the token. The caller must ``wait()`` on the
     :class:`~loaders.dataloader.copyout.Copying` before any leaf is read (it raises :class:`WorkerGone` where the
     worker exited first)."""
-    out = [rawbytes.new_bytes(None, n) for _, n in pairs]
-    lengths = np.fromiter((n for _, n in pairs), np.uint64, len(pairs))
-    local = np.empty((len(pairs), 2), np.uint64)
-    local[:, 0] = np.fromiter(map(rawbytes.data_address, out), np.uint64, len(out))
-    local[:, 1] = lengths
-    remote = np.empty_like(local)
-    remote[:, 0] = np.fromiter((a for a, _ in pairs), np.uint64, len(pairs))
-    remote[:, 1] = lengths
+    remote = np.array(pairs, np.uint64).reshape(-1, 2)
+    lengths = remote[:, 1]
+    out = [rawbytes.new_bytes(None, n) for n in lengths.tolist()]
+    local = np.column_stack([np.fromiter(map(rawbytes.data_address, out), np.uint64, len(out)), lengths])
     if threads < 2 or len(pairs) < 2 or int(lengths.sum()) < MIN_BATCH_BYTES:
         _read(pid, probe, local, remote)
         return out, Copying()

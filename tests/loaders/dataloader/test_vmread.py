@@ -85,14 +85,23 @@ def test_a_packed_batch_names_its_leaves_once_reads_are_allowed_and_holds_them_u
     assert len(pool.held) == 1 and copies.unpack(third) == batch[:16] + batch[:16]
 
 
-def test_where_reads_are_refused_batches_travel_in_their_segments(monkeypatch):
-    monkeypatch.setattr(vmread, "ENABLED", False)
-    batch = [{"__key__": f"{i:04d}", "jpg": v} for i, v in enumerate(leaves(32, 12_000, seed=2))]
-    pool = SegmentPool(MARK, cap=2)
+def _kinds_of_three_passes(pool, *, seed):
+    """A batch of 32 raw leaves packed into ``pool`` and unpacked three times: the kinds it travelled as (each
+    unpacked batch checked equal to the batch)."""
+    batch = [{"__key__": f"{i:04d}", "jpg": v} for i, v in enumerate(leaves(32, 12_000, seed=seed))]
     copies = RawCopies(MARK, workers=1, batches=2)
+    kinds = []
     for _ in range(3):
         packed = pack_raw(batch, pool)
-        assert packed[3] == "b" * 32 and copies.unpack(packed) == batch
+        assert copies.unpack(packed) == batch
+        kinds.append(packed[3])
+    return kinds
+
+
+def test_where_reads_are_refused_batches_travel_in_their_segments(monkeypatch):
+    monkeypatch.setattr(vmread, "ENABLED", False)
+    pool = SegmentPool(MARK, cap=2)
+    assert _kinds_of_three_passes(pool, seed=2) == ["b" * 32] * 3
     assert not pool.reads and not pool.held
 
 
@@ -291,11 +300,6 @@ def test_below_the_cores_it_needs_batches_travel_in_their_segments(monkeypatch):
     monkeypatch.setattr(vmread, "MIN_CORES", 12)
     monkeypatch.setattr(autotune, "usable_cores", lambda: 11)
     assert not vmread.wanted()
-    batch = [{"__key__": f"{i:04d}", "jpg": v} for i, v in enumerate(leaves(32, 12_000, seed=4))]
-    pool = SegmentPool(MARK, cap=2)
-    copies = RawCopies(MARK, workers=1, batches=2)
-    for _ in range(3):
-        packed = pack_raw(batch, pool)
-        assert packed[3] == "b" * 32 and copies.unpack(packed) == batch
+    assert _kinds_of_three_passes(SegmentPool(MARK, cap=2), seed=4) == ["b" * 32] * 3
     monkeypatch.setattr(autotune, "usable_cores", lambda: 12)
     assert vmread.wanted() == vmread.allowed(*vmread.writer())
