@@ -94,16 +94,28 @@ class Copying:
         self.pending: list = []
         self.keep = keep
 
+    def __del__(self):
+        if self.pending:  # dropped unwaited (a batch started ahead of a pass that ended): its leaves outlive the copies
+            try:
+                _wait_through(self.pending)
+            except BaseException:  # noqa: BLE001 - nobody reads these leaves
+                pass
+
     def wait(self) -> None:
         """Wait for every copy, even through an exception a signal raises meanwhile (Ctrl-C), which is raised
         once they have ended: a leaf freed while a thread still writes into it would corrupt memory."""
-        pending, self.pending = self.pending, []
+        pending = self.pending
         try:
             _wait_through(pending)
         finally:
             self.keep = None
+            self.pending = []  # only now: settle() in another thread waits for them until they end
         for future in pending:
             future.result()
+
+    def settle(self) -> None:
+        """Wait until every copy has ended (whoever else waits for them too); raise nothing of theirs."""
+        _wait_through(list(self.pending))
 
 
 class _ReadOut(Copying):
@@ -116,7 +128,7 @@ class _ReadOut(Copying):
         self.pending = list(futures)
 
     def wait(self) -> None:
-        pending, self.pending = self.pending, []
+        pending = self.pending
         out, view, pairs = self.keep
         try:
             _wait_through(pending)
@@ -126,6 +138,7 @@ class _ReadOut(Copying):
                     _memmove(rawbytes.data_address(leaf), base + offset, n)
         finally:
             self.keep = None
+            self.pending = []
 
 
 def _wait_through(pending) -> None:

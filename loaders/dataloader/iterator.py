@@ -101,7 +101,7 @@ def tagged_batches(torch_it, *, protocol: bool, hold=None):
     """Torch's batches as ``(batch, meta)`` (``meta``: the worker state with the worker-state
     protocol, else None); a batch that raises becomes ``(None, Failed)``. A worker that died ends the
     stream with torch's error (:mod:`loaders.dataloader.deaths`). ``hold``: an
-    :class:`~loaders.dataloader.handback.IndexAfterCopy` that takes each ``next()``."""
+    :func:`~loaders.dataloader.unpacking.pass_plan` hold that takes each ``next()``."""
     watch(torch_it)
     box: list = []  # no local keeps the exception: its traceback holds this frame (a cycle)
     while True:

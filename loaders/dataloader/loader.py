@@ -50,11 +50,11 @@ from datapipe.device.prefetch import DevicePrefetcher, resolve_device
 from loaders.dataloader.copyout import keep_heap_for
 from loaders.dataloader.deaths import dead, fatal
 from loaders.dataloader.end_gate import pass_gate
-from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.iterator import (EpochSource, LoaderIterator, constant_batches, fast_fetch, pinned,
                                          pins_for_cuda, shutdown, tagged_batches)
 from loaders.dataloader.progress import Progress
-from loaders.dataloader.rawshm import RawCopies, pack_raw, unpacked
+from loaders.dataloader.rawshm import RawCopies, pack_raw
+from loaders.dataloader.unpacking import pass_plan, unpacked
 from loaders.dataloader.returns import SegmentReturns
 from loaders.dataloader.shm import PooledCollate, recycling_available
 from loaders.dataloader.resume import IndexSampler, Plan, skip_base_seed
@@ -293,7 +293,7 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
     def _epoch_stream(self, p: Progress, first, start: int, transport, hold=None):
         """The pass's batches from position ``start``, as ``(batch, meta)``. ``first``: the torch
         iterator, made in the main thread (see __iter__); ``transport``: the pass's shared memory; ``hold``:
-        the pass's :class:`~loaders.dataloader.handback.IndexAfterCopy`, or None."""
+        the pass's :func:`~loaders.dataloader.unpacking.pass_plan` hold, or None."""
         torch_it, completed = first, False
         try:
             if not self._iterable and self._auto_workers is None:
@@ -367,11 +367,12 @@ class DataLoader(LoaderState, LoaderStats, tud.DataLoader[_T_co]):
         first = self._torch_iter(workers, p, transport, skip=skip, replay=resume is not None)
         if resume is not None and workers and callable(getattr(self.dataset, "forget_resume", None)):
             self.dataset.forget_resume()  # the workers took it: a later pass over this dataset is a whole epoch
-        hold = IndexAfterCopy() if holds(copies, workers, self.persistent_workers) else None
+        hold, ahead = pass_plan(copies, workers, persistent=self.persistent_workers, iterable=self._iterable)
         stream = self._epoch_stream(p, first, p.batches, transport, hold)
         if copies is not None:
             stream = unpacked(stream, copies, keep=self.persistent_workers, stock=self._stock,
-                              then=hold.send if hold is not None else None)
+                              then=hold.send if hold is not None else None,
+                              ahead=ahead)
         if self.device is not None and self._prefetcher is None:
             self._prefetcher = DevicePrefetcher(EpochSource(), device=self.device, depth=self._depth)
         if pins_here:

@@ -48,12 +48,11 @@ import torch
 import loaders.dataloader.vmread as vmread
 from datapipe.read.rawbytes import data_address
 from loaders.dataloader.bodies import Slot, batch_of, filled, plain_pickle
-from loaders.dataloader.copyout import copy_threads, copying_out, read_threads, segment_fd
-from loaders.dataloader.iterator import Failed
+from loaders.dataloader.copyout import Copying, copy_threads, copying_out, read_threads, segment_fd
 from loaders.dataloader.shm import (FREE, HEADER, MAPPED, READS, WRITER, SegmentPool, _STATE, _header, _movable,
                                     _shared_storages, map_leaves)
 
-__all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "SegmentRef", "pack_raw", "unpacked"]
+__all__ = ["MIN_BYTES", "MIN_LEAF", "MIN_TENSORS", "Packed", "RawCopies", "SegmentRef", "Started", "pack_raw"]
 
 MIN_BYTES = 256 * 1024  # a batch with fewer raw bytes is pickled as torch does
 MIN_LEAF = 512  # smaller bytes / array leaves stay in the pickle (a slot costs about as much)
@@ -253,10 +252,10 @@ def _array_at(buf: np.ndarray, offset: int, dtype, shape, kind: str) -> np.ndarr
 
 
 def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, writer: tuple | None = None):
-    """The batch ``packed`` carries, every packed leaf copied out of its segment's data ``view`` (tensors: over
-    their block, each on a storage of its own); ``fd``: the segment's file, ``view`` starting ``HEADER`` in;
-    ``writer``: the pid, token address and token of the worker whose memory holds the leaves named by address
-    (kind ``r``)."""
+    """``(batch, copying)``: the batch ``packed`` carries, every packed leaf copied out of its segment's data
+    ``view`` (tensors: over their block, each on a storage of its own), once ``copying.wait()`` returned (raw
+    bytes alone are copied in threads); ``fd``: the segment's file, ``view`` starting ``HEADER`` in; ``writer``:
+    the pid, token address and token of the worker whose memory holds the leaves named by address (kind ``r``)."""
     body, _, spans, kinds, dtypes, shapes, block, pickled = packed
     remote = kinds[:1] == "r"  # raw bytes named by their addresses in the worker's memory (all or none)
     if remote or kinds.count("b") == len(kinds):  # raw bytes alone (a ShardStream's samples)
@@ -269,11 +268,12 @@ def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, writ
             out, copying = copying_out(view, spans, fd=fd, fd_offset=HEADER)
         if pickled is None:  # a body of other types is rebuilt by their own code, which may read or hash a leaf
             copying.wait()
-            return filled(body, out)
+            return filled(body, out), copying
         try:  # a plain body (built-in types alone, no leaf a key) is unpickled while the threads copy
-            return batch_of(body, out, pickled, view)
-        finally:
+            return batch_of(body, out, pickled, view), copying
+        except BaseException:
             copying.wait()
+            raise
     buf = np.frombuffer(view, np.uint8) if view is not None else None
     if block is not None:
         storage, base = block.untyped_storage(), block.storage_offset()
@@ -295,7 +295,7 @@ def _unpack(packed: Packed, view: memoryview | None, fd: int | None = None, writ
             src = _array_at(buf, offset, np.dtype(dtypes[arrays]), shapes[arrays], kind)
             out.append(src.copy(order="K"))
             arrays += 1
-    return batch_of(body, out, pickled, view)
+    return batch_of(body, out, pickled, view), Copying()
 
 
 class _Mapped:
@@ -310,6 +310,14 @@ class _Mapped:
         self.fd = segment_fd(self.storage, bytes(self.header[:8].tolist()))  # its mark
         self.view = memoryview(torch.empty(0, dtype=torch.uint8).set_(
             self.storage, HEADER, (self.storage.nbytes() - HEADER,), (1,)).numpy())
+
+
+class Started(tuple):
+    """``(batch, copying, segment)``: a batch whose raw leaves are still being copied (:meth:`RawCopies.start`);
+    none may be read before ``copying.wait()``, and ``segment`` (a :class:`_Mapped`, or None) is its worker's
+    until then."""
+
+    __slots__ = ()
 
 
 # mark -> the RawCopies of that loader's pass, where a SegmentRef unpickled in this process finds its segment
@@ -341,6 +349,7 @@ class RawCopies:
         self.batches = batches
         self.kept: dict = {}
         self.copied = 0
+        self.inflight: set = set()  # the Copying of each batch started and not finished yet
         self.processes: list | None = None  # the workers that write into its segments, where they may be stocked
         _RECEIVERS[mark] = self
 
@@ -363,6 +372,11 @@ class RawCopies:
         return entry
 
     def unpack(self, batch):
+        return self.finish(self.start(batch))
+
+    def start(self, batch):
+        """``batch`` (a :class:`Packed`) as a :class:`Started`, its leaves' copies under way (:meth:`finish` ends
+        them); any other batch as it is."""
         if type(batch) is not Packed:
             return batch
         segment = batch[1]
@@ -371,20 +385,47 @@ class RawCopies:
             segment = self.received(token, retired, data)
         try:
             if segment is None:
-                return _unpack(batch, None)
-            remote = batch[3][:1] == "r"
-            if not remote and not int(segment.header[READS]) and vmread.wanted() \
-                    and vmread.allowed(*writer_of(segment.header)):
-                segment.header[READS] = 1  # its worker names its next batches' raw leaves by their addresses
-            return _unpack(batch, segment.view, segment.fd, writer_of(segment.header) if remote else None)
+                started = Started((*_unpack(batch, None), None))
+            else:
+                remote = batch[3][:1] == "r"
+                if not remote and not int(segment.header[READS]) and vmread.wanted() \
+                        and vmread.allowed(*writer_of(segment.header)):
+                    segment.header[READS] = 1  # its worker names its next batches' raw leaves by their addresses
+                writer = writer_of(segment.header) if remote else None
+                started = Started((*_unpack(batch, segment.view, segment.fd, writer), segment))
+        except BaseException:
+            self._done(segment)
+            raise
+        self.inflight.add(started[1])
+        return started
+
+    def finish(self, item):
+        """The batch of ``item`` (a :class:`Started`: once its copies are done, its segment handed back)."""
+        if type(item) is not Started:
+            return item
+        batch, copying, segment = item
+        try:
+            copying.wait()
+            return batch
         finally:
-            if segment is not None:
-                segment.header[_STATE] = FREE
-            self.copied += 1
+            self.inflight.discard(copying)
+            self._done(segment)
+
+    def settle(self) -> None:
+        """Wait until the copies of every batch started are done (not handing their segments back)."""
+        for copying in list(self.inflight):
+            copying.settle()
+
+    def _done(self, segment) -> None:
+        if segment is not None:
+            segment.header[_STATE] = FREE
+        self.copied += 1
 
     def release(self) -> None:
         """(The pass ends) every kept segment ``FREE``: its batch, if any, is read or never will be; a worker that
         waits to exit until the batches it holds leaves of are read (:func:`vmread.drain`) goes now."""
+        self.settle()  # batches started ahead and never finished: their copies end first
+        self.inflight.clear()
         for entry in self.kept.values():
             entry.header[_STATE] = FREE
 
@@ -396,37 +437,3 @@ class RawCopies:
     def clear(self) -> None:
         for token in list(self.kept):
             self._drop(token)
-
-
-def _called(then) -> Exception | None:
-    """``then()`` (None: nothing), or the error it raised."""
-    if then is not None:
-        try:
-            then()
-        except Exception as e:  # noqa: BLE001 - handed to the consumer in place of the batch
-            return e
-    return None
-
-
-def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=None):
-    """``(batch, meta)`` of ``stream`` with each :class:`Packed` batch copied out (:meth:`RawCopies.unpack`),
-    ``then()`` called after each (:class:`loaders.dataloader.handback.IndexAfterCopy`'s ``send``); at the end
-    the kept segments are dropped unless ``keep`` (persistent workers reuse them) or ``stock`` takes them for the
-    next pass's workers (:class:`loaders.dataloader.stock.SegmentStock`: once its workers are gone)."""
-    try:
-        for batch, meta in stream:
-            try:
-                batch = copies.unpack(batch)
-            finally:
-                failed = _called(then)
-            if failed is not None:  # torch's sampler raised as torch sends the index: the batch is lost, as in torch
-                batch, meta = None, Failed(failed)
-            yield batch, meta
-            batch = meta = failed = None
-    finally:
-        copies.release()
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()
-        if not keep and not (stock is not None and stock.fill(copies)):
-            copies.clear()

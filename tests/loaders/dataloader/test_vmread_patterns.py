@@ -13,16 +13,23 @@ import torch
 
 from datapipe import ShardStream, ShardWriter
 from loaders import DataLoader
-from loaders.dataloader import vmread
+from loaders.dataloader import handback, rawshm, vmread
 from loaders.dataloader.shm import recycling_available
 
 pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
 needs_reads = pytest.mark.skipif(not vmread.allowed(*vmread.writer()), reason="this machine refuses process_vm_readv")
 
 
-@pytest.fixture(autouse=True)
-def reads_on_any_machine(monkeypatch):
-    monkeypatch.setattr(vmread, "MIN_CORES", 0)  # the library reads from 12 cores on; these tests read anywhere
+@pytest.fixture(autouse=True, params=["held", "ahead"])
+def reads_on_any_machine(monkeypatch, request):
+    """The library reads from 12 cores on; these tests read anywhere. ``held``: torch's next index held until the
+    copy (the 2-core machine's way, loaders.dataloader.handback); ``ahead``: not held, so an iterable pass reads
+    its next batch in a thread of its own (loaders.dataloader.unpacking), and reads a batch of 4 MB or more in 4
+    threads, as on 12 cores or more."""
+    monkeypatch.setattr(vmread, "MIN_CORES", 0)
+    if request.param == "ahead":
+        monkeypatch.setattr(handback, "HOLD", False)
+        monkeypatch.setattr(rawshm, "read_threads", lambda: 4)
 
 
 def payload(i: int, n: int) -> bytes:

@@ -1,0 +1,122 @@
+"""(Main process) a pass's batches with their raw leaves copied out of the workers' segments or memory
+(:class:`loaders.dataloader.rawshm.RawCopies`), one at a time or, with ``ahead``, the next one's copies started in
+a thread of its own while the consumer takes this one.
+
+The main process of a loader whose workers' raw leaves it reads out of their memory (16-core host, 4 or 8 workers,
+batches of 27 MB) took one batch at a time: torch's ``next()`` (the pipe, the index it sends back), then the read
+in 8 threads, ~3.4 ms a batch of which the read ~2.4 ms, each reading thread busy a quarter of that. With
+``ahead`` a thread takes torch's next batch and starts its reads while the consumer waits for this one's.
+"""
+from __future__ import annotations
+
+import loaders.dataloader.vmread as vmread
+from loaders.dataloader.handback import IndexAfterCopy, holds
+from loaders.dataloader.iterator import Failed
+from loaders.dataloader.rawshm import RawCopies
+
+__all__ = ["AHEAD", "ENABLED", "ShutdownAfterCopies", "pass_plan", "reads_ahead", "unpacked"]
+
+AHEAD = 1  # batches the thread of unpacked(ahead=True) holds started beyond the one it starts next
+ENABLED = True  # False: one batch at a time wherever (an A/B's switch)
+
+
+def pass_plan(copies: RawCopies | None, workers: int, *, persistent: bool, iterable: bool):
+    """``(hold, ahead)`` of a pass: ``hold`` (or None) takes each ``next()`` on torch's iterator
+    (:func:`loaders.dataloader.iterator.tagged_batches`) and its ``send`` is called after each copy; ``ahead``: the
+    pass copies its next batch out while the consumer takes this one (:func:`reads_ahead`)."""
+    if holds(copies, workers, persistent):
+        return IndexAfterCopy(), False
+    if copies is not None and iterable and reads_ahead(workers):
+        return ShutdownAfterCopies(copies), True
+    return None, False
+
+
+def reads_ahead(workers: int) -> bool:
+    """Whether a pass of an iterable dataset over ``workers`` workers copies its next batch out while the consumer
+    takes this one: where the main process reads its workers' memory (:func:`vmread.wanted`: 12 cores or more)."""
+    return ENABLED and workers > 0 and vmread.wanted()
+
+
+class ShutdownAfterCopies:
+    """torch shuts a pass's workers down inside the ``next()`` that finds the pass's end; read ahead, that call
+    comes while the consumer may still be reading the last batches out of the workers' memory, which a worker keeps
+    only until torch tells it to go. Such a ``next()`` here first waits for every copy started
+    (:meth:`RawCopies.settle`)."""
+
+    def __init__(self, copies: RawCopies):
+        self.copies = copies
+
+    def next(self, torch_it):
+        shutdown = getattr(type(torch_it), "_shutdown_workers", None)
+        if shutdown is None:  # single-process: no workers
+            return next(torch_it)
+        copies = self.copies
+
+        def after_copies(*args, **kwargs):
+            copies.settle()
+            return shutdown(torch_it, *args, **kwargs)
+
+        torch_it._shutdown_workers = after_copies
+        try:
+            return next(torch_it)
+        finally:
+            del torch_it._shutdown_workers
+
+    def send(self) -> None:
+        """(Nothing to send: torch's indices go as torch sends them.)"""
+
+
+def _called(then) -> Exception | None:
+    """``then()`` (None: nothing), or the error it raised."""
+    if then is not None:
+        try:
+            then()
+        except Exception as e:  # noqa: BLE001 - handed to the consumer in place of the batch
+            return e
+    return None
+
+
+def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=None, ahead: bool = False):
+    """``(batch, meta)`` of ``stream`` with each :class:`Packed` batch copied out (:meth:`RawCopies.unpack`),
+    ``then()`` called after each (:class:`loaders.dataloader.handback.IndexAfterCopy`'s ``send``); at the end
+    the kept segments are dropped unless ``keep`` (persistent workers reuse them) or ``stock`` takes them for the
+    next pass's workers (:class:`loaders.dataloader.stock.SegmentStock`: once its workers are gone).
+
+    ``ahead``: a thread of its own takes torch's next batch and starts its copies while this one's end (so the
+    main process reads two batches at once: :data:`AHEAD`); its stream's ``next()`` on torch's iterator must go
+    through :class:`ShutdownAfterCopies` (:func:`pass_plan`)."""
+    items = _started(stream, copies)
+    if ahead:
+        from datapipe.device.handoff import threaded
+
+        items = threaded(items, depth=AHEAD, name="datapipe-unpack")
+    try:
+        for item, meta in items:
+            try:
+                batch = copies.finish(item)
+            finally:
+                item = None
+                failed = _called(then)
+            if failed is not None:  # torch's sampler raised as torch sends the index: the batch is lost, as in torch
+                batch, meta = None, Failed(failed)
+            yield batch, meta
+            batch = meta = failed = None
+    finally:
+        if ahead:  # its thread stops first (closing the stream there); batches it started wait for their copies
+            items.close()
+        copies.release()
+        if not ahead:
+            items.close()  # closes the stream
+        if not keep and not (stock is not None and stock.fill(copies)):
+            copies.clear()
+
+
+def _started(stream, copies: RawCopies):
+    """``(copies.start(batch), meta)`` of ``stream``'s items; closes ``stream`` as it ends."""
+    try:
+        for batch, meta in stream:
+            yield copies.start(batch), meta
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
