@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import weakref
 
-__all__ = ["GRACE_S", "POLL_S", "dead", "death", "fatal", "watch"]
+__all__ = ["GRACE_S", "POLL_S", "PassLeft", "dead", "death", "fatal", "watch"]
 
 POLL_S = 0.2  # how often a waiting iterator looks at its workers
 GRACE_S = 1.0  # how long a broken connection waits for its worker to count as dead
@@ -24,16 +24,31 @@ _BROKEN = (ConnectionError, EOFError)
 _TORCH = "DataLoader worker (pid"  # every torch message about a worker that died starts so
 
 
-def watch(torch_it) -> None:
+class PassLeft(BaseException):
+    """Raised in a thread that waits on torch's iterator for a pass its consumer has left
+    (:func:`watch`'s ``leaving``): the thread's stream ends there, shutting torch's workers down as a pass left
+    in the consumer's own thread does, instead of waiting for a batch nobody takes."""
+
+
+def watch(torch_it, leaving=None) -> None:
     """Make ``torch_it`` (torch's multi-process iterator) look at its workers every :data:`POLL_S` while it
-    waits for a batch without a user ``timeout`` (torch: every 5 s)."""
+    waits for a batch without a user ``timeout`` (torch: every 5 s); and, once ``leaving`` (a
+    ``threading.Event``) is set, raise :class:`PassLeft` there instead of waiting on."""
+    try:
+        torch_it._datapipe_leaving = leaving  # each pass's own (persistent workers keep one torch iterator)
+    except AttributeError:  # not one of torch's iterators
+        pass
     try_get = getattr(type(torch_it), "_try_get_data", None)
     if try_get is None or getattr(torch_it.__dict__.get("_try_get_data"), "_datapipe_watch", False):
         return
     ref = weakref.ref(torch_it)  # no cycle: torch's iterator is freed (its workers shut down) when dropped
 
     def polled(timeout=None):
-        return try_get(ref(), POLL_S if timeout is None else timeout)
+        it = ref()
+        left = it.__dict__.get("_datapipe_leaving")
+        if left is not None and left.is_set():
+            raise PassLeft
+        return try_get(it, POLL_S if timeout is None else timeout)
 
     polled._datapipe_watch = True
     torch_it._try_get_data = polled

@@ -9,7 +9,10 @@ in 8 threads, ~3.4 ms a batch of which the read ~2.4 ms, each reading thread bus
 """
 from __future__ import annotations
 
+import threading
+
 import loaders.dataloader.vmread as vmread
+from loaders.dataloader.deaths import watch
 from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.iterator import Failed
 from loaders.dataloader.rawshm import RawCopies
@@ -22,13 +25,14 @@ ENABLED = True  # False: one batch at a time wherever (an A/B's switch)
 
 def pass_plan(copies: RawCopies | None, workers: int, *, persistent: bool, iterable: bool):
     """``(hold, ahead)`` of a pass: ``hold`` (or None) takes each ``next()`` on torch's iterator
-    (:func:`loaders.dataloader.iterator.tagged_batches`) and its ``send`` is called after each copy; ``ahead``: the
-    pass copies its next batch out while the consumer takes this one (:func:`reads_ahead`)."""
+    (:func:`loaders.dataloader.iterator.tagged_batches`) and its ``send`` is called after each copy; ``ahead`` (the
+    hold, or None): the pass copies its next batch out while the consumer takes this one (:func:`reads_ahead`)."""
     if holds(copies, workers, persistent):
-        return IndexAfterCopy(), False
+        return IndexAfterCopy(), None
     if copies is not None and iterable and reads_ahead(workers):
-        return ShutdownAfterCopies(copies), True
-    return None, False
+        hold = ShutdownAfterCopies(copies)
+        return hold, hold
+    return None, None
 
 
 def reads_ahead(workers: int) -> bool:
@@ -45,11 +49,13 @@ class ShutdownAfterCopies:
 
     def __init__(self, copies: RawCopies):
         self.copies = copies
+        self.leaving = threading.Event()  # set as the consumer leaves the pass: a wait for torch's next batch ends
 
     def next(self, torch_it):
         shutdown = getattr(type(torch_it), "_shutdown_workers", None)
         if shutdown is None:  # single-process: no workers
             return next(torch_it)
+        watch(torch_it, self.leaving)
         copies = self.copies
 
         def after_copies(*args, **kwargs):
@@ -65,6 +71,10 @@ class ShutdownAfterCopies:
     def send(self) -> None:
         """(Nothing to send: torch's indices go as torch sends them.)"""
 
+    def leave(self) -> None:
+        """The consumer left the pass: the thread's wait for torch's next batch, if any, ends (:class:`PassLeft`)."""
+        self.leaving.set()
+
 
 def _called(then) -> Exception | None:
     """``then()`` (None: nothing), or the error it raised."""
@@ -76,15 +86,15 @@ def _called(then) -> Exception | None:
     return None
 
 
-def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=None, ahead: bool = False):
+def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=None, ahead=None):
     """``(batch, meta)`` of ``stream`` with each :class:`Packed` batch copied out (:meth:`RawCopies.unpack`),
     ``then()`` called after each (:class:`loaders.dataloader.handback.IndexAfterCopy`'s ``send``); at the end
     the kept segments are dropped unless ``keep`` (persistent workers reuse them) or ``stock`` takes them for the
     next pass's workers (:class:`loaders.dataloader.stock.SegmentStock`: once its workers are gone).
 
-    ``ahead``: a thread of its own takes torch's next batch and starts its copies while this one's end (so the
-    main process reads two batches at once: :data:`AHEAD`); its stream's ``next()`` on torch's iterator must go
-    through :class:`ShutdownAfterCopies` (:func:`pass_plan`)."""
+    ``ahead`` (a :class:`ShutdownAfterCopies`, the hold through which the stream's ``next()`` on torch's iterator
+    goes: :func:`pass_plan`): a thread of its own takes torch's next batch and starts its copies while this one's
+    end (so the main process reads two batches at once: :data:`AHEAD`)."""
     items = _started(stream, copies)
     if ahead:
         from datapipe.device.handoff import threaded
@@ -103,7 +113,9 @@ def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=
             batch = meta = failed = None
     finally:
         if ahead:  # its thread stops first (closing the stream there); batches it started wait for their copies
+            ahead.leave()
             items.close()
+            ahead.leaving.clear()  # torch's iterator waits again as it should (persistent workers: the next pass)
         copies.release()
         if not ahead:
             items.close()  # closes the stream
