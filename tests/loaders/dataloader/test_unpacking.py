@@ -1,7 +1,12 @@
 """loaders.dataloader.unpacking: an iterable pass whose workers' raw leaves the main process reads out of their memory
-takes its next batch in a thread of its own and starts that batch's reads while the consumer takes this one; every
-batch exact, the thread gone once the pass is left, copies never outliving the leaves they write into."""
+takes its next batch in a thread of its own and starts that batch's reads while the consumer takes this one. Every
+batch exact, the thread gone once the pass is left, copies never outliving the leaves they write into; passes left at
+every point, deleted iterators, persistent workers, errors, killed workers, timeouts, interrupts, resume,
+device / pin_memory, start methods, mixed batch sizes (the last from a review of the change)."""
 import gc
+import multiprocessing
+import os
+import signal
 import threading
 import time
 import zlib
@@ -11,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from datapipe import ShardStream, ShardWriter
 from loaders import DataLoader
 from loaders.dataloader import handback, rawshm, unpacking, vmread
 from loaders.dataloader.copyout import Copying
@@ -26,25 +32,37 @@ def as_on_many_cores(monkeypatch):
     """What a 12-core machine does with 2 workers: reads the workers' memory in threads, holds no index."""
     monkeypatch.setattr(vmread, "MIN_CORES", 0)
     monkeypatch.setattr(handback, "HOLD", False)
-    monkeypatch.setattr(rawshm, "read_threads", lambda: 4)  # batches of 4 MB or more are read in 4 threads
+    monkeypatch.setattr(rawshm, "read_threads", lambda: 4)
 
 
 def payload(key: str, n: int = 300_000) -> bytes:
     return np.random.default_rng(zlib.crc32(key.encode())).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-class Raw(torch.utils.data.IterableDataset):
-    """Each worker yields ``per_worker`` samples of raw bytes whose content is a function of the key."""
+def size_of(wid: int, i: int, mixed: bool) -> int:
+    if not mixed:
+        return 300_000
+    # batches of 16: every third batch small (< 4 MB: read in the calling thread), the others large
+    return 20_000 if (i // 16) % 3 == 1 else 300_000 + (i % 7) * 1000
 
-    def __init__(self, per_worker=96):
-        self.per_worker = per_worker
+
+class Raw(torch.utils.data.IterableDataset):
+    """Each worker yields ``per_worker`` samples of raw bytes whose content is a function of the key;
+    ``bad``: (worker, i) that raise; ``slow``: (worker, i) -> seconds to sleep before it; ``mixed``: sizes vary."""
+
+    def __init__(self, per_worker=64, bad=(), slow=None, mixed=False):
+        self.per_worker, self.bad, self.slow, self.mixed = per_worker, set(bad), dict(slow or {}), mixed
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid = info.id if info is not None else 0
         for i in range(self.per_worker):
+            if (wid, i) in self.slow:
+                time.sleep(self.slow[(wid, i)])
+            if (wid, i) in self.bad:
+                raise ValueError(f"bad {wid}-{i}")
             key = f"w{wid}-{i:03d}"
-            yield {"__key__": key, "bin": payload(key)}
+            yield {"__key__": key, "bin": payload(key, size_of(wid, i, self.mixed))}
 
 
 def ident(batch):
@@ -55,15 +73,22 @@ def unpack_threads() -> int:
     return sum(t.name == THREAD for t in threading.enumerate())
 
 
-def wrong(batches) -> list:
-    return [s["__key__"] for b in batches for s in b if s["bin"] != payload(s["__key__"])]
+def wrong(batches, mixed=False) -> list:
+    out = []
+    for b in batches:
+        for s in b:
+            w, i = s["__key__"][1:].split("-")
+            if s["bin"] != payload(s["__key__"], size_of(int(w), int(i), mixed)):
+                out.append(s["__key__"])
+    return out
 
 
 def keys(batches) -> list:
     return sorted(s["__key__"] for b in batches for s in b)
 
 
-ALL = sorted(f"w{w}-{i:03d}" for w in range(2) for i in range(96))
+def all_keys(workers, per_worker):
+    return sorted(f"w{w}-{i:03d}" for w in range(workers) for i in range(per_worker))
 
 
 def wait_gone(seconds=10.0) -> int:
@@ -74,9 +99,311 @@ def wait_gone(seconds=10.0) -> int:
     return unpack_threads()
 
 
+def children_gone(seconds=10.0) -> list:
+    end = time.monotonic() + seconds
+    while multiprocessing.active_children() and time.monotonic() < end:
+        time.sleep(0.05)
+    return multiprocessing.active_children()
+
+
+# ---- breaking out at every point ---------------------------------------------------------------------------------
+@needs_reads
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("at", [0, 1, 3, 6, 7, "end"])  # 2 workers x 64 / 16 = 8 batches: 7 is the last one
+def test_break_at_every_point_then_whole_passes(persistent, at):
+    loader = DataLoader(Raw(), batch_size=16, num_workers=2, collate_fn=ident, persistent_workers=persistent,
+                        prefetch_factor=2)
+    seen = []
+    it = iter(loader)
+    for k, b in enumerate(it):
+        seen.append(b)
+        if k == at:
+            break
+    else:
+        assert at == "end"
+    assert wrong(seen) == []
+    assert len(seen) == (8 if at == "end" else at + 1)
+    t0 = time.monotonic()
+    del it, b
+    gc.collect()
+    assert time.monotonic() - t0 < 3.0
+    assert wait_gone() == 0
+    for _ in range(2):
+        again = list(loader)
+        assert keys(again) == all_keys(2, 64) and wrong(again) == []
+    assert wait_gone() == 0
+    loader.close()
+    assert children_gone() == []
+
+
+@needs_reads
+@pytest.mark.parametrize("workers,prefetch", [(1, 1), (2, 1), (3, 2), (4, 4), (1, 4)])
+def test_workers_and_prefetch_mixed_sizes_exact(workers, prefetch):
+    loader = DataLoader(Raw(48, mixed=True), batch_size=16, num_workers=workers, prefetch_factor=prefetch,
+                        collate_fn=ident)
+    for _ in range(2):
+        got = list(loader)
+        assert keys(got) == all_keys(workers, 48) and wrong(got, mixed=True) == []
+    assert wait_gone() == 0
+
+
+@needs_reads
+def test_drop_last_uneven():
+    loader = DataLoader(Raw(40), batch_size=16, num_workers=2, collate_fn=ident, drop_last=True)
+    got = list(loader)
+    # torch: each worker drops its own partial last batch (40 = 16 + 16 + 8)
+    assert len(got) == 4 and all(len(b) == 16 for b in got) and wrong(got) == []
+    assert keys(got) == sorted(f"w{w}-{i:03d}" for w in range(2) for i in range(32))
+
+
+# ---- deletion / loader close mid-pass ------------------------------------------------------------------------------
+@needs_reads
+def test_loader_close_mid_pass_stops_thread_and_workers():
+    loader = DataLoader(Raw(), batch_size=16, num_workers=2, collate_fn=ident, persistent_workers=True)
+    it = iter(loader)
+    head = [next(it), next(it)]
+    assert wrong(head) == []
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(StopIteration):
+        next(it)
+    del it
+    assert wait_gone() == 0
+    assert children_gone() == []
+
+
+def _time_break_with_slow_next(monkeypatch, enabled):
+    monkeypatch.setattr(unpacking, "ENABLED", enabled)
+    # one worker, slow (10 s) for its third batch: once the consumer has its first two batches in hand, the
+    # batch torch gives next takes that long to come (a stuck reader, a slow network file system)
+    loader = DataLoader(Raw(64, slow={(0, 32): 10.0}), batch_size=16, num_workers=1, collate_fn=ident,
+                        prefetch_factor=1)
+    it = iter(loader)
+    head = [next(it) for _ in range(2)]
+    assert wrong(head) == []
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    del it, head
+    gc.collect()
+    took = time.monotonic() - t0
+    loader.close()
+    return took
+
+
+@needs_reads
+def test_leaving_a_pass_while_the_next_batch_is_slow_is_as_fast_as_without_reading_ahead(monkeypatch):
+    """Without reading ahead, leaving the pass shuts its workers down at once (torch waits 5 s for a busy worker,
+    then terminates it); reading ahead, the pass's thread sits in torch's next() until the slow batch comes, and
+    leaving the pass waits for it (Producer.close joins it for up to 60 s)."""
+    without = _time_break_with_slow_next(monkeypatch, False)
+    with_ahead = _time_break_with_slow_next(monkeypatch, True)
+    assert with_ahead < without + 2.0, (with_ahead, without)
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+def _events_with_a_raising_worker(monkeypatch, enabled):
+    monkeypatch.setattr(unpacking, "ENABLED", enabled)
+    loader = DataLoader(Raw(64, bad={(1, 20)}), batch_size=16, num_workers=2, collate_fn=ident)
+    it, seen, events = iter(loader), [], []
+    while True:
+        try:
+            b = next(it)
+            seen.append(b)
+            events.append(b[0]["__key__"])
+        except StopIteration:
+            break
+        except ValueError as e:
+            events.append("bad 1-20" if "bad 1-20" in str(e) else str(e))
+    return seen, events
+
+
+@needs_reads
+def test_worker_raising_mid_pass_delivered_in_order(monkeypatch):
+    seen, events = _events_with_a_raising_worker(monkeypatch, True)
+    _, plain = _events_with_a_raising_worker(monkeypatch, False)
+    assert events.count("bad 1-20") == 1
+    assert events == plain  # the error comes where it comes without reading ahead
+    assert wrong(seen) == []
+    assert [k for k in keys(seen) if k.startswith("w0")] == [f"w0-{i:03d}" for i in range(64)]
+    assert [k for k in keys(seen) if k.startswith("w1")] == [f"w1-{i:03d}" for i in range(16)]
+    assert wait_gone() == 0
+
+
+@needs_reads
+@pytest.mark.parametrize("after", [0, 2, 5])
+def test_worker_killed_mid_pass_gives_torchs_error_never_wrong_bytes(after):
+    loader = DataLoader(Raw(64), batch_size=16, num_workers=2, collate_fn=ident, prefetch_factor=2)
+    it, seen = iter(loader), []
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):
+        for k, b in enumerate(it):
+            seen.append(b)
+            if k == after:
+                for p in multiprocessing.active_children():
+                    os.kill(p.pid, signal.SIGKILL)
+                    break
+        raise AssertionError(f"no error; {len(seen)} batches")
+    assert wrong(seen) == []
+    del it
+    assert wait_gone() == 0
+    again = list(loader)
+    assert keys(again) == all_keys(2, 64) and wrong(again) == []
+
+
+@needs_reads
+@pytest.mark.parametrize("enabled", [False, True])
+def test_timeout_argument(monkeypatch, enabled):
+    monkeypatch.setattr(unpacking, "ENABLED", enabled)
+    loader = DataLoader(Raw(48, slow={(0, 16): 3.0, (1, 16): 3.0}), batch_size=16, num_workers=2,
+                        collate_fn=ident, timeout=1.0)
+    it, seen, errors = iter(loader), [], []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 15:
+        try:
+            seen.append(next(it))
+        except StopIteration:
+            break
+        except RuntimeError as e:
+            errors.append(str(e))
+            break
+    assert wrong(seen) == []
+    assert len(seen) == 2 and errors and "timed out" in errors[0]
+    del it
+    assert wait_gone() == 0
+
+
+@needs_reads
+def test_keyboard_interrupt_in_the_consumer_then_next_pass_whole():
+    loader = DataLoader(Raw(64, slow={(0, 32): 2.0, (1, 32): 2.0}), batch_size=16, num_workers=2, collate_fn=ident)
+    it = iter(loader)
+    seen = [next(it), next(it)]
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            seen.append(next(it))
+    timer.join()
+    assert wrong(seen) == []
+    with pytest.raises(StopIteration):
+        next(it)
+    del it
+    assert wait_gone() == 0
+    again = list(loader)
+    assert keys(again) == all_keys(2, 64) and wrong(again) == []
+
+
+# ---- consumers, iterators ------------------------------------------------------------------------------------------
+@needs_reads
+def test_very_slow_consumer_with_persistent_workers_over_passes():
+    loader = DataLoader(Raw(32), batch_size=16, num_workers=2, collate_fn=ident, persistent_workers=True,
+                        prefetch_factor=1)
+    for _ in range(2):
+        got = []
+        for b in loader:
+            time.sleep(0.4)
+            got.append(b)
+        assert keys(got) == all_keys(2, 32) and wrong(got) == []
+    assert wait_gone() == 0
+
+
+@needs_reads
+def test_two_live_iterators_one_dropped_midway():
+    loader = DataLoader(Raw(48), batch_size=16, num_workers=2, collate_fn=ident)
+    a, b = iter(loader), iter(loader)
+    got_a = [next(a), next(a)]
+    got_b = [next(b)]
+    del a
+    got_b += list(b)
+    assert wrong(got_a) == [] and wrong(got_b) == []
+    assert keys(got_b) == all_keys(2, 48)
+    assert wait_gone() == 0
+
+
+@needs_reads
+def test_kept_batches_stay_exact_after_the_pass():
+    loader = DataLoader(Raw(48, mixed=True), batch_size=16, num_workers=2, collate_fn=ident)
+    kept = []
+    for _ in range(3):
+        kept += list(loader)
+    gc.collect()
+    assert wrong(kept, mixed=True) == [] and len(kept) == 18
+
+
+# ---- device, pin_memory, start methods -----------------------------------------------------------------------------
+@needs_reads
+def test_device_cpu_and_pin_memory_iterable():
+    for kw in ({"device": "cpu"}, {"pin_memory": True}):
+        loader = DataLoader(Raw(48), batch_size=16, num_workers=2, collate_fn=ident, **kw)
+        got = list(loader)
+        assert keys(got) == all_keys(2, 48) and wrong(got) == []
+        for k, b in enumerate(loader):
+            if k == 1:
+                break
+        del b
+        got = list(loader)
+        assert keys(got) == all_keys(2, 48) and wrong(got) == []
+        loader.close()
+    assert wait_gone() == 0
+
+
+@needs_reads
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_other_start_methods_iterable(context):
+    loader = DataLoader(Raw(32), batch_size=16, num_workers=2, collate_fn=ident, multiprocessing_context=context,
+                        timeout=60)
+    for _ in range(2):
+        got = list(loader)
+        assert keys(got) == all_keys(2, 32) and wrong(got) == []
+    assert wait_gone() == 0
+
+
+# ---- resume ------------------------------------------------------------------------------------------------------
+def _write(tmp_path, n=160):
+    samples = {f"k{i:05d}": payload(f"s{i}", 400_000 + i if i % 5 else 3000) for i in range(n)}
+    with ShardWriter(str(tmp_path / "s-%04d.tar"), max_count=20) as w:
+        for k, v in samples.items():
+            w.write({"__key__": k, "bin": v})
+    return samples
+
+
+@needs_reads
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("at", [1, 4, 9])
+def test_shardstream_resume_mid_epoch_exact(tmp_path, persistent, at):
+    samples = _write(tmp_path)
+
+    def make():
+        return DataLoader(ShardStream(str(tmp_path), shuffle=True, seed=3), batch_size=12, num_workers=2,
+                          collate_fn=ident, persistent_workers=persistent)
+
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(at)]
+    time.sleep(0.2)  # the thread has taken the next batch meanwhile
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    got = {}
+    for b in head + rest:
+        for s in b:
+            assert s["__key__"] not in got
+            got[s["__key__"]] = s["bin"]
+    assert sorted(got) == sorted(samples)
+    assert all(got[k] == v for k, v in samples.items())
+    again = {s["__key__"]: s["bin"] for b in resumed for s in b}
+    assert again == samples
+    assert wait_gone() == 0
+
+
+# ---- the thread itself ------------------------------------------------------------------------------------------
+ALL = all_keys(2, 96)
+
+
 @needs_reads
 def test_a_pass_reads_ahead_in_its_thread_and_every_batch_is_exact():
-    loader = DataLoader(Raw(), batch_size=16, num_workers=2, collate_fn=ident)
+    loader = DataLoader(Raw(96), batch_size=16, num_workers=2, collate_fn=ident)
     for _ in range(2):
         seen, threads = [], 0
         for batch in loader:
@@ -90,7 +417,7 @@ def test_a_pass_reads_ahead_in_its_thread_and_every_batch_is_exact():
 @needs_reads
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_pass_left_midway_lets_its_thread_go_and_the_next_pass_is_whole(persistent):
-    loader = DataLoader(Raw(), batch_size=16, num_workers=2, collate_fn=ident, persistent_workers=persistent)
+    loader = DataLoader(Raw(96), batch_size=16, num_workers=2, collate_fn=ident, persistent_workers=persistent)
     it = iter(loader)
     head = [next(it) for _ in range(3)]
     assert wrong(head) == []
@@ -102,7 +429,7 @@ def test_a_pass_left_midway_lets_its_thread_go_and_the_next_pass_is_whole(persis
 
 @needs_reads
 def test_two_live_iterators_each_get_their_own_pass():
-    loader = DataLoader(Raw(), batch_size=16, num_workers=2, collate_fn=ident)
+    loader = DataLoader(Raw(96), batch_size=16, num_workers=2, collate_fn=ident)
     a, b = iter(loader), iter(loader)
     got_a, got_b = [], []
     for x, y in zip(a, b):
