@@ -13,6 +13,7 @@ next pass, which starts new ones.
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 
@@ -33,9 +34,10 @@ class PassLeft(BaseException):
 def watch(torch_it, leaving=None) -> None:
     """Make ``torch_it`` (torch's multi-process iterator) look at its workers every :data:`POLL_S` while it
     waits for a batch without a user ``timeout`` (torch: every 5 s); and, once ``leaving`` (a
-    ``threading.Event``) is set, raise :class:`PassLeft` there instead of waiting on."""
-    try:
-        torch_it._datapipe_leaving = leaving  # each pass's own (persistent workers keep one torch iterator)
+    ``threading.Event``) is set, raise :class:`PassLeft` in the thread that called this, instead of waiting on
+    (a user ``timeout`` is then waited in :data:`POLL_S` slices, as one wait)."""
+    try:  # each pass's own (persistent workers keep one torch iterator); no other thread ever raises it
+        torch_it._datapipe_leaving = (leaving, threading.get_ident()) if leaving is not None else None
     except AttributeError:  # not one of torch's iterators
         pass
     try_get = getattr(type(torch_it), "_try_get_data", None)
@@ -46,9 +48,16 @@ def watch(torch_it, leaving=None) -> None:
     def polled(timeout=None):
         it = ref()
         left = it.__dict__.get("_datapipe_leaving")
-        if left is not None and left.is_set():
-            raise PassLeft
-        return try_get(it, POLL_S if timeout is None else timeout)
+        if left is None or left[1] != threading.get_ident():
+            return try_get(it, POLL_S if timeout is None else timeout)
+        end = time.monotonic() + (POLL_S if timeout is None else timeout)
+        while True:
+            if left[0].is_set():
+                raise PassLeft
+            rest = end - time.monotonic()
+            got = try_get(it, max(0.0, min(POLL_S, rest)))
+            if got[0] or rest <= POLL_S:
+                return got
 
     polled._datapipe_watch = True
     torch_it._try_get_data = polled

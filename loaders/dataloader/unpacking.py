@@ -13,7 +13,7 @@ import threading
 
 import loaders.dataloader.vmread as vmread
 from datapipe.device.handoff import threaded
-from loaders.dataloader.deaths import watch
+from loaders.dataloader.deaths import PassLeft, watch
 from loaders.dataloader.handback import IndexAfterCopy, holds
 from loaders.dataloader.iterator import Failed
 from loaders.dataloader.rawshm import RawCopies
@@ -111,22 +111,29 @@ def unpacked(stream, copies: RawCopies, *, keep: bool = False, stock=None, then=
             yield batch, meta
             batch = meta = failed = None
     finally:
-        if ahead is not None:  # its thread stops first (closing the stream there); what it started waits its copies
-            ahead.leave()
-            items.close()
-            ahead.leaving.clear()  # torch's iterator waits again as it should (persistent workers: the next pass)
-        copies.release()
-        if ahead is None:
-            items.close()  # closes the stream
-        if not keep and not (stock is not None and stock.fill(copies)):
-            copies.clear()
+        try:
+            if ahead is not None:  # its thread stops first (closing the stream there); what it started waits
+                ahead.leave()
+                try:
+                    items.close()
+                finally:
+                    ahead.leaving.clear()  # torch's iterator waits again (persistent workers: the next pass)
+        finally:
+            copies.release()
+            if ahead is None:
+                items.close()  # closes the stream
+            if not keep and not (stock is not None and stock.fill(copies)):
+                copies.clear()
 
 
 def _started(stream, copies: RawCopies):
-    """``(copies.start(batch), meta)`` of ``stream``'s items; closes ``stream`` as it ends."""
+    """``(copies.start(batch), meta)`` of ``stream``'s items; closes ``stream`` as it ends (also where the pass
+    was left while it waited on torch: :class:`~loaders.dataloader.deaths.PassLeft`)."""
     try:
         for batch, meta in stream:
             yield copies.start(batch), meta
+    except PassLeft:
+        return
     finally:
         close = getattr(stream, "close", None)
         if close is not None:

@@ -2,7 +2,8 @@
 takes its next batch in a thread of its own and starts that batch's reads while the consumer takes this one. Every
 batch exact, the thread gone once the pass is left, copies never outliving the leaves they write into; passes left at
 every point, deleted iterators, persistent workers, errors, killed workers, timeouts, interrupts, resume,
-device / pin_memory, start methods, mixed batch sizes (the last from a review of the change)."""
+device / pin_memory, start methods, mixed batch sizes, and a pass left while the thread waits on torch (with and
+without a user timeout, interrupted, persistent workers, state_dict after it): from two reviews of the change."""
 import gc
 import multiprocessing
 import os
@@ -15,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from datapipe import ShardStream, ShardWriter
 from loaders import DataLoader
-from loaders.dataloader import handback, rawshm, unpacking, vmread
+from loaders.dataloader import deaths, handback, rawshm, unpacking, vmread
 from loaders.dataloader.copyout import Copying
 from loaders.dataloader.shm import recycling_available
 
@@ -480,3 +482,208 @@ def test_copies_dropped_unwaited_end_before_their_leaves_go():
         copying.pending.append(pool.submit(slow_copy))
         del copying
         assert done == [True]
+
+
+# ---- leaving a pass while the thread waits on torch (deaths.PassLeft) ------------------------------------------
+def _leave_time(monkeypatch, enabled, timeout):
+    monkeypatch.setattr(unpacking, "ENABLED", enabled)
+    loader = DataLoader(Raw(48, slow={(0, 32): 4.0}), batch_size=16, num_workers=1, collate_fn=ident,
+                        prefetch_factor=1, persistent_workers=True, timeout=timeout)
+    it = iter(loader)
+    head = [next(it) for _ in range(2)]
+    time.sleep(0.3)  # ahead: the thread now waits in torch's next() for the slow third batch
+    t0 = time.monotonic()
+    it.close()
+    took = time.monotonic() - t0
+    del it
+    return loader, head, took
+
+
+@needs_reads
+def test_leave_with_a_user_timeout_is_as_fast_as_without(monkeypatch):
+    """Persistent workers: leaving a pass shuts nothing down. Reading ahead without ``timeout=`` the leave ends the
+    thread's wait (PassLeft at the next poll); with ``timeout=30`` torch waits in one _try_get_data(30)."""
+    loader, head, took = _leave_time(monkeypatch, True, timeout=30)
+    assert wrong(head) == []
+    assert wait_gone() == 0
+    loader.close()
+    assert took < 1.5, f"leaving the pass took {took:.1f} s with timeout=30 (the thread waited for the slow batch)"
+
+
+@needs_reads
+def test_leave_without_timeout_persistent_is_fast_and_next_passes_whole(monkeypatch):
+    loader, head, took = _leave_time(monkeypatch, True, timeout=0)
+    assert wrong(head) == [] and took < 1.5, took
+    assert wait_gone() == 0
+    for _ in range(2):
+        again = list(loader)  # the first _reset drains the slow batch torch left in flight
+        assert keys(again) == all_keys(1, 48) and wrong(again) == []
+    loader.close()
+    assert children_gone() == []
+
+
+@needs_reads
+def test_an_interrupted_leave_leaves_no_passleft_for_the_next_pass(monkeypatch):
+    """Ctrl-C as a leave stops the thread (here: raised as the producer's close returns): the leave's event is
+    cleared all the same, and the next pass over torch's persistent iterator, whose _reset polls it, is whole."""
+    from datapipe.device import handoff
+
+    real_close, raised = handoff.Producer.close, []
+
+    def close_then_interrupt(self, *args, **kwargs):
+        real_close(self, *args, **kwargs)
+        if not raised:
+            raised.append(True)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(handoff.Producer, "close", close_then_interrupt)
+    loader = DataLoader(Raw(48), batch_size=16, num_workers=1, collate_fn=ident, prefetch_factor=1,
+                        persistent_workers=True, timeout=30)
+    it = iter(loader)
+    head = [next(it) for _ in range(2)]
+    with pytest.raises(KeyboardInterrupt):
+        it.close()
+    assert raised == [True] and wait_gone() == 0
+    again = list(loader)  # no PassLeft: the event was cleared
+    loader.close()
+    assert wrong(head) == []
+    assert keys(again) == all_keys(1, 48) and wrong(again) == []
+
+
+@needs_reads
+def test_toggling_enabled_between_left_persistent_passes(monkeypatch):
+    loader = DataLoader(Raw(64, slow={(0, 32): 1.5, (1, 32): 1.5}), batch_size=16, num_workers=2, collate_fn=ident,
+                        persistent_workers=True, prefetch_factor=1)
+    for enabled in (True, False, True):
+        monkeypatch.setattr(unpacking, "ENABLED", enabled)
+        it = iter(loader)
+        head = [next(it) for _ in range(3)]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        it.close()
+        assert time.monotonic() - t0 < 1.5
+        assert wrong(head) == []
+        del it
+        assert wait_gone() == 0
+    monkeypatch.setattr(unpacking, "ENABLED", False)
+    got = list(loader)
+    assert keys(got) == all_keys(2, 64) and wrong(got) == []
+    monkeypatch.setattr(unpacking, "ENABLED", True)
+    got = list(loader)
+    assert keys(got) == all_keys(2, 64) and wrong(got) == []
+    loader.close()
+
+
+@needs_reads
+def test_leave_while_the_thread_is_in_torchs_end_of_pass_shutdown(monkeypatch):
+    real = _MultiProcessingDataLoaderIter._shutdown_workers
+    inside = threading.Event()
+    names = []
+
+    def slow_shutdown(self, *a, **k):
+        if not self._shutdown and threading.current_thread().name == "datapipe-unpack":
+            names.append(threading.current_thread().name)
+            inside.set()
+            time.sleep(1.0)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", slow_shutdown)
+    loader = DataLoader(Raw(64), batch_size=16, num_workers=2, collate_fn=ident, prefetch_factor=2)
+    it = iter(loader)
+    head = [next(it) for _ in range(8)]  # all 8, not yet StopIteration: the thread's next() finds the end
+    assert inside.wait(5)
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    del it
+    assert names == ["datapipe-unpack"]
+    assert wrong(head) == [] and wait_gone() == 0
+    again = list(loader)
+    assert keys(again) == all_keys(2, 64) and wrong(again) == []
+    assert children_gone() == []
+
+
+@needs_reads
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_live_iterators_left_in_either_order(first):
+    loader = DataLoader(Raw(64, slow={(0, 32): 1.0, (1, 32): 1.0}), batch_size=16, num_workers=2, collate_fn=ident,
+                        prefetch_factor=1)
+    its = {"a": iter(loader), "b": iter(loader)}
+    heads = {k: [next(v) for _ in range(2)] for k, v in its.items()}
+    time.sleep(0.3)  # both threads wait in torch's next()
+    order = [first, "b" if first == "a" else "a"]
+    t0 = time.monotonic()
+    for k in order:
+        its[k].close()
+        with pytest.raises(StopIteration):
+            next(its[k])
+    took = time.monotonic() - t0
+    its.clear()
+    assert all(wrong(h) == [] for h in heads.values())
+    assert wait_gone() == 0
+    again = list(loader)
+    assert keys(again) == all_keys(2, 64) and wrong(again) == []
+    assert took < 12.0
+
+
+@needs_reads
+def test_two_iterators_persistent_the_first_closed_by_the_second():
+    loader = DataLoader(Raw(64), batch_size=16, num_workers=2, collate_fn=ident, persistent_workers=True)
+    a = iter(loader)
+    got_a = [next(a), next(a)]
+    b = iter(loader)  # closes a (persistent workers: one pass at a time)
+    outcome = None
+    try:
+        next(a)
+    except BaseException as e:  # noqa: BLE001
+        outcome = type(e)
+    got_b = list(b)
+    assert outcome is StopIteration
+    assert wrong(got_a) == [] and keys(got_b) == all_keys(2, 64) and wrong(got_b) == []
+    del a, b
+    assert wait_gone() == 0
+    loader.close()
+
+
+@needs_reads
+def test_state_dict_after_leaving_persistent_pass_then_resume_same_loader(tmp_path):
+    samples = _write(tmp_path, n=120)
+    loader = DataLoader(ShardStream(str(tmp_path), shuffle=True, seed=3), batch_size=12, num_workers=2,
+                        collate_fn=ident, persistent_workers=True)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    time.sleep(0.3)  # the thread has taken the next batch
+    before = loader.state_dict()
+    it.close()
+    del it
+    after = loader.state_dict()
+    assert repr(after) == repr(before)
+    loader.load_state_dict(after)
+    rest = list(loader)
+    got = {}
+    for b in head + rest:
+        for s in b:
+            assert s["__key__"] not in got
+            got[s["__key__"]] = s["bin"]
+    assert sorted(got) == sorted(samples) and all(got[k] == v for k, v in samples.items())
+    whole = {s["__key__"]: s["bin"] for b in loader for s in b}
+    assert whole == samples
+    assert wait_gone() == 0
+    loader.close()
+
+
+def test_passleft_is_never_raised_where_no_leave_was_asked():
+    """deaths.watch: a torch iterator whose event is left set raises PassLeft in any caller of _try_get_data."""
+    class FakeIt:
+        def _try_get_data(self, timeout=None):
+            return True, "x"
+
+    it, ev = FakeIt(), threading.Event()
+    deaths.watch(it, ev)
+    assert it._try_get_data() == (True, "x")
+    ev.set()
+    with pytest.raises(deaths.PassLeft):
+        it._try_get_data()
+    deaths.watch(it)  # a later pass without a hold: its own (None)
+    assert it._try_get_data() == (True, "x")
+    assert unpack_threads() >= 0
