@@ -85,6 +85,17 @@ def wrong(batches, mixed=False) -> list:
     return out
 
 
+def by_key(batches) -> tuple[dict, list]:
+    """Each sample's bytes by its key, and the keys delivered more than once."""
+    got, twice = {}, []
+    for b in batches:
+        for s in b:
+            if s["__key__"] in got:
+                twice.append(s["__key__"])
+            got[s["__key__"]] = s["bin"]
+    return got, twice
+
+
 def keys(batches) -> list:
     return sorted(s["__key__"] for b in batches for s in b)
 
@@ -387,11 +398,8 @@ def test_shardstream_resume_mid_epoch_exact(tmp_path, persistent, at):
     resumed = make()
     resumed.load_state_dict(state)
     rest = list(resumed)
-    got = {}
-    for b in head + rest:
-        for s in b:
-            assert s["__key__"] not in got
-            got[s["__key__"]] = s["bin"]
+    got, twice = by_key(head + rest)
+    assert twice == []
     assert sorted(got) == sorted(samples)
     assert all(got[k] == v for k, v in samples.items())
     again = {s["__key__"]: s["bin"] for b in resumed for s in b}
@@ -660,11 +668,8 @@ def test_state_dict_after_leaving_persistent_pass_then_resume_same_loader(tmp_pa
     assert repr(after) == repr(before)
     loader.load_state_dict(after)
     rest = list(loader)
-    got = {}
-    for b in head + rest:
-        for s in b:
-            assert s["__key__"] not in got
-            got[s["__key__"]] = s["bin"]
+    got, twice = by_key(head + rest)
+    assert twice == []
     assert sorted(got) == sorted(samples) and all(got[k] == v for k, v in samples.items())
     whole = {s["__key__"]: s["bin"] for b in loader for s in b}
     assert whole == samples
