@@ -72,7 +72,8 @@ CONNECTIONS = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")  # recorded per row:
 LOOPS = {"runs_ahead": 50, "waits_each_step": 1}  # loop style -> wait for the GPU every this many steps
 DEFAULT_LOADERS = LOADER_NAMES[:5]
 FORMAT = {"imageloader": "images", "imageloader_cuda": "images", "dali": "images", "dataloader": "uint8",
-          "torch_dataloader": "uint8", "tokenloader": "tokens"}  # rows of one format share a step and its cached batch
+          "torch_dataloader": "uint8", "tokenloader": "tokens",
+          "nvimg": "images"}  # rows of one format share a step and its cached batch
 
 
 # ---- the loop -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 from datapipe.tools.bench.baselines import DaliBaseline, close, endless
 
-LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader", "imageloader_cuda")
+LOADER_NAMES = ("imageloader", "dali", "dataloader", "torch_dataloader", "tokenloader", "imageloader_cuda", "nvimg")
 
 
 class Uint8Images(torch.utils.data.Dataset):
@@ -46,6 +46,10 @@ def variant(name: str) -> tuple[str, dict]:
     (the driver hands queues out in turn as streams are made; run one row a process). A plain name has no
     options."""
     base, _, spec = name.partition("@")
+    if base == "nvimg":
+        from bench.nvimg_feed import nvimg_options
+
+        return base, nvimg_options(spec)
     opts: dict = {}
     for part in filter(None, spec.split("+")):
         if part == "nohold":
@@ -116,6 +120,11 @@ def make_feed(name: str, args, data: dict):
         if "early" in opts:
             loader._decoder.early_threshold = opts["early"]  # a probe: the default choice, an earlier move
         return endless(loader), loader
+    if name == "nvimg":
+        from bench.nvimg_feed import NvImgFeed
+
+        feed = NvImgFeed(data["images"], batch_size=args.batch_size, image_size=args.image_size, device=dev, opts=opts)
+        return feed, feed
     if name == "dali":
         dali = DaliBaseline(data["images"], batch_size=args.batch_size, image_size=args.image_size,
                             device=dev.type, threads=min(8, os.cpu_count() or 1))
