@@ -9,7 +9,9 @@ NCHW normalised with the ImageNet mean/std, and int64 labels, on the device.
 
 Options (``nvimg@...``): ``gpu`` decodes with nvJPEG's CUDA decoder instead (``BackendKind.GPU_ONLY``),
 ``hw<share>`` splits each batch between the hardware decoder (``share``) and the CUDA decoder, ``prio0`` runs the
-stream at normal priority, ``q<depth>`` batches made ahead (default 3).
+stream at normal priority, ``q<depth>`` batches made ahead (default 3), ``stream`` reads the shards the way
+ImageLoader's stream reader does (a ``ShardStream`` with its 2,000-sample shuffle buffer, batched into encoded
+batches in a thread of its own) instead of drawing from every JPEG held in memory.
 """
 from __future__ import annotations
 
@@ -96,7 +98,9 @@ class NvImgFeed:
         from nvidia import nvimgcodec
 
         self.nv = nvimgcodec
-        self.jpegs, self.labels = read_samples(urls)
+        self.urls = urls
+        self.from_stream = bool(opts.get("stream"))
+        self.jpegs, self.labels = ([], []) if self.from_stream else read_samples(urls)
         self.batch_size, self.size, self.device, self.seed = batch_size, image_size, device, seed
         share = opts.get("hw", 0.0 if opts.get("gpu") else 1.0)
         backends = []
@@ -114,11 +118,39 @@ class NvImgFeed:
         self.thread = threading.Thread(target=self._run, name="nvimg-feed", daemon=True)
         self.thread.start()
 
-    def _batch(self, rng: random.Random, reuse):
-        idx = [rng.randrange(len(self.jpegs)) for _ in range(self.batch_size)]
-        streams = [self.nv.CodeStream(self.jpegs[i]) for i in idx]
+    def _encoded(self, rng: random.Random):
+        """(encoded images, labels) of each batch without end: random draws from memory, or read from the shards."""
+        if not self.from_stream:
+            while True:
+                idx = [rng.randrange(len(self.jpegs)) for _ in range(self.batch_size)]
+                yield [self.jpegs[i] for i in idx], [self.labels[i] for i in idx]
+        from datapipe import ShardStream
+        from datapipe.device.handoff import threaded
+        from loaders.images.encoded import iter_raw_batches, parse_label
+        from loaders.images.options import IMAGE_ENTRIES
+
+        stream = ShardStream(self.urls, shuffle=True, shuffle_buffer=2000, seed=self.seed).replace(zero_copy=True)
+
+        def raw_batches():
+            epoch = 0
+            while True:
+                stream.set_epoch(epoch)
+                yield from iter_raw_batches(iter(stream), batch_size=self.batch_size, drop_last=True,
+                                            image_exts=IMAGE_ENTRIES, label_key="cls", label_decoder=parse_label,
+                                            on_error=stream.on_error)
+                epoch += 1
+
+        reader = threaded(raw_batches(), depth=4, name="nvimg-reader")
+        try:
+            for raw in reader:
+                yield raw.arrays, raw.labels
+        finally:
+            reader.close()  # its thread stops with the feed
+
+    def _batch(self, rng: random.Random, encoded, labels, reuse):
+        streams = [self.nv.CodeStream(data) for data in encoded]
         boxes = [random_crop(rng, cs.height, cs.width) for cs in streams]
-        flips = torch.tensor([rng.random() < 0.5 for _ in idx])
+        flips = torch.tensor([rng.random() < 0.5 for _ in encoded])
         with torch.cuda.stream(self.stream):
             decoded = self.decoder.decode(streams, images=reuse, cuda_stream=self.stream.cuda_stream)
             if any(im is None for im in decoded):
@@ -129,7 +161,7 @@ class NvImgFeed:
             flips = flips.pin_memory().to(self.device, non_blocking=True)
             out = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
             out = (out - self.mean) / self.std
-            labels = torch.tensor([self.labels[i] for i in idx]).pin_memory().to(self.device, non_blocking=True)
+            labels = torch.tensor(labels).pin_memory().to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         return decoded, (out, labels, done)
@@ -137,10 +169,12 @@ class NvImgFeed:
     def _run(self) -> None:
         rng = random.Random(self.seed)
         slots: list = [None] * (self.ready.maxsize + 2)  # decoded images reused, ring-wise (no allocation per batch)
+        batches = self._encoded(rng)
         try:
             k = 0
             while not self.stopping.is_set():
-                slots[k % len(slots)], item = self._batch(rng, slots[k % len(slots)])
+                encoded, labels = next(batches)
+                slots[k % len(slots)], item = self._batch(rng, encoded, labels, slots[k % len(slots)])
                 k += 1
                 while not self.stopping.is_set():
                     try:
@@ -151,6 +185,8 @@ class NvImgFeed:
                         continue
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self.ready.put(e)
+        finally:
+            batches.close()
 
     def __iter__(self):
         return self
@@ -183,17 +219,15 @@ class NvImgFeed:
 
 
 def nvimg_options(spec: str) -> dict:
-    """``gpu+hw0.5+prio0+q4`` -> options of the probe (see the module's docstring)."""
+    """``gpu+hw0.5+prio0+q4+stream`` -> options of the probe (see the module's docstring)."""
     opts: dict = {}
     for part in filter(None, spec.split("+")):
-        if part == "gpu":
-            opts["gpu"] = True
-        elif part == "prio0":
-            opts["prio0"] = True
+        if part in ("gpu", "prio0", "stream"):
+            opts[part] = True
         elif part.startswith("hw"):
             opts["hw"] = float(part[2:])
         elif part.startswith("q") and part[1:].isdigit():
             opts["depth"] = int(part[1:])
         else:
-            raise ValueError(f"nvimg: unknown option {part!r} (use gpu, hw<share>, prio0, q<depth>)")
+            raise ValueError(f"nvimg: unknown option {part!r} (use gpu, hw<share>, prio0, q<depth>, stream)")
     return opts

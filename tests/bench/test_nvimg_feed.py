@@ -55,3 +55,22 @@ def test_read_samples_pairs_jpegs_with_labels(tmp_path):
     assert sorted(zip(jpegs, labels)) == [(b"J1", 3), (b"J2", 7)]
     with pytest.raises(ValueError, match="no .jpg"):
         read_samples([])
+
+
+def test_the_stream_option_reads_every_sample_of_an_epoch_once_in_full_batches(tmp_path):
+    from bench.nvimg_feed import NvImgFeed
+    from datapipe.tools.synthetic import make_image_dataset
+
+    info = make_image_dataset(str(tmp_path / "images"), num_images=40, num_classes=5, size=(20, 16),
+                              shard_max_count=8, progress=False)
+    feed = object.__new__(NvImgFeed)  # the reading half alone: no decoder, no CUDA
+    feed.urls, feed.from_stream, feed.batch_size, feed.seed = info["shards"], True, 8, 0
+    batches = feed._encoded(random.Random(0))
+    first_epoch = [next(batches) for _ in range(5)]
+    assert all(len(enc) == 8 and len(labels) == 8 for enc, labels in first_epoch)
+    jpegs = [bytes(a) for enc, _ in first_epoch for a in enc]
+    assert len(set(jpegs)) == 40 and all(j[:2] == b"\xff\xd8" for j in jpegs)  # each image once, JPEG bytes
+    assert all(0 <= label < 5 for _, labels in first_epoch for label in labels)
+    more = next(batches)  # epochs go on without end
+    assert len(more[0]) == 8
+    batches.close()
