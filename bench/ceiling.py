@@ -14,7 +14,9 @@ One process, one GPU. Loaders (``--loaders``):
   train split at batch 256, crosses none);
 - ``torch_dataloader``: torch's DataLoader over the same dataset, ``pin_memory=True`` +
   ``.to(device, non_blocking=True)`` (the usual idiom);
-- ``tokenloader``: ``loaders.TokenLoader`` (4 x 4096 packed rows) into a ~162M-parameter Llama.
+- ``tokenloader``: ``loaders.TokenLoader`` (4 x 4096 packed rows) into a ~162M-parameter Llama;
+- ``nvimg`` (a probe, not run unless named): the hardware JPEG decoder through nvImageCodec on a stream of its own
+  (``bench/nvimg_feed.py``; options there).
 
 Row sets (``--configs``, run in this order every round): ``eager`` (ResNet-50, random init, bf16 autocast,
 channels_last, SGD, batch 256; uint8 batches normalised in the step; every loader, both loop styles),
