@@ -254,8 +254,9 @@ def profile_window(batches, step, args, steps: int, trace_dir: str, name: str) -
 
 
 def profile_part(bench: Bench, args, trace_dir: str, config: str = "eager", fmt: str = "images") -> dict:
-    """The loaders of format ``fmt`` (images: ImageLoader and the hand loop; tokens: TokenLoader) beside the ceiling of
-    row set ``config``, one runs_ahead window each, under the profiler."""
+    """The loaders of format ``fmt`` (images: ImageLoader and the hand loop, or the image loaders the run names
+    with ``--loaders``/``--rows``; tokens: TokenLoader) beside the ceiling of row set ``config``, one runs_ahead
+    window each, under the profiler."""
     steps = 10
     step = bench.step(fmt, CONFIGS[config])
     base = profile_window(replay(bench.cached[fmt]), step, args, steps, trace_dir, f"{config}_{fmt}_ceiling")
@@ -266,7 +267,8 @@ def profile_part(bench: Bench, args, trace_dir: str, config: str = "eager", fmt:
             kernel_streams[s] = kernel_streams.get(s, 0) + e["dur"]
     train_stream = max(kernel_streams, key=kernel_streams.get)
     out = {"config": config, "format": fmt, "steps": steps, "ceiling": analyse(base, steps, train_stream)}
-    for name in (("imageloader", "dali") if fmt == "images" else ("tokenloader",)):
+    named = [n for n in getattr(args, "loaders", ()) if fmt_of(n) == fmt]
+    for name in (named or (("imageloader", "dali") if fmt == "images" else ("tokenloader",))):
         feed = owner = None
         try:
             feed, owner = make_feed(name, args, bench.data)

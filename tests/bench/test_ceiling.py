@@ -202,3 +202,28 @@ def test_the_profile_of_the_token_rows_takes_tokenloader_against_its_own_ceiling
     t = out["tokenloader"]
     assert t["train_stream"] == "7" and t["train_kernel_stretch"] == 1.1 and t["loader_copy_ms_per_step"] == 0.05
     assert t["host_syncs_per_step"] == 0.1
+
+
+def test_the_profile_takes_the_image_loaders_the_run_names(monkeypatch, tmp_path):
+    """With image loaders named (a probe such as ``nvimg``), the profile takes those, in order, instead of
+    ImageLoader and the hand loop; a token loader named beside them stays out of the images' profile."""
+    from types import SimpleNamespace
+
+    windows = []
+
+    def window(batches, step, args, steps, trace_dir, name):
+        windows.append(name)
+        return [{"name": "gemm", "cat": "kernel", "ts": 0, "dur": 1e4 * steps, "args": {"stream": 7}}]
+
+    monkeypatch.setattr(ceiling, "profile_window", window)
+    monkeypatch.setattr(ceiling, "make_feed", lambda name, args, data: (iter(()), SimpleNamespace()))
+    monkeypatch.setattr(ceiling, "close_feed", lambda feed, owner: None)
+    bench = ceiling.Bench(SimpleNamespace(arch=None), {})
+    bench.cached["images"] = (None, None)
+    monkeypatch.setattr(bench, "step", lambda fmt, cfg: fmt)
+    args = SimpleNamespace(loaders=["nvimg@stream", "tokenloader", "imageloader"])
+    out = ceiling.profile_part(bench, args, str(tmp_path), "cuda_graphs", "images")
+    assert windows == ["cuda_graphs_images_ceiling", "cuda_graphs_nvimg@stream", "cuda_graphs_imageloader"]
+    assert set(out) == {"config", "format", "steps", "ceiling", "nvimg@stream", "imageloader"}
+    out = ceiling.profile_part(bench, SimpleNamespace(loaders=["tokenloader"]), str(tmp_path), "eager", "images")
+    assert {"imageloader", "dali"} <= set(out)  # none named: the two it always took
