@@ -20,10 +20,14 @@ import queue
 import random
 import tarfile
 import threading
+import time
+import warnings
 
 import torch
 import torch.nn.functional as F
 
+NEXT_TIMEOUT_S = 120.0  # next() raises after this long without a batch (the thread alive but stuck)
+CLOSE_TIMEOUT_S = 30.0  # close() leaves a stuck thread behind after this long
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
@@ -50,7 +54,8 @@ def read_samples(urls: list[str]) -> tuple[list[bytes], list[int]]:
 
 
 def random_crop(rng: random.Random, height: int, width: int) -> tuple[int, int, int, int]:
-    """A random-resized-crop box (y0, x0, h, w): 8-100% of the area, aspect 3/4-4/3, else the centre."""
+    """A random-resized-crop box (y0, x0, h, w): 8-100% of the area, aspect 3/4-4/3 (ten tries), else the centre
+    of the image clamped to that aspect range (torchvision's ``RandomResizedCrop`` rule)."""
     area = height * width
     for _ in range(10):
         target = area * rng.uniform(0.08, 1.0)
@@ -59,8 +64,12 @@ def random_crop(rng: random.Random, height: int, width: int) -> tuple[int, int, 
         h = int(round(math.sqrt(target / aspect)))
         if 0 < w <= width and 0 < h <= height:
             return rng.randint(0, height - h), rng.randint(0, width - w), h, w
-    side = min(height, width)
-    return (height - side) // 2, (width - side) // 2, side, side
+    h, w = height, width
+    if width / height < 3 / 4:
+        h = int(round(width / (3 / 4)))
+    elif width / height > 4 / 3:
+        w = int(round(height * 4 / 3))
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 def resize_batch(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]], size: int) -> torch.Tensor:
@@ -72,10 +81,17 @@ def resize_batch(images: list[torch.Tensor], boxes: list[tuple[int, int, int, in
     hmax, wmax = max(heights), max(widths)
     if len(set(heights)) == 1 and len(set(widths)) == 1:
         padded = torch.stack(images)
-    else:
+    else:  # a smaller image gets its last row and column once more: a box's taps at its edge never read zeros
         padded = torch.zeros(len(images), hmax, wmax, 3, dtype=torch.uint8, device=device)
         for i, t in enumerate(images):
-            padded[i, : t.shape[0], : t.shape[1]] = t
+            h, w = t.shape[0], t.shape[1]
+            padded[i, :h, :w] = t
+            if h < hmax:
+                padded[i, h, :w] = t[h - 1]
+            if w < wmax:
+                padded[i, :h, w] = t[:, w - 1]
+            if h < hmax and w < wmax:
+                padded[i, h, w] = t[h - 1, w - 1]
     x = padded.permute(0, 3, 1, 2).float()  # channels_last strides (fp16 grids lose a quarter pixel at 500 px)
     # the affine map from the output grid ([-1, 1]) to each box in the padded image's normalised coordinates
     b = torch.tensor(boxes, dtype=torch.float32)  # y0, x0, h, w
@@ -108,11 +124,11 @@ class NvImgFeed:
             backends.append(nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY, load_hint=share))
         if share < 1:
             backends.append(nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY))
-        self.decoder = nvimgcodec.Decoder(device_id=device.index or 0, backends=backends)
+        self.decoder = make_decoder(nvimgcodec, device.index or 0, backends, batch_size)
         self.stream = torch.cuda.Stream(device, priority=0 if opts.get("prio0") else -1)
         self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
-        self.ready: queue.Queue = queue.Queue(maxsize=opts.get("depth", 3))
+        self.ready: queue.Queue = queue.Queue(maxsize=opts.get("depth", 3))  # >= 1 (nvimg_options)
         self.stopping = threading.Event()
         self.batches_made = 0
         self.thread = threading.Thread(target=self._run, name="nvimg-feed", daemon=True)
@@ -149,14 +165,15 @@ class NvImgFeed:
 
     def _batch(self, rng: random.Random, encoded, labels, reuse):
         streams = [self.nv.CodeStream(data) for data in encoded]
-        boxes = [random_crop(rng, cs.height, cs.width) for cs in streams]
-        flips = torch.tensor([rng.random() < 0.5 for _ in encoded])
         with torch.cuda.stream(self.stream):
             decoded = self.decoder.decode(streams, images=reuse, cuda_stream=self.stream.cuda_stream)
             if any(im is None for im in decoded):
                 raise RuntimeError(f"nvimg feed: {sum(im is None for im in decoded)} of {len(decoded)} JPEGs "
                                    "could not be decoded")
             tensors = [torch.from_dlpack(im) for im in decoded]  # stream-ordered on this stream, no copy
+            # boxes from the decoded sizes (EXIF orientation applied), not the stored ones
+            boxes = [random_crop(rng, t.shape[0], t.shape[1]) for t in tensors]
+            flips = torch.tensor([rng.random() < 0.5 for _ in encoded])
             out = resize_batch(tensors, boxes, self.size)
             flips = flips.pin_memory().to(self.device, non_blocking=True)
             out = torch.where(flips.view(-1, 1, 1, 1), out.flip(-1), out)
@@ -192,6 +209,7 @@ class NvImgFeed:
         return self
 
     def __next__(self):
+        deadline = time.monotonic() + NEXT_TIMEOUT_S
         while True:
             try:
                 item = self.ready.get(timeout=1.0)
@@ -199,6 +217,8 @@ class NvImgFeed:
             except queue.Empty:
                 if not self.thread.is_alive():
                     raise RuntimeError("nvimg feed: its thread ended") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nvimg feed: no batch in {NEXT_TIMEOUT_S:.0f} s") from None
         if isinstance(item, BaseException):
             raise item
         out, labels, done = item
@@ -209,13 +229,30 @@ class NvImgFeed:
         return out, labels
 
     def close(self) -> None:
+        """Stop the thread; one stuck (in a decode, or waiting on the reader) is left behind after
+        :data:`CLOSE_TIMEOUT_S` with a warning (a daemon: it cannot hold the run)."""
         self.stopping.set()
-        while self.thread.is_alive():
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while self.thread.is_alive() and time.monotonic() < deadline:
             try:
                 self.ready.get(timeout=0.1)
             except queue.Empty:
                 pass
-        self.thread.join(timeout=10)
+        if self.thread.is_alive():
+            warnings.warn(f"nvimg feed: its thread did not stop in {CLOSE_TIMEOUT_S:.0f} s; left behind")
+
+
+def make_decoder(nvimgcodec, device_id: int, backends: list, batch_size: int):
+    """An ``nvimgcodec.Decoder`` whose hardware decoder preallocates for a batch of ~600 px images (else nvJPEG
+    grows its buffers with ``cudaFree``, which waits for the whole device); without those options where this
+    nvImageCodec does not take them."""
+    hints = (f"nvjpeg_hw_decoder:preallocate_batch_size={batch_size} nvjpeg_hw_decoder:preallocate_width_hint=600 "
+             "nvjpeg_hw_decoder:preallocate_height_hint=600")
+    try:
+        return nvimgcodec.Decoder(device_id=device_id, backends=backends, options=hints)
+    except Exception as e:  # noqa: BLE001 - a probe: say so, and decode without the hints
+        warnings.warn(f"nvimg feed: the decoder refused the preallocation hints ({e}); without them")
+        return nvimgcodec.Decoder(device_id=device_id, backends=backends)
 
 
 def nvimg_options(spec: str) -> dict:
@@ -226,7 +263,7 @@ def nvimg_options(spec: str) -> dict:
             opts[part] = True
         elif part.startswith("hw"):
             opts["hw"] = float(part[2:])
-        elif part.startswith("q") and part[1:].isdigit():
+        elif part.startswith("q") and part[1:].isdigit() and int(part[1:]) >= 1:
             opts["depth"] = int(part[1:])
         else:
             raise ValueError(f"nvimg: unknown option {part!r} (use gpu, hw<share>, prio0, q<depth>, stream)")
