@@ -39,6 +39,7 @@ sample the user and system CPU and page faults (``datapipe.tools.bench.read_floo
     python bench/peers.py --floor        # 40,000 images, 3 passes per way, 3 rounds (~3 minutes on 16 cores)
     python bench/peers.py --floor --ways loader_w4,loader_w4_copied,loader_w8,loader_w8_copied   # workers' read A/B
     python bench/peers.py --floor --ways loader_w4,loader_w4_serial,loader_w8,loader_w8_serial   # reading ahead A/B
+    python bench/peers.py --floor --ways loader_w4,loader_w4_deep,loader_w8,loader_w8_deep       # ... two ahead
 """
 from __future__ import annotations
 

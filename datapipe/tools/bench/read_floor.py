@@ -20,7 +20,8 @@ until the next is full (as a consumer holds the batch it trains on):
   ``loader_w4_copied`` and ``loader_w8_copied``: 4 or 8 workers whose raw leaves travel copied into their
   shared-memory segments, not read out of their memory (``loaders.dataloader.vmread`` off): the A/B of that read;
   ``loader_w4_serial`` and ``loader_w8_serial``: the main process reading one batch at a time, not the next one
-  ahead in a thread of the pass (``loaders.dataloader.unpacking`` off): the A/B of that;
+  ahead in a thread of the pass (``loaders.dataloader.unpacking`` off): the A/B of that; ``loader_w4_deep`` and
+  ``loader_w8_deep``: that thread two batches ahead (``unpacking.AHEAD = 2``, three batches' reads at once);
 - ``stream_pread`` and ``loader_pread``: ``stream`` and ``loader`` with ``StorageOptions(read_threads=0)``, a
   ``pread`` per value, against their default read ahead in threads (:mod:`datapipe.read.spans`);
 - ``files``: torch's loose-files way by hand, ``open`` + ``read`` per file in a shuffled order;
@@ -51,7 +52,7 @@ import time
 
 WAYS = ("pread", "pread_keep", "mmap_keep", "stream_plain", "stream", "stream_pread", "stream_buffer", "stream_mmap",
         "loader", "loader_pread", "loader_w4", "loader_w8", "loader_w8_ahead", "loader_w4_copied", "loader_w8_copied",
-        "loader_w4_serial", "loader_w8_serial", "files", "files_keep", "torch")
+        "loader_w4_serial", "loader_w8_serial", "loader_w4_deep", "loader_w8_deep", "files", "files_keep", "torch")
 BUFFER = 200  # the peers' datapipe row's (and the README's) sample shuffle buffer
 BATCH = 256
 
@@ -223,6 +224,10 @@ def passes(way: str, data: dict, epochs: int) -> list[dict]:
         from loaders.dataloader import unpacking
 
         unpacking.ENABLED = False  # this process (the way's own) only
+    if way.endswith("_deep"):
+        from loaders.dataloader import unpacking
+
+        unpacking.AHEAD = 2  # this process (the way's own) only
     workers = int(way[len("loader_w"):].split("_")[0]) if way.startswith("loader_w") else 0
     threads = {"loader_pread": 0, "loader_w8_ahead": 2}.get(way)
     loader = open_loader("datapipe" if ours else "torch", data["tars"] if ours else data["images"], batch_size=BATCH,
