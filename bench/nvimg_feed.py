@@ -107,7 +107,8 @@ def resize_batch(images: list[torch.Tensor], boxes: list[tuple[int, int, int, in
 
 
 class NvImgFeed:
-    """Batches without end (random draws with a seed), made by a thread of the feed's own; ``close()`` stops it."""
+    """Batches without end (random draws with a seed, or the shards read in a shuffled stream), made by a thread of
+    the feed's own; ``close()`` stops it."""
 
     def __init__(self, urls: list[str], *, batch_size: int, image_size: int, device: torch.device, opts: dict,
                  seed: int = 0):
@@ -268,3 +269,60 @@ def nvimg_options(spec: str) -> dict:
         else:
             raise ValueError(f"nvimg: unknown option {part!r} (use gpu, hw<share>, prio0, q<depth>, stream)")
     return opts
+
+
+def main(argv=None) -> list[dict]:
+    """The feed alone on the GPU (no training beside it): images/s per option set, and one image of each backend
+    against PIL's decode (the colour order and values). ``python -m bench.nvimg_feed [--opts "" gpu hw0.5 stream]``"""
+    import argparse
+    import io
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    from bench.images import ensure_dataset
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("--data", default="/tmp/datapipe-bench-images", help="image shards (made there if missing)")
+    p.add_argument("--num-images", type=int, default=20000, help="JPEGs to make when --data is empty")
+    p.add_argument("--batches", type=int, default=40, help="timed batches per option set (after 5 untimed)")
+    p.add_argument("--opts", nargs="*", default=["", "gpu", "hw0.5", "stream"], help="option sets (nvimg@...)")
+    args = p.parse_args(argv)
+    from nvidia import nvimgcodec as nv
+
+    urls, _ = ensure_dataset(args.data, args.num_images, workers=os.cpu_count() or 1, per_shard=256)
+    device = torch.device("cuda")
+    jpeg = read_samples(urls[:1])[0][0]
+    ref = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"), dtype=np.float32)
+    out = []
+    for kind in ("HW_GPU_ONLY", "GPU_ONLY"):
+        image = nv.Decoder(backends=[nv.Backend(getattr(nv.BackendKind, kind))]).decode([nv.CodeStream(jpeg)])[0]
+        got = torch.from_dlpack(image).cpu().numpy().astype(np.float32)
+        row = {"backend": kind, "shape": list(got.shape), "pil_shape": list(ref.shape),
+               "mean_abs_diff_vs_pil": round(float(np.abs(got - ref).mean()), 3) if got.shape == ref.shape else None}
+        print(row, flush=True)
+        out.append(row)
+    for spec in args.opts:
+        feed = NvImgFeed(urls, batch_size=256, image_size=224, device=device, opts=nvimg_options(spec))
+        try:
+            for _ in range(5):
+                next(feed)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.batches):
+                x, _ = next(feed)
+            torch.cuda.synchronize()
+            rate = args.batches * 256 / (time.perf_counter() - t0)
+        finally:
+            feed.close()
+        row = {"opts": spec, "images_per_s": round(rate, 1), "mean": round(x.mean().item(), 3),
+               "std": round(x.std().item(), 3)}
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    main()
+

@@ -423,3 +423,14 @@ def test_the_fallback_crop_keeps_the_image_or_clamps_its_aspect():
     assert random_crop(Never(0), 375, 500) == (0, 0, 375, 500)
     assert random_crop(Never(0), 100, 400) == (0, 133, 100, 133)
     assert random_crop(Never(0), 400, 100) == (133, 0, 133, 100)
+
+
+@pytest.mark.gpu
+def test_the_feed_alone_decodes_like_pil_and_makes_batches(tmp_path):
+    """On a GPU: both backends decode the first JPEG within a few levels of PIL, and each option set makes batches."""
+    out = nvimg_feed.main(["--data", str(tmp_path / "images"), "--num-images", "600", "--batches", "2",
+                           "--opts", "", "stream"])
+    decodes, rates = out[:2], out[2:]
+    assert all(d["mean_abs_diff_vs_pil"] is not None and d["mean_abs_diff_vs_pil"] < 3 for d in decodes)
+    assert [r["opts"] for r in rates] == ["", "stream"] and all(r["images_per_s"] > 0 for r in rates)
+    assert all(abs(r["mean"]) < 2 and 0.2 < r["std"] < 3 for r in rates)  # normalised values
