@@ -5,9 +5,12 @@ hold: nothing trains beside it) whose batches the loop takes on the GPU (one tin
 current stream; a wait for the GPU every 10 batches). ``--warmup`` batches untimed, then ``--batches``
 timed. Beside it ``nvidia-smi dmon -s u`` samples the GPU each second: its ``sm`` column (the share of time a
 kernel ran) and ``jpg`` (the hardware JPEG engines' busy share), averaged over each setting's timed window.
+``--nvimg`` adds the probe feed of ``bench/nvimg_feed.py`` (the hardware decoder through nvImageCodec on a stream of
+its own) for each option set listed, timed the same way.
 
     python bench/decoder_bound.py --out /tmp/d                       # 0.0 (12 and 14 threads) .. 1.0
     python bench/decoder_bound.py --settings 0.0/14,0.5/14 --out /tmp/d
+    python bench/decoder_bound.py --settings "" --nvimg ,stream,gpu,hw0.5 --out /tmp/d   # the probe alone
 """
 from __future__ import annotations
 
@@ -83,37 +86,57 @@ def _within(stamp: int, start: float, end: float) -> bool:
 
 def measure(data: str, share: float, threads: int, *, batches: int, warmup: int, batch_size: int,
             image_size: int) -> dict:
-    import torch
-
     from loaders import DecodeOptions, ImageLoader
 
     loader = ImageLoader(data, batch_size=batch_size, image_size=image_size, device="cuda",
                          decode=DecodeOptions(hw_decoder_load=share, num_threads=threads))
     loader._hold.active = False  # nothing trains beside it: no step to wait for
-    sink = torch.zeros((), device="cuda")
     it = iter(_endless(loader))
     try:
-        for _ in range(warmup):
-            images, _ = next(it)
-            sink += images[:, 0, 0, 0].float().sum()
-        torch.cuda.synchronize()
-        t0 = time.time()
-        start = time.perf_counter()
-        n = 0
-        for i in range(batches):
-            images, _ = next(it)
-            sink += images[:, 0, 0, 0].float().sum()
-            n += images.shape[0]
-            if (i + 1) % 10 == 0:
-                torch.cuda.current_stream().synchronize()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        n, wall, t0 = timed(it, batches=batches, warmup=warmup)
     finally:
         close = getattr(it, "close", None)
         if close:
             close()
     return {"hw_decoder_load": share, "threads": threads, "images_per_s": round(n / wall, 1), "seconds": round(wall, 2),
             "t0": t0, "t1": t0 + wall, "decoder": loader.stats()["decoder"]}
+
+
+def measure_nvimg(urls: list[str], spec: str, *, batches: int, warmup: int, batch_size: int, image_size: int) -> dict:
+    """The probe feed ``nvimg@<spec>`` alone, timed as :func:`measure` times ImageLoader."""
+    import torch
+
+    from bench.nvimg_feed import NvImgFeed, nvimg_options
+
+    feed = NvImgFeed(urls, batch_size=batch_size, image_size=image_size, device=torch.device("cuda"),
+                     opts=nvimg_options(spec))
+    try:
+        n, wall, t0 = timed(feed, batches=batches, warmup=warmup)
+    finally:
+        feed.close()
+    return {"nvimg": spec, "images_per_s": round(n / wall, 1), "seconds": round(wall, 2), "t0": t0, "t1": t0 + wall}
+
+
+def timed(it, *, batches: int, warmup: int) -> tuple[int, float, float]:
+    """``warmup`` batches untimed, then ``batches`` timed (a wait for the GPU every 10): (images, seconds, start)."""
+    import torch
+
+    sink = torch.zeros((), device="cuda")
+    for _ in range(warmup):
+        images, _ = next(it)
+        sink += images[:, 0, 0, 0].float().sum()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    start = time.perf_counter()
+    n = 0
+    for i in range(batches):
+        images, _ = next(it)
+        sink += images[:, 0, 0, 0].float().sum()
+        n += images.shape[0]
+        if (i + 1) % 10 == 0:
+            torch.cuda.current_stream().synchronize()
+    torch.cuda.synchronize()
+    return n, time.perf_counter() - start, t0
 
 
 def _endless(loader):
@@ -125,7 +148,9 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="/tmp/datapipe-bench-images", help="image shards (made there if missing)")
     p.add_argument("--num-images", type=int, default=20000, help="JPEGs to make when --data is empty")
-    p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma list of share/threads")
+    p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma list of share/threads (\"\": none)")
+    p.add_argument("--nvimg", default=None,
+                   help="comma list of the probe feed's option sets (bench/nvimg_feed.py; an empty item: no options)")
     p.add_argument("--batches", type=int, default=60, help="timed batches per setting")
     p.add_argument("--warmup", type=int, default=15, help="untimed batches per setting")
     p.add_argument("--batch-size", type=int, default=256)
@@ -144,14 +169,18 @@ def main(argv=None) -> list[dict]:
     with open(log_path, "w") as log:
         dmon = subprocess.Popen(["nvidia-smi", "dmon", "-s", "u", "-o", "T", "-d", "1"], stdout=log,
                                 stderr=subprocess.STDOUT)
+    sizes = dict(batches=args.batches, warmup=args.warmup, batch_size=args.batch_size, image_size=args.image_size)
+    runs = [(measure, (data, share, threads), {"hw_decoder_load": share, "threads": threads})
+            for share, threads in settings]
+    runs += [(measure_nvimg, (data, spec), {"nvimg": spec})
+             for spec in ([] if args.nvimg is None else args.nvimg.split(","))]
     rows = []
     try:
-        for share, threads in settings:
+        for fn, fn_args, what in runs:
             try:
-                r = measure(data, share, threads, batches=args.batches, warmup=args.warmup,
-                            batch_size=args.batch_size, image_size=args.image_size)
+                r = fn(*fn_args, **sizes)
             except Exception as e:  # noqa: BLE001  (one setting failing must not cost the others)
-                r = {"hw_decoder_load": share, "threads": threads, "error": repr(e)[:300]}
+                r = {**what, "error": repr(e)[:300]}
             rows.append(r)
             print(f"[decoder_bound] {r}", file=sys.stderr, flush=True)
             time.sleep(1.2)  # the last dmon sample of this window lands
@@ -166,7 +195,8 @@ def main(argv=None) -> list[dict]:
     with open(os.path.join(args.out, "decoder_bound.json"), "w") as f:
         json.dump(rows, f, indent=1)
     for r in rows:
-        print(r.get("hw_decoder_load"), r.get("threads"), r.get("images_per_s"), r.get("dmon"), r.get("error", ""))
+        print(r.get("nvimg", r.get("hw_decoder_load")), r.get("threads"), r.get("images_per_s"), r.get("dmon"),
+              r.get("error", ""))
     return rows
 
 

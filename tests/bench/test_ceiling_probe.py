@@ -78,3 +78,24 @@ def test_decoder_bound_settings_and_dmon_means():
              "10:00:00 0 50 3 0 0 40 0", "10:00:01 0 70 3 0 0 - 0", "10:00:05 0 99 3 0 0 99 0"]
     means = decoder_bound.dmon_means(lines, t, t + 2)  # the third sample lies after the window
     assert means["sm"] == 60.0 and means["jpg"] == 40.0 and "gpu" not in means
+
+
+def test_decoder_bound_times_the_nvimg_probe_and_closes_it(monkeypatch):
+    """``--nvimg``'s rows: the probe feed made with the option set's options, timed like ImageLoader, then closed."""
+    from bench import nvimg_feed
+
+    made = []
+
+    class Feed:
+        def __init__(self, urls, *, batch_size, image_size, device, opts):
+            made.append({"urls": urls, "batch_size": batch_size, "opts": opts, "closed": False})
+
+        def close(self):
+            made[-1]["closed"] = True
+
+    monkeypatch.setattr(nvimg_feed, "NvImgFeed", Feed)
+    monkeypatch.setattr(decoder_bound, "timed", lambda it, batches, warmup: (512, 2.0, 100.0))
+    r = decoder_bound.measure_nvimg(["a.tar"], "stream+q4", batches=2, warmup=1, batch_size=256, image_size=224)
+    assert r == {"nvimg": "stream+q4", "images_per_s": 256.0, "seconds": 2.0, "t0": 100.0, "t1": 102.0}
+    assert made == [{"urls": ["a.tar"], "batch_size": 256, "opts": {"stream": True, "depth": 4}, "closed": True}]
+    assert decoder_bound.parse_settings("") == []  # --settings "": the probe alone

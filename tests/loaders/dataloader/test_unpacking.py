@@ -244,7 +244,7 @@ def test_worker_raising_mid_pass_delivered_in_order(monkeypatch):
 
 
 @needs_reads
-@pytest.mark.parametrize("after", [0, 2, 5])
+@pytest.mark.parametrize("after", [0, 2])
 def test_worker_killed_mid_pass_gives_torchs_error_never_wrong_bytes(after):
     loader = DataLoader(Raw(64), batch_size=16, num_workers=2, collate_fn=ident, prefetch_factor=2)
     it, seen = iter(loader), []
@@ -257,6 +257,32 @@ def test_worker_killed_mid_pass_gives_torchs_error_never_wrong_bytes(after):
                     break
         raise AssertionError(f"no error; {len(seen)} batches")
     assert wrong(seen) == []
+    del it
+    assert wait_gone() == 0
+    again = list(loader)
+    assert keys(again) == all_keys(2, 64) and wrong(again) == []
+
+
+@needs_reads
+@pytest.mark.parametrize("after", [5, 6])
+def test_worker_killed_near_the_end_never_wrong_bytes(after):
+    """Killed with 2 or 1 of the 8 batches left: the killed worker's last batch may already be read (the pass then
+    ends whole, without an error: nothing was lost), or torch's error comes; never a wrong byte or a sample twice.
+    (Once a CI run met the first case where this test had demanded the error.)"""
+    loader = DataLoader(Raw(64), batch_size=16, num_workers=2, collate_fn=ident, prefetch_factor=2)
+    it, seen, error = iter(loader), [], None
+    try:
+        for k, b in enumerate(it):
+            seen.append(b)
+            if k == after:
+                p = next(iter(multiprocessing.active_children()), None)
+                if p is not None:
+                    os.kill(p.pid, signal.SIGKILL)
+    except RuntimeError as e:
+        error = str(e)
+    assert error is None or "DataLoader worker (pid" in error, error
+    assert wrong(seen) == [] and by_key(seen)[1] == []
+    assert error is not None or keys(seen) == all_keys(2, 64)
     del it
     assert wait_gone() == 0
     again = list(loader)

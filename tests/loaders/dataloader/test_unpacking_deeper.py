@@ -84,27 +84,7 @@ def test_worker_killed_mid_pass(deeper, after):
 
 @pytest.mark.parametrize("after", [5, 6])
 def test_worker_killed_near_the_end(deeper, after):
-    """Killed with 2 or 1 of the 8 batches left: at this depth both may already be read (no error, the pass
-    whole), or torch's error comes; never a wrong byte or a sample twice (test_unpacking's ``after=5`` expects
-    the error, which a batch started one deeper may no longer meet)."""
-    loader = DataLoader(tu.Raw(64), batch_size=16, num_workers=2, collate_fn=tu.ident, prefetch_factor=2)
-    it, seen, error = iter(loader), [], None
-    try:
-        for k, b in enumerate(it):
-            seen.append(b)
-            if k == after:
-                p = next(iter(tu.multiprocessing.active_children()), None)
-                if p is not None:
-                    tu.os.kill(p.pid, tu.signal.SIGKILL)
-    except RuntimeError as e:
-        error = str(e)
-    assert error is None or "DataLoader worker (pid" in error, error
-    assert tu.wrong(seen) == [] and tu.by_key(seen)[1] == []
-    assert error is not None or tu.keys(seen) == tu.all_keys(2, 64)
-    del it
-    assert tu.wait_gone() == 0
-    again = list(loader)
-    assert tu.keys(again) == tu.all_keys(2, 64) and tu.wrong(again) == []
+    tu.test_worker_killed_near_the_end_never_wrong_bytes(after)
     read_ahead_at_depth(deeper)
 
 
