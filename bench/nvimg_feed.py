@@ -131,7 +131,6 @@ class NvImgFeed:
         self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
         self.ready: queue.Queue = queue.Queue(maxsize=opts.get("depth", 3))  # >= 1 (nvimg_options)
         self.stopping = threading.Event()
-        self.batches_made = 0
         self.thread = threading.Thread(target=self._run, name="nvimg-feed", daemon=True)
         self.thread.start()
 
@@ -197,7 +196,6 @@ class NvImgFeed:
                 while not self.stopping.is_set():
                     try:
                         self.ready.put(item, timeout=0.1)
-                        self.batches_made += 1
                         break
                     except queue.Full:
                         continue

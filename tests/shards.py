@@ -32,3 +32,12 @@ def write_shards(directory, counts, *, manifest=True, gzip=False, prefix="s"):
 
         write_manifest(str(directory), make_manifest(entries))
     return urls, samples
+
+
+def write_keyed(pattern, samples: dict, *, max_count: int) -> None:
+    """``{key: bytes}`` as samples ``{"__key__": key, "bin": value}`` in shards of ``max_count`` (datapipe's writer)."""
+    from datapipe import ShardWriter
+
+    with ShardWriter(pattern, max_count=max_count) as w:
+        for k, v in samples.items():
+            w.write({"__key__": k, "bin": v})

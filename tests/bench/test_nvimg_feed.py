@@ -216,7 +216,6 @@ def _threaded_feed(batch_fn, encoded_fn, depth=3):
     feed = object.__new__(NvImgFeed)
     feed.ready = queue.Queue(maxsize=depth)
     feed.stopping = threading.Event()
-    feed.batches_made = 0
     feed.seed = 0
     feed.device = torch.device("cpu")
     feed._batch = batch_fn

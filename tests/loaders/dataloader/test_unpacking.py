@@ -18,11 +18,12 @@ import pytest
 import torch
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from datapipe import ShardStream, ShardWriter
+from datapipe import ShardStream
 from loaders import DataLoader
 from loaders.dataloader import deaths, handback, rawshm, unpacking, vmread
 from loaders.dataloader.copyout import Copying
 from loaders.dataloader.shm import recycling_available
+from tests.shards import write_keyed
 
 pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
 needs_reads = pytest.mark.skipif(not vmread.allowed(*vmread.writer()), reason="this machine refuses process_vm_readv")
@@ -399,9 +400,7 @@ def test_other_start_methods_iterable(context):
 # ---- resume ------------------------------------------------------------------------------------------------------
 def _write(tmp_path, n=160):
     samples = {f"k{i:05d}": payload(f"s{i}", 400_000 + i if i % 5 else 3000) for i in range(n)}
-    with ShardWriter(str(tmp_path / "s-%04d.tar"), max_count=20) as w:
-        for k, v in samples.items():
-            w.write({"__key__": k, "bin": v})
+    write_keyed(str(tmp_path / "s-%04d.tar"), samples, max_count=20)
     return samples
 
 

@@ -15,6 +15,7 @@ from datapipe import ShardStream, ShardWriter
 from loaders import DataLoader
 from loaders.dataloader import handback, rawshm, vmread
 from loaders.dataloader.shm import recycling_available
+from tests.shards import write_keyed
 
 pytestmark = pytest.mark.skipif(not recycling_available(), reason="needs torch's file_descriptor sharing")
 needs_reads = pytest.mark.skipif(not vmread.allowed(*vmread.writer()), reason="this machine refuses process_vm_readv")
@@ -184,9 +185,7 @@ def ident(batch):
 def _write(tmp_path, n=300):
     sizes = [0, 511, 512, 3000, 100_000, 1_500_000]
     samples = {f"k{i:05d}": payload(50_000 + i, sizes[i % len(sizes)] + (i % 3)) for i in range(n)}
-    with ShardWriter(str(tmp_path / "s-%04d.tar"), max_count=40) as w:
-        for k, v in samples.items():
-            w.write({"__key__": k, "bin": v})
+    write_keyed(str(tmp_path / "s-%04d.tar"), samples, max_count=40)
     return samples
 
 
